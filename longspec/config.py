@@ -1,0 +1,192 @@
+"""Dataclass configurations: the target model's architecture (parsed from a Hugging Face
+``config.json``) and generation settings. Every unsupported option raises a ``ValueError`` that
+names it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+# supported HF architecture names -> model_type
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = set(ARCHITECTURES.values())
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass
+class RopeConfig:
+    """RoPE parameters, in the form transformers standardises them to (``rope_parameters``)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: Optional[int] = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: Optional[float] = None  # yarn
+    mscale: Optional[float] = None  # yarn
+    mscale_all_dim: Optional[float] = None  # yarn
+    truncate: bool = True  # yarn
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "RopeConfig":
+        """Reads ``rope_parameters`` (new format) or ``rope_theta`` + ``rope_scaling`` (hub format,
+        with ``type`` or ``rope_type``)."""
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if params and all(isinstance(v, dict) for v in params.values()):
+            raise ValueError("per-layer-type RoPE parameters are not supported")
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("unsupported RoPE option partial_rotary_factor != 1")
+        rope = cls(rope_type=rope_type, theta=float(theta))
+        if rope_type != "default":
+            factor = params.get("factor")
+            if factor is None and rope_type != "yarn":
+                raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor'")
+            rope.factor = None if factor is None else float(factor)
+        if rope_type in ("llama3", "yarn"):
+            rope.original_max_position_embeddings = int(
+                cfg.get("original_max_position_embeddings")
+                or params.get("original_max_position_embeddings")
+                or cfg["max_position_embeddings"]
+            )
+        if rope_type == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor"):
+                if key not in params:
+                    raise ValueError(f"RoPE scaling 'llama3' needs {key!r}")
+                setattr(rope, key, float(params[key]))
+        if rope_type == "yarn":
+            if rope.factor is None:
+                rope.factor = cfg["max_position_embeddings"] / rope.original_max_position_embeddings
+            rope.beta_fast = float(params.get("beta_fast") or 32)
+            rope.beta_slow = float(params.get("beta_slow") or 1)
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if params.get(key) is not None:
+                    setattr(rope, key, float(params[key]))
+            rope.truncate = bool(params.get("truncate", True))
+        return rope
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder. One model class serves every family through flags."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+    sliding_window: Optional[int] = None  # Mistral v0.1 style; only contexts within it are supported
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, list]] = None
+
+    @property
+    def eos_token_ids(self) -> list:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Builds the config from a parsed Hugging Face ``config.json``."""
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        unknown = [a for a in archs if a not in ARCHITECTURES]
+        if unknown or model_type not in MODEL_TYPES:
+            what = f"architecture {unknown[0]!r}" if unknown else f"model_type {model_type!r}"
+            raise ValueError(
+                f"unsupported {what}; longspec supports {', '.join(ARCHITECTURES)} "
+                f"(model_type {', '.join(sorted(MODEL_TYPES))})"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' / SwiGLU)")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            attention_bias = bool(cfg.get("attention_bias", False))
+            sliding = None
+            if model_type == "mistral" or cfg.get("use_sliding_window"):
+                sliding = cfg.get("sliding_window")
+            config = cls(
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=RopeConfig.from_hf(cfg),
+                qkv_bias=True if model_type == "qwen2" else attention_bias,
+                o_bias=attention_bias and model_type != "qwen2",
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=model_type == "qwen3",
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+            )
+        except KeyError as err:
+            raise ValueError(f"config.json lacks the field {err.args[0]!r}") from None
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        return config
+
+
+@dataclass
+class GenerationConfig:
+    """Settings of one ``Generator.generate`` call. ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    eos_token_id: Optional[Union[int, Sequence[int]]] = None  # None: the model's own EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def eos_ids(self, model_config: ModelConfig) -> list:
+        if self.ignore_eos:
+            return []
+        e = self.eos_token_id
+        if e is None:
+            return model_config.eos_token_ids
+        return [e] if isinstance(e, int) else list(e)
+

@@ -1,0 +1,98 @@
+"""Logit warping (temperature / top-k / top-p) and sampling.
+
+``warp_probs`` reproduces the warper chain of HF transformers' ``generate`` exactly:
+``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper`` -> softmax, computed
+in float32. The same function must be applied to the target logits before lossless verification
+(``verify.verify_sampling``), so that speculative sampling reproduces the distribution that plain
+sampling with these settings would have.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["check_sampling_args", "warp_logits", "warp_probs", "sample"]
+
+
+def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
+    """Raise ``ValueError`` for invalid sampling settings.
+
+    ``temperature`` must be finite and >= 0 (0 = greedy); ``top_k`` an int >= 0 or None (0/None =
+    off); ``top_p`` a float in (0, 1] or None (1/None = off).
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
+def warp_logits(
+    logits: torch.Tensor, temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0
+) -> torch.Tensor:
+    """Apply temperature, top-k and top-p (in this order, HF semantics) to ``logits``.
+
+    Args:
+        logits: ``[..., V]`` float logits.
+        temperature: > 0 (use ``warp_probs`` for the greedy case ``temperature == 0``).
+    Returns:
+        ``[..., V]`` float32 logits with removed tokens set to ``-inf``.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("warp_logits needs temperature > 0; temperature 0 (greedy) is handled by warp_probs")
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    if top_k and top_k < vocab:
+        # HF TopKLogitsWarper: remove everything strictly below the k-th largest value (ties kept).
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # HF TopPLogitsWarper: ascending sort, drop the low tail whose cumulative mass <= 1 - top_p.
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = cum <= (1 - top_p)
+        sorted_remove[..., -1:] = False  # always keep the most likely token
+        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def warp_probs(
+    logits: torch.Tensor, temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0
+) -> torch.Tensor:
+    """Next-token distribution after temperature / top-k / top-p.
+
+    Args:
+        logits: ``[..., V]`` float logits.
+        temperature: 0 means greedy: the result is the one-hot of ``argmax`` (first index on ties).
+        top_k: keep the ``top_k`` largest logits (0 or None: off).
+        top_p: nucleus mass (1.0 or None: off).
+    Returns:
+        ``[..., V]`` float32 probabilities.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        idx = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, 1.0)
+    return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        probs: ``[B, V]`` (or ``[..., V]``) non-negative weights, each row with positive sum.
+        generator: optional ``torch.Generator`` on ``probs.device``.
+    Returns:
+        ``[B]`` (or ``[...]``) long token ids.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat.float(), 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])

@@ -1,0 +1,126 @@
+"""Loading Hugging Face-format checkpoints: ``config.json`` + ``*.safetensors`` (one file or
+shards listed in ``model.safetensors.index.json``). Only safetensors are read (no pickle)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from ..config import ModelConfig
+from .rope import RotaryEmbedding
+from .target import TargetModel
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_config(path: Union[str, Path]) -> dict:
+    """Parsed ``config.json`` of a checkpoint directory, with clear errors."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+
+
+def safetensors_files(path: Path) -> list:
+    """The weight files of a checkpoint directory, sharded or not."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index: {err}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (found PyTorch .bin weights: longspec only loads safetensors; re-save them with " \
+               "save_pretrained(safe_serialization=True))" if list(path.glob("*.bin")) else ""
+        raise FileNotFoundError(f"no *.safetensors weights in {path}{hint}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"weight shard(s) listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IGNORED_SUFFIXES,
+               rename=None) -> None:
+    """Copies tensors from safetensors ``files`` into ``module``'s parameters and buffers (any
+    device/dtype), checking that every parameter is present once with the right shape. Keys are
+    stripped of ``prefix`` and mapped through ``rename`` (a dict or callable returning None to
+    skip a key). Unexpected keys raise."""
+    from safetensors import SafetensorError, safe_open
+
+    params = dict(module.state_dict(keep_vars=True))
+    seen, unexpected = set(), []
+    with torch.no_grad():
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
+                        if rename is not None:
+                            name = rename(name) if callable(rename) else rename.get(name, name)
+                        if name is None or name.endswith(ignore):
+                            continue
+                        if name not in params:
+                            unexpected.append(key)
+                            continue
+                        tensor = f.get_tensor(key)
+                        target = params[name]
+                        if tuple(tensor.shape) != tuple(target.shape):
+                            raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                                             f"the model expects {tuple(target.shape)}")
+                        target.data.copy_(tensor)
+                        seen.add(name)
+            except SafetensorError as err:
+                raise ValueError(f"corrupt safetensors file {file}: {err}") from None
+    # tied parameters appear under two names; one of them present is enough
+    by_tensor = {}
+    for name, p in params.items():
+        by_tensor.setdefault(id(p), []).append(name)
+    missing = [names[0] for names in by_tensor.values() if not any(n in seen for n in names)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing tensor(s): {shown}")
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ValueError(f"checkpoint has tensor(s) this model does not use: {shown}")
+
+
+def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.float32,
+                device: Union[str, torch.device] = "cpu") -> TargetModel:
+    """Loads a Llama-family causal LM from a local HF-format directory.
+
+    Raises FileNotFoundError for a missing directory/config/weights and ValueError for an
+    unsupported architecture or RoPE scaling, a corrupt file, or missing/extra/mis-shaped tensors."""
+    path = Path(path)
+    config = ModelConfig.from_hf(read_config(path))
+    dtype = resolve_dtype(dtype)
+    files = safetensors_files(path)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
+    load_state(model, files)
+    model.path = str(path)
+    return model.eval().requires_grad_(False)

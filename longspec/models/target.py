@@ -1,0 +1,194 @@
+"""One generic Llama-family decoder (Llama 2/3/3.1, Vicuna, LongChat, Mistral, Qwen2/2.5, Qwen3 as
+config flags) running on the static :class:`~longspec.cache.KVCache`.
+
+Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so
+checkpoints load without renaming. Three forward modes share one code path:
+
+* ``prefill``: a whole (right-padded) prompt per row, causal, in chunks;
+* ``decode``: one token per row;
+* ``verify``: M tokens per row at explicit positions under an M x M tree mask; every token sees the
+  whole cached prefix plus the tree tokens the mask allows. Nothing is committed: the caller
+  keeps the accepted tokens with ``KVCache.commit``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..attention import reference
+from ..cache import KVCache
+from ..config import ModelConfig
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int, norm: Optional[nn.Module]) -> torch.Tensor:
+        b, t, _ = x.shape
+        x = x.view(b, t, n, self.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(1, 2)  # [B, n, T, D]
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, tree_mask, used: int):
+        """x [B, T, H]; cos/sin [B, T, D]; tree_mask [B or 1, T, T]; ``used``: cache slots worth
+        reading (max committed length) -> [B, T, H]."""
+        q = apply_rotary(self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None)), cos, sin)
+        k = apply_rotary(self._heads(self.k_proj(x), self.n_kv, getattr(self, "k_norm", None)), cos, sin)
+        v = self._heads(self.v_proj(x), self.n_kv, None)
+        cache.write(layer, k, v)
+        o = reference.hybrid_attention(q, cache.k[layer][:, :, :used], cache.v[layer][:, :, :used],
+                                       cache.lengths, k, v, tree_mask)
+        b, _, t, _ = o.shape
+        return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, cache, layer, tree_mask, used):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, tree_mask, used)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` of a HF checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    """The target LLM. Build with :func:`longspec.load_target`; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.path: Optional[str] = None  # checkpoint directory (for the tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (after the final norm) -> float32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       tree_mask: torch.Tensor, rope_seq_len: Optional[int] = None) -> torch.Tensor:
+        """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, T] bool.
+        Writes K/V at slots ``cache.lengths + t`` (not committed) and returns the final-norm
+        hidden states [B, T, H]."""
+        cache.check_room(input_ids.shape[1])
+        used = int(cache.lengths.max())
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, rope_seq_len)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, tree_mask, used)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, n_tokens: torch.Tensor, cache: KVCache,
+                chunk_size: int = 2048, all_logits: bool = False) -> torch.Tensor:
+        """Appends right-padded prompts input_ids [B, T] (row b has ``n_tokens[b] >= 1`` real
+        tokens) to the cache, causally, ``chunk_size`` tokens at a time.
+        Returns the logits [B, V] after each row's last token (``all_logits``: [B, T, V])."""
+        b, t = input_ids.shape
+        n_tokens = n_tokens.to(cache.lengths.device)
+        cache.check_room(t)
+        start = cache.lengths.clone()
+        rope_len = int((start + n_tokens).max())  # dynamic NTK: transformers' prompt-level base
+        last_hidden = torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        outputs = []
+        for c0 in range(0, t, chunk_size):
+            ids = input_ids[:, c0:c0 + chunk_size]
+            m = ids.shape[1]
+            steps = torch.arange(m, device=ids.device)
+            positions = start[:, None] + c0 + steps[None, :]
+            causal = steps[:, None] >= steps[None, :]
+            hidden = self.forward_hidden(ids, positions, cache, causal[None], rope_len)
+            real = (n_tokens - c0).clamp(0, m)
+            last = (real - 1).clamp(min=0)
+            has_last = (n_tokens - 1 >= c0) & (n_tokens - 1 < c0 + m)
+            picked = hidden[torch.arange(b, device=ids.device), last]
+            last_hidden = torch.where(has_last[:, None], picked, last_hidden)
+            if all_logits:
+                outputs.append(self.logits(hidden))
+            cache.advance(real)
+        return torch.cat(outputs, 1) if all_logits else self.logits(last_hidden)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per row: tokens [B] at positions ``cache.lengths``; committed.
+        Returns logits [B, V]."""
+        ids = tokens.view(-1, 1)
+        mask = torch.ones(1, 1, 1, dtype=torch.bool, device=ids.device)
+        hidden = self.forward_hidden(ids, cache.lengths[:, None].clone(), cache, mask)
+        cache.advance(torch.ones_like(cache.lengths))
+        return self.logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+               cache: KVCache) -> torch.Tensor:
+        """Scores a token tree: tokens, positions [B, M]; tree_mask [B or 1, M, M] bool
+        (ancestor-or-self). Nothing is committed. Returns logits [B, M, V]."""
+        return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask))
