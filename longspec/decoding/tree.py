@@ -1,0 +1,484 @@
+"""Token trees for speculation: shapes (``TreeSpec``), batched drafts (``DraftTree``), helpers.
+
+Conventions used throughout ``longspec.decoding``:
+
+* Node 0 is the ROOT: the last accepted token, whose target K/V is not cached yet. Nodes
+  ``1..N-1`` are draft tokens. Nodes are stored in topological order (``parent < index``) and
+  grouped by depth (all depth-``d`` nodes before depth-``d+1`` nodes).
+* Siblings are stored in descending draft probability (lower index = more likely). The
+  deterministic verification rule tries siblings in index order.
+* ``mask[i, j]`` is True iff node ``j`` is an ancestor of node ``i`` or ``i`` itself.
+
+Tree shapes: a chain (``"chain:5"``), a static tree given as paths of child ranks
+(``TreeSpec.from_paths([[0], [1], [0, 0]])``, EAGLE/Medusa style) and the LongSpec beam tree of
+per-depth widths (``"4,16,16,16,16"``), whose parent structure is decided at draft time.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "TreeSpec",
+    "DraftTree",
+    "ancestor_mask_from_parents",
+    "depths_from_parents",
+    "beam_select",
+    "topk_children",
+    "static_level_tokens",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Parent-array utilities (batched)
+# --------------------------------------------------------------------------------------------
+
+
+def ancestor_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask from parent pointers.
+
+    Args:
+        parents: ``[B, N]`` (or ``[N]``) long, ``-1`` for the root.
+    Returns:
+        ``[B, N, N]`` (or ``[N, N]``) bool, ``mask[b, i, j]`` = node ``j`` is ``i`` or an ancestor of ``i``.
+    Loops over depth (pointer chasing), not over nodes.
+    """
+    squeeze = parents.dim() == 1
+    par = parents.unsqueeze(0) if squeeze else parents
+    B, N = par.shape
+    idx = torch.arange(N, device=par.device).expand(B, N)
+    mask = torch.eye(N, dtype=torch.bool, device=par.device).expand(B, N, N).clone()
+    anc = par.clone()
+    for _ in range(N):
+        valid = anc >= 0
+        if not bool(valid.any()):
+            break
+        # invalid pointers write into the diagonal, which is already True
+        col = torch.where(valid, anc, idx)
+        mask.scatter_(2, col.unsqueeze(-1), True)
+        anc = torch.where(valid, par.gather(1, anc.clamp(min=0)), anc)
+    else:
+        raise ValueError("parents contain a cycle (not a tree)")
+    return mask[0] if squeeze else mask
+
+
+def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (root = 0) from parent pointers.
+
+    Args:
+        parents: ``[B, N]`` (or ``[N]``) long, ``-1`` for the root.
+    Returns:
+        ``[B, N]`` (or ``[N]``) long.
+    """
+    depth = torch.zeros_like(parents)
+    anc = parents.clone()
+    for _ in range(parents.shape[-1]):
+        valid = anc >= 0
+        if not bool(valid.any()):
+            return depth
+        depth += valid.long()
+        anc = torch.where(valid, parents.gather(-1, anc.clamp(min=0)), anc)
+    raise ValueError("parents contain a cycle (not a tree)")
+
+
+def _check_parents(parents: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``parents [B, N]`` is a rooted tree in topological order."""
+    N = parents.shape[-1]
+    if N < 1:
+        raise ValueError("a tree needs at least the root node")
+    if bool((parents[..., 0] != -1).any()):
+        raise ValueError("node 0 must be the root (parent -1)")
+    if N > 1:
+        rest = parents[..., 1:]
+        idx = torch.arange(1, N, device=parents.device)
+        if bool(((rest < 0) | (rest >= idx)).any()):
+            raise ValueError("every node i > 0 needs a parent in [0, i) (topological order)")
+
+
+# --------------------------------------------------------------------------------------------
+# Tree shapes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Shape of a speculation tree.
+
+    ``kind`` is ``"chain"`` or ``"paths"`` (static: node structure fixed, see ``paths``) or
+    ``"beam"`` (``widths[d-1]`` nodes at depth ``d``; parents chosen at draft time by cumulative
+    draft log-probability, see ``beam_select``). For static kinds ``paths`` holds every non-root
+    node as its tuple of child ranks from the root, in node order (node ``i`` = ``paths[i-1]``):
+    sorted by depth, then lexicographically, so siblings are in rank order.
+
+    Build with ``TreeSpec.parse``, ``TreeSpec.chain``, ``TreeSpec.beam`` or ``TreeSpec.from_paths``.
+    """
+
+    kind: str
+    widths: tuple = ()
+    paths: tuple = ()
+
+    def __post_init__(self):
+        if self.kind == "beam":
+            w = tuple(self.widths)
+            if not w:
+                raise ValueError("beam tree needs at least one width")
+            for x in w:
+                if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+                    raise ValueError(f"beam tree widths must be positive integers, got {list(w)}")
+            object.__setattr__(self, "widths", w)
+            object.__setattr__(self, "paths", ())
+        elif self.kind in ("chain", "paths"):
+            object.__setattr__(self, "paths", _canonical_paths(self.paths))
+            if self.kind == "chain" and any(any(r != 0 for r in p) for p in self.paths):
+                raise ValueError("a chain has only rank-0 children")
+            object.__setattr__(self, "widths", tuple(self._level_sizes_static()))
+        else:
+            raise ValueError(f"unknown tree kind {self.kind!r} (expected 'chain', 'paths' or 'beam')")
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def chain(cls, length: int) -> "TreeSpec":
+        """A chain of ``length`` draft tokens (depth ``length``)."""
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise ValueError(f"chain length must be a positive integer, got {length!r}")
+        return cls("chain", paths=tuple((0,) * d for d in range(1, length + 1)))
+
+    @classmethod
+    def beam(cls, widths: Sequence[int]) -> "TreeSpec":
+        """Beam tree with ``widths[d-1]`` nodes at depth ``d``."""
+        return cls("beam", widths=tuple(widths))
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> "TreeSpec":
+        """Static tree from paths of child ranks (rank i = the draft's i-th most likely child)."""
+        return cls("paths", paths=paths)
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeSpec":
+        """Parse ``"chain:N"``, ``"W1,W2,..."`` / ``"beam:W1,W2,..."`` or ``"[[0],[1],[0,0]]"`` /
+        ``"paths:[[0],...]"``."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("empty tree spec (expected e.g. 'chain:5', '4,16,16,16,16' or '[[0],[1],[0,0]]')")
+        s = "".join(text.split())
+        low = s.lower()
+        try:
+            if low.startswith("chain:"):
+                return cls.chain(_parse_int(s[6:]))
+            if low.startswith("paths:") or s.startswith("["):
+                body = s[6:] if low.startswith("paths:") else s
+                try:
+                    paths = json.loads(body)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"paths are not a JSON list of lists ({err.msg})") from None
+                return cls.from_paths(paths)
+            body = s[5:] if low.startswith("beam:") else s
+            return cls.beam([_parse_int(x) for x in body.split(",")])
+        except ValueError as err:
+            raise ValueError(
+                f"invalid tree spec {text!r}: {err} "
+                "(expected 'chain:N', 'W1,W2,...' (beam widths) or a JSON list of paths like '[[0],[1],[0,0]]')"
+            ) from None
+
+    def __str__(self) -> str:
+        if self.kind == "chain":
+            return f"chain:{self.depth}"
+        if self.kind == "beam":
+            return ",".join(str(w) for w in self.widths)
+        return json.dumps([list(p) for p in self.paths], separators=(",", ":"))
+
+    # ---- shape --------------------------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        """True for chain and paths trees (parent structure known before drafting)."""
+        return self.kind != "beam"
+
+    @property
+    def depth(self) -> int:
+        """Number of draft levels ``D``."""
+        return len(self.widths)
+
+    @property
+    def level_sizes(self) -> tuple:
+        """Number of nodes at depth ``1..D``."""
+        return self.widths
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes ``N`` including the root."""
+        return 1 + sum(self.widths)
+
+    @property
+    def max_width(self) -> int:
+        """Largest number of nodes at one depth."""
+        return max(self.widths)
+
+    @property
+    def max_children(self) -> int:
+        """Top-k a proposer needs per node: ``1 + max child rank`` (beam: the widest level)."""
+        if self.kind == "beam":
+            return max(self.widths)
+        return 1 + max(p[-1] for p in self.paths)
+
+    def level_slice(self, depth: int) -> slice:
+        """Node indices at ``depth`` (0 = root) as a slice."""
+        if not 0 <= depth <= self.depth:
+            raise ValueError(f"depth {depth} outside [0, {self.depth}]")
+        start = 1 + sum(self.widths[: depth - 1]) if depth > 0 else 0
+        return slice(start, start + (self.widths[depth - 1] if depth > 0 else 1))
+
+    def validate(self, vocab_size: int, max_cache_room: Optional[int] = None) -> None:
+        """Check the shape against the vocabulary and the free cache slots.
+
+        ``max_cache_room``: how many more positions the target cache can take; a verify step
+        writes all ``num_nodes`` nodes (root included) into it.
+        """
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        if self.kind == "beam":
+            if self.widths[0] > vocab_size:
+                raise ValueError(f"beam width {self.widths[0]} at depth 1 exceeds the vocabulary size {vocab_size}")
+            for d in range(1, self.depth):
+                if self.widths[d] > self.widths[d - 1] * vocab_size:
+                    raise ValueError(
+                        f"beam width {self.widths[d]} at depth {d + 1} exceeds the {self.widths[d - 1]} x "
+                        f"{vocab_size} candidates of depth {d}"
+                    )
+        elif self.max_children > vocab_size:
+            raise ValueError(f"tree needs the top-{self.max_children} children but the vocabulary has {vocab_size} tokens")
+        if max_cache_room is not None and self.num_nodes > max_cache_room:
+            raise ValueError(
+                f"tree {self} needs {self.num_nodes} cache slots (depth {self.depth}) but only {max_cache_room} are left"
+            )
+
+    # ---- static buffers (CPU tensors; do not modify) -------------------------------------
+    def _require_static(self, what: str) -> None:
+        if not self.is_static:
+            raise ValueError(f"{what} of a beam tree is decided at draft time; use ancestor_mask_from_parents")
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """``[N]`` long depth of every node (known for every kind)."""
+        return torch.tensor([0] + [d + 1 for d, w in enumerate(self.widths) for _ in range(w)], dtype=torch.long)
+
+    @cached_property
+    def parents(self) -> torch.Tensor:
+        """``[N]`` long parent index, ``-1`` for the root (static kinds only)."""
+        self._require_static("parents")
+        index = {(): 0}
+        index.update({p: i + 1 for i, p in enumerate(self.paths)})
+        return torch.tensor([-1] + [index[p[:-1]] for p in self.paths], dtype=torch.long)
+
+    @cached_property
+    def child_rank(self) -> torch.Tensor:
+        """``[N]`` long rank of each node among its parent's draft top-k, ``-1`` for the root."""
+        self._require_static("child_rank")
+        return torch.tensor([-1] + [p[-1] for p in self.paths], dtype=torch.long)
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[N, N]`` bool ancestor-or-self mask."""
+        return ancestor_mask_from_parents(self.parents)
+
+    @cached_property
+    def leaf_paths(self) -> torch.Tensor:
+        """``[num_leaves, D+1]`` long node indices root->leaf, padded with ``-1``."""
+        par = self.parents
+        is_leaf = torch.ones(self.num_nodes, dtype=torch.bool)
+        is_leaf[par[1:]] = False
+        rows = []
+        for leaf in torch.nonzero(is_leaf).flatten().tolist():
+            path = self.ancestor_mask[leaf].nonzero().flatten().tolist()  # ascending = root first
+            rows.append(path + [-1] * (self.depth + 1 - len(path)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _level_sizes_static(self) -> list:
+        sizes = [0] * max(len(p) for p in self.paths)
+        for p in self.paths:
+            sizes[len(p) - 1] += 1
+        return sizes
+
+
+def _parse_int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"{s!r} is not an integer") from None
+
+
+def _canonical_paths(paths) -> tuple:
+    if paths is None or isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__"):
+        raise ValueError(f"paths must be a list of lists of child ranks, got {paths!r}")
+    out = []
+    for p in paths:
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise ValueError(f"each path must be a list of child ranks, got {p!r}")
+        p = tuple(p)
+        if not p:
+            raise ValueError("empty path (the root is implicit)")
+        for r in p:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise ValueError(f"path {list(p)} has an invalid rank {r!r} (ranks are integers >= 0)")
+        out.append(p)
+    if not out:
+        raise ValueError("a tree needs at least one path")
+    seen = set(out)
+    if len(seen) != len(out):
+        dup = next(p for p in out if out.count(p) > 1)
+        raise ValueError(f"duplicate path {list(dup)}")
+    for p in out:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"path {list(p)} lacks its prefix {list(p[:-1])}")
+    return tuple(sorted(out, key=lambda p: (len(p), p)))
+
+
+# --------------------------------------------------------------------------------------------
+# Batched draft trees
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftTree:
+    """What a proposer hands to the verifier (batched).
+
+    Attributes:
+        tokens: ``[B, N]`` long; ``tokens[:, 0]`` is the root token (last accepted token).
+        parents: ``[B, N]`` long, ``-1`` at the root.
+        depths: ``[B, N]`` long (root 0); the target position of node i is ``cache_len + depth``.
+        mask: ``[B, N, N]`` bool ancestor-or-self mask.
+        draft_probs: optional ``[B, N, V]`` float: ``draft_probs[:, i]`` is the draft
+            distribution ``q`` from which node ``i``'s children were chosen. Required when
+            ``children_sampled``.
+        children_sampled: True if children were drawn from ``q`` (i.i.d. with replacement, or
+            without replacement when ``without_replacement``); False if chosen deterministically
+            (top-k / beam), in which case siblings must be stored in descending draft probability.
+        without_replacement: siblings were drawn from ``q`` without replacement.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    mask: torch.Tensor
+    draft_probs: Optional[torch.Tensor] = None
+    children_sampled: bool = False
+    without_replacement: bool = False
+
+    def __post_init__(self):
+        if self.tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, N], got shape {tuple(self.tokens.shape)}")
+        B, N = self.tokens.shape
+        for name in ("parents", "depths"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (B, N):
+                raise ValueError(f"{name} must have shape {(B, N)}, got {tuple(t.shape)}")
+        if tuple(self.mask.shape) != (B, N, N):
+            raise ValueError(f"mask must have shape {(B, N, N)}, got {tuple(self.mask.shape)}")
+        if self.draft_probs is not None and tuple(self.draft_probs.shape[:2]) != (B, N):
+            raise ValueError(f"draft_probs must be [B, N, V] with B, N = {B}, {N}, got {tuple(self.draft_probs.shape)}")
+        if self.children_sampled and self.draft_probs is None:
+            raise ValueError("children_sampled=True needs draft_probs (the distribution q the children came from)")
+        if self.without_replacement and not self.children_sampled:
+            raise ValueError("without_replacement only applies when children_sampled=True")
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, **kwargs) -> "DraftTree":
+        """Build from ``tokens [B, N]`` and ``parents [B, N]``; depths and mask are derived."""
+        _check_parents(parents)
+        mask = ancestor_mask_from_parents(parents)
+        return cls(tokens, parents, mask.sum(-1) - 1, mask, **kwargs)
+
+    @classmethod
+    def from_spec(cls, spec: TreeSpec, tokens: torch.Tensor, **kwargs) -> "DraftTree":
+        """Build from a static ``spec`` and ``tokens [B, N]`` (buffers broadcast over the batch)."""
+        spec._require_static("DraftTree.from_spec")
+        B, N = tokens.shape
+        if N != spec.num_nodes:
+            raise ValueError(f"tokens have {N} nodes but tree {spec} has {spec.num_nodes}")
+        dev = tokens.device
+        return cls(
+            tokens,
+            spec.parents.to(dev).expand(B, N),
+            spec.depths.to(dev).expand(B, N),
+            spec.ancestor_mask.to(dev).expand(B, N, N),
+            **kwargs,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def depth(self) -> int:
+        """Maximum node depth ``D`` over the batch (host sync)."""
+        return int(self.depths.max()) if self.depths.numel() else 0
+
+    def check(self) -> None:
+        """Full consistency check (host syncs; for tests and debugging)."""
+        _check_parents(self.parents)
+        if not torch.equal(self.mask, ancestor_mask_from_parents(self.parents)):
+            raise ValueError("mask is not the ancestor-or-self mask of parents")
+        if not torch.equal(self.depths, self.mask.sum(-1) - 1):
+            raise ValueError("depths do not match parents")
+
+
+# --------------------------------------------------------------------------------------------
+# Drafting helpers (pure functions used by proposers)
+# --------------------------------------------------------------------------------------------
+
+
+def beam_select(parent_logprobs: torch.Tensor, child_logprobs: torch.Tensor, width: int):
+    """Pick the ``width`` best (parent, token) pairs by cumulative log-probability.
+
+    Args:
+        parent_logprobs: ``[B, P]`` cumulative draft log-probability of each current-level node.
+        child_logprobs: ``[B, P, V]`` draft log-probabilities of each node's children.
+        width: number of pairs to keep (``<= P * V``).
+    Returns:
+        ``parent_idx [B, width]`` (index into the P parents), ``token [B, width]``,
+        ``cum_logprob [B, width]`` — sorted by descending ``cum_logprob``, so siblings appear in
+        descending draft probability as the verifier expects.
+    """
+    B, P, V = child_logprobs.shape
+    if tuple(parent_logprobs.shape) != (B, P):
+        raise ValueError(f"parent_logprobs must be {(B, P)}, got {tuple(parent_logprobs.shape)}")
+    if not 0 < width <= P * V:
+        raise ValueError(f"beam width must be in [1, {P * V}] ({P} parents x {V} tokens), got {width}")
+    scores = (parent_logprobs.unsqueeze(-1) + child_logprobs).reshape(B, P * V)
+    cum, flat = torch.topk(scores, width, dim=-1, sorted=True)
+    return flat // V, flat % V, cum
+
+
+def topk_children(logits: torch.Tensor, k: int):
+    """Top-``k`` children of each node from draft ``logits [B, M, V]``.
+
+    Returns ``tokens [B, M, k]`` and their ``logprobs [B, M, k]``, in descending probability.
+    """
+    logprobs, tokens = torch.topk(logits.float().log_softmax(-1), k, dim=-1)
+    return tokens, logprobs
+
+
+def static_level_tokens(spec: TreeSpec, depth: int, topk_tokens: torch.Tensor) -> torch.Tensor:
+    """Tokens of the depth-``depth`` nodes of a static tree, given the top-k of their parents.
+
+    Args:
+        spec: a static ``TreeSpec``.
+        depth: level ``d >= 1`` to fill.
+        topk_tokens: ``[B, n_{d-1}, k]`` top-k child tokens of the depth-``d-1`` nodes (in node
+            order), ``k >= spec.max_children``.
+    Returns:
+        ``[B, n_d]`` long tokens for the nodes in ``spec.level_slice(depth)``.
+    """
+    spec._require_static("static_level_tokens")
+    if depth < 1:
+        raise ValueError("depth must be >= 1")
+    cur, prev = spec.level_slice(depth), spec.level_slice(depth - 1)
+    local_parent = (spec.parents[cur] - prev.start).to(topk_tokens.device)
+    rank = spec.child_rank[cur].to(topk_tokens.device)
+    return topk_tokens[:, local_parent, rank]

@@ -1,0 +1,229 @@
+"""Tree verification: greedy acceptance and lossless stochastic acceptance (DESIGN.md 2.3).
+
+Both rules take a ``DraftTree`` and the target's output for every tree node (node ``i``'s row is
+the target's next-token logits/probabilities after the path root..i) and return a
+``VerifyResult``: the accepted root->node path, the accepted draft tokens and one bonus token.
+A step emits ``num_accepted + 1`` tokens (accepted drafts + bonus).
+
+Everything is vectorised over the batch. ``verify_greedy`` has no loop over nodes or vocabulary;
+``verify_sampling`` loops over depth and sibling rank only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .sampling import sample, warp_probs
+from .tree import DraftTree
+
+__all__ = ["VerifyResult", "verify_greedy", "verify_sampling", "verify_tree"]
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying a batch of trees (``D`` = tree depth).
+
+    Attributes:
+        accepted_nodes: ``[B, D+1]`` long node indices of the accepted path, root at column 0,
+            padded with ``-1``.
+        num_accepted: ``[B]`` long number of accepted DRAFT tokens (root and bonus excluded).
+        accepted_tokens: ``[B, D]`` long accepted draft tokens, padded with ``-1``.
+        bonus_token: ``[B]`` long token sampled/argmaxed at the last accepted node.
+    """
+
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_tokens: torch.Tensor
+    bonus_token: torch.Tensor
+
+    def emitted(self):
+        """Tokens emitted by this step: ``(tokens [B, D+1], lengths [B])``, where row ``b`` holds
+        the accepted draft tokens followed by the bonus token, padded with ``-1``;
+        ``lengths = num_accepted + 1``."""
+        B, D = self.accepted_tokens.shape
+        out = torch.cat([self.accepted_tokens, self.accepted_tokens.new_full((B, 1), -1)], dim=1)
+        out.scatter_(1, self.num_accepted.unsqueeze(1), self.bonus_token.unsqueeze(1))
+        return out, self.num_accepted + 1
+
+
+def _result(tree: DraftTree, accepted_nodes: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    drafts = accepted_nodes[:, 1:]
+    ok = drafts >= 0
+    tokens = torch.where(ok, tree.tokens.gather(1, drafts.clamp(min=0)), torch.full_like(drafts, -1))
+    return VerifyResult(accepted_nodes, ok.sum(-1), tokens, bonus)
+
+
+def _check_target(tree: DraftTree, target: torch.Tensor, name: str) -> None:
+    if target.dim() != 3 or tuple(target.shape[:2]) != (tree.batch_size, tree.num_nodes):
+        raise ValueError(
+            f"{name} must be [B, N, V] with B, N = {tree.batch_size}, {tree.num_nodes}, got {tuple(target.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------------
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy acceptance (temperature 0).
+
+    Node ``i > 0`` is correct iff ``tokens[i] == argmax(target_logits[parent[i]])``. The accepted
+    node is the deepest one whose whole path (root excluded) is correct; among equally deep
+    candidates (duplicate sibling tokens) the lowest index wins. The bonus token is the argmax at
+    the accepted node. The emitted tokens equal greedy decoding with the target.
+
+    Args:
+        tree: the draft tree, ``N`` nodes.
+        target_logits: ``[B, N, V]``; row ``i`` = target logits for the token after node ``i``.
+    """
+    _check_target(tree, target_logits, "target_logits")
+    B, N = tree.tokens.shape
+    D = tree.depth
+    argmax = target_logits.argmax(dim=-1)  # [B, N]
+    expected = argmax.gather(1, tree.parents.clamp(min=0))
+    correct = tree.tokens == expected
+    correct[:, 0] = True
+    path_ok = ~(tree.mask & ~correct.unsqueeze(1)).any(-1)  # [B, N]: all ancestors-or-self correct
+    key = torch.where(path_ok, tree.depths, torch.full_like(tree.depths, -1))
+    best = key.argmax(dim=-1)  # first (lowest-index) maximum
+    on_path = tree.mask[torch.arange(B, device=best.device), best]  # [B, N]
+    col = torch.where(on_path, tree.depths, torch.full_like(tree.depths, D + 1))
+    nodes = torch.arange(N, device=best.device).expand(B, N)
+    accepted = torch.full((B, D + 2), -1, dtype=torch.long, device=best.device)
+    accepted.scatter_(1, col, nodes)
+    bonus = argmax.gather(1, best.unsqueeze(1)).squeeze(1)
+    return _result(tree, accepted[:, : D + 1], bonus)
+
+
+# --------------------------------------------------------------------------------------------
+# Lossless sampling
+# --------------------------------------------------------------------------------------------
+
+
+def _normalise(r: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Rows of ``r [B, V]`` normalised to sum 1; rows with no mass fall back to ``fallback``."""
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp(min=torch.finfo(r.dtype).tiny), fallback)
+
+
+def _drop_token(dist: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """``dist [B, V]`` with ``dist[b, token[b]] = 0``, renormalised."""
+    return _normalise(dist.scatter(1, token.unsqueeze(1), 0.0), dist)
+
+
+def _deterministic_residual(p: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Target distribution after rejecting deterministic child ``token``: ``norm(p with p(x)=0)``."""
+    return _drop_token(p, token)
+
+
+def _sampled_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Target distribution after rejecting a child sampled from ``q``: ``norm(max(0, p - q))``.
+
+    In exact arithmetic the residual has positive mass whenever a rejection can happen; rows
+    where it vanishes numerically fall back to ``p``.
+    """
+    return _normalise((p - q).clamp(min=0), p)
+
+
+def verify_sampling(
+    tree: DraftTree, target_probs: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> VerifyResult:
+    """Lossless stochastic acceptance: the emitted tokens are distributed exactly as sampling
+    from ``target_probs`` token by token.
+
+    Walk from the root; at the current node with target distribution ``p``:
+
+    * ``tree.children_sampled == False`` (top-k / beam children): try the children in node-index
+      order (proposers store siblings in descending draft probability); accept child ``x`` with
+      probability ``p(x)``; on rejection ``p <- norm(p with p(x) = 0)``.
+    * ``tree.children_sampled == True`` (children drawn from ``q = draft_probs[node]``): accept
+      ``x`` with probability ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(0, p - q))``,
+      and for siblings drawn without replacement also ``q <- norm(q with q(x) = 0)``.
+
+    On acceptance move to the child with a fresh ``p = target_probs[child]`` (and ``q``). When no
+    child is accepted (or at a leaf), the bonus token is sampled from the current ``p``.
+
+    Args:
+        tree: the draft tree.
+        target_probs: ``[B, N, V]`` target distributions, already warped by ``warp_probs``.
+        generator: optional ``torch.Generator`` on the tensors' device.
+    """
+    _check_target(tree, target_probs, "target_probs")
+    sampled = tree.children_sampled
+    if sampled:
+        _check_target(tree, tree.draft_probs, "draft_probs")
+        if tree.draft_probs.shape[-1] != target_probs.shape[-1]:
+            raise ValueError(
+                f"draft_probs vocabulary {tree.draft_probs.shape[-1]} != target vocabulary {target_probs.shape[-1]}"
+            )
+    B, N = tree.tokens.shape
+    D = tree.depth
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)
+    node_ids = torch.arange(N, device=dev)
+
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    p = target_probs[:, 0].float()
+    q = tree.draft_probs[:, 0].float() if sampled else None
+    accepted = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
+    accepted[:, 0] = 0
+
+    for d in range(D):
+        is_child = (tree.parents == cur.unsqueeze(1)) & active.unsqueeze(1)  # [B, N]
+        width = int(is_child.sum(-1).max())
+        if width == 0:
+            break
+        # children of the current node in index order, padded with N
+        children = torch.where(is_child, node_ids, N).sort(dim=-1).values[:, :width]
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        nxt = cur
+        for k in range(width):
+            node = children[:, k]
+            trying = active & ~moved & (node < N)
+            x = tree.tokens.gather(1, node.clamp(max=N - 1).unsqueeze(1)).squeeze(1)
+            px = p.gather(1, x.unsqueeze(1)).squeeze(1)
+            u = torch.rand(B, generator=generator, device=dev)
+            if sampled:
+                qx = q.gather(1, x.unsqueeze(1)).squeeze(1)
+                acc = trying & (u * qx < px)  # u < min(1, p/q); q(x) = 0 accepts iff p(x) > 0
+            else:
+                acc = trying & (u < px)
+            rej = (trying & ~acc).unsqueeze(1)
+            if sampled:
+                p = torch.where(rej, _sampled_residual(p, q), p)
+                if tree.without_replacement:
+                    q = torch.where(rej, _drop_token(q, x), q)
+            else:
+                p = torch.where(rej, _deterministic_residual(p, x), p)
+            moved = moved | acc
+            nxt = torch.where(acc, node, nxt)
+        active = moved
+        cur = nxt
+        accepted[:, d + 1] = torch.where(moved, cur, -1)
+        p = torch.where(moved.unsqueeze(1), target_probs[rows, cur].float(), p)
+        if sampled:
+            q = torch.where(moved.unsqueeze(1), tree.draft_probs[rows, cur].float(), q)
+        if not bool(moved.any()):
+            break
+
+    bonus = sample(p, generator)
+    return _result(tree, accepted, bonus)
+
+
+def verify_tree(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: Optional[int] = 0,
+    top_p: Optional[float] = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    """Dispatch: ``temperature == 0`` -> ``verify_greedy``; otherwise warp the target logits with
+    ``warp_probs`` and run ``verify_sampling``. ``target_logits``: ``[B, N, V]``."""
+    if temperature == 0:
+        return verify_greedy(tree, target_logits)
+    return verify_sampling(tree, warp_probs(target_logits, temperature, top_k, top_p), generator)

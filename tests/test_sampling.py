@@ -1,0 +1,85 @@
+"""warp_probs / sample: HF-equivalence of the warper chain, greedy, validation."""
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from longspec.decoding.sampling import sample, warp_logits, warp_probs
+
+
+def hf_probs(logits, temperature, top_k, top_p):
+    procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    return procs(None, logits.float().clone()).softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8), (2.0, 3, 0.5), (0.9, 50, 0.95), (1.0, 1, 1.0)],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_warp_probs_matches_hf(temperature, top_k, top_p, ties):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 40, generator=g) * 3
+    if ties:  # coarse values: many exact ties around the top-k / top-p thresholds
+        logits = logits.round()
+    ours = warp_probs(logits, temperature, top_k, top_p)
+    ref = hf_probs(logits, temperature, top_k, top_p)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours == 0, ref == 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    # works on [..., V] too
+    torch.testing.assert_close(warp_probs(logits.view(4, 4, 40), temperature, top_k, top_p), ours.view(4, 4, 40))
+
+
+def test_off_values_and_half_input():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    base = warp_probs(logits, 0.8)
+    for k, p in [(None, None), (0, 1.0), (20, 1.0), (100, None)]:
+        torch.testing.assert_close(warp_probs(logits, 0.8, k, p), base)
+    torch.testing.assert_close(base, (logits / 0.8).softmax(-1))
+    half = warp_probs(logits.half(), 0.8, 5, 0.9)
+    assert half.dtype == torch.float32
+    assert torch.isneginf(warp_logits(logits, 1.0, top_k=3)).sum(-1).eq(17).all()
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 0.0, 0.0]])
+    probs = warp_probs(logits, 0.0, top_k=2, top_p=0.5)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1.0, top_k=-1), "top_k"),
+        (dict(temperature=1.0, top_k=2.5), "top_k"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+    ],
+)
+def test_invalid_args(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        warp_probs(torch.zeros(2, 5), **kwargs)
+
+
+def test_sample_shapes_and_determinism():
+    probs = warp_probs(torch.randn(6, 9, generator=torch.Generator().manual_seed(2)), 1.0, 3)
+    a = sample(probs, torch.Generator().manual_seed(5))
+    b = sample(probs, torch.Generator().manual_seed(5))
+    assert a.shape == (6,) and a.dtype == torch.long and torch.equal(a, b)
+    assert (probs.gather(1, a[:, None]) > 0).all()
+    assert sample(probs.view(2, 3, 9)).shape == (2, 3)
+    # frequencies
+    p = torch.tensor([[0.1, 0.6, 0.3]]).expand(60000, 3)
+    freq = torch.bincount(sample(p, torch.Generator().manual_seed(0)), minlength=3) / 60000
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.01, rtol=0)
