@@ -17,7 +17,6 @@ one token at a time with ``past_key_values`` (the base for ``p + 1``), see
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 
@@ -27,7 +26,7 @@ import torch
 from longspec import load_target
 
 from conftest import (HUB_ROPE_TYPE, HUB_TYPE, ROPE_PARAMETERS, assert_close, hf_logits,
-                      hf_reference_logits)
+                      hf_reference_logits, tiny_config)
 
 MAX_POS = 32
 ATOL = 1e-4
@@ -186,11 +185,9 @@ def test_scaling_changes_logits(case):
     spec = CASES[name]
     if rope_type(name) == "default" and "rope_theta" not in (spec.get("rope") or {}):
         pytest.skip("default RoPE")
-    plain_cfg = copy.deepcopy(hf.config)
-    plain_cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    for attr in ("rope_scaling", "original_max_position_embeddings"):
-        if hasattr(plain_cfg, attr):
-            delattr(plain_cfg, attr)
+    overrides = {k: v for k, v in spec.items()
+                 if k not in ("family", "rope", "config_format", "edit_config", "max_shard_size")}
+    plain_cfg = tiny_config(spec["family"], None, max_position_embeddings=MAX_POS, **overrides)
     plain = type(hf)(plain_cfg).eval()
     plain.load_state_dict(hf.state_dict())
     ids = rand_tokens(90, 1)
