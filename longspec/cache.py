@@ -11,8 +11,10 @@ class KVCache:
 
     ``k``, ``v``: [L, B, Hkv, S, D] (S = ``max_len`` slots); ``lengths`` [B] long: row b holds
     committed tokens in slots ``0..lengths[b]-1``. New tokens (a prefill chunk, a decode token or
-    a whole verification tree) are written at ``lengths[b] + t``; ``advance`` commits a prefix of
-    them, ``commit`` moves chosen tree slots to consecutive positions after the prefix."""
+    a verification tree) are written after them and stay *pending* (``pending`` tokens per row,
+    at slots ``lengths[b] + 0..pending-1``) until ``advance`` commits a prefix of them, ``commit``
+    moves chosen ones to consecutive slots after the prefix, or ``discard`` drops them. A tree
+    can be grown level by level: each forward sees the pending tokens through its tree mask."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device="cpu"):
@@ -27,6 +29,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.pending = 0
 
     @property
     def batch_size(self) -> int:
@@ -38,26 +41,47 @@ class KVCache:
 
     def check_room(self, n_new: int) -> None:
         """Raises a clear error if ``n_new`` more tokens do not fit in every row."""
-        need = int(self.lengths.max()) + n_new
+        need = int(self.lengths.max()) + self.pending + n_new
         if need > self.max_len:
             raise ValueError(f"KV cache full: {need} tokens needed, the cache holds {self.max_len}")
 
+    def _slots(self, start: int, count: int) -> tuple:
+        rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
+        offsets = torch.arange(start, start + count, device=self.lengths.device)[None, :]
+        return rows, self.lengths[:, None] + offsets
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Stores k_new, v_new [B, Hkv, M, D] at slots ``lengths[b] + 0..M-1`` of ``layer``."""
-        b, _, m, _ = k_new.shape
-        rows = torch.arange(b, device=k_new.device)[:, None]
-        slots = self.lengths[:, None] + torch.arange(m, device=k_new.device)[None, :]
+        """Stores k_new, v_new [B, Hkv, M, D] after the pending tokens of ``layer`` (the caller
+        adds M to ``pending`` once every layer has written)."""
+        rows, slots = self._slots(self.pending, k_new.shape[2])
         self.k[layer].transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
 
+    def pending_kv(self, layer: int, count: int) -> tuple:
+        """K, V [B, Hkv, count, D] of the first ``count`` uncommitted slots of ``layer``."""
+        rows, slots = self._slots(0, count)
+        k = self.k[layer].transpose(1, 2)[rows, slots].transpose(1, 2)
+        v = self.v[layer].transpose(1, 2)[rows, slots].transpose(1, 2)
+        return k, v
+
     def advance(self, n: torch.Tensor) -> None:
-        """Commits the first ``n[b]`` written tokens of each row (n [B] long)."""
+        """Commits the first ``n[b]`` pending tokens of each row (n [B] long)."""
         self.lengths += n
+        self.pending = 0
+
+    def discard(self) -> None:
+        """Drops the pending tokens."""
+        self.pending = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only batch rows ``rows`` (e.g. the unfinished sequences), in that order."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.lengths = self.lengths[rows]
 
     def commit(self, nodes: torch.Tensor, n: torch.Tensor) -> None:
-        """Keeps tree tokens ``nodes[b, :n[b]]`` (indices into the last written block, in
-        increasing order; [B, K] long, padding ignored) of every layer: moves them to slots
-        ``lengths[b] + 0..n[b]-1`` and advances the lengths by ``n``."""
+        """Keeps pending tokens ``nodes[b, :n[b]]`` (indices into the pending block, increasing;
+        [B, K] long, padding ignored) of every layer: moves them to slots
+        ``lengths[b] + 0..n[b]-1``, advances the lengths by ``n`` and drops the rest."""
         k = nodes.shape[1]
         cols = torch.arange(k, device=nodes.device)[None, :]
         keep = cols < n[:, None]
@@ -67,4 +91,4 @@ class KVCache:
         for store in (self.k, self.v):
             view = store.permute(1, 3, 0, 2, 4)  # [B, S, L, Hkv, D]
             view[rows, dst] = view[rows, src]
-        self.lengths += n
+        self.advance(n)

@@ -18,6 +18,15 @@ V = 8
 PROMPT = (1, 2)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tensors here are small ([B, 8]): intra-op threading only adds overhead."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_tables(seed=0, vocab=V):
     """Target and draft trigram logits ``[V, V, V]`` indexed by (token t-2, token t-1)."""
     g = torch.Generator().manual_seed(seed)
@@ -325,12 +334,18 @@ def _wrong_deterministic_residual(p, token):
     return p
 
 
+def _wrong_keep_q(q, token):
+    """Deliberately wrong: siblings drawn without replacement, but q is not renormalised without x."""
+    return q
+
+
 @pytest.mark.parametrize(
     "case,attr,wrong",
     [
         ("chain-sampled", "_sampled_residual", _wrong_sampled_residual),
         ("tree-iid", "_sampled_residual", _wrong_sampled_residual),
         ("tree-noreplace", "_sampled_residual", _wrong_sampled_residual),
+        ("tree-noreplace", "_drop_token", _wrong_keep_q),
         ("tree-topk", "_deterministic_residual", _wrong_deterministic_residual),
         ("beam", "_deterministic_residual", _wrong_deterministic_residual),
     ],
@@ -369,6 +384,16 @@ def test_sampling_result_structure_and_determinism():
     assert 0 < r1.num_accepted.float().mean() < D
 
 
+def test_root_only_tree():
+    tree = DraftTree.from_parents(torch.tensor([[3], [4]]), torch.tensor([[-1], [-1]]))
+    logits = torch.tensor([[[0.0, 1.0, 0.0]], [[2.0, 1.0, 0.0]]])
+    res = verify_greedy(tree, logits)
+    assert res.accepted_nodes.tolist() == [[0], [0]] and res.accepted_tokens.shape == (2, 0)
+    assert res.emitted()[0].tolist() == [[1], [0]]
+    res = verify_sampling(tree, warp_probs(logits, 0.0))
+    assert res.bonus_token.tolist() == [1, 0] and res.num_accepted.tolist() == [0, 0]
+
+
 def test_verify_dispatch_and_errors():
     spec = TreeSpec.chain(2)
     tokens = torch.tensor([[0, 1, 2]])
@@ -379,6 +404,8 @@ def test_verify_dispatch_and_errors():
     assert res.accepted_nodes.tolist() == [[0, 1, 2]] and res.bonus_token.tolist() == [3]
     res = verify_tree(tree, logits, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
     assert res.accepted_nodes.tolist() == [[0, 1, 2]] and res.bonus_token.tolist() == [3]
+    with pytest.raises(ValueError, match="temperature"):
+        verify_tree(tree, logits, temperature=-1.0)
     with pytest.raises(ValueError, match="target_logits must be"):
         verify_greedy(tree, logits[:, :2])
     with pytest.raises(ValueError, match="target_probs must be"):

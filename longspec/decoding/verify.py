@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .sampling import sample, warp_probs
+from .sampling import check_sampling_args, sample, warp_probs
 from .tree import DraftTree
 
 __all__ = ["VerifyResult", "verify_greedy", "verify_sampling", "verify_tree"]
@@ -224,6 +224,7 @@ def verify_tree(
 ) -> VerifyResult:
     """Dispatch: ``temperature == 0`` -> ``verify_greedy``; otherwise warp the target logits with
     ``warp_probs`` and run ``verify_sampling``. ``target_logits``: ``[B, N, V]``."""
+    check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         return verify_greedy(tree, target_logits)
     return verify_sampling(tree, warp_probs(target_logits, temperature, top_k, top_p), generator)

@@ -70,12 +70,14 @@ class Attention(nn.Module):
         return x.transpose(1, 2)  # [B, n, T, D]
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, tree_mask, used: int):
-        """x [B, T, H]; cos/sin [B, T, D]; tree_mask [B or 1, T, T]; ``used``: cache slots worth
-        reading (max committed length) -> [B, T, H]."""
+        """x [B, T, H]; cos/sin [B, T, D]; tree_mask [B or 1, T, P+T] (P = ``cache.pending``);
+        ``used``: cache slots worth reading (max committed length) -> [B, T, H]."""
         q = apply_rotary(self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None)), cos, sin)
         k = apply_rotary(self._heads(self.k_proj(x), self.n_kv, getattr(self, "k_norm", None)), cos, sin)
         v = self._heads(self.v_proj(x), self.n_kv, None)
         cache.write(layer, k, v)
+        if cache.pending:  # a tree grown level by level: earlier levels are pending in the cache
+            k, v = cache.pending_kv(layer, cache.pending + k.shape[2])
         o = reference.hybrid_attention(q, cache.k[layer][:, :, :used], cache.v[layer][:, :, :used],
                                        cache.lengths, k, v, tree_mask)
         b, _, t, _ = o.shape
@@ -135,15 +137,19 @@ class TargetModel(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        tree_mask: torch.Tensor, rope_seq_len: Optional[int] = None) -> torch.Tensor:
-        """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, T] bool.
-        Writes K/V at slots ``cache.lengths + t`` (not committed) and returns the final-norm
-        hidden states [B, T, H]."""
+        """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
+        the P tokens already pending in the cache and these T. Writes K/V after the pending ones
+        (pending, not committed) and returns the final-norm hidden states [B, T, H]."""
         cache.check_room(input_ids.shape[1])
+        if tree_mask.shape[-1] != cache.pending + input_ids.shape[1]:
+            raise ValueError(f"tree mask covers {tree_mask.shape[-1]} tokens, expected pending "
+                             f"{cache.pending} + new {input_ids.shape[1]}")
         used = int(cache.lengths.max())
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, rope_seq_len)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, tree_mask, used)
+        cache.pending += input_ids.shape[1]
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -190,5 +196,6 @@ class TargetModel(nn.Module):
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                cache: KVCache) -> torch.Tensor:
         """Scores a token tree: tokens, positions [B, M]; tree_mask [B or 1, M, M] bool
-        (ancestor-or-self). Nothing is committed. Returns logits [B, M, V]."""
+        (ancestor-or-self). The tokens stay pending: follow with ``cache.commit`` (or
+        ``cache.discard``). Returns logits [B, M, V]."""
         return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask))
