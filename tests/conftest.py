@@ -23,6 +23,10 @@ import transformers  # noqa: E402
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
+# The test models are tiny: intra-op threads only add synchronisation overhead (about 8x slower on a
+# busy 2-core machine). LONGSPEC_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("LONGSPEC_TEST_THREADS", "1")))
+
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -162,15 +166,14 @@ def hf_logits(model, ids) -> torch.Tensor:
 @torch.no_grad()
 def hf_incremental_logits(model, ids, n_prefix: int) -> torch.Tensor:
     """The first ``n_prefix`` tokens in one forward with a cache, then the rest one token at a time
-    with ``past_key_values`` (as ``generate`` does): float32 logits [T, V]."""
+    with a KV cache (as ``generate`` does): float32 logits [T, V]."""
     hf_reset_rope(model)
     ids = _as_ids(ids)
-    out = model(ids[:, :n_prefix], use_cache=True)
-    logits, past = [out.logits[0].float()], out.past_key_values
+    past = transformers.DynamicCache(config=model.config)  # filled in place
+    logits = [model(ids[:, :n_prefix], cache=past, use_cache=True).logits[0].float()]
     for t in range(n_prefix, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=past, use_cache=True)
-        logits.append(out.logits[0].float())
-        past = out.past_key_values
+        logits.append(model(ids[:, t:t + 1], cache=past, use_cache=True).logits[0].float())
+    assert past.get_seq_length() == ids.shape[1]
     return torch.cat(logits, 0)
 
 

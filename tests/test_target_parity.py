@@ -263,14 +263,18 @@ def test_verify_chain(case, lengths):
     logits = target.verify(torch.tensor(chains), positions, mask, cache)
     assert logits.shape == (len(prompts), m, 160)
     assert cache.lengths.tolist() == list(lengths), "verify must not commit"
+    assert cache.pending == m
     for b, (p, c) in enumerate(zip(prompts, chains)):
         ref = hf_reference_logits(hf, p + c, len(p), is_dynamic(name))
         assert_close(logits[b], ref[len(p):], ATOL, f"row {b} chain")
-    # a 2-D mask (shared by the rows) gives the same, and the cache is still usable
+    # after discard, a mask shared by the rows ([1, M, M]) gives the same, and decode goes on
+    cache.discard()
     again = target.verify(torch.tensor(chains), positions, mask[:1].clone(), cache)
-    assert_close(again, logits, 1e-6, "verify repeated")
+    assert_close(again, logits, 1e-5, "verify repeated")
+    cache.discard()
     nxt = target.decode(torch.tensor([c[0] for c in chains]), cache)
     assert_close(nxt, logits[:, 0], ATOL, "decode after verify")
+    assert cache.lengths.tolist() == [n + 1 for n in lengths]
 
 
 def _tree_batch(lengths, seed):
@@ -327,3 +331,37 @@ def test_commit_then_decode(case):
         ref = hf_reference_logits(hf, seq, len(prompts[b]), is_dynamic(name))
         start = len(prompts[b]) + len(kept[b])
         assert_close(ours[b], ref[start:], ATOL, f"row {b} decode after commit")
+
+
+@pytest.mark.parametrize("lengths", [(70,), (30, 23)], ids=["single", "ragged"])
+def test_verify_tree_level_by_level(case, lengths):
+    """The tree verified in three calls (nodes 0-2, 3-5, 6), each seeing the earlier, still
+    pending levels through a [B, T, P + T] mask, gives the one-shot logits; committing a path
+    afterwards works on the whole pending block."""
+    name, hf, _, target = case
+    prompts, trees, tokens, mask, dep = _tree_batch(lengths, 90)
+    trees = [TREE_A] * len(lengths)  # levels are contiguous node ranges in TREE_A
+    mask = tree_mask(TREE_A).expand(len(lengths), 7, 7)
+    dep = depths(TREE_A).expand(len(lengths), 7)
+    ids, lens = right_pad(prompts)
+    cache = target.new_cache(len(prompts), 96)
+    target.prefill(ids, lens, cache)
+    positions = cache.lengths[:, None] + dep
+    whole = target.verify(tokens, positions, mask, cache)
+    cache.discard()
+    parts = []
+    for lo, hi in [(0, 3), (3, 6), (6, 7)]:
+        parts.append(target.verify(tokens[:, lo:hi], positions[:, lo:hi], mask[:, lo:hi, :hi], cache))
+        assert cache.pending == hi
+    assert_close(torch.cat(parts, 1), whole, 1e-5, "level by level vs one shot")
+    for b, p in enumerate(prompts):
+        path = ancestors_or_self(TREE_A, 6)
+        ref = hf_reference_logits(hf, p + tokens[b, path].tolist(), len(p), is_dynamic(name))
+        assert_close(whole[b, path], ref[len(p):], ATOL, f"row {b} path {path}")
+    cache.commit(torch.tensor([[0, 1, 3, 6]] * len(lengths)), torch.tensor([4] * len(lengths)))
+    nxt = rand_tokens(len(lengths), 95)
+    out = target.decode(torch.tensor(nxt), cache)
+    for b, p in enumerate(prompts):
+        seq = p + tokens[b, [0, 1, 3, 6]].tolist() + [nxt[b]]
+        ref = hf_reference_logits(hf, seq, len(p), is_dynamic(name))
+        assert_close(out[b], ref[-1], ATOL, f"row {b} decode after commit")

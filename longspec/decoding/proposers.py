@@ -1,0 +1,216 @@
+"""Draft strategies behind one interface.
+
+The :class:`~longspec.decoding.engine.Generator` calls, per generation: ``begin`` after the
+prefill; per round: ``propose(root)`` -> :class:`DraftTree`, then ``accepted(tokens)`` with each
+row's newly emitted tokens; and ``select_rows`` when finished rows leave the batch.
+
+:class:`TreeDrafter` grows any tree shape (chain, static paths, beam widths) from a next-token
+distribution; the concrete proposers only say how to get that distribution for a level of tree
+nodes:
+
+* :class:`PromptLookup` — n-gram match in the prompt + generated text (prompt lookup decoding);
+* :class:`StreamingSelfSpec` — the target itself over a StreamingLLM view of its own KV cache
+  (4 sink tokens + the last ``window`` tokens), the MagicDec baseline;
+* the LongSpec draft (``LongSpecProposer``) plugs in the same way.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..cache import KVCache
+from ..config import GenerationConfig
+from .sampling import sample, warp_probs
+from .tree import DraftTree, TreeSpec, beam_select, static_level_tokens, topk_children
+
+
+class Proposer:
+    """Interface of a draft strategy (see the module docstring)."""
+
+    def begin(self, target, cache: KVCache, prompts: list, tree: TreeSpec, config: GenerationConfig,
+              rng: Optional[torch.Generator]) -> None:
+        raise NotImplementedError
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        """root [B]: the last emitted token of each row (its target KV is not cached yet)."""
+        raise NotImplementedError
+
+    def accepted(self, tokens: list) -> None:
+        """tokens: per active row, the tokens the last round emitted (accepted drafts + bonus)."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (indices into the current batch)."""
+
+
+class TreeDrafter(Proposer):
+    """Grows a draft tree level by level from a next-token distribution.
+
+    Subclasses implement ``_root_logits(root) -> [B, V]`` (start a round) and
+    ``_level_logits(tokens [B, n], positions [B, n], mask [B, n, P+n], tree_tokens [B, P+n])
+    -> [B, n, V]`` (the distribution after each new node; ``mask`` is ancestor-or-self over the
+    ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static trees), the best cumulative
+    log-probability pairs (beam trees), or, for a chain under sampling, drawn from the draft's own
+    warped distribution (the residual verification rule then applies)."""
+
+    def begin(self, target, cache, prompts, tree, config, rng):
+        self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng
+        self.sample_chain = not config.greedy and tree.kind == "chain"
+
+    def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _level_logits(self, tokens, positions, mask, tree_tokens) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _end_round(self) -> None:
+        pass
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        spec, b, n = self.spec, root.shape[0], self.spec.num_nodes
+        device = root.device
+        tokens = torch.zeros(b, n, dtype=torch.long, device=device)
+        parents = torch.full((b, n), -1, dtype=torch.long, device=device)
+        mask = torch.zeros(b, n, n, dtype=torch.bool, device=device)
+        tokens[:, 0], mask[:, 0, 0] = root, True
+        draft_probs = None
+        level_logits = self._root_logits(root)[:, None]  # [B, 1, V]
+        cum = torch.zeros(b, 1, device=device)
+        for depth in range(1, spec.depth + 1):
+            prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
+            if self.sample_chain:
+                q = warp_probs(level_logits[:, 0], self.config.temperature, self.config.top_k, self.config.top_p)
+                if draft_probs is None:
+                    draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
+                draft_probs[:, prev.start] = q
+                new_tokens, local_parent = sample(q, self.rng)[:, None], torch.zeros(b, 1, dtype=torch.long,
+                                                                                     device=device)
+            elif spec.is_static:
+                top, _ = topk_children(level_logits, spec.max_children)
+                new_tokens = static_level_tokens(spec, depth, top)
+                local_parent = (spec.parents[cur] - prev.start).to(device).expand(b, -1)
+            else:
+                logprobs = level_logits.float().log_softmax(-1)
+                local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
+            parent = local_parent + prev.start
+            tokens[:, cur], parents[:, cur] = new_tokens, parent
+            idx = torch.arange(cur.start, cur.stop, device=device)
+            mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n))
+            mask[:, idx, idx] = True
+            if depth < spec.depth:
+                positions = self.cache.lengths[:, None] + depth
+                level_logits = self._level_logits(new_tokens, positions.expand(-1, idx.numel()),
+                                                  mask[:, cur, :cur.stop], tokens[:, :cur.stop])
+        self._end_round()
+        depths = mask.sum(-1) - 1
+        return DraftTree(tokens, parents, depths, mask, draft_probs=draft_probs,
+                         children_sampled=self.sample_chain)
+
+
+class StreamingSelfSpec(TreeDrafter):
+    """The target as its own draft, attending only to a StreamingLLM view of its KV cache: the
+    first ``sinks`` tokens and the last ``window`` committed tokens (MagicDec). The view is a small
+    separate cache of ``sinks + window + tree`` slots, refreshed from the target cache each
+    round: its size does not depend on the context."""
+
+    def __init__(self, window: int = 512, sinks: int = 4):
+        if window < 1 or sinks < 0:
+            raise ValueError(f"StreamingSelfSpec needs window >= 1 and sinks >= 0, got {window}, {sinks}")
+        self.window, self.sinks = window, sinks
+
+    def begin(self, target, cache, prompts, tree, config, rng):
+        super().begin(target, cache, prompts, tree, config, rng)
+        self.view = KVCache(target.config, cache.batch_size, self.sinks + self.window + tree.num_nodes,
+                            target.dtype, target.device)
+
+    def _refresh(self) -> None:
+        """Copies sink + recent slots of every row from the target cache into the view."""
+        lengths, span = self.cache.lengths, self.sinks + self.window
+        j = torch.arange(span, device=lengths.device)[None, :]
+        recent_start = torch.clamp(lengths - self.window, min=self.sinks)[:, None]
+        src = torch.where(j < self.sinks, j, recent_start + j - self.sinks)
+        n = torch.minimum(lengths, torch.full_like(lengths, span))
+        src = torch.where(j < n[:, None], src, 0)
+        rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None]
+        for store, view in ((self.cache.k, self.view.k), (self.cache.v, self.view.v)):
+            view.permute(1, 3, 0, 2, 4)[:, :span] = store.permute(1, 3, 0, 2, 4)[rows, src]
+        self.view.lengths = n
+        self.view.discard()
+
+    def _root_logits(self, root):
+        self._refresh()
+        one = torch.ones(1, 1, 1, dtype=torch.bool, device=root.device)
+        return self._forward(root[:, None], self.cache.lengths[:, None], one)[:, 0]
+
+    def _level_logits(self, tokens, positions, mask, tree_tokens):
+        return self._forward(tokens, positions, mask)
+
+    @torch.inference_mode()
+    def _forward(self, tokens, positions, mask):
+        return self.target.logits(self.target.forward_hidden(tokens, positions, self.view, mask))
+
+    def _end_round(self):
+        self.view.discard()
+
+    def select_rows(self, rows):
+        self.view.select_rows(rows)
+
+
+class PromptLookup(TreeDrafter):
+    """Prompt lookup decoding: the next token after a node is what followed the most recent
+    earlier occurrence of the context's last n tokens (n = ``max_ngram`` down to ``min_ngram``),
+    in the prompt and the generated text. Several earlier occurrences rank several candidates
+    (most recent first), so any tree shape can be filled; with no match the proposal is arbitrary
+    (and will simply be rejected)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 8):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
+
+    def begin(self, target, cache, prompts, tree, config, rng):
+        super().begin(target, cache, prompts, tree, config, rng)
+        self.history = [list(p) for p in prompts]
+        self.vocab = target.config.vocab_size
+
+    def accepted(self, tokens):
+        for row, new in enumerate(tokens):
+            self.history[row].extend(new)
+
+    def select_rows(self, rows):
+        self.history = [self.history[r] for r in rows.tolist()]
+
+    def _root_logits(self, root):
+        # the root was emitted last round and is already in the history
+        return self._lookup([[h] for h in self.history], root.device)[:, 0]
+
+    def _level_logits(self, tokens, positions, mask, tree_tokens):
+        mask, tree_tokens = mask.cpu(), tree_tokens.cpu()
+        contexts = [[history + tree_tokens[row][mask[row, j]].tolist()[1:]  # path below the root
+                     for j in range(tokens.shape[1])] for row, history in enumerate(self.history)]
+        return self._lookup(contexts, tokens.device)
+
+    def _lookup(self, contexts: list, device) -> torch.Tensor:
+        """contexts: [B][n] token lists -> pseudo-logits [B, n, V] ranking the candidates."""
+        b, n = len(contexts), len(contexts[0])
+        logits = torch.full((b, n, self.vocab), -1e4, device=device)
+        for row in range(b):
+            for j in range(n):
+                for rank, token in enumerate(self._candidates(contexts[row][j])):
+                    logits[row, j, token] = -float(rank)
+        return logits
+
+    def _candidates(self, context: list) -> list:
+        seq = torch.tensor(context)
+        found = []
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            windows = seq[:-1].unfold(0, n, 1)  # every earlier n-gram that has a follower
+            hits = torch.nonzero((windows == tail).all(-1)).flatten().flip(0)  # most recent first
+            for start in hits.tolist():
+                token = context[start + n]
+                if token not in found:
+                    found.append(token)
+                if len(found) >= self.candidates:
+                    return found
+        return found

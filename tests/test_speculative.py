@@ -1,0 +1,179 @@
+"""Speculative decoding end to end: greedy output equals autoregressive output token for token
+(random draft, prompt lookup, StreamingLLM self-speculation; chain, static and beam trees; batch 1
+and 3), sampling matches the target distribution, tau accounting, finished rows, errors."""
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+from longspec import GenerationConfig, load_target
+from longspec.decoding.engine import Generator
+from longspec.decoding.proposers import PromptLookup, StreamingSelfSpec, TreeDrafter
+from longspec.decoding.sampling import warp_probs
+from longspec.decoding.tree import TreeSpec
+
+
+class RandomDraft(TreeDrafter):
+    """A useless draft: random next-token logits (seeded)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def begin(self, target, cache, prompts, tree, config, rng):
+        super().begin(target, cache, prompts, tree, config, rng)
+        self.gen = torch.Generator().manual_seed(self.seed)
+        self.vocab = target.config.vocab_size
+
+    def _root_logits(self, root):
+        return torch.randn(root.shape[0], self.vocab, generator=self.gen)
+
+    def _level_logits(self, tokens, positions, mask, tree_tokens):
+        return torch.randn(*tokens.shape, self.vocab, generator=self.gen)
+
+
+TREES = {
+    "chain4": "chain:4",
+    "paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "beam": "3,4,4",
+    "chain1": "chain:1",
+}
+PROPOSERS = {
+    "random": lambda: RandomDraft(seed=1),
+    "pld": lambda: PromptLookup(max_ngram=3),
+    "streaming": lambda: StreamingSelfSpec(window=8, sinks=2),
+}
+
+
+def spec_of(name):
+    tree = TREES[name]
+    return TreeSpec.from_paths(tree) if isinstance(tree, list) else TreeSpec.parse(tree)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_factory):
+    out = {}
+    for family in ("llama", "qwen3"):
+        _, path = tiny_model_factory(f"spec-{family}", family, max_position_embeddings=512, seed=3)
+        out[family] = load_target(path)
+    return out
+
+
+def prompts_for(batch: int, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(batch):
+        n = 12 + 9 * i
+        base = torch.randint(0, 160, (6,), generator=gen).tolist()
+        prompts.append((base * 4)[:n // 2] + torch.randint(0, 160, (n - n // 2,), generator=gen).tolist())
+    return prompts
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("proposer", list(PROPOSERS))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_speculative_equals_autoregressive(targets, family, proposer, tree, batch):
+    target = targets[family]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompts = prompts_for(batch, seed=batch * 7 + len(tree))
+    expected = Generator(target).generate(prompts, config).sequences
+    out = Generator(target, proposer=PROPOSERS[proposer](), tree=spec_of(tree)).generate(prompts, config)
+    assert out.sequences == expected
+    assert all(len(s) == 24 for s in out.sequences)
+    assert 1.0 <= out.stats["tau"] <= spec_of(tree).depth + 1
+    rounds = sum(out.stats["accepted_hist"])  # one entry per (row, round)
+    assert out.stats["steps"] <= rounds <= out.stats["steps"] * batch
+
+
+def test_greedy_lossless_with_eos_per_row(targets):
+    target = targets["llama"]
+    prompts = prompts_for(3, seed=11)
+    free = Generator(target).generate(prompts, GenerationConfig(max_new_tokens=20, ignore_eos=True)).sequences
+    eos = free[1][6]  # row 1 stops at its 7th token (or earlier if that token came before)
+    config = GenerationConfig(max_new_tokens=20, eos_token_id=eos)
+    expected = Generator(target).generate(prompts, config).sequences
+    assert expected[1][-1] == eos and len(expected[1]) <= 7
+    for proposer, tree in itertools.product(PROPOSERS, ("chain4", "beam")):
+        out = Generator(target, proposer=PROPOSERS[proposer](), tree=spec_of(tree)).generate(prompts, config)
+        assert out.sequences == expected, (proposer, tree)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_tau_is_depth_plus_one_when_draft_is_the_target(targets, depth):
+    """StreamingSelfSpec whose window covers the whole context *is* the target: under greedy
+    decoding every draft token is accepted, so tau = depth + 1 exactly."""
+    target = targets["llama"]
+    prompts = prompts_for(2, seed=5)
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    out = Generator(target, proposer=StreamingSelfSpec(window=500), tree=TreeSpec.chain(depth)).generate(
+        prompts, config)
+    assert out.sequences == Generator(target).generate(prompts, config).sequences
+    assert out.stats["tau"] == depth + 1
+    hist = out.stats["accepted_hist"]
+    assert hist[depth] == sum(hist)  # every round accepted all `depth` draft tokens
+
+
+def test_random_draft_accepts_little(targets):
+    target = targets["llama"]
+    out = Generator(target, proposer=RandomDraft(), tree=TreeSpec.chain(4)).generate(
+        prompts_for(1, 2), GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    assert out.stats["tau"] < 1.5
+    assert {"draft_s", "verify_s", "other_s", "tokens_per_s", "steps"} <= set(out.stats)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tiny_model_factory):
+    _, path = tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)
+    return load_target(path)
+
+
+def exact_two_token_distribution(target, prompt, config) -> torch.Tensor:
+    """p(x1, x2 | prompt) under the warped target, by enumeration: [V, V]."""
+    v = target.config.vocab_size
+    cache = target.new_cache(1, len(prompt) + 2)
+    first = target.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache)
+    p1 = warp_probs(first, config.temperature, config.top_k, config.top_p)[0]
+    joint = torch.zeros(v, v)
+    for x1 in range(v):
+        c = target.new_cache(1, len(prompt) + 2)
+        logits = target.prefill(torch.tensor([prompt + [x1]]), torch.tensor([len(prompt) + 1]), c)
+        joint[x1] = p1[x1] * warp_probs(logits, config.temperature, config.top_k, config.top_p)[0]
+    return joint
+
+
+@pytest.mark.parametrize("proposer,tree", [
+    ("streaming", "chain:3"),  # children drawn from the draft: residual rule
+    ("streaming", "2,3"),  # deterministic beam children: point-mass rule
+    ("random", "chain:2"),
+])
+def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree):
+    """20000 independent rows in one batch; chi-square of the first two tokens against the exact
+    warped target distribution (temperature 0.8, top-p 0.9)."""
+    target, n = small_vocab_target, 20000
+    prompt = [1, 5, 2, 7, 3, 0, 6]
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    draft = StreamingSelfSpec(window=2, sinks=1) if proposer == "streaming" else RandomDraft(seed=4)
+    out = Generator(target, proposer=draft, tree=TreeSpec.parse(tree)).generate([prompt] * n, config)
+    counts = torch.zeros(8, 8)
+    for seq in out.sequences:
+        counts[seq[0], seq[1]] += 1
+    expected = exact_two_token_distribution(target, prompt, config).flatten() * n
+    keep = expected > 0
+    assert counts.flatten()[~keep].sum() == 0, "sampled a token the warped target gives probability 0"
+    big = expected[keep] >= 5
+    obs, exp = counts.flatten()[keep][big], expected[keep][big]
+    p_value = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p_value > 1e-3, p_value
+
+
+def test_bad_tree_and_room_errors(targets):
+    target = targets["llama"]
+    with pytest.raises(ValueError, match="width"):
+        TreeSpec.parse("4,0,2")
+    with pytest.raises(ValueError):
+        Generator(target, proposer=PromptLookup(), tree=TreeSpec.parse("200")).generate(
+            [[1, 2, 3]], GenerationConfig(max_new_tokens=4))
+    gen = Generator(target, proposer=PromptLookup(), tree=TreeSpec.chain(8), max_len=40)
+    with pytest.raises(ValueError, match="tree slots"):
+        gen.generate([[1] * 30], GenerationConfig(max_new_tokens=5))
