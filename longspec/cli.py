@@ -62,7 +62,8 @@ def cmd_generate(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
-    out = Generator(target).generate([ids], config, streamer=streamer)
+    proposer, tree = make_proposer(args, target)
+    out = Generator(target, proposer=proposer, tree=tree).generate([ids], config, streamer=streamer)
     streamer.out.write("\n")
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
@@ -70,8 +71,26 @@ def cmd_generate(args) -> int:
         print(json.dumps({"text": tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
                           "stats": stats}))
     else:
-        print(f"[{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+        tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
+        print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}]",
+              file=sys.stderr)
     return 0
+
+
+def make_proposer(args, target):
+    """(proposer, TreeSpec) from --proposer / --tree / --window, or (None, None)."""
+    from .decoding.proposers import PromptLookup, StreamingSelfSpec
+    from .decoding.tree import TreeSpec
+
+    name = args.proposer
+    if name == "none":
+        return None, None
+    tree = TreeSpec.parse(args.tree or ("chain:5" if name == "pld" else "4,16,16,16,16"))
+    if name == "pld":
+        return PromptLookup(), tree
+    if name == "streaming":
+        return StreamingSelfSpec(window=args.window), tree
+    raise ValueError(f"proposer {name!r} is not available yet")
 
 
 def cmd_convert(args) -> int:
@@ -99,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
+    gen.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec"], default="none",
+                     help="draft strategy: none (autoregressive), pld (prompt lookup), streaming "
+                          "(target with a StreamingLLM cache, MagicDec), longspec (needs --draft)")
+    gen.add_argument("--tree", default=None,
+                     help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' (default) or "
+                          "static paths '[[0],[1],[0,0]]'")
+    gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     gen.set_defaults(func=cmd_generate)

@@ -270,7 +270,7 @@ def test_verify_chain(case, lengths):
     # after discard, a mask shared by the rows ([1, M, M]) gives the same, and decode goes on
     cache.discard()
     again = target.verify(torch.tensor(chains), positions, mask[:1].clone(), cache)
-    assert_close(again, logits, 1e-5, "verify repeated")
+    assert_close(again, logits, ATOL, "verify repeated")
     cache.discard()
     nxt = target.decode(torch.tensor([c[0] for c in chains]), cache)
     assert_close(nxt, logits[:, 0], ATOL, "decode after verify")
@@ -353,7 +353,7 @@ def test_verify_tree_level_by_level(case, lengths):
     for lo, hi in [(0, 3), (3, 6), (6, 7)]:
         parts.append(target.verify(tokens[:, lo:hi], positions[:, lo:hi], mask[:, lo:hi, :hi], cache))
         assert cache.pending == hi
-    assert_close(torch.cat(parts, 1), whole, 1e-5, "level by level vs one shot")
+    assert_close(torch.cat(parts, 1), whole, ATOL, "level by level vs one shot")
     for b, p in enumerate(prompts):
         path = ancestors_or_self(TREE_A, 6)
         ref = hf_reference_logits(hf, p + tokens[b, path].tolist(), len(p), is_dynamic(name))

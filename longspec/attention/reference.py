@@ -37,10 +37,11 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Unmasked attention of every query to the cached prefix.
 
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D]; lengths [B] (keys ``0..lengths[b]-1`` of row
-    b are visible, the rest of the S slots are ignored).
+    b are visible, the rest of the S slots are ignored) or [B, M] (a limit per query).
     Returns o [B, Hq, M, D] float32, lse [B, Hq, M] float32."""
     slots = torch.arange(k_cache.shape[2], device=q.device)
-    visible = (slots[None, :] < lengths[:, None])[:, None, None, None, :]  # [B,1,1,1,S]
+    limits = lengths[:, None] if lengths.dim() == 1 else lengths  # [B, 1 or M]
+    visible = (slots[None, None, :] < limits[..., None])[:, None, None]  # [B,1,1,1 or M,S]
     return _masked_softmax_attention(_grouped(q, k_cache.shape[1]), k_cache, v_cache, visible)
 
 

@@ -214,3 +214,83 @@ class PromptLookup(TreeDrafter):
                 if len(found) >= self.candidates:
                     return found
         return found
+
+
+class LongSpecProposer(TreeDrafter):
+    """The LongSpec draft (:class:`~longspec.models.draft.LongSpecDraft`) as proposer.
+
+    Each round re-reads, in one draft forward, the tokens accepted in the last round plus the new
+    root (their target KV now exists: each sees target slots before its own index, lag 1), then
+    grows the tree with tree-masked self-attention over the ring buffer and unmasked
+    cross-attention over the whole target cache. Its memory is the ring buffer: constant."""
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def begin(self, target, cache, prompts, tree, config, rng):
+        from ..models.draft import DraftCache
+
+        if target is not self.draft.target:
+            self.draft.config.check_target(target)
+        super().begin(target, cache, prompts, tree, config, rng)
+        b, device = cache.batch_size, target.device
+        self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
+        # the prompt's last W tokens fill the window (K/V only: exact for a one-block draft)
+        w = self.draft.config.window
+        tail = [p[-w:] for p in prompts]
+        width = max(map(len, tail))
+        ids = torch.zeros(b, width, dtype=torch.long, device=device)
+        index = torch.full((b, width), -1, dtype=torch.long, device=device)
+        for row, (t, p) in enumerate(zip(tail, prompts)):
+            ids[row, :len(t)] = torch.tensor(t, device=device)
+            index[row, :len(t)] = torch.arange(len(p) - len(t), len(p), device=device)
+        valid = index >= 0
+        with torch.inference_mode():
+            k, v = self.draft.window_kv(ids, index.clamp(min=0))
+            self.ring.write(k, v, index.clamp(min=0), torch.full_like(index, -1), valid)
+        self.reread = [[] for _ in range(b)]
+
+    def accepted(self, tokens):
+        self.reread = [row[:-1] for row in tokens]  # accepted drafts; the bonus is the next root
+
+    def select_rows(self, rows):
+        self.ring.select_rows(rows)
+        self.reread = [self.reread[r] for r in rows.tolist()]
+
+    def _target_kv(self):
+        layer = self.target.config.num_layers - 1
+        used = int(self.cache.lengths.max())
+        return self.cache.k[layer][:, :, :used], self.cache.v[layer][:, :, :used]
+
+    @torch.inference_mode()
+    def _root_logits(self, root):
+        b, device, lengths = root.shape[0], root.device, self.cache.lengths
+        width = max(map(len, self.reread)) + 1
+        ids = torch.zeros(b, width, dtype=torch.long, device=device)
+        count = torch.tensor([len(r) + 1 for r in self.reread], device=device)
+        for row, tokens in enumerate(self.reread):
+            if tokens:
+                ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
+        cols = torch.arange(width, device=device)[None, :]
+        ids[torch.arange(b, device=device), count - 1] = root
+        index = lengths[:, None] - (count[:, None] - 1) + cols  # root at index = cache length
+        valid = cols < count[:, None]
+        k, v = self._target_kv()
+        hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring, k, v,
+                                         cross_limit=index)
+        self.root_index = lengths.clone()
+        return self.draft.logits(hidden[torch.arange(b, device=device), count - 1])
+
+    @torch.inference_mode()
+    def _level_logits(self, tokens, positions, mask, tree_tokens):
+        n_prev = mask.shape[-1] - tokens.shape[1]
+        node = torch.arange(n_prev, mask.shape[-1], device=tokens.device)[None, :].expand_as(tokens)
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        k, v = self._target_kv()
+        cross_limit = self.cache.lengths[:, None].expand_as(tokens)
+        hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, k, v, cross_limit,
+                                         tree_mask=mask, slot=self.root_index[:, None] + node)
+        return self.draft.logits(hidden)
+
+    def _end_round(self):
+        self.ring.drop_pending()

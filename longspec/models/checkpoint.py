@@ -79,7 +79,7 @@ def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IG
                         if rename is not None:
                             name = rename(name) if callable(rename) else rename.get(name, name)
                         if name is None or name.endswith(ignore):
-                            continue
+                            continue  # a tensor this model does not use (by design)
                         if name not in params:
                             unexpected.append(key)
                             continue
@@ -124,3 +124,86 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     load_state(model, files)
     model.path = str(path)
     return model.eval().requires_grad_(False)
+
+
+DRAFT_FORMAT = "longspec-draft"
+DRAFT_MODULES = ("self_attn.", "cross_attn.", "mlp.", "input_layernorm.", "post_self_attention_layernorm.",
+                 "post_cross_attention_layernorm.")
+
+
+def save_draft(draft, path: Union[str, Path]) -> Path:
+    """Writes ``config.json`` + ``model.safetensors`` (draft weights only; the target's shared
+    embedding / norm / LM head are not copied) into ``path``, atomically."""
+    import dataclasses
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"format": DRAFT_FORMAT, **dataclasses.asdict(draft.config)}
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    for name, write in (("model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"})),
+                        ("config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, path / name)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return path
+
+
+def _published_name(key: str):
+    """Maps a published LongSpec draft key (any prefix, e.g. ``model.layers.0.``) to ours;
+    None for tensors we do not use (cross-attention k/v, shared embedding / norm / head)."""
+    for module in DRAFT_MODULES:
+        at = key.find(module)
+        if at >= 0 and (at == 0 or key[at - 1] == "."):
+            name = key[at:]
+            if name.startswith(("cross_attn.k_proj", "cross_attn.v_proj")):
+                return None
+            return name
+    return None
+
+
+def load_draft(path: Union[str, Path], target):
+    """Loads a draft for ``target`` from a directory written by :func:`save_draft`, or a
+    published LongSpec draft checkpoint (one decoder layer with ``self_attn``, ``cross_attn``,
+    ``mlp`` and three norms; cross-attention k/v weights are ignored). Raises ValueError when the
+    draft does not fit the target."""
+    from .draft import DraftConfig, LongSpecDraft
+
+    path = Path(path)
+    raw = read_config(path)
+    files = safetensors_files(path)
+    if raw.get("format") == DRAFT_FORMAT:
+        fields = {f for f in DraftConfig.__dataclass_fields__}
+        config = DraftConfig(**{k: v for k, v in raw.items() if k in fields})
+        rename = None
+    else:  # published checkpoint: architecture from the target, biases from the file
+        from safetensors import safe_open
+
+        keys = set()
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                keys.update(filter(None, map(_published_name, f.keys())))
+        if not any(k.startswith("cross_attn.q_proj") for k in keys):
+            raise ValueError(f"{path} holds no LongSpec draft weights (no cross_attn.q_proj)")
+        config = DraftConfig.for_target(target, window=int(raw.get("sliding_window") or raw.get("window") or 512),
+                                        qkv_bias="self_attn.q_proj.bias" in keys,
+                                        cross_q_bias="cross_attn.q_proj.bias" in keys)
+        config.target_embedding_sample = []  # published files carry no fingerprint
+        hidden = raw.get("hidden_size", config.hidden_size)
+        if hidden != target.config.hidden_size:
+            raise ValueError(f"draft/target mismatch: the draft has hidden_size={hidden}, "
+                             f"the target {target.config.hidden_size}")
+        rename = _published_name
+    with torch.device("meta"):
+        draft = LongSpecDraft(config, target)
+    draft = draft.to_empty(device=target.device).to(target.dtype)
+    load_state(draft, files, rename=rename)
+    return draft.eval()

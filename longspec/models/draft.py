@@ -1,0 +1,275 @@
+"""The LongSpec draft: one decoder block on top of the target's token embedding, sharing the
+target's embedding, final norm and LM head (frozen, never copied). In order, each with a
+pre-RMSNorm and a residual:
+
+* sliding-window self-attention (window ``W``) over the draft's own tokens, RoPE at their true
+  positions; at inference its K/V live in a ring buffer of ``W + tree_size`` slots
+  (:class:`DraftCache`), whose size never depends on the context;
+* cross-attention into the target's last-layer KV cache exactly as the target stored it (already
+  rotated): only ``q_proj`` (+ RoPE at the query's position) and ``o_proj``;
+* a SwiGLU MLP.
+
+Two forward paths share the weights: ``forward_train`` (teacher-forced chunk, noisy lag ``g``:
+query ``t`` sees target KV ``0..t-g``; the first ``g`` queries get a zero cross-attention output)
+and ``forward_step`` (incremental, over a :class:`DraftCache`). A test pins that they agree.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..attention import reference
+from ..config import ModelConfig, RopeConfig
+from .rope import apply_rotary
+from .target import MLP, RMSNorm, TargetModel
+
+
+@dataclass
+class DraftConfig:
+    """Architecture of a draft; head counts, head_dim and hidden size follow the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    window: int = 512
+    qkv_bias: bool = True  # as in the published LongSpec checkpoints
+    cross_q_bias: bool = False
+    target_architecture: str = ""
+    target_model_type: str = ""
+    target_embedding_sample: list = field(default_factory=list)  # fingerprint, see embedding_sample
+    rope: Optional[dict] = None  # informational: the target's RoPE (the draft always uses the target's)
+
+    @classmethod
+    def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
+        c: ModelConfig = target.config
+        config = cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+                     rms_norm_eps=c.rms_norm_eps, window=window,
+                     target_architecture=ARCH_NAMES.get(c.model_type, c.model_type),
+                     target_model_type=c.model_type, target_embedding_sample=embedding_sample(target),
+                     rope=asdict(c.rope))
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+
+    def check_target(self, target: TargetModel) -> None:
+        """Raises ValueError when ``target`` is not the model this draft was built for."""
+        c = target.config
+        for name, mine, theirs in (("hidden_size", self.hidden_size, c.hidden_size),
+                                   ("vocab_size", self.vocab_size, c.vocab_size),
+                                   ("num_heads", self.num_heads, c.num_heads),
+                                   ("num_kv_heads", self.num_kv_heads, c.num_kv_heads),
+                                   ("head_dim", self.head_dim, c.head_dim)):
+            if mine != theirs:
+                raise ValueError(f"draft/target mismatch: the draft was built for {name}={mine}, "
+                                 f"the target has {theirs}")
+        if self.target_model_type and self.target_model_type != c.model_type:
+            raise ValueError(f"draft/target mismatch: the draft was built for a {self.target_model_type} "
+                             f"target, this one is {c.model_type}")
+        if self.target_embedding_sample:
+            ours = torch.tensor(self.target_embedding_sample, device="cpu")
+            theirs = torch.tensor(embedding_sample(target), device="cpu")
+            if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * ours.abs().max()):
+                raise ValueError("draft/target mismatch: the target's token embedding differs from the one the "
+                                 "draft was trained with (different checkpoint?)")
+
+
+ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
+
+
+def embedding_sample(target: TargetModel, rows: int = 8, cols: int = 8) -> list:
+    """A dtype-robust fingerprint of the target's embedding: ``rows`` evenly spaced rows, first
+    ``cols`` values each (float, 5 significant digits)."""
+    emb = target.model.embed_tokens.weight
+    idx = torch.linspace(0, emb.shape[0] - 1, rows).round().long().to(emb.device)
+    return [float(f"{x:.5g}") for x in emb[idx, :cols].float().flatten().tolist()]
+
+
+class DraftCache:
+    """Ring buffer of the draft's self-attention K/V for a batch: ``R = window + tree_size``
+    slots, independent of the context length.
+
+    Token with sequence index ``i`` (its slot in the target cache) is stored in slot ``i % R``.
+    ``slot_index`` [B, R] records which index a slot holds (-1: empty), ``slot_node`` [B, R]
+    marks pending tree nodes (their node number; -1 for committed tokens). A committed query at
+    index ``i`` sees committed keys ``i-W+1..i``; a pending tree node sees those below its index plus
+    the pending nodes its tree mask allows."""
+
+    def __init__(self, config: DraftConfig, batch_size: int, tree_size: int, dtype, device):
+        self.window, self.size = config.window, config.window + tree_size
+        shape = (batch_size, config.num_kv_heads, self.size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slot_index = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)
+        self.slot_node = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k, self.v, self.slot_index, self.slot_node))
+
+    def write(self, k, v, index, node, valid, slot=None):
+        """k, v [B, Hkv, T, D]; index, node [B, T] (node -1: committed); valid [B, T] bool;
+        ``slot`` [B, T] (default ``index``) picks ring slot ``slot % R``: a pending node n of a tree
+        whose root has index r uses ``r + n``, so the nodes of one tree never collide."""
+        slot = (index if slot is None else slot) % self.size
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slot)
+        rows, slot = rows[valid], slot[valid]
+        self.k.transpose(1, 2)[rows, slot] = k.transpose(1, 2)[valid]
+        self.v.transpose(1, 2)[rows, slot] = v.transpose(1, 2)[valid]
+        self.slot_index[rows, slot] = index[valid]
+        self.slot_node[rows, slot] = node[valid]
+
+    def visibility(self, index, node, tree_mask):
+        """Mask [B, T, R] for queries at ``index`` [B, T] (node [B, T], -1 for committed ones);
+        tree_mask [B, T, N] over tree nodes (rows of committed queries are ignored)."""
+        si, sn = self.slot_index[:, None, :], self.slot_node[:, None, :]
+        q = index[..., None]
+        committed = (sn < 0) & (si >= 0) & (si <= q) & (si > q - self.window)
+        if tree_mask is None:
+            return committed
+        pending = (sn >= 0) & (node[..., None] >= 0) & tree_mask.gather(2, sn.clamp(min=0).expand(-1, q.shape[1], -1))
+        return committed | pending
+
+    def drop_pending(self):
+        pending = self.slot_node >= 0
+        self.slot_index[pending] = -1
+        self.slot_node[pending] = -1
+
+    def select_rows(self, rows):
+        self.k, self.v = self.k[rows], self.v[rows]
+        self.slot_index, self.slot_node = self.slot_index[rows], self.slot_node[rows]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.cross_q_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    b, t, _ = x.shape
+    return x.view(b, t, n, d).transpose(1, 2)
+
+
+def _merge_heads(o: torch.Tensor, dtype) -> torch.Tensor:
+    b, h, t, d = o.shape
+    return o.to(dtype).transpose(1, 2).reshape(b, t, h * d)
+
+
+class LongSpecDraft(nn.Module):
+    """The draft block. ``target`` is referenced, not registered: its weights are shared and
+    never saved with the draft."""
+
+    def __init__(self, config: DraftConfig, target: TargetModel):
+        super().__init__()
+        config.check_target(target)
+        self.config = config
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config)
+        self.post_self_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cross_attn = CrossAttention(config)
+        self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=False)
+        object.__setattr__(self, "target", target)  # shared, not a submodule
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft hidden [..., H] -> float32 logits through the target's final norm and LM head."""
+        return self.target.logits(self.target.model.norm(hidden))
+
+    def _qkv(self, x, positions):
+        a, c = self.self_attn, self.config
+        cos, sin = self.target.rotary(positions)
+        h = self.input_layernorm(x)
+        q = apply_rotary(_heads(a.q_proj(h), c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(_heads(a.k_proj(h), c.num_kv_heads, c.head_dim), cos, sin)
+        v = _heads(a.v_proj(h), c.num_kv_heads, c.head_dim)
+        return q, k, v, cos, sin
+
+    def _cross_query(self, x, cos, sin):
+        c = self.config
+        return apply_rotary(_heads(self.cross_attn.q_proj(self.post_self_attention_layernorm(x)),
+                                   c.num_heads, c.head_dim), cos, sin)
+
+    def _finish(self, x, cross_o):
+        x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))
+        return x + self.mlp(self.post_cross_attention_layernorm(x))
+
+    def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1) -> torch.Tensor:
+        """Teacher-forced chunk. input_ids, positions [B, T]; target_k, target_v [B, Hkv, T, D]: the
+        target's last-layer K/V for the same tokens and positions; ``lag`` g >= 1: query t sees
+        target KV 0..t-g (a shifted causal attention, no dense mask). Self-attention is causal
+        within a window of W tokens. Returns the draft hidden states [B, T, H]."""
+        b, t = input_ids.shape
+        x = self.target.model.embed_tokens(input_ids)
+        q, k, v, cos, sin = self._qkv(x, positions)
+        idx = torch.arange(t, device=x.device)
+        window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
+        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
+        cq = self._cross_query(x, cos, sin)
+        cross = torch.zeros_like(cq)
+        if lag < t:
+            cross[:, :, lag:] = F.scaled_dot_product_attention(
+                cq[:, :, lag:], target_k[:, :, :t - lag].to(cq.dtype), target_v[:, :, :t - lag].to(cq.dtype),
+                is_causal=True, enable_gqa=True)
+        return self._finish(x, cross)
+
+    def forward_step(self, input_ids, positions, index, node, valid, cache: DraftCache, target_k, target_v,
+                     cross_limit, tree_mask=None, slot=None) -> torch.Tensor:
+        """Incremental forward. input_ids, positions, index (sequence index: the token's slot in
+        the target cache, for a tree node root index + depth), node (-1 for committed tokens, else
+        tree node number) and valid: [B, T]; target_k/v [B, Hkv, S, D] (the target's last layer
+        cache); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
+        [B, T, N] for pending nodes; slot: see ``DraftCache.write``. Writes this step's K/V into
+        ``cache`` first. Returns hidden [B, T, H]."""
+        x = self.target.model.embed_tokens(input_ids)
+        q, k, v, cos, sin = self._qkv(x, positions)
+        cache.write(k, v, index, node, valid, slot)
+        visible = cache.visibility(index, node, tree_mask)
+        o, _ = reference.dense_attention(q, cache.k, cache.v, visible)
+        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
+        cq = self._cross_query(x, cos, sin)
+        cross, _ = reference.prefix_attention(cq, target_k, target_v, cross_limit)
+        return self._finish(x, cross)
+
+    def window_kv(self, input_ids, positions):
+        """Self-attention K/V [B, Hkv, T, D] of committed tokens. Exact without running the block:
+        in a one-block draft they depend on the token and its position only."""
+        x = self.target.model.embed_tokens(input_ids)
+        return self._qkv(x, positions)[1:3]
+
+
+def init_draft(config: DraftConfig, target: TargetModel, seed: int = 0) -> LongSpecDraft:
+    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms), on the
+    target's device and dtype."""
+    torch.manual_seed(seed)
+    draft = LongSpecDraft(config, target)
+    for name, p in draft.named_parameters():
+        with torch.no_grad():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    return draft.to(device=target.device, dtype=target.dtype)
