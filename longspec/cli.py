@@ -82,7 +82,7 @@ def make_proposer(args, target):
     from .decoding.proposers import PromptLookup, StreamingSelfSpec
     from .decoding.tree import TreeSpec
 
-    name = args.proposer
+    name = "longspec" if args.draft and args.proposer == "none" else args.proposer
     if name == "none":
         return None, None
     tree = TreeSpec.parse(args.tree or ("chain:5" if name == "pld" else "4,16,16,16,16"))
@@ -90,7 +90,12 @@ def make_proposer(args, target):
         return PromptLookup(), tree
     if name == "streaming":
         return StreamingSelfSpec(window=args.window), tree
-    raise ValueError(f"proposer {name!r} is not available yet")
+    if not args.draft:
+        raise ValueError("--proposer longspec needs --draft DIR (a trained LongSpec draft for this target)")
+    from .decoding.proposers import LongSpecProposer
+    from .models.checkpoint import load_draft
+
+    return LongSpecProposer(load_draft(args.draft, target)), tree
 
 
 def cmd_convert(args) -> int:
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None,
                      help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' (default) or "
                           "static paths '[[0],[1],[0,0]]'")
+    gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec)")
     gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")

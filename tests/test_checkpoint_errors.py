@@ -131,7 +131,8 @@ def test_unexpected_tensor(ckpt):
 
 def test_mis_shaped_tensor(ckpt):
     edit_config(ckpt, vocab_size=170)
-    with pytest.raises(ValueError, match=r"tensor '(lm_head|model\.embed_tokens)\.weight' .*shape \(160, 64\).*expects \(170, 64\)"):
+    pattern = r"tensor '(lm_head|model\.embed_tokens)\.weight' .*shape \(160, 64\).*expects \(170, 64\)"
+    with pytest.raises(ValueError, match=pattern):
         load_target(ckpt)
 
 
@@ -194,6 +195,17 @@ def test_mistral_sliding_window_smaller_than_cache(tmp_path):
     target.new_cache(1, 16)  # within the window: fine
     with pytest.raises(ValueError, match="sliding-window"):
         target.new_cache(1, 17)
+
+
+def test_sliding_window_settings_that_do_not_limit_the_cache(tmp_path):
+    """Mistral with ``sliding_window: null`` (v0.2+) and Qwen2 with ``use_sliding_window: false``
+    (the window field is present but unused) load with no limit on the cache."""
+    _, path = build_tiny_model(tmp_path / "mistral", "mistral", reload=False)
+    edit_config(path, sliding_window=None)
+    assert load_target(path).new_cache(1, 8192).max_len == 8192
+    _, path = build_tiny_model(tmp_path / "qwen2", "qwen2", reload=False, sliding_window=16,
+                               use_sliding_window=False)
+    assert load_target(path).new_cache(1, 100).max_len == 100
 
 
 # ------------------------------------------------------------------------------ prompt / cache

@@ -165,6 +165,17 @@ def test_checkpoint_and_config_parsed(case):
     assert target.config.rope.rope_type == rope_type(name)
     assert target.config.rope.theta == float((spec.get("rope") or {}).get("rope_theta", 10000.0))
     assert target.config.model_type == spec["family"]
+    hf_rope = hf.config.rope_parameters
+    for ours_key, hf_key in [("factor", "factor"), ("low_freq_factor", "low_freq_factor"),
+                             ("high_freq_factor", "high_freq_factor"), ("beta_fast", "beta_fast"),
+                             ("beta_slow", "beta_slow"), ("attention_factor", "attention_factor"),
+                             ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"), ("truncate", "truncate")]:
+        if hf_rope.get(hf_key) is not None:
+            assert getattr(target.config.rope, ours_key) == hf_rope[hf_key], ours_key
+    if rope_type(name) in ("llama3", "yarn"):
+        assert target.config.rope.original_max_position_embeddings == hf_rope["original_max_position_embeddings"]
+    if name == "llama-yarn-orig-top-level":
+        assert target.config.rope.original_max_position_embeddings == 8
     assert target.config.tie_word_embeddings == bool(spec.get("tie_word_embeddings", False))
     if spec.get("tie_word_embeddings"):
         assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()

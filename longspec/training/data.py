@@ -1,0 +1,238 @@
+"""Training data: documents from text files, JSONL files and source trees, tokenised with the
+target's tokenizer and packed into fixed-length chunks, split into train / held-out BY DOCUMENT.
+
+Sources (any mix, each a path):
+
+* a ``.jsonl`` / ``.ndjson`` file: one document per line, its text in ``text_field``;
+* any other file: one document (its whole text, UTF-8);
+* a directory: a source tree. Each top-level subdirectory is one *project*; the files directly
+  in the directory form one more project. A project's files (sorted by path; hidden entries and
+  ``__pycache__`` / ``node_modules`` skipped, binary / undecodable files and files above
+  ``max_file_bytes`` skipped) are concatenated into ONE long document, each preceded by a header
+  ``# ==== path/to/file.py ====``: real long-context data.
+
+Document names do not depend on where the data lives (a file's base name, ``name:line`` for a
+JSONL line, ``dir/project`` for a project), so the held-out split (``sha256(name)`` below
+``eval_fraction``) is the same on every machine and never splits a document between sides.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+SKIP_DIRS = {"__pycache__", "node_modules", ".git", ".hg", ".svn", ".venv", "venv", ".tox", ".mypy_cache"}
+BINARY_SNIFF = 8192
+
+
+@dataclass
+class Document:
+    """One training document: a stable ``name`` (drives the held-out split) and its ``text``."""
+
+    name: str
+    text: str
+
+
+@dataclass
+class DataConfig:
+    """Where the data is and how to cut it."""
+
+    paths: Sequence[str]
+    seq_len: int = 2048
+    text_field: str = "text"
+    eval_fraction: float = 0.05
+    max_file_bytes: int = 1 << 20  # files of a source tree above this size are skipped
+
+
+@dataclass
+class PackedData:
+    """``train`` [N, seq_len] and ``eval`` [M, seq_len] token chunks (long), plus counts."""
+
+    train: torch.Tensor
+    eval: torch.Tensor
+    train_documents: int
+    eval_documents: int
+
+    def summary(self) -> str:
+        t = self.train.shape[1]
+        return (f"{self.train_documents} train documents -> {self.train.shape[0]} chunks of {t} tokens; "
+                f"{self.eval_documents} held-out documents -> {self.eval.shape[0]} chunks")
+
+
+def read_text_file(path: Path, max_bytes: Optional[int] = None) -> Optional[str]:
+    """The UTF-8 text of ``path``, or None when it is binary (a NUL byte early on), not UTF-8,
+    empty / whitespace only, or larger than ``max_bytes``."""
+    try:
+        if max_bytes is not None and path.stat().st_size > max_bytes:
+            return None
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\x00" in data[:BINARY_SNIFF]:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.strip() else None
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
+    with path.open("r", encoding="utf-8", errors="strict") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no} is not valid JSON: {err}") from None
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if isinstance(text, str) and text.strip():
+                yield Document(f"{path.name}:{line_no}", text)
+
+
+def _tree_files(root: Path) -> list:
+    """Files under ``root`` (sorted relative paths), skipping hidden entries and junk dirs."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
+        for name in filenames:
+            if not name.startswith("."):
+                files.append(Path(dirpath, name))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def project_document(name: str, root: Path, files: Sequence[Path], max_file_bytes: int) -> Optional[Document]:
+    """One project as one document: each readable file preceded by ``# ==== rel/path ====``
+    (paths relative to ``root``). None when no file is usable."""
+    parts = []
+    for file in files:
+        text = read_text_file(file, max_file_bytes)
+        if text is None:
+            continue
+        if not text.endswith("\n"):
+            text += "\n"
+        parts.append(f"# ==== {file.relative_to(root).as_posix()} ====\n{text}")
+    return Document(name, "".join(parts)) if parts else None
+
+
+def _tree_documents(root: Path, max_file_bytes: int) -> Iterator[Document]:
+    loose = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+    doc = project_document(root.name, root, loose, max_file_bytes)
+    if doc is not None:
+        yield doc
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                      and p.name not in SKIP_DIRS):
+        doc = project_document(f"{root.name}/{sub.name}", sub, _tree_files(sub), max_file_bytes)
+        if doc is not None:
+            yield doc
+
+
+def iter_documents(path, text_field: str = "text", max_file_bytes: int = 1 << 20) -> Iterator[Document]:
+    """The documents of one data path (see the module docstring). Raises FileNotFoundError for
+    a missing path and ValueError when it holds no usable text."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data path not found: {path}")
+    if path.is_dir():
+        docs = _tree_documents(path, max_file_bytes)
+        why = "no readable text files (binary, undecodable, empty or larger than max_file_bytes are skipped)"
+    elif path.name.lower().endswith(JSONL_SUFFIXES):
+        docs = _jsonl_documents(path, text_field)
+        why = f"no line has a non-empty string field {text_field!r}"
+    else:
+        text = read_text_file(path)
+        docs = iter([Document(path.name, text)] if text is not None else [])
+        why = "the file is empty, binary or not UTF-8"
+    found = False
+    try:
+        for doc in docs:
+            found = True
+            yield doc
+    except UnicodeDecodeError:
+        raise ValueError(f"no usable text in {path}: not UTF-8") from None
+    if not found:
+        raise ValueError(f"no usable text in {path}: {why}")
+
+
+def is_held_out(name: str, eval_fraction: float) -> bool:
+    """Deterministic by-document split: sha256 of the name as a number in [0, 1)."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+    return h < eval_fraction
+
+
+def split_documents(docs: Sequence[Document], eval_fraction: float) -> tuple:
+    """(train, held_out) lists of documents. With ``eval_fraction > 0`` and at least two
+    documents the held-out side is never empty (the document of smallest hash goes there)."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    held = [is_held_out(d.name, eval_fraction) for d in docs]
+    if eval_fraction > 0 and len(docs) >= 2 and not any(held):
+        key = [hashlib.sha256(d.name.encode("utf-8")).digest() for d in docs]
+        held[min(range(len(docs)), key=key.__getitem__)] = True
+    if docs and all(held):  # never leave nothing to train on
+        held[0] = False
+    train = [d for d, h in zip(docs, held) if not h]
+    return train, [d for d, h in zip(docs, held) if h]
+
+
+def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """One token stream (long [N]): every document as ``[bos] + encode(text) + [eos]`` (bos / eos
+    where the tokenizer has them). ``tokenizer`` needs ``encode(text, add_special_tokens=False)``
+    (any Hugging Face tokenizer, or a small object in tests)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pieces = []
+    for doc in docs:
+        ids = list(tokenizer.encode(doc.text, add_special_tokens=False))
+        pieces.append(torch.tensor(([bos] if bos is not None else []) + ids + ([eos] if eos is not None else []),
+                                   dtype=torch.long))
+    stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    if vocab_size is not None and stream.numel() and int(stream.max()) >= vocab_size:
+        raise ValueError(f"the tokenizer produced token id {int(stream.max())}, but the target's vocabulary has "
+                         f"{vocab_size} entries: wrong tokenizer for this target?")
+    return stream
+
+
+def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Cuts a token stream [N] into [N // seq_len, seq_len] chunks (the remainder is dropped)."""
+    n = stream.numel() // seq_len
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+def load_tokenizer(path):
+    """The Hugging Face tokenizer stored in a model directory (local files only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load a tokenizer from {path}: {err}") from None
+
+
+def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
+               vocab_size: Optional[int] = None) -> PackedData:
+    """Reads every path, splits by document, tokenises and packs both sides. Raises ValueError
+    for a path without usable text, ``seq_len`` above ``max_position_embeddings``, or a training
+    side shorter than one chunk."""
+    if config.seq_len > max_position_embeddings:
+        raise ValueError(f"--seq-len {config.seq_len} exceeds the target's max_position_embeddings "
+                         f"({max_position_embeddings})")
+    if config.seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2, got {config.seq_len}")
+    if not config.paths:
+        raise ValueError("no data paths given")
+    docs = [d for p in config.paths for d in iter_documents(p, config.text_field, config.max_file_bytes)]
+    train_docs, eval_docs = split_documents(docs, config.eval_fraction)
+    train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
+    held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
+    if train.shape[0] == 0:
+        raise ValueError(f"the training documents of {', '.join(map(str, config.paths))} hold fewer than "
+                         f"--seq-len {config.seq_len} tokens")
+    return PackedData(train, held, len(train_docs), len(eval_docs))

@@ -1,0 +1,161 @@
+"""The LongSpec draft: constant memory, losslessness as a proposer, training/inference
+equivalence, checkpoints (ours and the published layout) and mismatch errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from longspec import GenerationConfig, load_target
+from longspec.decoding.engine import Generator
+from longspec.decoding.proposers import LongSpecProposer
+from longspec.decoding.tree import TreeSpec
+from longspec.models.checkpoint import load_draft, save_draft
+from longspec.models.draft import DraftCache, DraftConfig, init_draft
+
+
+def noisy_draft(target, window=8, seed=0, std=0.2):
+    """A random draft with weights large enough to make confident (mostly wrong) proposals."""
+    draft = init_draft(DraftConfig.for_target(target, window=window), target, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_factory):
+    out = {}
+    for seed, (name, family, kwargs) in enumerate((
+        ("llama", "llama", {}),
+        ("qwen2-mha", "qwen2", {"num_key_value_heads": 4}),
+        ("llama-yarn", "llama", {"rope": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("llama-dynamic", "llama", {"rope": {"rope_type": "dynamic", "factor": 2.0}}),
+    )):
+        kwargs = dict(kwargs)
+        rope = kwargs.pop("rope", None)
+        _, path = tiny_model_factory(f"draft-{name}", family, rope, max_position_embeddings=256, seed=5 + seed,
+                                     **kwargs)
+        out[name] = load_target(path)
+    return out
+
+
+def prompts_for(batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (10 + 7 * i,), generator=gen).tolist() for i in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tree", ["chain:4", "[[0],[1],[0,0],[0,1],[0,0,0]]", "3,4,4"])
+@pytest.mark.parametrize("name", ["llama", "qwen2-mha", "llama-yarn", "llama-dynamic"])
+def test_longspec_proposer_is_lossless(targets, name, tree, batch):
+    target = targets[name]
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    prompts = prompts_for(batch, seed=batch + len(tree))
+    expected = Generator(target).generate(prompts, config).sequences
+    proposer = LongSpecProposer(noisy_draft(target, window=6))
+    out = Generator(target, proposer=proposer, tree=TreeSpec.parse(tree)).generate(prompts, config)
+    assert out.sequences == expected
+
+
+@pytest.mark.parametrize("lag", [1, 2, 4])
+@pytest.mark.parametrize("name", ["llama", "qwen2-mha", "llama-yarn"])
+def test_training_forward_equals_incremental_inference(targets, name, lag):
+    """forward_train (teacher-forced, anchor-offset positions, lag g) == forward_step token by
+    token over the ring buffer when each query sees target slots 0..t-g."""
+    target = targets[name]
+    draft = noisy_draft(target, window=5, seed=1)
+    t = 24
+    gen = torch.Generator().manual_seed(lag)
+    ids = torch.randint(0, 160, (2, t), generator=gen)
+    positions = torch.cat([torch.arange(4), torch.arange(150, 150 + t - 4)])[None].expand(2, -1)
+    cache = target.new_cache(2, t)
+    with torch.no_grad():
+        target.forward_hidden(ids, positions, cache, torch.ones(t, t, dtype=torch.bool).tril()[None])
+        k, v = cache.k[-1], cache.v[-1]
+        train = draft.forward_train(ids, positions, k, v, lag=lag)
+        ring = DraftCache(draft.config, 2, tree_size=3, dtype=torch.float32, device="cpu")
+        steps = []
+        for i in range(t):
+            index = torch.full((2, 1), i)
+            steps.append(draft.forward_step(ids[:, i:i + 1], positions[:, i:i + 1], index, torch.full((2, 1), -1),
+                                            torch.ones(2, 1, dtype=torch.bool), ring, k, v, cross_limit=index - lag + 1))
+    assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
+
+
+def test_draft_memory_is_constant(tiny_model_factory):
+    """Bytes held by the draft's caches after prefill of 1k and 8k tokens are identical; only
+    the target's cache grows. (The 64k case is the slow test below.)"""
+    _, path = tiny_model_factory("draft-long", "llama", max_position_embeddings=70000, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, hidden_size=32, head_dim=16, seed=2)
+    target = load_target(path)
+    assert draft_bytes_after_prefill(target, [1024, 8192]) is not None
+
+
+def draft_bytes_after_prefill(target, lengths):
+    draft = noisy_draft(target, window=64)
+    tree = TreeSpec.parse("4,16,16,16,16")
+    drafts, targets_ = [], []
+    for n in lengths:
+        prompt = torch.randint(0, 160, (n,)).tolist()
+        cache = target.new_cache(1, n + tree.num_nodes + 1)
+        target.prefill(torch.tensor([prompt]), torch.tensor([n]), cache, chunk_size=1024)
+        proposer = LongSpecProposer(draft)
+        proposer.begin(target, cache, [prompt], tree, GenerationConfig(), None)
+        proposer.propose(torch.tensor([5]))  # one drafting round
+        drafts.append(proposer.ring.nbytes)
+        targets_.append(cache.nbytes)
+    assert len(set(drafts)) == 1, drafts
+    assert targets_ == sorted(targets_) and targets_[0] < targets_[-1]
+    return drafts[0]
+
+
+@pytest.mark.slow
+def test_draft_memory_is_constant_at_64k(tiny_model_factory):
+    _, path = tiny_model_factory("draft-long", "llama", max_position_embeddings=70000, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, hidden_size=32, head_dim=16, seed=2)
+    draft_bytes_after_prefill(load_target(path), [1024, 8192, 65536])
+
+
+def test_save_load_roundtrip_and_mismatch(targets, tmp_path):
+    target = targets["llama"]
+    draft = noisy_draft(target, window=7, seed=3)
+    save_draft(draft, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d", target)
+    assert loaded.config.window == 7
+    for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert not any("embed" in k or "lm_head" in k for k in loaded.state_dict())  # shared, not copied
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["target_architecture"] == "LlamaForCausalLM" and config["target_embedding_sample"]
+    with pytest.raises(ValueError, match="draft/target mismatch: .*embedding"):
+        load_draft(tmp_path / "d", targets["llama-yarn"])  # same shapes, other weights
+    with pytest.raises(ValueError, match="draft/target mismatch: .*num_kv_heads"):
+        load_draft(tmp_path / "d", targets["qwen2-mha"])
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found"):
+        load_draft(tmp_path / "nope", target)
+
+
+def test_loads_published_longspec_layout(targets, tmp_path):
+    """A synthetic checkpoint in the layout the LongSpec paper published: one decoder layer under
+    a prefix, q/k/v biases, unused cross-attention k/v weights, shared tensors present."""
+    target = targets["llama"]
+    ours = noisy_draft(target, window=512, seed=4)
+    state = {f"model.layers.0.{k}": v for k, v in ours.state_dict().items()}
+    kv = target.config.num_kv_heads * target.config.head_dim
+    state["model.layers.0.cross_attn.k_proj.weight"] = torch.randn(kv, target.config.hidden_size)
+    state["model.layers.0.cross_attn.v_proj.weight"] = torch.randn(kv, target.config.hidden_size)
+    state["model.embed_tokens.weight"] = target.model.embed_tokens.weight.clone()
+    (tmp_path / "pub").mkdir()
+    save_file(state, str(tmp_path / "pub" / "model.safetensors"))
+    (tmp_path / "pub" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    loaded = load_draft(tmp_path / "pub", target)
+    assert loaded.config.qkv_bias and loaded.config.window == 512
+    for (name, a), (_, b) in zip(ours.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, str(tmp_path / "pub" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor.*mlp.up_proj.weight"):
+        load_draft(tmp_path / "pub", target)
