@@ -107,6 +107,29 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """``longspec train``: trains a LongSpec draft; under ``torchrun`` every process runs this."""
+    import os
+
+    from .training import TrainConfig, train
+
+    config = TrainConfig(
+        target=args.target, data=args.data, out=args.out, seq_len=args.seq_len, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, window=args.window,
+        max_lag=args.max_lag, anchor_offset=not args.no_anchor_offset, noise=not args.no_noise,
+        distill=args.distill, distill_weight=args.distill_weight, text_field=args.text_field,
+        eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
+        save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
+        device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, progress=not args.no_progress)
+    result = train(config)
+    last = result.history[-1] if result.history else {}
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"out": str(result.out), "step": result.step,
+                          **{k: last[k] for k in ("loss", "eval_loss", "eval_acc") if k in last}}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +163,43 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", required=True, help="output directory")
     conv.add_argument("--dtype", default="float32")
     conv.set_defaults(func=cmd_convert)
+
+    tr = sub.add_parser("train", help="train a LongSpec draft for a target (torchrun for several GPUs)",
+                        description="Trains a LongSpec draft. Data parallel: torchrun --nproc_per_node N "
+                                    "-m longspec.cli train ...")
+    tr.add_argument("--target", required=True, help="HF-format target model directory (frozen)")
+    tr.add_argument("--data", required=True, nargs="+",
+                    help="text files, JSONL files (--text-field) and/or source-tree directories")
+    tr.add_argument("--out", required=True, help="output directory: a draft loadable with load_draft")
+    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per training chunk")
+    tr.add_argument("--batch-size", type=int, default=1, help="chunks per micro-batch per process")
+    tr.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    tr.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, relative to --lr")
+    tr.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    tr.add_argument("--weight-decay", type=float, default=0.0)
+    tr.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    tr.add_argument("--window", type=int, default=512, help="draft self-attention window")
+    tr.add_argument("--max-lag", type=int, default=4, help="noisy cross-attention lags 1..G (max tree depth)")
+    tr.add_argument("--no-anchor-offset", action="store_true", help="plain positions 0..n-1 (ablation)")
+    tr.add_argument("--no-noise", action="store_true", help="lag 1 always (ablation)")
+    tr.add_argument("--distill", action="store_true", help="add KL(target || draft) to the loss")
+    tr.add_argument("--distill-weight", type=float, default=1.0,
+                    help="with --distill: loss = (1-w) CE + w KL (default 1: pure distillation)")
+    tr.add_argument("--text-field", default="text", help="text field of JSONL records")
+    tr.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
+    tr.add_argument("--eval-fraction", type=float, default=0.05, help="share of documents held out")
+    tr.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
+    tr.add_argument("--eval-chunks", type=int, default=64, help="held-out chunks per evaluation (0: all)")
+    tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
+    tr.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl row")
+    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
+    tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
     return parser
 
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Second device call of a GPU session (see README "Benchmarks"): reassembles the default model
+# (staged by ../shared/tools/stage-smollm2.sh; part 00 copied to /root/stage by the first call),
+# converts it, runs the GPU tests and the benchmark. STEPS selects what runs (default: all).
+set -euo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"convert tests bench"}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if [ ! -f /root/stage/smol-hf/config.json ]; then
+  cat /root/stage/smol.part.00 .stage/smol.part.01 .stage/smol.part.02 > /root/stage/smol.gguf
+  echo "$(cat .stage/smol.sha256)  /root/stage/smol.gguf" | sha256sum -c -
+fi
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/gguf-0.19.0-py3-none-any.whl 2>/dev/null || true
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+for step in $STEPS; do
+  case $step in
+    convert) [ -f /root/stage/smol-hf/config.json ] || python3 -m longspec.cli convert --gguf /root/stage/smol.gguf --out /root/stage/smol-hf ;;
+    tests) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    bench) python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
+             ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-2} \
+             2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done

@@ -1,0 +1,368 @@
+"""The draft trainer: single process, or data parallel under ``torchrun`` (DDP over the draft;
+the frozen target is a plain module on every rank).
+
+One optimizer step consumes a *global batch* of ``batch_size x world x grad_accum`` chunks: the
+global sample ids ``samples_seen .. samples_seen + G - 1`` map to chunks through a seeded
+permutation per epoch; the step's lag and every sample's anchor offset are drawn from seeded
+generators that every rank advances identically; rank ``r`` runs micro-batch ``a`` on the
+samples ``(a * world + r) * batch_size + 0..batch_size-1``. Losses are token sums divided by the
+global prediction count, so a run gives the same result (up to float summation order) for any
+split of the same global batch into ranks and accumulation steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import distributed
+from .checkpoints import MetricsLog, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .data import DataConfig, PackedData, build_data, load_tokenizer
+from .loss import DraftLoss, target_forward
+from .positions import SINKS, anchor_offset_positions, sample_lag
+
+STATE_VERSION = 1
+
+
+@dataclass
+class TrainConfig:
+    """Settings of a training run (the ``longspec train`` options)."""
+
+    target: str = ""  # HF-format target directory
+    data: list = field(default_factory=list)  # text / JSONL files, source-tree directories
+    out: str = ""  # output directory: a loadable draft + checkpoints + metrics.jsonl
+    seq_len: int = 2048
+    batch_size: int = 1  # chunks per micro-batch on each rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    steps: int = 1000  # optimizer steps in total
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup: int = 100  # linear warm-up steps
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global gradient norm (0: off)
+    window: int = 512  # draft self-attention window
+    max_lag: int = 4  # G: lags 1..G for noisy cross-attention (max tree depth)
+    anchor_offset: bool = True
+    noise: bool = True
+    distill: bool = False  # objective (1 - w) CE + w KL(target || draft)
+    distill_weight: float = 1.0  # w
+    text_field: str = "text"
+    eval_fraction: float = 0.05  # share of documents held out (by sha256 of the name)
+    eval_every: int = 200  # steps (0: only at the end)
+    eval_chunks: int = 64  # held-out chunks per evaluation (0: all)
+    save_every: int = 500  # steps (0: only at the end)
+    keep_checkpoints: int = 2
+    log_every: int = 10  # steps averaged into one metrics row
+    resume: bool = False  # continue from OUT's latest checkpoint (start fresh when there is none)
+    seed: int = 0
+    device: Optional[str] = None  # default: cuda (cuda:LOCAL_RANK under torchrun) if available
+    dtype: Optional[str] = None  # target dtype and autocast dtype; default bf16 on CUDA, fp32 on CPU
+    tokenizer: Optional[str] = None  # default: the target directory
+    max_file_bytes: int = 1 << 20  # files of a source tree above this are skipped
+    progress: bool = True  # tqdm bar on rank 0
+
+    def validate(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "save_every", "eval_chunks", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.distill_weight <= 1:
+            raise ValueError("min_lr_ratio and distill_weight must be in [0, 1]")
+        if self.seq_len < self.max_lag + 2:
+            raise ValueError(f"seq_len {self.seq_len} leaves no prediction at lag {self.max_lag}: "
+                             f"use seq_len >= max_lag + 2")
+        if not self.out:
+            raise ValueError("no output directory (--out)")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of update ``step`` (0-based): linear warm-up over ``warmup`` steps, then
+    cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    span = max(config.steps - config.warmup - 1, 1)
+    progress = min((step - config.warmup) / span, 1.0)
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def sample_chunks(first: int, count: int, n_chunks: int, seed: int) -> torch.Tensor:
+    """Chunk indices [count] of global samples ``first..first+count-1``: epoch ``e`` visits the
+    chunks in a permutation seeded by ``(seed, e)`` (a pure function: resuming needs only the
+    sample counter)."""
+    ids = torch.arange(first, first + count)
+    out = torch.empty(count, dtype=torch.long)
+    for epoch in ids.div(n_chunks, rounding_mode="floor").unique().tolist():
+        perm = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        sel = ids // n_chunks == epoch
+        out[sel] = perm[ids[sel] % n_chunks]
+    return out
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the trained draft (unwrapped, float32), the step reached,
+    the metrics rows of this run and the output directory."""
+
+    draft: torch.nn.Module
+    step: int
+    history: list
+    out: Path
+
+
+class Trainer:
+    """Holds a run's state; :func:`train` is the entry point."""
+
+    def __init__(self, config: TrainConfig, env: distributed.DistEnv, target, data: PackedData):
+        from ..models.draft import DraftConfig, init_draft
+
+        self.config, self.env, self.target, self.data = config, env, target, data
+        target.requires_grad_(False).eval()
+        self.draft = init_draft(DraftConfig.for_target(target, window=config.window), target, seed=config.seed)
+        self.draft.float().train()
+        self.loss = DraftLoss(self.draft, config.distill_weight)
+        self.model = self.loss
+        if env.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.loss, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
+        self.offset_gen = torch.Generator().manual_seed(config.seed + 1)
+        self.lag_gen = torch.Generator().manual_seed(config.seed + 2)
+        self.step = 0
+        self.samples_seen = 0
+        self.amp_dtype = target.dtype if target.dtype != torch.float32 else None
+        self.cache = None  # the target's KV cache, reused across micro-batches of one shape
+        self.max_pos = target.config.max_position_embeddings
+
+    # ------------------------------------------------------------------------------ batches
+    @property
+    def global_batch(self) -> int:
+        return self.config.batch_size * self.env.world * self.config.grad_accum
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+
+    def _forward(self, model, ids, positions, lag):
+        """Target forward (no grad) then draft loss sums for one micro-batch on this rank."""
+        ids, positions = ids.to(self.env.device), positions.to(self.env.device)
+        b, t = ids.shape
+        if self.cache is None or self.cache.batch_size != b or self.cache.max_len != t:
+            self.cache = self.target.new_cache(b, t)
+        tgt = target_forward(self.target, ids, positions, want_logits=self.config.distill, cache=self.cache)
+        with self._autocast():
+            return model(ids, positions, tgt.k, tgt.v, lag, tgt.logits)
+
+    def train_step(self) -> dict:
+        """One optimizer step over a global batch. Returns the step's global metrics."""
+        c, env = self.config, self.env
+        started = time.perf_counter()
+        lr = lr_at(self.step, c)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        lag = sample_lag(self.lag_gen, c.max_lag, c.noise)
+        g = self.global_batch
+        chunks = sample_chunks(self.samples_seen, g, self.data.train.shape[0], c.seed)
+        positions = anchor_offset_positions(g, c.seq_len, self.max_pos, self.offset_gen, c.anchor_offset)
+        n_global = g * (c.seq_len - 1 - lag)
+        stats = torch.zeros(4, dtype=torch.float64)
+        for a in range(c.grad_accum):
+            rows = slice((a * env.world + env.rank) * c.batch_size, (a * env.world + env.rank + 1) * c.batch_size)
+            sync = a == c.grad_accum - 1 or not env.distributed
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                sums = self._forward(self.model, self.data.train[chunks[rows]], positions[rows], lag)
+                (sums.objective * (env.world / n_global)).backward()
+            stats += sums.stats().cpu()
+        norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.samples_seen += g
+        env.all_reduce_sum(stats)
+        ce, kl, correct, count = stats.tolist()
+        loss = ((1 - c.distill_weight) * ce + c.distill_weight * kl if c.distill else ce) / count
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {self.step}")
+        out = {"loss": loss, "ce": ce / count, "acc": correct / count, "lr": lr, "lag": lag,
+               "grad_norm": float(norm), "tokens": g * c.seq_len, "seconds": time.perf_counter() - started}
+        if c.distill:
+            out["kl"] = kl / count
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out CE (``eval_loss``), top-1 accuracy (``eval_acc``) and, with distillation,
+        KL, over the first ``eval_chunks`` held-out chunks. Chunk ``j`` uses lag
+        ``1 + j % max_lag`` (1 without noise) and anchor offsets from a fixed seed: every
+        evaluation sees the same inputs, independent of batching and ranks."""
+        c, env = self.config, self.env
+        chunks = self.data.eval if c.eval_chunks == 0 else self.data.eval[:c.eval_chunks]
+        m = chunks.shape[0]
+        if m == 0:
+            return {}
+        gen = torch.Generator().manual_seed(c.seed + 3)
+        positions = anchor_offset_positions(m, c.seq_len, self.max_pos, gen, c.anchor_offset)
+        lags = [1 + j % c.max_lag if c.noise else 1 for j in range(m)]
+        mine = [j for j in range(m) if j % env.world == env.rank]
+        stats = torch.zeros(4, dtype=torch.float64)
+        was_training = self.draft.training
+        self.draft.eval()
+        for lag in sorted(set(lags)):
+            group = [j for j in mine if lags[j] == lag]
+            for i in range(0, len(group), c.batch_size):
+                idx = torch.tensor(group[i:i + c.batch_size], dtype=torch.long)
+                stats += self._forward(self.loss, chunks[idx], positions[idx], lag).stats().cpu()
+        self.draft.train(was_training)
+        env.all_reduce_sum(stats)
+        ce, kl, correct, count = stats.tolist()
+        out = {"eval_loss": ce / count, "eval_acc": correct / count}
+        if c.distill:
+            out["eval_kl"] = kl / count
+        return out
+
+    # ------------------------------------------------------------------------------ state
+    def state(self) -> dict:
+        """Everything besides the draft weights needed to continue bit for bit."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {"version": STATE_VERSION, "step": self.step, "samples_seen": self.samples_seen,
+                "optimizer": self.optimizer.state_dict(), "offset_rng": self.offset_gen.get_state(),
+                "lag_rng": self.lag_gen.get_state(), "torch_rng": torch.get_rng_state(), "cuda_rng": cuda,
+                "python_rng": random.getstate(), "world_size": self.env.world, "global_batch": self.global_batch,
+                "config": json.loads(json.dumps(dataclasses.asdict(self.config), default=str))}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported trainer state version {state.get('version')!r}")
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.offset_gen.set_state(state["offset_rng"])
+        self.lag_gen.set_state(state["lag_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available() and len(state["cuda_rng"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        random.setstate(state["python_rng"])
+
+    def save(self) -> Path:
+        return save_checkpoint(self.config.out, self.step, self.draft, self.state(), self.config.keep_checkpoints)
+
+
+def _progress(config: TrainConfig, env, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, initial=start, disable=not (config.progress and env.is_main),
+                unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def _mean_rows(rows: list) -> dict:
+    """Averages the per-step metrics of a logging window (token-weighted throughput)."""
+    keys = [k for k in rows[0] if k not in ("tokens", "seconds", "lr", "lag")]
+    out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    out["lr"] = rows[-1]["lr"]
+    out["tokens_per_s"] = sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
+    return out
+
+
+def train(config: TrainConfig, tokenizer=None, target=None,
+          callback: Optional[Callable[[int, dict], None]] = None) -> TrainResult:
+    """Trains a LongSpec draft for ``config.target`` on ``config.data`` (see the module and
+    :class:`TrainConfig` docs). ``tokenizer`` (anything with ``encode``) and ``target`` (a loaded
+    :class:`~longspec.models.target.TargetModel`) override loading them from ``config.target``.
+    ``callback(step, metrics)`` runs on every rank after each step (an exception it raises stops
+    training like a kill would: nothing is saved beyond the last checkpoint).
+
+    Raises ValueError for bad settings or data, and when ``out`` already holds a run and
+    ``resume`` is not set."""
+    from ..models.checkpoint import load_target, resolve_dtype
+
+    config.validate()
+    env = distributed.setup(config.device)
+    try:
+        return _run(config, env, tokenizer, target, callback, load_target, resolve_dtype)
+    finally:
+        env.close()
+
+
+def _run(config, env, tokenizer, target, callback, load_target, resolve_dtype) -> TrainResult:
+    out = Path(config.out)
+    if target is None:
+        if not config.target:
+            raise ValueError("no target model (--target)")
+        dtype = resolve_dtype(config.dtype or ("bfloat16" if env.device.type == "cuda" else "float32"))
+        if dtype == torch.float16:
+            raise ValueError("float16 training is not supported (no loss scaling): use bfloat16 or float32")
+        target = load_target(config.target, dtype=dtype, device=env.device)
+    elif target.device != env.device:
+        target = target.to(env.device)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.tokenizer or config.target)
+    data = build_data(DataConfig(config.data, config.seq_len, config.text_field, config.eval_fraction,
+                                 config.max_file_bytes), tokenizer, target.config.max_position_embeddings,
+                      target.config.vocab_size)
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None and not config.resume:
+        raise ValueError(f"{out} already holds a training run (checkpoint {checkpoint.name}): pass --resume to "
+                         f"continue it, or choose another --out")
+    env.barrier()
+    trainer = Trainer(config, env, target, data)
+    log = MetricsLog(out, enabled=env.is_main)
+    if checkpoint is not None:
+        trainer.load_state(load_checkpoint(checkpoint, trainer.draft))
+        log.truncate_after(trainer.step)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "train_config.json",
+                     lambda f: Path(f).write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str)))
+        note = f"resuming at step {trainer.step}" if checkpoint is not None else "starting"
+        print(f"[longspec train] {data.summary()}; {env.world} process(es), global batch {trainer.global_batch} "
+              f"x {config.seq_len} tokens; {note}", file=sys.stderr)
+        if data.eval.shape[0] == 0:
+            print("[longspec train] warning: no held-out chunk (too few held-out documents / tokens): "
+                  "no evaluation", file=sys.stderr)
+    history, window = [], []
+    if config.eval_every and trainer.step == 0 and data.eval.shape[0]:
+        row = {"step": 0, **trainer.evaluate()}  # the untrained draft: a baseline
+        log.write(row)
+        history.append(row)
+    bar = _progress(config, env, trainer.step)
+    try:
+        while trainer.step < config.steps:
+            metrics = trainer.train_step()
+            step = trainer.step
+            window.append(metrics)
+            row = None
+            if step % config.log_every == 0 or step == config.steps:
+                row = {"step": step, **_mean_rows(window)}
+                window = []
+            if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
+                row = {"step": step, **(row or {}), **trainer.evaluate()}
+            if row is not None:
+                log.write(row)
+                history.append(row)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
+                            tok_s=f"{metrics['tokens'] / metrics['seconds']:.0f}", refresh=False)
+            bar.update(1)
+            if env.is_main and ((config.save_every and step % config.save_every == 0) or step == config.steps):
+                trainer.save()
+            if callback is not None:
+                callback(step, metrics)
+    finally:
+        bar.close()
+    env.barrier()
+    return TrainResult(trainer.draft, trainer.step, history, out)

@@ -1,0 +1,303 @@
+"""Draft training: anchor-offset indices, noisy lags, the data pipeline (text / JSONL / source trees,
+split by document, errors), the target forward and loss alignment, and the trainer on a tiny
+target (held-out loss falls, distillation, bit-exact resume after an interruption, checkpoints
+that load with ``load_draft``, the CLI)."""
+import json
+import random
+
+import pytest
+import torch
+
+from longspec import load_target
+from longspec.models.checkpoint import load_draft
+from longspec.training import (DataConfig, Document, TrainConfig, anchor_offset_positions, build_data,
+                               iter_documents, loss_sums, lr_at, offset_range, sample_chunks, sample_lag,
+                               split_documents, target_forward, train)
+from longspec.training.checkpoints import latest_checkpoint
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n#=_/()0123456789:"
+
+
+class CharTokenizer:
+    """A trivial character-level tokenizer: id 0 = eos, 1 = bos, then one id per character."""
+
+    bos_token_id, eos_token_id = 1, 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [2 + ALPHABET.index(ch) for ch in text if ch in ALPHABET]
+
+
+def grammar_text(rng: random.Random, sentences: int) -> str:
+    """Synthetic but learnable text: sentences of a tiny grammar."""
+    nouns = ["cat", "dog", "bird", "fish", "horse"]
+    verbs = ["sees", "likes", "chases", "finds"]
+    adjs = ["big", "small", "red", "quick"]
+    out = []
+    for _ in range(sentences):
+        out.append(f"the {rng.choice(adjs)} {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)}.")
+    return " ".join(out) + "\n"
+
+
+def write_corpus(path, docs: int = 40, sentences: int = 12, seed: int = 0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            f.write(json.dumps({"text": grammar_text(rng, sentences), "meta": 1}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    _, path = tiny_model_factory("train-llama", "llama", max_position_embeddings=256, seed=5)
+    return load_target(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "grammar.jsonl")
+
+
+def small_config(out, corpus, **kw):
+    base = dict(data=[str(corpus)], out=str(out), seq_len=32, batch_size=4, steps=40, lr=3e-3, warmup=4,
+                window=16, max_lag=3, eval_fraction=0.2, eval_every=0, eval_chunks=16, save_every=0, log_every=1,
+                progress=False, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ---------------------------------------------------------------------------------- positions
+
+def test_anchor_offset_positions():
+    gen = torch.Generator().manual_seed(0)
+    n, max_pos = 20, 100
+    pos = anchor_offset_positions(500, n, max_pos, gen)
+    assert pos.shape == (500, n) and pos.dtype == torch.long
+    assert (pos[:, :4] == torch.arange(4)).all()  # attention sinks
+    assert (pos[:, 5:] - pos[:, 4:-1] == 1).all()  # consecutive after the sinks
+    offsets = pos[:, 4]
+    assert offset_range(n, max_pos) == (4, 80)
+    assert int(offsets.min()) >= 4 and int(offsets.max()) <= 80
+    assert int(offsets.min()) <= 10 and int(offsets.max()) >= 74  # spread over the range
+    assert int(pos.max()) < max_pos
+    again = anchor_offset_positions(500, n, max_pos, torch.Generator().manual_seed(0))
+    assert torch.equal(pos, again)  # seeded
+    assert torch.equal(anchor_offset_positions(3, n, max_pos, None, enabled=False), torch.arange(n).expand(3, n))
+    full = anchor_offset_positions(8, max_pos, max_pos, gen)  # a chunk as long as the context: plain
+    assert torch.equal(full, torch.arange(max_pos).expand(8, max_pos))
+    assert torch.equal(anchor_offset_positions(2, 3, max_pos, gen), torch.arange(3).expand(2, 3))
+    with pytest.raises(ValueError, match="does not fit"):
+        anchor_offset_positions(1, max_pos + 1, max_pos, gen)
+
+
+def test_noisy_lag_range():
+    gen = torch.Generator().manual_seed(0)
+    lags = [sample_lag(gen, 4) for _ in range(400)]
+    assert set(lags) == {1, 2, 3, 4}
+    assert all(sample_lag(gen, 4, noise=False) == 1 for _ in range(10))
+    assert sample_lag(gen, 1) == 1
+    with pytest.raises(ValueError):
+        sample_lag(gen, 0)
+
+
+def test_lr_schedule_and_sampling():
+    c = TrainConfig(out="x", lr=1.0, warmup=4, steps=20, min_lr_ratio=0.1)
+    lrs = [lr_at(s, c) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] == pytest.approx(0.1)
+    idx = sample_chunks(0, 30, 10, seed=3)  # three epochs, each a permutation
+    for e in range(3):
+        assert sorted(idx[e * 10:(e + 1) * 10].tolist()) == list(range(10))
+    assert torch.equal(sample_chunks(7, 9, 10, 3), idx[7:16])  # a pure function of the sample ids
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def test_text_jsonl_and_source_tree_documents(tmp_path):
+    text = tmp_path / "book.md"
+    text.write_text("# title\nsome text\n")
+    assert list(iter_documents(text)) == [Document("book.md", "# title\nsome text\n")]
+
+    jl = tmp_path / "c.jsonl"
+    jl.write_text('{"body": "first"}\n\n{"other": 1}\n{"body": "third"}\n')
+    docs = list(iter_documents(jl, text_field="body"))
+    assert [(d.name, d.text) for d in docs] == [("c.jsonl:1", "first"), ("c.jsonl:4", "third")]
+
+    root = tmp_path / "repos"
+    (root / "alpha" / "pkg").mkdir(parents=True)
+    (root / "alpha" / "pkg" / "b.py").write_text("B = 2\n")
+    (root / "alpha" / "a.py").write_text("A = 1")
+    (root / "alpha" / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    (root / "alpha" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "alpha" / "huge.txt").write_text("x" * 5000)
+    (root / "alpha" / "__pycache__").mkdir()
+    (root / "alpha" / "__pycache__" / "a.pyc.txt").write_text("skip me")
+    (root / "alpha" / ".git").mkdir()
+    (root / "alpha" / ".git" / "HEAD").write_text("skip me")
+    (root / "beta").mkdir()
+    (root / "beta" / "main.c").write_text("int main() {}\n")
+    (root / "empty").mkdir()
+    (root / "README.txt").write_text("top level\n")
+    docs = list(iter_documents(root, max_file_bytes=1000))
+    assert [d.name for d in docs] == ["repos", "repos/alpha", "repos/beta"]
+    assert docs[0].text == "# ==== README.txt ====\ntop level\n"
+    assert docs[1].text == "# ==== a.py ====\nA = 1\n# ==== pkg/b.py ====\nB = 2\n"  # one long document
+    assert docs[2].text == "# ==== main.c ====\nint main() {}\n"
+
+
+def test_split_is_by_document_and_stable(tmp_path):
+    names = [f"doc{i}" for i in range(2000)]
+    train, held = split_documents([Document(n, "x") for n in names], 0.1)
+    assert 140 < len(held) < 260 and len(train) + len(held) == 2000
+    assert {d.name for d in train}.isdisjoint({d.name for d in held})
+    train2, held2 = split_documents([Document(n, "y") for n in reversed(names)], 0.1)
+    assert {d.name for d in held2} == {d.name for d in held}  # by name only, order-independent
+    _, few = split_documents([Document("a", "x"), Document("b", "x")], 0.01)
+    assert len(few) == 1  # a held-out side exists whenever there are two documents
+    assert split_documents([Document("a", "x")], 0.5)[0]  # never everything held out
+
+    # packing: each document is one repeated letter, so a chunk shows which documents it came from
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = [json.dumps({"text": ch * (40 + 7 * i)}) for i, ch in enumerate(letters)]
+    (tmp_path / "letters.jsonl").write_text("\n".join(lines) + "\n")
+    tok = CharTokenizer()
+    data = build_data(DataConfig([str(tmp_path / "letters.jsonl")], seq_len=16, eval_fraction=0.3), tok, 64, 160)
+    docs = list(iter_documents(tmp_path / "letters.jsonl"))
+    _, held_docs = split_documents(docs, 0.3)
+    held_ids = {tok.encode(d.text[0])[0] for d in held_docs} | {0, 1}
+    assert data.eval.shape[0] > 0 and data.train.shape[1] == 16
+    assert set(data.eval.unique().tolist()) <= held_ids
+    assert set(data.train.unique().tolist()).isdisjoint(held_ids - {0, 1})
+
+
+def test_data_errors(tmp_path):
+    tok = CharTokenizer()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match=r"no usable text in .*empty\.txt: the file is empty"):
+        build_data(DataConfig([str(empty)], seq_len=8), tok, 64)
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\x00\xff" * 50)
+    with pytest.raises(ValueError, match=r"no usable text in .*blob\.txt"):
+        build_data(DataConfig([str(binary)], seq_len=8), tok, 64)
+    bindir = tmp_path / "bindir"
+    bindir.mkdir()
+    (bindir / "x.so").write_bytes(b"\x7fELF\x00\x00")
+    with pytest.raises(ValueError, match=r"no usable text in .*bindir: no readable text files"):
+        build_data(DataConfig([str(bindir)], seq_len=8), tok, 64)
+    jl = tmp_path / "nofield.jsonl"
+    jl.write_text('{"content": "abc"}\n')
+    with pytest.raises(ValueError, match=r"no usable text in .*nofield\.jsonl: no line has .*'text'"):
+        build_data(DataConfig([str(jl)], seq_len=8), tok, 64)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "abc"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):
+        build_data(DataConfig([str(bad)], seq_len=8), tok, 64)
+    with pytest.raises(FileNotFoundError, match="data path not found"):
+        build_data(DataConfig([str(tmp_path / "missing")], seq_len=8), tok, 64)
+    good = tmp_path / "good.txt"
+    good.write_text("abc " * 100)
+    with pytest.raises(ValueError, match="--seq-len 128 exceeds the target's max_position_embeddings \\(64\\)"):
+        build_data(DataConfig([str(good)], seq_len=128), tok, 64)
+    with pytest.raises(ValueError, match="fewer than --seq-len 60"):
+        short = tmp_path / "short.txt"
+        short.write_text("abc")
+        build_data(DataConfig([str(short)], seq_len=60), tok, 64)
+    with pytest.raises(ValueError, match="vocabulary has 10 entries"):
+        build_data(DataConfig([str(good)], seq_len=8), tok, 64, vocab_size=10)
+
+
+# ----------------------------------------------------------------------------- target and loss
+
+def test_target_forward_matches_prefill_cache(target):
+    ids = torch.randint(0, 160, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = target_forward(target, ids, torch.arange(12).expand(2, 12), want_logits=True)
+    cache = target.new_cache(2, 12)
+    logits = target.prefill(ids, torch.full((2,), 12), cache, all_logits=True)
+    torch.testing.assert_close(out.k, cache.k[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.v, cache.v[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits, logits, rtol=1e-4, atol=1e-4)
+    assert not out.k.requires_grad and not out.k.is_inference()  # usable in the draft's backward
+
+
+def test_loss_alignment():
+    ids = torch.randint(0, 7, (2, 10), generator=torch.Generator().manual_seed(1))
+    perfect = torch.full((2, 10, 7), -30.0)
+    perfect[:, :-1].scatter_(2, ids[:, 1:, None], 30.0)  # position t puts all mass on token t + 1
+    for lag in (1, 3):
+        s = loss_sums(perfect, ids, lag)
+        assert s.count == 2 * (10 - 1 - lag) and int(s.correct) == s.count and float(s.ce) < 1e-6
+    s = loss_sums(torch.zeros(2, 10, 7), ids, 2, target_logits=perfect, distill_weight=0.5)
+    assert float(s.kl) > 0 and float(s.objective) == pytest.approx(0.5 * float(s.ce) + 0.5 * float(s.kl))
+
+
+# ------------------------------------------------------------------------------------- trainer
+
+def test_training_reduces_held_out_loss_and_checkpoints_load(target, corpus, tmp_path):
+    out = tmp_path / "run"
+    result = train(small_config(out, corpus, steps=60, eval_every=30), tokenizer=CharTokenizer(), target=target)
+    evals = [r for r in result.history if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"], evals
+    assert evals[-1]["eval_acc"] > evals[0]["eval_acc"] + 0.2, evals
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == json.loads(json.dumps(result.history))
+    assert {"step", "loss", "lr", "tokens_per_s", "acc"} <= set(rows[1])
+    # the output directory and the checkpoint are loadable drafts
+    for path in (out, latest_checkpoint(out)):
+        draft = load_draft(path, target)
+        for name, p in draft.state_dict().items():
+            assert torch.equal(p, result.draft.state_dict()[name]), name
+    assert latest_checkpoint(out).name == "step-00000060"
+    with pytest.raises(ValueError, match="already holds a training run"):
+        train(small_config(out, corpus), tokenizer=CharTokenizer(), target=target)
+
+
+def test_resume_is_bit_exact(target, corpus, tmp_path):
+    kw = dict(steps=10, save_every=4, grad_accum=2, batch_size=2, eval_every=5, keep_checkpoints=1)
+    full = train(small_config(tmp_path / "full", corpus, **kw), tokenizer=CharTokenizer(), target=target)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_6(step, metrics):
+        if step == 6:
+            raise Killed
+
+    out = tmp_path / "interrupted"
+    with pytest.raises(Killed):
+        train(small_config(out, corpus, **kw), tokenizer=CharTokenizer(), target=target, callback=kill_after_6)
+    assert latest_checkpoint(out).name == "step-00000004"  # steps 5-6 are lost, as after a kill
+    resumed = train(small_config(out, corpus, resume=True, **kw), tokenizer=CharTokenizer(), target=target)
+    assert resumed.step == 10
+    for name, p in full.draft.state_dict().items():
+        assert torch.equal(p, resumed.draft.state_dict()[name]), name
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(11))  # rows of the lost steps were replaced
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s",)} for r in rows]  # noqa: E731
+    assert strip(logged) == strip(json.loads(json.dumps(full.history)))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000010"]
+
+
+def test_distillation_loss_decreases(target, corpus, tmp_path):
+    result = train(small_config(tmp_path / "kd", corpus, steps=30, eval_every=30, distill=True),
+                   tokenizer=CharTokenizer(), target=target)
+    evals = [r for r in result.history if "eval_kl" in r]
+    assert evals[-1]["eval_kl"] < 0.8 * evals[0]["eval_kl"], evals
+    train_rows = [r for r in result.history if "kl" in r]
+    first, last = train_rows[:3], train_rows[-3:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)
+    # mixed with CE: the objective (1 - w) CE + w KL falls too
+    mixed = train(small_config(tmp_path / "mixed", corpus, steps=20, distill=True, distill_weight=0.5),
+                  tokenizer=CharTokenizer(), target=target).history
+    assert all(r["loss"] == pytest.approx(0.5 * r["ce"] + 0.5 * r["kl"]) for r in mixed if "loss" in r)
+    assert sum(r["loss"] for r in mixed[-3:]) < 0.8 * sum(r["loss"] for r in mixed[:3])
+
+
+def test_ablation_flags_and_config_errors(target, corpus, tmp_path):
+    result = train(small_config(tmp_path / "plain", corpus, steps=3, anchor_offset=False, noise=False),
+                   tokenizer=CharTokenizer(), target=target)
+    assert result.step == 3
+    with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings"):
+        train(small_config(tmp_path / "long", corpus, seq_len=512), tokenizer=CharTokenizer(), target=target)
+    with pytest.raises(ValueError, match="max_lag \\+ 2"):
+        train(small_config(tmp_path / "lag", corpus, seq_len=4, max_lag=4), tokenizer=CharTokenizer(), target=target)

@@ -1,0 +1,75 @@
+"""Data-parallel training under torchrun (2 CPU processes, gloo) gives the same draft as one
+process with the same global batch; also exercises the CLI and the target directory's own
+Hugging Face tokenizer."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from longspec.cli import main
+from test_training import ALPHABET, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def save_char_tokenizer(path: Path) -> None:
+    """A character-level Hugging Face tokenizer (same ids as test_training.CharTokenizer)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"</s>": 0, "<s>": 1, **{ch: 2 + i for i, ch in enumerate(ALPHABET)}, "<unk>": 2 + len(ALPHABET)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+
+
+def common_args(target, corpus, out):
+    return ["train", "--target", str(target), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
+            "--steps", "6", "--lr", "3e-3", "--warmup", "2", "--window", "16", "--max-lag", "3",
+            "--eval-fraction", "0.2", "--eval-every", "3", "--eval-chunks", "8", "--save-every", "3",
+            "--log-every", "1", "--no-progress", "--device", "cpu", "--seed", "7"]
+
+
+def test_torchrun_two_processes_match_one(tiny_model_factory, tmp_path, capsys):
+    _, target = tiny_model_factory("ddp-llama", "llama", max_position_embeddings=256, seed=5)
+    save_char_tokenizer(target)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", docs=30)
+
+    # two ranks, 1 chunk x 2 accumulation steps each: global batch 4
+    ddp_out = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "longspec.cli", *common_args(target, corpus, ddp_out), "--batch-size", "1", "--grad-accum", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 6 and "eval_loss" in summary
+    assert "2 process(es), global batch 4" in proc.stderr
+
+    # one process, 2 chunks x 2 accumulation steps: the same global batch, split differently
+    one_out = tmp_path / "one"
+    assert main(common_args(target, corpus, one_out) + ["--batch-size", "2", "--grad-accum", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+
+    a, b = load_file(ddp_out / "model.safetensors"), load_file(one_out / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert float((a[name] - b[name]).abs().max()) <= 1e-5 * float(b[name].abs().max()), name
+    rows = {k: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            for k, out in (("ddp", ddp_out), ("one", one_out))}
+    assert [r["step"] for r in rows["ddp"]] == [r["step"] for r in rows["one"]]
+    for r, s in zip(rows["ddp"], rows["one"]):
+        for key in ("loss", "eval_loss", "eval_acc", "grad_norm"):
+            if key in s:
+                assert abs(r[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, r, s)
+    # torchrun wrote a complete, resumable run from rank 0 only
+    assert sorted(p.name for p in (ddp_out / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
+    assert torch.load(ddp_out / "checkpoints" / "step-00000006" / "trainer_state.pt", weights_only=True)[
+        "world_size"] == 2
