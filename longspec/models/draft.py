@@ -22,7 +22,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import reference
+from ..attention import masked_attention, reference
 from ..config import ModelConfig, RopeConfig
 from .rope import apply_rotary
 from .target import MLP, RMSNorm, TargetModel
@@ -246,10 +246,17 @@ class LongSpecDraft(nn.Module):
         q, k, v, cos, sin = self._qkv(x, positions)
         cache.write(k, v, index, node, valid, slot)
         visible = cache.visibility(index, node, tree_mask)
-        o, _ = reference.dense_attention(q, cache.k, cache.v, visible)
+        if self.target.attention_impl == "reference":
+            o, _ = reference.dense_attention(q, cache.k, cache.v, visible)
+        else:
+            o = masked_attention(q, cache.k, cache.v, visible, may_be_empty=True)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
-        cross, _ = reference.prefix_attention(cq, target_k, target_v, cross_limit)
+        if self.target.attention_impl == "reference":
+            cross, _ = reference.prefix_attention(cq, target_k, target_v, cross_limit)
+        else:
+            slots = torch.arange(target_k.shape[2], device=x.device)
+            cross = masked_attention(cq, target_k, target_v, slots < cross_limit[..., None], may_be_empty=True)
         return self._finish(x, cross)
 
     def window_kv(self, input_ids, positions):

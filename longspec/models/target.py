@@ -18,7 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import reference
+from ..attention import causal_attention, masked_attention, reference
 from ..cache import KVCache
 from ..config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -69,19 +69,44 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(1, 2)  # [B, n, T, D]
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, tree_mask, used: int):
-        """x [B, T, H]; cos/sin [B, T, D]; tree_mask [B or 1, T, P+T] (P = ``cache.pending``);
-        ``used``: cache slots worth reading (max committed length) -> [B, T, H]."""
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, view: "AttentionView"):
+        """x [B, T, H]; cos/sin [B, T, D]; ``view``: what the new tokens see -> [B, T, H]."""
         q = apply_rotary(self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None)), cos, sin)
         k = apply_rotary(self._heads(self.k_proj(x), self.n_kv, getattr(self, "k_norm", None)), cos, sin)
         v = self._heads(self.v_proj(x), self.n_kv, None)
         cache.write(layer, k, v)
-        if cache.pending:  # a tree grown level by level: earlier levels are pending in the cache
-            k, v = cache.pending_kv(layer, cache.pending + k.shape[2])
-        o = reference.hybrid_attention(q, cache.k[layer][:, :, :used], cache.v[layer][:, :, :used],
-                                       cache.lengths, k, v, tree_mask)
+        if view.fresh_causal:  # a first prefill chunk: nothing cached, plain causal attention
+            o = causal_attention(q, k, v)
+        elif view.key_mask is not None:  # fused kernel over the cache slots, one mask for all layers
+            s = view.key_mask.shape[-1]
+            o = masked_attention(q, cache.k[layer][:, :, :s], cache.v[layer][:, :, :s], view.key_mask)
+        else:  # the reference: unmasked prefix + tree part, merged by log-sum-exp
+            if cache.pending:  # a tree grown level by level: earlier levels are pending in the cache
+                k, v = cache.pending_kv(layer, cache.pending + k.shape[2])
+            used = view.used
+            o = reference.hybrid_attention(q, cache.k[layer][:, :, :used], cache.v[layer][:, :, :used],
+                                           cache.lengths, k, v, view.tree_mask)
         b, _, t, _ = o.shape
         return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
+
+
+class AttentionView:
+    """What T new tokens of a forward see, computed once for all layers: every committed slot of
+    their row (``0..lengths[b]-1``) plus the pending/new tokens their tree mask [B or 1, T, P+T]
+    allows. ``key_mask`` [B, T, S] spells that out over cache slots for the fused kernel."""
+
+    def __init__(self, cache: KVCache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool):
+        self.tree_mask, self.used = tree_mask, int(cache.lengths.max())
+        self.fresh_causal = impl == "sdpa" and causal and self.used == 0 and cache.pending == 0
+        self.key_mask = None
+        if impl == "sdpa" and not self.fresh_causal:
+            n_tree = cache.pending + n_new
+            slots = torch.arange(self.used + n_tree, device=tree_mask.device)
+            rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
+            tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
+                2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
+            in_tree = (rel >= 0) & (rel < n_tree)
+            self.key_mask = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
 
 
 class DecoderLayer(nn.Module):
@@ -92,8 +117,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache, layer, tree_mask, used):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, tree_mask, used)
+    def forward(self, x, cos, sin, cache, layer, view):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, view)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -119,6 +144,7 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.path: Optional[str] = None  # checkpoint directory (for the tokenizer)
+        self.attention_impl = "sdpa"  # or "reference": the pure-PyTorch oracle
 
     @property
     def device(self) -> torch.device:
@@ -136,19 +162,21 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       tree_mask: torch.Tensor, rope_seq_len: Optional[int] = None) -> torch.Tensor:
+                       tree_mask: torch.Tensor, rope_seq_len: Optional[int] = None,
+                       causal: bool = False) -> torch.Tensor:
         """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
-        (pending, not committed) and returns the final-norm hidden states [B, T, H]."""
+        (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
+        says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel)."""
         cache.check_room(input_ids.shape[1])
         if tree_mask.shape[-1] != cache.pending + input_ids.shape[1]:
             raise ValueError(f"tree mask covers {tree_mask.shape[-1]} tokens, expected pending "
                              f"{cache.pending} + new {input_ids.shape[1]}")
-        used = int(cache.lengths.max())
+        view = AttentionView(cache, tree_mask, input_ids.shape[1], self.attention_impl, causal)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, rope_seq_len)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, tree_mask, used)
+            x = layer(x, cos, sin, cache, i, view)
         cache.pending += input_ids.shape[1]
         return self.model.norm(x)
 
@@ -171,7 +199,7 @@ class TargetModel(nn.Module):
             steps = torch.arange(m, device=ids.device)
             positions = start[:, None] + c0 + steps[None, :]
             causal = steps[:, None] >= steps[None, :]
-            hidden = self.forward_hidden(ids, positions, cache, causal[None], rope_len)
+            hidden = self.forward_hidden(ids, positions, cache, causal[None], rope_len, causal=True)
             real = (n_tokens - c0).clamp(0, m)
             last = (real - 1).clamp(min=0)
             has_last = (n_tokens - 1 >= c0) & (n_tokens - 1 < c0 + m)
