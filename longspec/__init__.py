@@ -1,16 +1,12 @@
 """longspec: lossless speculative decoding for long contexts (the LongSpec method)."""
 from .config import GenerationConfig, ModelConfig
+from .decoding.engine import GenerationOutput, Generator
+from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
+from .decoding.tree import TreeSpec
 from .models import TargetModel, load_target
+from .models.checkpoint import load_draft, save_draft
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name):  # lazy: the engine pulls in the decoding package
-    if name in ("Generator", "GenerationOutput"):
-        from .decoding import engine
-
-        return getattr(engine, name)
-    raise AttributeError(f"module 'longspec' has no attribute {name!r}")
-
-
-__all__ = ["GenerationConfig", "Generator", "GenerationOutput", "ModelConfig", "TargetModel", "load_target"]
+__all__ = ["GenerationConfig", "GenerationOutput", "Generator", "LongSpecProposer", "ModelConfig", "PromptLookup",
+           "StreamingSelfSpec", "TargetModel", "TreeSpec", "load_draft", "load_target", "save_draft"]

@@ -11,7 +11,10 @@ import torch
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .sampling import sample, warp_probs
+from .tree import TreeSpec
 from .verify import verify_tree
+
+DEFAULT_TREE = "4,16,16,16,16"
 
 Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
 Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
@@ -36,12 +39,19 @@ class _Clock:
 
 
 class Generator:
-    """Generates with a target model, autoregressively when ``proposer`` is None.
+    """Generates with a target model, autoregressively when ``proposer`` is None, else
+    speculatively with ``proposer`` drafting trees of shape ``tree`` (a :class:`TreeSpec` or its
+    string form; default the paper's beam tree ``4,16,16,16,16``).
 
-    ``max_len`` caps the KV cache (prompt + new tokens); it defaults to the target's
+    ``max_len`` caps the KV cache (prompt + new tokens + tree); it defaults to the target's
     ``max_position_embeddings``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None):
+        if proposer is None and tree is not None:
+            raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
+        if proposer is not None:
+            tree = TreeSpec.parse(tree or DEFAULT_TREE) if not isinstance(tree, TreeSpec) else tree
+            tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree = target, proposer, tree
         self.max_len = max_len or target.config.max_position_embeddings
 
@@ -94,8 +104,6 @@ class Generator:
         the accepted tokens' K/V; the output is the target's own (greedy: token for token;
         sampling: the same distribution). Finished rows leave the batch."""
         config = config or GenerationConfig()
-        if self.proposer is not None:
-            self.tree.validate(self.target.config.vocab_size)
         prompts, ids, lens, need = self._prepare(prompts, config)
         device = self.target.device
         rng = None

@@ -206,14 +206,28 @@ def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return stream[: n * seq_len].view(n, seq_len)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path):
     """The Hugging Face tokenizer stored in a model directory (local files only)."""
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {path}: pass --tokenizer DIR")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load a tokenizer from {path}: {err}") from None
+
+
+def check_seq_len(seq_len: int, max_position_embeddings: int) -> None:
+    """Raises ValueError when chunks of ``seq_len`` tokens cannot be trained on the target."""
+    if seq_len > max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the target's max_position_embeddings "
+                         f"({max_position_embeddings})")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
 
 
 def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
@@ -221,11 +235,7 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
     """Reads every path, splits by document, tokenises and packs both sides. Raises ValueError
     for a path without usable text, ``seq_len`` above ``max_position_embeddings``, or a training
     side shorter than one chunk."""
-    if config.seq_len > max_position_embeddings:
-        raise ValueError(f"--seq-len {config.seq_len} exceeds the target's max_position_embeddings "
-                         f"({max_position_embeddings})")
-    if config.seq_len < 2:
-        raise ValueError(f"--seq-len must be at least 2, got {config.seq_len}")
+    check_seq_len(config.seq_len, max_position_embeddings)
     if not config.paths:
         raise ValueError("no data paths given")
     docs = [d for p in config.paths for d in iter_documents(p, config.text_field, config.max_file_bytes)]

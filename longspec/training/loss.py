@@ -32,10 +32,11 @@ class TargetOutputs:
 def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, want_logits: bool = False,
                    cache=None) -> TargetOutputs:
     """Runs the frozen target over input_ids, positions [B, T] (causal) on a fresh cache (or
-    ``cache``, reset first) and returns its last layer's K/V. Under ``no_grad``, not
-    ``inference_mode``: the K/V are saved for the draft's backward."""
+    ``cache``, a KV cache of B rows and at least T slots to reuse; reset first) and returns its
+    last layer's K/V. Under ``no_grad``, not ``inference_mode``: the K/V are saved for the
+    draft's backward."""
     b, t = input_ids.shape
-    if cache is None or cache.batch_size != b or cache.max_len != t:
+    if cache is None:
         cache = target.new_cache(b, t)
     cache.lengths.zero_()
     cache.discard()

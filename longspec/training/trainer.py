@@ -24,11 +24,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..models.checkpoint import load_target, resolve_dtype
+from ..models.draft import DraftConfig, init_draft
 from . import distributed
 from .checkpoints import MetricsLog, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
-from .data import DataConfig, PackedData, build_data, load_tokenizer
+from .data import DataConfig, PackedData, build_data, check_seq_len, load_tokenizer
 from .loss import DraftLoss, target_forward
-from .positions import SINKS, anchor_offset_positions, sample_lag
+from .positions import anchor_offset_positions, sample_lag
 
 STATE_VERSION = 1
 
@@ -128,8 +130,6 @@ class Trainer:
     """Holds a run's state; :func:`train` is the entry point."""
 
     def __init__(self, config: TrainConfig, env: distributed.DistEnv, target, data: PackedData):
-        from ..models.draft import DraftConfig, init_draft
-
         self.config, self.env, self.target, self.data = config, env, target, data
         target.requires_grad_(False).eval()
         self.draft = init_draft(DraftConfig.for_target(target, window=config.window), target, seed=config.seed)
@@ -245,7 +245,8 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "offset_rng": self.offset_gen.get_state(),
                 "lag_rng": self.lag_gen.get_state(), "torch_rng": torch.get_rng_state(), "cuda_rng": cuda,
                 "python_rng": random.getstate(), "world_size": self.env.world, "global_batch": self.global_batch,
-                "config": json.loads(json.dumps(dataclasses.asdict(self.config), default=str))}
+                "train_chunks": self.data.train.shape[0],
+                "config": json.loads(config_json(self.config))}
 
     def load_state(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -258,9 +259,17 @@ class Trainer:
         if state["cuda_rng"] and torch.cuda.is_available() and len(state["cuda_rng"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         random.setstate(state["python_rng"])
+        if state.get("train_chunks") != self.data.train.shape[0] and self.env.is_main:
+            print(f"[longspec train] warning: the data now packs into {self.data.train.shape[0]} chunks, "
+                  f"the checkpoint was trained on {state.get('train_chunks')}: the sample order changes",
+                  file=sys.stderr)
 
     def save(self) -> Path:
         return save_checkpoint(self.config.out, self.step, self.draft, self.state(), self.config.keep_checkpoints)
+
+
+def config_json(config: TrainConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2, default=str)
 
 
 def _progress(config: TrainConfig, env, start: int):
@@ -289,17 +298,15 @@ def train(config: TrainConfig, tokenizer=None, target=None,
 
     Raises ValueError for bad settings or data, and when ``out`` already holds a run and
     ``resume`` is not set."""
-    from ..models.checkpoint import load_target, resolve_dtype
-
     config.validate()
     env = distributed.setup(config.device)
     try:
-        return _run(config, env, tokenizer, target, callback, load_target, resolve_dtype)
+        return _run(config, env, tokenizer, target, callback)
     finally:
         env.close()
 
 
-def _run(config, env, tokenizer, target, callback, load_target, resolve_dtype) -> TrainResult:
+def _run(config, env, tokenizer, target, callback) -> TrainResult:
     out = Path(config.out)
     if target is None:
         if not config.target:
@@ -310,6 +317,7 @@ def _run(config, env, tokenizer, target, callback, load_target, resolve_dtype) -
         target = load_target(config.target, dtype=dtype, device=env.device)
     elif target.device != env.device:
         target = target.to(env.device)
+    check_seq_len(config.seq_len, target.config.max_position_embeddings)  # before tokenising anything
     if tokenizer is None:
         tokenizer = load_tokenizer(config.tokenizer or config.target)
     data = build_data(DataConfig(config.data, config.seq_len, config.text_field, config.eval_fraction,
@@ -324,11 +332,10 @@ def _run(config, env, tokenizer, target, callback, load_target, resolve_dtype) -
     log = MetricsLog(out, enabled=env.is_main)
     if checkpoint is not None:
         trainer.load_state(load_checkpoint(checkpoint, trainer.draft))
-        log.truncate_after(trainer.step)
+    log.truncate_after(trainer.step if checkpoint is not None else -1)  # rows of lost / abandoned steps
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "train_config.json",
-                     lambda f: Path(f).write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str)))
+        write_atomic(out / "train_config.json", lambda f: Path(f).write_text(config_json(config)))
         note = f"resuming at step {trainer.step}" if checkpoint is not None else "starting"
         print(f"[longspec train] {data.summary()}; {env.world} process(es), global batch {trainer.global_batch} "
               f"x {config.seq_len} tokens; {note}", file=sys.stderr)
