@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from longspec import load_target
+from longspec.cli import main
 from longspec.models.checkpoint import load_draft
 from longspec.training import (DataConfig, Document, TrainConfig, anchor_offset_positions, build_data,
                                iter_documents, loss_sums, lr_at, offset_range, sample_chunks, sample_lag,
@@ -297,7 +298,19 @@ def test_ablation_flags_and_config_errors(target, corpus, tmp_path):
     result = train(small_config(tmp_path / "plain", corpus, steps=3, anchor_offset=False, noise=False),
                    tokenizer=CharTokenizer(), target=target)
     assert result.step == 3
+    fresh = train(small_config(tmp_path / "fresh", corpus, steps=2, resume=True), tokenizer=CharTokenizer(),
+                  target=target)  # --resume without a checkpoint starts from scratch
+    assert fresh.step == 2
     with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings"):
         train(small_config(tmp_path / "long", corpus, seq_len=512), tokenizer=CharTokenizer(), target=target)
     with pytest.raises(ValueError, match="max_lag \\+ 2"):
         train(small_config(tmp_path / "lag", corpus, seq_len=4, max_lag=4), tokenizer=CharTokenizer(), target=target)
+
+
+def test_cli_errors(tiny_model_factory, corpus, tmp_path, capsys):
+    _, path = tiny_model_factory("train-llama", "llama", max_position_embeddings=256, seed=5)
+    base = ["train", "--target", str(path), "--data", str(corpus), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    assert main(base + ["--seq-len", "999"]) == 2
+    assert "error: --seq-len 999 exceeds the target's max_position_embeddings (256)" in capsys.readouterr().err
+    assert main(base + ["--seq-len", "32"]) == 2  # the tiny model directory has no tokenizer
+    assert "no tokenizer files" in capsys.readouterr().err

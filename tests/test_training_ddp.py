@@ -60,8 +60,13 @@ def test_torchrun_two_processes_match_one(tiny_model_factory, tmp_path, capsys):
 
     a, b = load_file(ddp_out / "model.safetensors"), load_file(one_out / "model.safetensors")
     assert a.keys() == b.keys()
+    # Float summation order differs (other micro-batch sizes, all-reduce), and Adam turns rounding
+    # noise in near-zero gradients into full-size steps (the self-attention k bias has an exactly
+    # zero gradient: its updates are pure noise), so compare norms, not single elements.
+    flat = lambda d: torch.cat([d[k].flatten() for k in sorted(d)])  # noqa: E731
+    assert float((flat(a) - flat(b)).norm()) <= 1e-5 * float(flat(b).norm())
     for name in a:
-        assert float((a[name] - b[name]).abs().max()) <= 1e-5 * float(b[name].abs().max()), name
+        assert float((a[name] - b[name]).norm()) <= 1e-4 * float(b[name].norm()), name
     rows = {k: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
             for k, out in (("ddp", ddp_out), ("one", one_out))}
     assert [r["step"] for r in rows["ddp"]] == [r["step"] for r in rows["one"]]

@@ -76,7 +76,7 @@ class RotaryEmbedding(torch.nn.Module):
     """Produces ``cos, sin`` of shape ``[B, T, head_dim]`` for integer positions ``[B, T]``.
 
     ``dynamic`` NTK follows transformers' incremental semantics: a forward over a whole prompt uses
-    the base for ``seq_len`` = the prompt's length (pass ``seq_len``); a token produced later, at
+    the base for ``seq_len`` = the row's prompt length (pass ``seq_len``); a token produced later, at
     position ``p``, uses the base for ``p + 1`` (the default when ``seq_len`` is None), so a
     verified tree token gets exactly the rotation autoregressive decoding would give it."""
 
@@ -86,10 +86,11 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.attention_scaling = inv_frequencies(rope, head_dim, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, seq_len: Optional[int] = None):
+    def forward(self, positions: torch.Tensor, seq_len: Optional[torch.Tensor] = None):
+        """positions [B, T]; seq_len: None or [B] (dynamic NTK only: each row's prompt length)."""
         pos = positions.float()
         if self.rope.rope_type == "dynamic":
-            lens = positions + 1 if seq_len is None else torch.full_like(positions, seq_len)
+            lens = positions + 1 if seq_len is None else seq_len[:, None].expand_as(positions)
             inv_freq, _ = inv_frequencies(self.rope, self.head_dim, self.max_pos, lens)
             freqs = pos[..., None] * inv_freq.to(pos.device)
         else:

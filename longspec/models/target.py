@@ -162,7 +162,7 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       tree_mask: torch.Tensor, rope_seq_len: Optional[int] = None,
+                       tree_mask: torch.Tensor, rope_seq_len: Optional[torch.Tensor] = None,
                        causal: bool = False) -> torch.Tensor:
         """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
@@ -190,7 +190,7 @@ class TargetModel(nn.Module):
         n_tokens = n_tokens.to(cache.lengths.device)
         cache.check_room(t)
         start = cache.lengths.clone()
-        rope_len = int((start + n_tokens).max())  # dynamic NTK: transformers' prompt-level base
+        rope_len = start + n_tokens  # dynamic NTK: transformers' prompt-level base, per row
         last_hidden = torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.device)
         outputs = []
         for c0 in range(0, t, chunk_size):
