@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Second device call of a GPU session (see README "Benchmarks"): reassembles the default model
 # (staged by ../shared/tools/stage-smollm2.sh; part 00 copied to /root/stage by the first call),
-# converts it, runs the GPU tests and the benchmark. STEPS selects what runs (default: all).
+# converts it, runs the GPU tests, trains the draft on real source code and runs the benchmark.
+# STEPS selects what runs (default: convert tests bench). The draft trains on numpy, scipy,
+# networkx and torch sources from the machine's site-packages; the benchmark prompts come from
+# transformers/generation, which the draft never saw.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"convert tests bench"}
@@ -18,6 +21,20 @@ for step in $STEPS; do
   case $step in
     convert) [ -f /root/stage/smol-hf/config.json ] || python3 -m longspec.cli convert --gguf /root/stage/smol.gguf --out /root/stage/smol-hf ;;
     tests) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    train) timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
+             --data "$SITE/numpy" "$SITE/scipy" "$SITE/networkx" "$SITE/torch" --out /root/stage/draft \
+             --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
+             --window 512 --max-lag 4 --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
+             --device cuda --dtype bfloat16 --no-progress 2>&1 | tee "$OUT/train.log" || true
+           cp /root/stage/draft/metrics.jsonl "$OUT/" || true
+           python3 - "$OUT/smollm2-draft" <<'PY'
+import sys, torch
+from longspec import load_target, load_draft, save_draft
+target = load_target("/root/stage/smol-hf", dtype=torch.bfloat16, device="cuda")
+save_draft(load_draft("/root/stage/draft", target), sys.argv[1])  # bf16 copy to ship
+print("exported", sys.argv[1])
+PY
+           ;;
     bench) python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-2} \
              2>&1 | tee "$OUT/bench.log" ;;
