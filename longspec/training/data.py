@@ -188,9 +188,13 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
     (any Hugging Face tokenizer, or a small object in tests)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     eos = getattr(tokenizer, "eos_token_id", None)
+    texts = [doc.text for doc in docs]
+    if getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     pieces = []
-    for doc in docs:
-        ids = list(tokenizer.encode(doc.text, add_special_tokens=False))
+    for ids in encoded:
         pieces.append(torch.tensor(([bos] if bos is not None else []) + ids + ([eos] if eos is not None else []),
                                    dtype=torch.long))
     stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
