@@ -197,14 +197,18 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = 1e-4, what
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """``factory(name, family, rope, **kwargs) -> (hf_model, path)``, built once per session
-    under a fresh temporary directory (cached by ``name``)."""
-    cache = {}
+    """``factory(name, family, rope, **kwargs) -> (hf_model, path)`` (arguments of
+    :func:`build_tiny_model`), built once per session under a fresh temporary directory and cached
+    by ``name``; reusing a name with other arguments is an error."""
+    cache, args_of = {}, {}
 
     def factory(name: str, family: str = "llama", rope: Optional[dict] = None, **kwargs):
+        args = repr((family, rope, sorted(kwargs.items())))
         if name not in cache:
             path = tmp_path_factory.mktemp(f"tiny-{name}")
-            cache[name] = build_tiny_model(path, family, rope, **kwargs)
+            cache[name], args_of[name] = build_tiny_model(path, family, rope, **kwargs), args
+        elif args_of[name] != args:
+            raise ValueError(f"tiny model {name!r} was built with {args_of[name]}, now asked with {args}")
         return cache[name]
 
     return factory

@@ -22,11 +22,12 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from longspec import load_target
 
 from conftest import (HUB_ROPE_TYPE, HUB_TYPE, ROPE_PARAMETERS, assert_close, hf_logits,
-                      hf_reference_logits, tiny_config)
+                      hf_reference_logits, hf_reset_rope, tiny_config)
 
 MAX_POS = 32
 ATOL = 1e-4
@@ -239,6 +240,34 @@ def test_prefill_ragged_batch(case, chunk_size, lengths):
         assert_close(last[b], ref[-1], ATOL, f"row {b} last logits")
 
 
+@torch.no_grad()
+def _hf_two_calls(hf, first, second):
+    """transformers with a KV cache: ``first`` in one forward, then ``second`` in one forward.
+    Returns the logits of ``second`` [len(second), V]."""
+    hf_reset_rope(hf)
+    past = transformers.DynamicCache(config=hf.config)
+    hf(torch.tensor([first]), cache=past, use_cache=True)
+    return hf(torch.tensor([second]), cache=past, use_cache=True).logits[0].float()
+
+
+@pytest.mark.parametrize("chunk_size", [2048, 7])
+@pytest.mark.parametrize("lengths", [((40,), (25,)), ((30, 23), (12, 20))], ids=["single", "ragged"])
+def test_prefill_continuation(case, chunk_size, lengths):
+    """A second prefill appended to a filled cache (a new turn) equals transformers running the
+    second part as one forward on top of its cache of the first."""
+    name, hf, _, target = case
+    firsts = [rand_tokens(n, 110 + i) for i, n in enumerate(lengths[0])]
+    seconds = [rand_tokens(n, 120 + i) for i, n in enumerate(lengths[1])]
+    cache = target.new_cache(len(firsts), 96)
+    target.prefill(*right_pad(firsts), cache)
+    ids, lens = right_pad(seconds)
+    logits = target.prefill(ids, lens, cache, chunk_size=chunk_size, all_logits=True)
+    assert cache.lengths.tolist() == [a + b for a, b in zip(*lengths)]
+    for b, (first, second) in enumerate(zip(firsts, seconds)):
+        ref = _hf_two_calls(hf, first, second)
+        assert_close(logits[b, :len(second)], ref, ATOL, f"row {b}")
+
+
 @pytest.mark.parametrize("lengths", [(40,), (24, 17)], ids=["single", "ragged"])
 def test_decode(case, lengths):
     """Prefill, then 20 tokens one at a time (crossing max_position_embeddings)."""
@@ -350,8 +379,8 @@ def test_verify_tree_level_by_level(case, lengths):
     pending levels through a [B, T, P + T] mask, gives the one-shot logits; committing a path
     afterwards works on the whole pending block."""
     name, hf, _, target = case
-    prompts, trees, tokens, mask, dep = _tree_batch(lengths, 90)
-    trees = [TREE_A] * len(lengths)  # levels are contiguous node ranges in TREE_A
+    prompts, _, tokens, _, _ = _tree_batch(lengths, 90)
+    # TREE_A for every row: its levels are contiguous node ranges
     mask = tree_mask(TREE_A).expand(len(lengths), 7, 7)
     dep = depths(TREE_A).expand(len(lengths), 7)
     ids, lens = right_pad(prompts)

@@ -90,7 +90,7 @@ def embedding_sample(target: TargetModel, rows: int = 8, cols: int = 8) -> list:
     """A dtype-robust fingerprint of the target's embedding: ``rows`` evenly spaced rows, first
     ``cols`` values each (float, 5 significant digits)."""
     emb = target.model.embed_tokens.weight
-    idx = torch.linspace(0, emb.shape[0] - 1, rows).round().long().to(emb.device)
+    idx = torch.linspace(0, emb.shape[0] - 1, rows, device=emb.device).round().long()
     return [float(f"{x:.5g}") for x in emb[idx, :cols].float().flatten().tolist()]
 
 
