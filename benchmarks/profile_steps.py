@@ -84,6 +84,21 @@ def main():
                 "LongSpec drafting round (beam 4,16x4)": timed(draft_round, 10)}
         for name, ms in rows.items():
             print(f"{name:<42} {ms:8.2f} ms")
+        import cProfile
+        import pstats
+
+        from longspec import Generator
+
+        gen = Generator(target, proposer=LongSpecProposer(draft), tree=tree)
+        prompt = ids[0, :2000].tolist()
+        gen.generate([prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        out = gen.generate([prompt], GenerationConfig(max_new_tokens=64, ignore_eos=True))
+        profiler.disable()
+        print("generate with LongSpecProposer:", {k: round(v, 3) if isinstance(v, float) else v
+                                                   for k, v in out.stats.items()})
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
         from torch.profiler import ProfilerActivity, profile
 
         for name, fn in (("decode", decode), ("draft round", draft_round)):
