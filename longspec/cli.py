@@ -1,4 +1,4 @@
-"""Command line: ``longspec generate | convert``."""
+"""Command line: ``longspec generate | train | convert``."""
 from __future__ import annotations
 
 import argparse
@@ -90,12 +90,13 @@ def make_proposer(args, target):
         return PromptLookup(), tree
     if name == "streaming":
         return StreamingSelfSpec(window=args.window), tree
-    if not args.draft:
-        raise ValueError("--proposer longspec needs --draft DIR (a trained LongSpec draft for this target)")
+    from .convert import DEFAULT_DRAFT
     from .decoding.proposers import LongSpecProposer
     from .models.checkpoint import load_draft
 
-    return LongSpecProposer(load_draft(args.draft, target)), tree
+    if not args.draft and args.target:
+        raise ValueError("--proposer longspec needs --draft DIR (a LongSpec draft trained for this target)")
+    return LongSpecProposer(load_draft(args.draft or DEFAULT_DRAFT, target)), tree
 
 
 def cmd_convert(args) -> int:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None,
                      help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' (default) or "
                           "static paths '[[0],[1],[0,0]]'")
-    gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec)")
+    gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec; "
+                                                   "the default model has a shipped draft)")
     gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")

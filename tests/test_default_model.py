@@ -69,3 +69,25 @@ def test_cli_clear_error_for_missing_target(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "checkpoint directory not found" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_shipped_draft_is_lossless_and_accepts_on_real_code(smol_dir):
+    """The shipped pair: the trained SmolLM2 draft loads against the converted default model
+    (its embedding fingerprint matches), keeps greedy output identical and accepts tokens on real
+    code it never saw (json's source: the draft trained on numpy / scipy / networkx / torch)."""
+    from transformers import AutoTokenizer
+
+    from longspec import LongSpecProposer, load_draft
+    from longspec.convert import DEFAULT_DRAFT
+
+    target = load_target(smol_dir, dtype=torch.float32)
+    draft = load_draft(DEFAULT_DRAFT, target)
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    import json as json_module
+
+    prompt = tokenizer(Path(json_module.__file__).read_text()).input_ids[:400]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    expected = Generator(target).generate([prompt], config).sequences
+    out = Generator(target, proposer=LongSpecProposer(draft), tree="chain:4").generate([prompt], config)
+    assert out.sequences == expected
+    assert out.stats["tau"] > 1.3, out.stats
