@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..attention import masked_attention, reference
 from ..config import ModelConfig, RopeConfig
 from .rope import apply_rotary
-from .target import MLP, RMSNorm, TargetModel
+from .target import MLP, Projections, RMSNorm, TargetModel
 
 
 @dataclass
@@ -149,16 +149,6 @@ class DraftCache:
         self.slot_index, self.slot_node = self.slot_index[rows], self.slot_node[rows]
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, c: DraftConfig):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-
 class CrossAttention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -185,7 +175,8 @@ class LongSpecDraft(nn.Module):
         config.check_target(target)
         self.config = config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config)
+        self.self_attn = Projections(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                     qkv_bias=config.qkv_bias, o_bias=False)
         self.post_self_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.cross_attn = CrossAttention(config)
         self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
