@@ -67,7 +67,7 @@ def run_one(target, proposer, tree, prompt, config, repeats):
         times.append(out.stats["decode_s"])
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else float("nan")
     decode_s = statistics.median(times)
-    return out, {"tokens_per_s": out.stats["new_tokens"] / decode_s, "decode_s": decode_s,
+    return out, {"tokens_per_s": (out.stats["new_tokens"] - 1) / decode_s, "decode_s": decode_s,
                  "prefill_s": out.stats["prefill_s"], "tau": out.stats.get("tau", 1.0),
                  "draft_s": out.stats.get("draft_s", 0.0), "verify_s": out.stats.get("verify_s", 0.0),
                  "peak_mib": peak, "steps": out.stats["steps"]}

@@ -11,6 +11,10 @@ def _device_and_dtype(args):
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available on this machine (use --device cpu)")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return device, dtype
 
@@ -83,7 +87,11 @@ def make_proposer(args, target):
     from .decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
+    if args.draft and name != "longspec":
+        raise ValueError(f"--draft is for --proposer longspec, not {name}")
     if name == "none":
+        if args.tree:
+            raise ValueError("--tree needs a proposer (--proposer pld | streaming | longspec)")
         return None, None
     tree = TreeSpec.parse(args.tree or ("chain:5" if name == "pld" else "4,16,16,16,16"))
     if name == "pld":

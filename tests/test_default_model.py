@@ -91,3 +91,15 @@ def test_shipped_draft_is_lossless_and_accepts_on_real_code(smol_dir):
     out = Generator(target, proposer=LongSpecProposer(draft), tree="chain:4").generate([prompt], config)
     assert out.sequences == expected
     assert out.stats["tau"] > 1.3, out.stats
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tree", "4,x"], "--tree needs a proposer"),
+    (["--proposer", "pld", "--draft", "somewhere"], "--draft is for --proposer longspec"),
+    (["--proposer", "pld", "--tree", "0,3"], "beam tree widths must be positive"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "not available on this machine")]))
+def test_cli_bad_options_are_clear_errors(smol_dir, args, message):
+    cmd = [sys.executable, "-m", "longspec.cli", "generate", "--prompt", "x", "--max-new-tokens", "2", *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr

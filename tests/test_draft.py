@@ -159,3 +159,11 @@ def test_loads_published_longspec_layout(targets, tmp_path):
     save_file(state, str(tmp_path / "pub" / "model.safetensors"))
     with pytest.raises(ValueError, match="missing tensor.*mlp.up_proj.weight"):
         load_draft(tmp_path / "pub", target)
+
+
+def test_corrupt_published_draft_is_a_clear_error(targets, tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="corrupt safetensors file"):
+        load_draft(tmp_path / "bad", targets["llama"])

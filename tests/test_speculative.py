@@ -177,3 +177,18 @@ def test_bad_tree_and_room_errors(targets):
     gen = Generator(target, proposer=PromptLookup(), tree=TreeSpec.chain(8), max_len=40)
     with pytest.raises(ValueError, match="tree slots"):
         gen.generate([[1] * 30], GenerationConfig(max_new_tokens=5))
+
+
+def test_prompt_lookup_history_holds_every_emitted_token(targets):
+    target = targets["llama"]
+    prompt = prompts_for(1, seed=9)[0]
+    lookup = PromptLookup()
+    out = Generator(target, proposer=lookup, tree=TreeSpec.chain(3)).generate(
+        [prompt], GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    expected = prompt + out.sequences[0]
+    assert lookup.history[0][:len(expected)] == expected
+
+
+def test_tokens_per_s_counts_decoded_tokens_only(targets):
+    out = Generator(targets["llama"]).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=1))
+    assert out.stats["new_tokens"] == 1 and out.stats["tokens_per_s"] == 0

@@ -121,12 +121,14 @@ class Generator:
             self._autoregressive(root, cache, run, rng)
         else:
             self.proposer.begin(self.target, cache, prompts, self.tree, config, rng)
+            self.proposer.accepted([[t] for t in root.tolist()])  # the prefill's token
             self._speculative(root, cache, run, rng, clock)
         t_end = clock()
         n_new = sum(map(len, run.out))
+        decoded = n_new - len(run.out)  # the first token of each row comes from the prefill
         run.stats.update(prompt_tokens=int(lens.sum()), new_tokens=n_new, prefill_s=t_prefill - t0,
                          decode_s=t_end - t_prefill, wall_s=t_end - t0,
-                         tokens_per_s=n_new / max(t_end - t_prefill, 1e-9))
+                         tokens_per_s=decoded / max(t_end - t_prefill, 1e-9))
         return GenerationOutput(run.out, run.stats)
 
     def _autoregressive(self, token, cache, run, rng):

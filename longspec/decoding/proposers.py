@@ -37,7 +37,8 @@ class Proposer:
         raise NotImplementedError
 
     def accepted(self, tokens: list) -> None:
-        """tokens: per active row, the tokens the last round emitted (accepted drafts + bonus)."""
+        """tokens: per active row, the tokens the last round emitted (accepted drafts + bonus;
+        right after ``begin``: the token the prefill produced)."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (indices into the current batch)."""

@@ -187,10 +187,15 @@ def load_draft(path: Union[str, Path], target):
     else:  # published checkpoint: architecture from the target, biases from the file
         from safetensors import safe_open
 
+        from safetensors import SafetensorError
+
         keys = set()
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                keys.update(filter(None, map(_published_name, f.keys())))
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    keys.update(filter(None, map(_published_name, f.keys())))
+            except SafetensorError as err:
+                raise ValueError(f"corrupt safetensors file {file}: {err}") from None
         if not any(k.startswith("cross_attn.q_proj") for k in keys):
             raise ValueError(f"{path} holds no LongSpec draft weights (no cross_attn.q_proj)")
         config = DraftConfig.for_target(target, window=int(raw.get("sliding_window") or raw.get("window") or 512),
