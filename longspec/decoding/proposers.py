@@ -84,8 +84,8 @@ class TreeDrafter(Proposer):
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
                 draft_probs[:, prev.start] = q
-                new_tokens, local_parent = sample(q, self.rng)[:, None], torch.zeros(b, 1, dtype=torch.long,
-                                                                                     device=device)
+                new_tokens = sample(q, self.rng)[:, None]
+                local_parent = torch.zeros(b, 1, dtype=torch.long, device=device)
             elif spec.is_static:
                 top, _ = topk_children(level_logits, spec.max_children)
                 new_tokens = static_level_tokens(spec, depth, top)
@@ -103,8 +103,7 @@ class TreeDrafter(Proposer):
                 level_logits = self._level_logits(new_tokens, positions.expand(-1, idx.numel()),
                                                   mask[:, cur, :cur.stop], tokens[:, :cur.stop])
         self._end_round()
-        depths = mask.sum(-1) - 1
-        return DraftTree(tokens, parents, depths, mask, draft_probs=draft_probs,
+        return DraftTree(tokens, parents, spec.depths.to(device).expand(b, -1), mask, draft_probs=draft_probs,
                          children_sampled=self.sample_chain)
 
 
