@@ -1,6 +1,8 @@
 """Static KV cache: allocated once per generation, never reallocated while decoding."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .config import ModelConfig
@@ -39,9 +41,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def check_room(self, n_new: int) -> None:
-        """Raises a clear error if ``n_new`` more tokens do not fit in every row."""
-        need = int(self.lengths.max()) + self.pending + n_new
+    def check_room(self, n_new: int, longest: Optional[int] = None) -> None:
+        """Raises a clear error if ``n_new`` more tokens do not fit in every row (``longest``:
+        ``lengths.max()`` when the caller has it already, saving a device sync)."""
+        need = (int(self.lengths.max()) if longest is None else longest) + self.pending + n_new
         if need > self.max_len:
             raise ValueError(f"KV cache full: {need} tokens needed, the cache holds {self.max_len}")
 

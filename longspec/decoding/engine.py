@@ -115,13 +115,14 @@ class Generator:
         logits = self.target.prefill(ids, lens, cache)
         run = _Run(len(lens), config, config.eos_ids(self.target.config), streamer)
         root = self._next_token(logits, config, rng)
-        run.emit([[t] for t in root.tolist()])
+        first = [[t] for t in root.tolist()]
+        run.emit(first)
         t_prefill = clock()
         if self.proposer is None:
             self._autoregressive(root, cache, run, rng)
         else:
             self.proposer.begin(self.target, cache, prompts, self.tree, config, rng)
-            self.proposer.accepted([[t] for t in root.tolist()])  # the prefill's token
+            self.proposer.accepted(first)  # the prefill's token
             self._speculative(root, cache, run, rng, clock)
         t_end = clock()
         n_new = sum(map(len, run.out))

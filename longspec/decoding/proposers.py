@@ -257,11 +257,6 @@ class LongSpecProposer(TreeDrafter):
         self.ring.select_rows(rows)
         self.reread = [self.reread[r] for r in rows.tolist()]
 
-    def _target_kv(self):
-        layer = self.target.config.num_layers - 1
-        used = int(self.cache.lengths.max())
-        return self.cache.k[layer][:, :, :used], self.cache.v[layer][:, :, :used]
-
     @torch.inference_mode()
     def _root_logits(self, root):
         b, device, lengths = root.shape[0], root.device, self.cache.lengths
@@ -275,9 +270,11 @@ class LongSpecProposer(TreeDrafter):
         ids[torch.arange(b, device=device), count - 1] = root
         index = lengths[:, None] - (count[:, None] - 1) + cols  # root at index = cache length
         valid = cols < count[:, None]
-        k, v = self._target_kv()
-        hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring, k, v,
-                                         cross_limit=index)
+        # the target's last-layer cache: committed slots do not change during the round
+        layer, used = self.target.config.num_layers - 1, int(lengths.max())
+        self.target_kv = self.cache.k[layer][:, :, :used], self.cache.v[layer][:, :, :used]
+        hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
+                                         *self.target_kv, cross_limit=index)
         self.root_index = lengths.clone()
         return self.draft.logits(hidden[torch.arange(b, device=device), count - 1])
 
@@ -286,10 +283,9 @@ class LongSpecProposer(TreeDrafter):
         n_prev = mask.shape[-1] - tokens.shape[1]
         node = torch.arange(n_prev, mask.shape[-1], device=tokens.device)[None, :].expand_as(tokens)
         valid = torch.ones_like(tokens, dtype=torch.bool)
-        k, v = self._target_kv()
         cross_limit = self.cache.lengths[:, None].expand_as(tokens)
-        hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, k, v, cross_limit,
-                                         tree_mask=mask, slot=self.root_index[:, None] + node)
+        hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, *self.target_kv,
+                                         cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node)
         return self.draft.logits(hidden)
 
     def _end_round(self):

@@ -175,11 +175,11 @@ class TargetModel(nn.Module):
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
         (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
         says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel)."""
-        cache.check_room(input_ids.shape[1])
         if tree_mask.shape[-1] != cache.pending + input_ids.shape[1]:
             raise ValueError(f"tree mask covers {tree_mask.shape[-1]} tokens, expected pending "
                              f"{cache.pending} + new {input_ids.shape[1]}")
         view = AttentionView(cache, tree_mask, input_ids.shape[1], self.attention_impl, causal)
+        cache.check_room(input_ids.shape[1], longest=view.used)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, rope_seq_len)
         for i, layer in enumerate(self.model.layers):
