@@ -1,4 +1,9 @@
-"""Static KV cache: allocated once per generation, never reallocated while decoding."""
+"""The caches of a generation, allocated once and never reallocated while decoding: the target's
+KV cache (:class:`KVCache`) and the draft's constant-size ring buffer (:class:`DraftCache`).
+
+Every write goes to slots computed on the device from per-row lengths, with shapes that do not
+change from step to step, so a step can be captured in a CUDA graph. Finished rows are not
+removed: the engine stops advancing them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,9 +38,24 @@ class KVCache:
         self.max_len = max_len
         self.pending = 0
 
+    @classmethod
+    def _view(cls, parent: "KVCache", rows: slice) -> "KVCache":
+        view = cls.__new__(cls)
+        view.k, view.v, view.lengths = parent.k[:, rows], parent.v[:, rows], parent.lengths[rows]
+        view.max_len, view.pending = parent.max_len, 0
+        return view
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over batch rows ``start..stop-1`` sharing this one's storage (and lengths)."""
+        return KVCache._view(self, slice(start, stop))
+
     @property
     def batch_size(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -48,24 +68,17 @@ class KVCache:
         if need > self.max_len:
             raise ValueError(f"KV cache full: {need} tokens needed, the cache holds {self.max_len}")
 
-    def _slots(self, start: int, count: int) -> tuple:
-        rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
-        offsets = torch.arange(start, start + count, device=self.lengths.device)[None, :]
-        return rows, self.lengths[:, None] + offsets
+    def new_slots(self, count: int) -> torch.Tensor:
+        """[B, count] slots of ``count`` new tokens written after the pending ones."""
+        offsets = torch.arange(self.pending, self.pending + count, device=self.lengths.device)
+        return self.lengths[:, None] + offsets[None, :]
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Stores k_new, v_new [B, Hkv, M, D] after the pending tokens of ``layer`` (the caller
-        adds M to ``pending`` once every layer has written)."""
-        rows, slots = self._slots(self.pending, k_new.shape[2])
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Stores k_new, v_new [B, Hkv, M, D] of ``layer`` at ``slots`` [B, M] (from ``new_slots``;
+        the caller adds M to ``pending`` once every layer has written)."""
+        rows = torch.arange(self.batch_size, device=slots.device)[:, None]
         self.k[layer].transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
-
-    def pending_kv(self, layer: int, count: int) -> tuple:
-        """K, V [B, Hkv, count, D] of the first ``count`` uncommitted slots of ``layer``."""
-        rows, slots = self._slots(0, count)
-        k = self.k[layer].transpose(1, 2)[rows, slots].transpose(1, 2)
-        v = self.v[layer].transpose(1, 2)[rows, slots].transpose(1, 2)
-        return k, v
 
     def advance(self, n: torch.Tensor) -> None:
         """Commits the first ``n[b]`` pending tokens of each row (n [B] long)."""
@@ -76,15 +89,11 @@ class KVCache:
         """Drops the pending tokens."""
         self.pending = 0
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keeps only batch rows ``rows`` (e.g. the unfinished sequences), in that order."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
-        self.lengths = self.lengths[rows]
-
     def commit(self, nodes: torch.Tensor, n: torch.Tensor) -> None:
         """Keeps pending tokens ``nodes[b, :n[b]]`` (indices into the pending block, increasing;
         [B, K] long, padding ignored) of every layer: moves them to slots
-        ``lengths[b] + 0..n[b]-1``, advances the lengths by ``n`` and drops the rest."""
+        ``lengths[b] + 0..n[b]-1`` (one gather and one scatter over all layers), advances the
+        lengths by ``n`` and drops the rest. ``n[b] = 0`` leaves row b as it is."""
         k = nodes.shape[1]
         cols = torch.arange(k, device=nodes.device)[None, :]
         keep = cols < n[:, None]
@@ -95,3 +104,69 @@ class KVCache:
             view = store.permute(1, 3, 0, 2, 4)  # [B, S, L, Hkv, D]
             view[rows, dst] = view[rows, src]
         self.advance(n)
+
+
+class DraftCache:
+    """Ring buffer of the draft's self-attention K/V for a batch: ``R = window + tree_size``
+    slots, independent of the context length (plus one scratch slot that absorbs the writes of
+    padding tokens, so every write has a fixed shape).
+
+    Token with sequence index ``i`` (its slot in the target cache) is stored in slot ``i % R``.
+    ``slot_index`` [B, R+1] records which index a slot holds (-1: empty), ``slot_node`` [B, R+1]
+    marks pending tree nodes (their node number; -1 for committed tokens). A committed query at
+    index ``i`` sees committed keys ``i-W+1..i``; a pending tree node sees those below its index plus
+    the pending nodes its tree mask allows."""
+
+    def __init__(self, config, batch_size: int, tree_size: int, dtype, device):
+        """``config``: the draft's (``window``, ``num_kv_heads``, ``head_dim``)."""
+        self.window, self.size = config.window, config.window + tree_size
+        shape = (batch_size, config.num_kv_heads, self.size + 1, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slot_index = torch.full((batch_size, self.size + 1), -1, dtype=torch.long, device=device)
+        self.slot_node = torch.full((batch_size, self.size + 1), -1, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k, self.v, self.slot_index, self.slot_node))
+
+    def rows(self, start: int, stop: int) -> "DraftCache":
+        """A ring over batch rows ``start..stop-1`` sharing this one's storage."""
+        view = DraftCache.__new__(DraftCache)
+        view.window, view.size = self.window, self.size
+        view.k, view.v = self.k[start:stop], self.v[start:stop]
+        view.slot_index, view.slot_node = self.slot_index[start:stop], self.slot_node[start:stop]
+        return view
+
+    def write(self, k, v, index, node, valid, slot=None):
+        """k, v [B, Hkv, T, D]; index, node [B, T] (node -1: committed); valid [B, T] bool;
+        ``slot`` [B, T] (default ``index``) picks ring slot ``slot % R``: a pending node n of a tree
+        whose root has index r uses ``r + n``, so the nodes of one tree never collide. Invalid
+        tokens go to the scratch slot, which is never visible."""
+        slot = torch.where(valid, (index if slot is None else slot) % self.size, self.size)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slot)
+        self.k.transpose(1, 2)[rows, slot] = k.transpose(1, 2)
+        self.v.transpose(1, 2)[rows, slot] = v.transpose(1, 2)
+        self.slot_index[rows, slot] = torch.where(valid, index, -1)
+        self.slot_node[rows, slot] = torch.where(valid, node, -1)
+
+    def visibility(self, index, node, tree_mask):
+        """Mask [B, T, R+1] for queries at ``index`` [B, T] (node [B, T], -1 for committed ones);
+        tree_mask [B, T, N] over tree nodes (rows of committed queries are ignored)."""
+        si, sn = self.slot_index[:, None, :], self.slot_node[:, None, :]
+        q = index[..., None]
+        committed = (sn < 0) & (si >= 0) & (si <= q) & (si > q - self.window)
+        if tree_mask is None:
+            return committed
+        seen = tree_mask.gather(2, sn.clamp(min=0).expand(-1, q.shape[1], -1))
+        return committed | ((sn >= 0) & (node[..., None] >= 0) & seen)
+
+    def drop_pending(self):
+        pending = self.slot_node >= 0
+        self.slot_index.masked_fill_(pending, -1)
+        self.slot_node.masked_fill_(pending, -1)
+
+    def clear_row(self, row: int) -> None:
+        """Empties row ``row`` (a new sequence takes it)."""
+        self.slot_index[row] = -1
+        self.slot_node[row] = -1

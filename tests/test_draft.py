@@ -103,7 +103,8 @@ def draft_bytes_after_prefill(target, lengths):
         cache = target.new_cache(1, n + tree.num_nodes + 1)
         target.prefill(torch.tensor([prompt]), torch.tensor([n]), cache, chunk_size=1024)
         proposer = LongSpecProposer(draft)
-        proposer.begin(target, cache, [prompt], tree, GenerationConfig(), None)
+        proposer.begin(target, cache, tree, GenerationConfig(), None)
+        proposer.add(0, prompt, 5)
         proposer.propose(torch.tensor([5]))  # one drafting round
         drafts.append(proposer.ring.nbytes)
         targets_.append(cache.nbytes)

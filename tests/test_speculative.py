@@ -20,8 +20,8 @@ class RandomDraft(TreeDrafter):
     def __init__(self, seed: int = 0):
         self.seed = seed
 
-    def begin(self, target, cache, prompts, tree, config, rng):
-        super().begin(target, cache, prompts, tree, config, rng)
+    def begin(self, target, cache, tree, config, rng):
+        super().begin(target, cache, tree, config, rng)
         self.gen = torch.Generator().manual_seed(self.seed)
         self.vocab = target.config.vocab_size
 

@@ -329,9 +329,12 @@ def _wrong_sampled_residual(p, q):
     return p
 
 
-def _wrong_deterministic_residual(p, token):
-    """Deliberately wrong: after rejecting a top-k child keep p as is (no p(x) = 0)."""
-    return p
+def _wrong_bonus_resampled(walk_sample, p, generator):
+    """Deliberately wrong: when every top-k child is rejected, resample the bonus from p, so a
+    rejected child can come back (the rule needs p with the children removed)."""
+    from longspec.decoding.sampling import sample
+
+    return sample(p, generator)
 
 
 def _wrong_keep_q(q, token):
@@ -346,8 +349,8 @@ def _wrong_keep_q(q, token):
         ("tree-iid", "_sampled_residual", _wrong_sampled_residual),
         ("tree-noreplace", "_sampled_residual", _wrong_sampled_residual),
         ("tree-noreplace", "_drop_token", _wrong_keep_q),
-        ("tree-topk", "_deterministic_residual", _wrong_deterministic_residual),
-        ("beam", "_deterministic_residual", _wrong_deterministic_residual),
+        ("tree-topk", "_bonus_after_rejection", _wrong_bonus_resampled),
+        ("beam", "_bonus_after_rejection", _wrong_bonus_resampled),
     ],
 )
 def test_frequency_test_detects_wrong_rule(monkeypatch, case, attr, wrong):

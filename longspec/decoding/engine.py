@@ -1,22 +1,32 @@
-"""The generation loop: prefill, then autoregressive decoding (no proposer) or speculative
-rounds (propose a tree -> verify it in one target forward -> commit the accepted K/V)."""
+"""The generation loop.
+
+:class:`Engine` owns everything a batch of sequences needs while decoding: the target's KV cache
+(``max_batch`` rows of ``max_len`` slots, allocated once), the proposer's state, the step's
+static inputs and outputs, and the captured CUDA graphs. ``Engine.step()`` advances every active
+sequence by one round (autoregressive: one token; speculative: propose a tree -> verify it in one
+target forward -> accept -> commit the accepted K/V), with fixed shapes and no host
+synchronisation until it reads the round's tokens, once. Sequences join (``add``) and leave
+between rounds without reallocating anything: a finished row is only masked.
+
+:class:`Generator` is the public API: ``generate`` is a thin loop over an engine."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence as Seq, Union
 
 import torch
 
 from ..config import GenerationConfig
 from ..models.target import TargetModel
-from .sampling import sample, warp_probs
+from .runner import PhaseRunner
+from .sampling import Uniforms, sample, warp_probs
 from .tree import TreeSpec
 from .verify import verify_tree
 
 DEFAULT_TREE = "4,16,16,16,16"
 
-Prompts = Union[Sequence[int], Sequence[Sequence[int]]]
+Prompts = Union[Seq[int], Seq[Seq[int]]]
 Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
 
 
@@ -24,6 +34,183 @@ Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
 class GenerationOutput:
     sequences: list  # one list of generated token ids (new tokens only) per prompt
     stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, stopping rule and what it generated so far."""
+
+    prompt: list
+    max_new_tokens: int
+    eos: frozenset = frozenset()
+    tokens: list = field(default_factory=list)
+    done: bool = False
+    row: int = -1
+    accepted_hist: list = field(default_factory=list)  # rounds by number of accepted draft tokens
+
+    def extend(self, new: list) -> list:
+        """Appends ``new`` up to the first EOS or the token budget; returns what was kept."""
+        kept = []
+        for t in new:
+            kept.append(t)
+            if t in self.eos or len(self.tokens) + len(kept) >= self.max_new_tokens:
+                self.done = True
+                break
+        self.tokens.extend(kept)
+        return kept
+
+
+class Engine:
+    """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
+    new tokens + tree), sharing the sampling settings of ``config``. ``cuda_graphs`` (default: on
+    CUDA when the proposer allows it) captures each phase of a round on first use."""
+
+    def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
+                 max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None):
+        self.target, self.proposer, self.tree = target, proposer, tree
+        self.config = config or GenerationConfig()
+        device = target.device
+        self.max_len = -(-max_len // 64) * 64 if device.type == "cuda" else max_len  # aligned key masks
+        self.cache = target.new_cache(max_batch, self.max_len)
+        self.rows: list = [None] * max_batch
+        gen = None if self.config.seed is None else torch.Generator(device=device).manual_seed(self.config.seed)
+        self.uniforms = Uniforms(gen, device)
+        width = 1 if proposer is None else tree.depth + 1
+        self.root = torch.zeros(max_batch, dtype=torch.long, device=device)  # next input token per row
+        self.active = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.out_tokens = torch.zeros(max_batch, width, dtype=torch.long, device=device)
+        self.out_counts = torch.ones(max_batch, dtype=torch.long, device=device)
+        state = [self.root, self.cache.lengths, self.out_tokens, self.out_counts]
+        if proposer is None:
+            phases = [self._decode_phase]
+        else:
+            proposer.begin(target, self.cache, tree, self.config, self.uniforms)
+            phases = [self._propose_phase, self._verify_phase]
+            state += proposer.state_tensors()
+        if cuda_graphs is None:
+            cuda_graphs = proposer is None or proposer.graphable
+        self.runner = PhaseRunner(phases, state, self.uniforms, device, cuda_graphs)
+        self.rounds = 0
+
+    # ---- sequences ------------------------------------------------------------------------
+    def room(self) -> int:
+        """Cache slots a round may write beyond a row's committed tokens."""
+        return 0 if self.proposer is None else self.tree.num_nodes
+
+    def free_rows(self) -> list:
+        return [r for r, s in enumerate(self.rows) if s is None]
+
+    @property
+    def has_active(self) -> bool:
+        return any(s is not None for s in self.rows)
+
+    @torch.inference_mode()
+    def add(self, seqs: list, streamer: Optional[Streamer] = None) -> None:
+        """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
+        one's first token. Raises ValueError if they do not fit."""
+        free = self.free_rows()
+        if len(seqs) > len(free):
+            raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
+        for s in seqs:
+            need = len(s.prompt) + s.max_new_tokens + self.room()
+            if need > self.max_len:
+                raise ValueError(f"prompt of {len(s.prompt)} tokens + max_new_tokens {s.max_new_tokens} = "
+                                 f"{len(s.prompt) + s.max_new_tokens} does not fit the engine's {self.max_len} slots")
+        start = 0
+        while start < len(seqs):  # runs of consecutive free rows
+            stop = start + 1
+            while stop < len(seqs) and free[stop] == free[start] + stop - start:
+                stop += 1
+            self._prefill(seqs[start:stop], free[start], streamer)
+            start = stop
+
+    def _prefill(self, seqs: list, row0: int, streamer) -> None:
+        device, n = self.target.device, len(seqs)
+        rows = self.cache.rows(row0, row0 + n)
+        rows.lengths.zero_()
+        longest = max(len(s.prompt) for s in seqs)
+        ids = torch.zeros(n, longest, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
+        lens = torch.tensor([len(s.prompt) for s in seqs])
+        logits = self.target.prefill(ids.to(device), lens.to(device), rows)
+        first = self._next_token(logits)
+        self.root[row0:row0 + n] = first
+        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
+            s.row = row0 + i
+            self.rows[s.row] = s
+            self._emit(s, [t], streamer)
+            if self.proposer is not None:
+                self.proposer.add(s.row, s.prompt, t)
+            if not s.done:
+                self.active[s.row] = 1
+            else:
+                self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
+        inside the cache."""
+        self.rows[s.row] = None
+        self.active[s.row] = 0
+        self.cache.lengths[s.row] = 0
+
+    def _emit(self, s: Sequence, tokens: list, streamer) -> None:
+        kept = s.extend(tokens)
+        if streamer is not None and kept:
+            streamer(s.row, kept)
+
+    def _next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.greedy:
+            return logits.argmax(-1)
+        return sample(warp_probs(logits, c.temperature, c.top_k, c.top_p), self.uniforms)
+
+    # ---- the round --------------------------------------------------------------------------
+    def _decode_phase(self) -> None:
+        logits = self.target.decode(self.root, self.cache, n_keys=self.max_len, advance=self.active)
+        self.root.copy_(self._next_token(logits))
+        self.out_tokens[:, 0] = self.root
+
+    def _propose_phase(self) -> None:
+        self.draft_tree = self.proposer.propose(self.root)
+
+    def _verify_phase(self) -> None:
+        c, tree, cache = self.config, self.draft_tree, self.cache
+        positions = cache.lengths[:, None] + tree.depths
+        logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.max_len)
+        result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
+        cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * self.active)
+        emitted, counts = result.emitted()
+        self.proposer.accepted(emitted, counts)
+        self.out_tokens.copy_(emitted)
+        self.out_counts.copy_(counts)
+        self.root.copy_(result.bonus_token)
+
+    @torch.inference_mode()
+    def step(self, streamer: Optional[Streamer] = None) -> None:
+        """Advances every active sequence by one round; finished ones leave the batch."""
+        self.runner.run_round()
+        self.rounds += 1
+        out = torch.cat([self.out_tokens, self.out_counts[:, None]], 1).tolist()  # the round's one sync
+        self.runner.collect_times()
+        for s in self.rows:
+            if s is None:
+                continue
+            row = out[s.row]
+            n = row[-1]
+            if self.proposer is not None:
+                hist = s.accepted_hist
+                hist.extend([0] * (n - len(hist)))
+                hist[n - 1] += 1
+            self._emit(s, row[:n], streamer)
+            if s.done:
+                self._release(s)
+
+    def timing(self) -> dict:
+        t = self.runner.times
+        if self.proposer is None:
+            return {"decode_step_s": t[0]}
+        return {"draft_s": t[0], "verify_s": t[1]}
 
 
 class _Clock:
@@ -44,9 +231,12 @@ class Generator:
     string form; default the paper's beam tree ``4,16,16,16,16``).
 
     ``max_len`` caps the KV cache (prompt + new tokens + tree); it defaults to the target's
-    ``max_position_embeddings``."""
+    ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. The last engine is kept
+    and reused by a call with the same batch size, cache size and sampling settings (its CUDA
+    graphs too)."""
 
-    def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None):
+    def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
+                 cuda_graphs: Optional[bool] = None):
         if proposer is None and tree is not None:
             raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
         if proposer is not None:
@@ -54,6 +244,13 @@ class Generator:
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree = target, proposer, tree
         self.max_len = max_len or target.config.max_position_embeddings
+        self.cuda_graphs = cuda_graphs
+        self._engine: Optional[Engine] = None
+        self._engine_key = None
+
+    def proposer_room(self) -> int:
+        """Extra cache slots a speculative round may write beyond the committed tokens."""
+        return 0 if self.proposer is None else int(self.tree.num_nodes)
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
         if len(prompts) == 0:
@@ -77,21 +274,21 @@ class Generator:
                 + (f" + {room} tree slots" if room else "")
                 + f" = {need} exceeds the maximum length {self.max_len} (the model's context; "
                 "shorten the prompt or pass Generator(max_len=...))")
-        device = self.target.device
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p)
-        lens = torch.tensor([len(p) for p in prompts])
-        return prompts, ids.to(device), lens.to(device), need
+        return prompts, need
 
-    def proposer_room(self) -> int:
-        """Extra cache slots a speculative round may write beyond the committed tokens."""
-        return 0 if self.proposer is None else int(self.tree.num_nodes)
-
-    def _next_token(self, logits: torch.Tensor, config: GenerationConfig, rng) -> torch.Tensor:
-        if config.greedy:
-            return logits.argmax(-1)
-        return sample(warp_probs(logits, config.temperature, config.top_k, config.top_p), rng)
+    def engine(self, batch: int, need: int, config: GenerationConfig) -> Engine:
+        """An engine for ``batch`` rows of ``need`` slots (the kept one when it fits exactly)."""
+        sampling = (config.temperature, config.top_k, config.top_p)
+        key = (batch, need, sampling)
+        if self._engine is None or self._engine_key != key:
+            self._engine = None  # free the old caches first
+            self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs)
+            self._engine_key = key
+        engine = self._engine
+        engine.config = config
+        if config.seed is not None:
+            engine.uniforms.generator = torch.Generator(device=self.target.device).manual_seed(config.seed)
+        return engine
 
     @torch.inference_mode()
     def generate(self, prompts: Prompts, config: Optional[GenerationConfig] = None,
@@ -104,117 +301,34 @@ class Generator:
         the accepted tokens' K/V; the output is the target's own (greedy: token for token;
         sampling: the same distribution). Finished rows leave the batch."""
         config = config or GenerationConfig()
-        prompts, ids, lens, need = self._prepare(prompts, config)
-        device = self.target.device
-        rng = None
-        if config.seed is not None:
-            rng = torch.Generator(device=device).manual_seed(config.seed)
-        clock = _Clock(device)
+        prompts, need = self._prepare(prompts, config)
+        engine = self.engine(len(prompts), need, config)
+        eos = frozenset(config.eos_ids(self.target.config))
+        seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
+        clock = _Clock(self.target.device)
+        times_before = list(engine.runner.times)
         t0 = clock()
-        cache = self.target.new_cache(len(lens), need)
-        logits = self.target.prefill(ids, lens, cache)
-        run = _Run(len(lens), config, config.eos_ids(self.target.config), streamer)
-        root = self._next_token(logits, config, rng)
-        first = [[t] for t in root.tolist()]
-        run.emit(first)
+        engine.add(seqs, streamer)
         t_prefill = clock()
-        if self.proposer is None:
-            self._autoregressive(root, cache, run, rng)
-        else:
-            self.proposer.begin(self.target, cache, prompts, self.tree, config, rng)
-            self.proposer.accepted(first)  # the prefill's token
-            self._speculative(root, cache, run, rng, clock)
+        rounds = 0
+        while engine.has_active:
+            engine.step(streamer)
+            rounds += 1
         t_end = clock()
-        n_new = sum(map(len, run.out))
-        decoded = n_new - len(run.out)  # the first token of each row comes from the prefill
-        run.stats.update(prompt_tokens=int(lens.sum()), new_tokens=n_new, prefill_s=t_prefill - t0,
-                         decode_s=t_end - t_prefill, wall_s=t_end - t0,
-                         tokens_per_s=decoded / max(t_end - t_prefill, 1e-9))
-        return GenerationOutput(run.out, run.stats)
-
-    def _autoregressive(self, token, cache, run, rng):
-        steps = 0
-        while True:
-            token = run.drop_finished(token, cache, None)
-            if token is None:
-                break
-            logits = self.target.decode(token, cache)
-            token = self._next_token(logits, run.config, rng)
-            run.emit([[t] for t in token.tolist()])
-            steps += 1
-        run.stats["steps"] = steps
-
-    def _speculative(self, root, cache, run, rng, clock):
-        config, proposer, depth = run.config, self.proposer, self.tree.depth
-        hist = [0] * (depth + 1)
-        steps, times = 0, {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
-        while True:
-            t0 = clock()
-            root = run.drop_finished(root, cache, proposer)
-            if root is None:
-                break
-            tree = proposer.propose(root)
-            t1 = clock()
-            positions = cache.lengths[:, None] + tree.depths
-            logits = self.target.verify(tree.tokens, positions, tree.mask, cache)
-            result = verify_tree(tree, logits, config.temperature, config.top_k, config.top_p, rng)
-            cache.commit(result.accepted_nodes.clamp(min=0), result.num_accepted + 1)
-            t2 = clock()
-            emitted, counts = result.emitted()
-            rows = [row[:n] for row, n in zip(emitted.tolist(), counts.tolist())]
-            for n in counts.tolist():
-                hist[n - 1] += 1
-            proposer.accepted(rows)
-            run.emit(rows)
-            root = result.bonus_token
-            steps += 1
-            t3 = clock()
-            times["draft_s"] += t1 - t0
-            times["verify_s"] += t2 - t1
-            times["other_s"] += t3 - t2
-        rounds = sum(hist)
-        run.stats.update(steps=steps, tau=sum((n + 1) * c for n, c in enumerate(hist)) / max(rounds, 1),
-                         accepted_hist=hist, **times)
-
-
-class _Run:
-    """Book-keeping of one generate call: outputs per original row, EOS / length stopping, the
-    map from batch rows to original rows, streaming."""
-
-    def __init__(self, batch: int, config: GenerationConfig, eos_ids: list, streamer):
-        self.config, self.eos, self.streamer = config, set(eos_ids), streamer
-        self.out = [[] for _ in range(batch)]
-        self.rows = list(range(batch))  # original row of each active batch row
-        self.done = [False] * batch
-        self.stats: dict = {}
-
-    def emit(self, tokens: list) -> None:
-        """tokens: per active batch row, the new tokens in order."""
-        for batch_row, new in enumerate(tokens):
-            row = self.rows[batch_row]
-            if self.done[row]:
-                continue
-            kept = []
-            for t in new:
-                kept.append(t)
-                if t in self.eos or len(self.out[row]) + len(kept) >= self.config.max_new_tokens:
-                    self.done[row] = True
-                    break
-            self.out[row].extend(kept)
-            if self.streamer is not None and kept:
-                self.streamer(row, kept)
-
-    def drop_finished(self, token, cache, proposer):
-        """Removes finished rows from the batch; returns the next input tokens of the rest, or
-        None when all are done."""
-        keep = [i for i, row in enumerate(self.rows) if not self.done[row]]
-        if not keep:
-            return None
-        if len(keep) < len(self.rows):
-            index = torch.tensor(keep, device=token.device)
-            cache.select_rows(index)
-            if proposer is not None:
-                proposer.select_rows(index)
-            token = token[index]
-            self.rows = [self.rows[i] for i in keep]
-        return token
+        n_new = sum(len(s.tokens) for s in seqs)
+        decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
+        stats = dict(prompt_tokens=sum(map(len, prompts)), new_tokens=n_new, prefill_s=t_prefill - t0,
+                     decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
+                     tokens_per_s=decoded / max(t_end - t_prefill, 1e-9), capture_s=engine.runner.capture_s,
+                     cuda_graphs=engine.runner.graphs is not None)
+        phase_s = [a - b for a, b in zip(engine.runner.times, times_before)]
+        if self.proposer is not None:
+            hist = [0] * (self.tree.depth + 1)
+            for s in seqs:
+                for n, c in enumerate(s.accepted_hist):
+                    hist[n] += c
+            n_rounds = sum(hist)
+            stats.update(tau=sum((n + 1) * c for n, c in enumerate(hist)) / max(n_rounds, 1), accepted_hist=hist,
+                         draft_s=phase_s[0], verify_s=phase_s[1],
+                         other_s=max(t_end - t_prefill - phase_s[0] - phase_s[1], 0.0))
+        return GenerationOutput([s.tokens for s in seqs], stats)

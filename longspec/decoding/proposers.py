@@ -19,29 +19,37 @@ from typing import Optional
 
 import torch
 
-from ..cache import KVCache
+from ..cache import DraftCache, KVCache
 from ..config import GenerationConfig
 from .sampling import sample, warp_probs
 from .tree import DraftTree, TreeSpec, beam_select, static_level_tokens, topk_children
 
 
 class Proposer:
-    """Interface of a draft strategy (see the module docstring)."""
+    """Interface of a draft strategy (see the module docstring). ``graphable``: ``propose`` and
+    ``accepted`` use fixed shapes and never synchronise with the host, so an engine may capture
+    them in a CUDA graph; ``state_tensors`` then lists what a warm-up run must not change."""
 
-    def begin(self, target, cache: KVCache, prompts: list, tree: TreeSpec, config: GenerationConfig,
-              rng: Optional[torch.Generator]) -> None:
+    graphable = False
+
+    def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
+        """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
+        :class:`~longspec.decoding.sampling.Uniforms`."""
         raise NotImplementedError
+
+    def add(self, row: int, prompt: list, first_token: int) -> None:
+        """A sequence with ``prompt`` (prefilled) and its first generated token takes batch row ``row``."""
 
     def propose(self, root: torch.Tensor) -> DraftTree:
         """root [B]: the last emitted token of each row (its target KV is not cached yet)."""
         raise NotImplementedError
 
-    def accepted(self, tokens: list) -> None:
-        """tokens: per active row, the tokens the last round emitted (accepted drafts + bonus;
-        right after ``begin``: the token the prefill produced)."""
+    def accepted(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
+        """emitted [B, D+1]: per row, the tokens the last round emitted (accepted drafts + bonus),
+        the first ``counts[b]`` valid."""
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (indices into the current batch)."""
+    def state_tensors(self) -> list:
+        return []
 
 
 class TreeDrafter(Proposer):
@@ -50,13 +58,21 @@ class TreeDrafter(Proposer):
     Subclasses implement ``_root_logits(root) -> [B, V]`` (start a round) and
     ``_level_logits(tokens [B, n], positions [B, n], mask [B, n, P+n], tree_tokens [B, P+n])
     -> [B, n, V]`` (the distribution after each new node; ``mask`` is ancestor-or-self over the
-    ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static trees), the best cumulative
-    log-probability pairs (beam trees), or, for a chain under sampling, drawn from the draft's own
-    warped distribution (the residual verification rule then applies)."""
+    ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static
+    trees), the best cumulative log-probability pairs (beam trees), or, for a chain under
+    sampling, drawn from the draft's own warped distribution (the residual verification rule then
+    applies). Shapes are fixed by the tree spec: no host synchronisation."""
 
-    def begin(self, target, cache, prompts, tree, config, rng):
+    def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng
         self.sample_chain = not config.greedy and tree.kind == "chain"
+        device = cache.lengths.device
+        self.depths = tree.depths.to(device)
+        self.static_levels = {}
+        if tree.is_static:
+            for d in range(1, tree.depth + 1):
+                cur, prev = tree.level_slice(d), tree.level_slice(d - 1)
+                self.static_levels[d] = ((tree.parents[cur] - prev.start).to(device), tree.child_rank[cur].to(device))
 
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -88,8 +104,9 @@ class TreeDrafter(Proposer):
                 local_parent = torch.zeros(b, 1, dtype=torch.long, device=device)
             elif spec.is_static:
                 top, _ = topk_children(level_logits, spec.max_children)
-                new_tokens = static_level_tokens(spec, depth, top)
-                local_parent = (spec.parents[cur] - prev.start).to(device).expand(b, -1)
+                local_parent, rank = self.static_levels[depth]
+                new_tokens = top[:, local_parent, rank]
+                local_parent = local_parent.expand(b, -1)
             else:
                 logprobs = level_logits.float().log_softmax(-1)
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
@@ -103,8 +120,8 @@ class TreeDrafter(Proposer):
                 level_logits = self._level_logits(new_tokens, positions.expand(-1, idx.numel()),
                                                   mask[:, cur, :cur.stop], tokens[:, :cur.stop])
         self._end_round()
-        return DraftTree(tokens, parents, spec.depths.to(device).expand(b, -1), mask, draft_probs=draft_probs,
-                         children_sampled=self.sample_chain)
+        return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, draft_probs=draft_probs,
+                         children_sampled=self.sample_chain, level_sizes=spec.level_sizes)
 
 
 class StreamingSelfSpec(TreeDrafter):
@@ -118,8 +135,10 @@ class StreamingSelfSpec(TreeDrafter):
             raise ValueError(f"StreamingSelfSpec needs window >= 1 and sinks >= 0, got {window}, {sinks}")
         self.window, self.sinks = window, sinks
 
-    def begin(self, target, cache, prompts, tree, config, rng):
-        super().begin(target, cache, prompts, tree, config, rng)
+    graphable = True
+
+    def begin(self, target, cache, tree, config, rng):
+        super().begin(target, cache, tree, config, rng)
         self.view = KVCache(target.config, cache.batch_size, self.sinks + self.window + tree.num_nodes,
                             target.dtype, target.device)
 
@@ -134,7 +153,7 @@ class StreamingSelfSpec(TreeDrafter):
         rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None]
         for store, view in ((self.cache.k, self.view.k), (self.cache.v, self.view.v)):
             view.permute(1, 3, 0, 2, 4)[:, :span] = store.permute(1, 3, 0, 2, 4)[rows, src]
-        self.view.lengths = n
+        self.view.lengths.copy_(n)
         self.view.discard()
 
     def _root_logits(self, root):
@@ -147,13 +166,11 @@ class StreamingSelfSpec(TreeDrafter):
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, mask):
-        return self.target.logits(self.target.forward_hidden(tokens, positions, self.view, mask))
+        return self.target.logits(self.target.forward_hidden(tokens, positions, self.view, mask,
+                                                             n_keys=self.view.max_len))
 
     def _end_round(self):
         self.view.discard()
-
-    def select_rows(self, rows):
-        self.view.select_rows(rows)
 
 
 class PromptLookup(TreeDrafter):
@@ -168,17 +185,17 @@ class PromptLookup(TreeDrafter):
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
 
-    def begin(self, target, cache, prompts, tree, config, rng):
-        super().begin(target, cache, prompts, tree, config, rng)
-        self.history = [list(p) for p in prompts]
+    def begin(self, target, cache, tree, config, rng):
+        super().begin(target, cache, tree, config, rng)
+        self.history = [[] for _ in range(cache.batch_size)]
         self.vocab = target.config.vocab_size
 
-    def accepted(self, tokens):
-        for row, new in enumerate(tokens):
-            self.history[row].extend(new)
+    def add(self, row, prompt, first_token):
+        self.history[row] = list(prompt) + [first_token]
 
-    def select_rows(self, rows):
-        self.history = [self.history[r] for r in rows.tolist()]
+    def accepted(self, emitted, counts):
+        for row, (new, n) in enumerate(zip(emitted.tolist(), counts.tolist())):
+            self.history[row].extend(new[:n])
 
     def _root_logits(self, root):
         # the root was emitted last round and is already in the history
@@ -222,61 +239,56 @@ class LongSpecProposer(TreeDrafter):
     Each round re-reads, in one draft forward, the tokens accepted in the last round plus the new
     root (their target KV now exists: each sees target slots before its own index, lag 1), then
     grows the tree with tree-masked self-attention over the ring buffer and unmasked
-    cross-attention over the whole target cache. Its memory is the ring buffer: constant."""
+    cross-attention over the target's last-layer cache. Its memory is the ring buffer: constant.
+    The re-read block always has ``D + 1`` columns (padding masked), so rounds have fixed shapes."""
+
+    graphable = True
 
     def __init__(self, draft):
         self.draft = draft
 
-    def begin(self, target, cache, prompts, tree, config, rng):
-        from ..models.draft import DraftCache
-
+    def begin(self, target, cache, tree, config, rng):
         if target is not self.draft.target:
             self.draft.config.check_target(target)
-        super().begin(target, cache, prompts, tree, config, rng)
+        super().begin(target, cache, tree, config, rng)
         b, device = cache.batch_size, target.device
         self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
-        # the prompt's last W tokens fill the window (K/V only: exact for a one-block draft)
-        w = self.draft.config.window
-        tail = [p[-w:] for p in prompts]
-        width = max(map(len, tail))
-        ids = torch.zeros(b, width, dtype=torch.long, device=device)
-        index = torch.full((b, width), -1, dtype=torch.long, device=device)
-        for row, (t, p) in enumerate(zip(tail, prompts)):
-            ids[row, :len(t)] = torch.tensor(t, device=device)
-            index[row, :len(t)] = torch.arange(len(p) - len(t), len(p), device=device)
-        valid = index >= 0
+        self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)
+        self.reread_count = torch.zeros(b, dtype=torch.long, device=device)  # accepted drafts, root excluded
+
+    def add(self, row, prompt, first_token):
+        """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a
+        one-block draft)."""
+        w, device = self.draft.config.window, self.reread.device
+        tail = prompt[-w:]
+        ids = torch.tensor([tail], device=device)
+        index = torch.arange(len(prompt) - len(tail), len(prompt), device=device)[None]
+        self.ring.clear_row(row)
         with torch.inference_mode():
-            k, v = self.draft.window_kv(ids, index.clamp(min=0))
-            self.ring.write(k, v, index.clamp(min=0), torch.full_like(index, -1), valid)
-        self.reread = [[] for _ in range(b)]
+            k, v = self.draft.window_kv(ids, index)
+            self.ring.rows(row, row + 1).write(k, v, index, torch.full_like(index, -1), torch.ones_like(index, dtype=torch.bool))
+        self.reread_count[row] = 0
 
-    def accepted(self, tokens):
-        self.reread = [row[:-1] for row in tokens]  # accepted drafts; the bonus is the next root
+    def accepted(self, emitted, counts):
+        self.reread.copy_(emitted)  # accepted drafts, then the bonus (the next root)
+        self.reread_count.copy_(counts - 1)
 
-    def select_rows(self, rows):
-        self.ring.select_rows(rows)
-        self.reread = [self.reread[r] for r in rows.tolist()]
+    def state_tensors(self):
+        return [self.reread, self.reread_count, self.ring.k, self.ring.v, self.ring.slot_index, self.ring.slot_node]
 
     @torch.inference_mode()
     def _root_logits(self, root):
         b, device, lengths = root.shape[0], root.device, self.cache.lengths
-        width = max(map(len, self.reread)) + 1
-        ids = torch.zeros(b, width, dtype=torch.long, device=device)
-        count = torch.tensor([len(r) + 1 for r in self.reread], device=device)
-        for row, tokens in enumerate(self.reread):
-            if tokens:
-                ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
-        cols = torch.arange(width, device=device)[None, :]
-        ids[torch.arange(b, device=device), count - 1] = root
-        index = lengths[:, None] - (count[:, None] - 1) + cols  # root at index = cache length
-        valid = cols < count[:, None]
-        # the target's last-layer cache: committed slots do not change during the round
-        layer, used = self.target.config.num_layers - 1, int(lengths.max())
-        self.target_kv = self.cache.k[layer][:, :, :used], self.cache.v[layer][:, :, :used]
+        count = self.reread_count
+        cols = torch.arange(self.reread.shape[1], device=device)[None, :]
+        ids = torch.where(cols < count[:, None], self.reread, 0).scatter(1, count[:, None], root[:, None])
+        index = lengths[:, None] - count[:, None] + cols  # root at index = cache length
+        valid = cols <= count[:, None]
+        self.target_kv = self.target.last_layer_kv(self.cache)  # committed slots: fixed during the round
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
                                          *self.target_kv, cross_limit=index)
         self.root_index = lengths.clone()
-        return self.draft.logits(hidden[torch.arange(b, device=device), count - 1])
+        return self.draft.logits(hidden[torch.arange(b, device=device), count])
 
     @torch.inference_mode()
     def _level_logits(self, tokens, positions, mask, tree_tokens):
@@ -290,3 +302,4 @@ class LongSpecProposer(TreeDrafter):
 
     def _end_round(self):
         self.ring.drop_pending()
+

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_sampling_args", "warp_logits", "warp_probs", "sample"]
+__all__ = ["Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs"]
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
@@ -84,15 +84,55 @@ def warp_probs(
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Draw one token per row.
+class Uniforms:
+    """The uniform random numbers of a round, drawn from ``generator``. Eager (the default) each
+    request draws fresh numbers. For CUDA graphs, ``make_static(count)`` turns it into views of
+    one buffer that ``refill`` redraws before every replay, so a captured round consumes new
+    numbers each time while its kernels stay the same; ``used`` counts what a round asked for."""
+
+    def __init__(self, generator: Optional[torch.Generator], device):
+        self.generator, self.device = generator, torch.device(device)
+        self.buffer: Optional[torch.Tensor] = None
+        self.used = 0
+
+    def __call__(self, shape) -> torch.Tensor:
+        n = math.prod(shape)
+        start, self.used = self.used, self.used + n
+        if self.buffer is None:
+            return torch.rand(shape, generator=self.generator, device=self.device)
+        return self.buffer[start:start + n].view(shape)
+
+    def make_static(self, count: int) -> None:
+        self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
+        self.used = 0
+
+    def refill(self) -> None:
+        """Starts a round: new numbers in the buffer (static) or a new count (eager)."""
+        if self.buffer is not None:
+            self.buffer.uniform_(0.0, 1.0, generator=self.generator)
+        self.used = 0
+
+
+def uniform(shape, generator=None, device="cpu") -> torch.Tensor:
+    """Uniform numbers in [0, 1) of ``shape`` from a ``torch.Generator`` (or None) or :class:`Uniforms`."""
+    if isinstance(generator, Uniforms):
+        return generator(tuple(shape))
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
+    """Draw one token per row by inverting the cumulative distribution (no host sync, fixed
+    shapes: CUDA-graph safe).
 
     Args:
         probs: ``[B, V]`` (or ``[..., V]``) non-negative weights, each row with positive sum.
-        generator: optional ``torch.Generator`` on ``probs.device``.
+        generator: optional ``torch.Generator`` on ``probs.device``, or :class:`Uniforms`.
     Returns:
-        ``[B]`` (or ``[...]``) long token ids.
+        ``[B]`` (or ``[...]``) long token ids; a token of weight 0 is never drawn.
     """
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat.float(), 1, generator=generator).squeeze(-1)
+    flat = probs.reshape(-1, probs.shape[-1]).float()
+    cdf = flat.cumsum(-1)
+    # x in (0, total]: the first index with cdf >= x has positive weight
+    x = (1.0 - uniform((flat.shape[0],), generator, flat.device)) * cdf[:, -1]
+    out = (cdf < x[:, None]).sum(-1).clamp(max=flat.shape[-1] - 1)
     return out.reshape(probs.shape[:-1])

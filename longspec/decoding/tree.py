@@ -356,6 +356,8 @@ class DraftTree:
             without replacement when ``without_replacement``); False if chosen deterministically
             (top-k / beam), in which case siblings must be stored in descending draft probability.
         without_replacement: siblings were drawn from ``q`` without replacement.
+        level_sizes: number of nodes at depth ``1..D`` when known on the host (from the
+            ``TreeSpec``); then ``depth`` and ``level_width`` need no device sync.
     """
 
     tokens: torch.Tensor
@@ -365,6 +367,7 @@ class DraftTree:
     draft_probs: Optional[torch.Tensor] = None
     children_sampled: bool = False
     without_replacement: bool = False
+    level_sizes: Optional[tuple] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -403,6 +406,7 @@ class DraftTree:
             spec.parents.to(dev).expand(B, N),
             spec.depths.to(dev).expand(B, N),
             spec.ancestor_mask.to(dev).expand(B, N, N),
+            level_sizes=spec.level_sizes,
             **kwargs,
         )
 
@@ -416,8 +420,16 @@ class DraftTree:
 
     @property
     def depth(self) -> int:
-        """Maximum node depth ``D`` over the batch (host sync)."""
+        """Maximum node depth ``D`` over the batch (a host sync unless ``level_sizes`` is known)."""
+        if self.level_sizes is not None:
+            return len(self.level_sizes)
         return int(self.depths.max()) if self.depths.numel() else 0
+
+    def level_width(self, depth: int) -> int:
+        """Most nodes at ``depth`` in any row (a host sync unless ``level_sizes`` is known)."""
+        if self.level_sizes is not None:
+            return self.level_sizes[depth - 1] if 1 <= depth <= len(self.level_sizes) else 0
+        return int((self.depths == depth).sum(-1).max()) if self.depths.numel() else 0
 
     def check(self) -> None:
         """Full consistency check (host syncs; for tests and debugging)."""

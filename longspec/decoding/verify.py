@@ -6,7 +6,9 @@ the target's next-token logits/probabilities after the path root..i) and return 
 A step emits ``num_accepted + 1`` tokens (accepted drafts + bonus).
 
 Everything is vectorised over the batch. ``verify_greedy`` has no loop over nodes or vocabulary;
-``verify_sampling`` loops over depth and sibling rank only.
+``verify_sampling`` loops over depth and sibling rank only when children were sampled from the
+draft, with bounds known on the host: no function here synchronises with the device (given a
+tree whose level sizes are known).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .sampling import check_sampling_args, sample, warp_probs
+from .sampling import check_sampling_args, sample, uniform, warp_probs
 from .tree import DraftTree
 
 __all__ = ["VerifyResult", "verify_greedy", "verify_sampling", "verify_tree"]
@@ -67,7 +69,7 @@ def _check_target(tree: DraftTree, target: torch.Tensor, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, tokens_given: bool = False) -> VerifyResult:
     """Greedy acceptance (temperature 0).
 
     Node ``i > 0`` is correct iff ``tokens[i] == argmax(target_logits[parent[i]])``. The accepted
@@ -78,11 +80,15 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     Args:
         tree: the draft tree, ``N`` nodes.
         target_logits: ``[B, N, V]``; row ``i`` = target logits for the token after node ``i``.
+        tokens_given: ``target_logits`` is already the target's token per node, ``[B, N]``.
     """
-    _check_target(tree, target_logits, "target_logits")
+    if tokens_given:
+        argmax = target_logits
+    else:
+        _check_target(tree, target_logits, "target_logits")
+        argmax = target_logits.argmax(dim=-1)  # [B, N]
     B, N = tree.tokens.shape
     D = tree.depth
-    argmax = target_logits.argmax(dim=-1)  # [B, N]
     expected = argmax.gather(1, tree.parents.clamp(min=0))
     correct = tree.tokens == expected
     correct[:, 0] = True
@@ -114,11 +120,6 @@ def _drop_token(dist: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     return _normalise(dist.scatter(1, token.unsqueeze(1), 0.0), dist)
 
 
-def _deterministic_residual(p: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """Target distribution after rejecting deterministic child ``token``: ``norm(p with p(x)=0)``."""
-    return _drop_token(p, token)
-
-
 def _sampled_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Target distribution after rejecting a child sampled from ``q``: ``norm(max(0, p - q))``.
 
@@ -128,8 +129,34 @@ def _sampled_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return _normalise((p - q).clamp(min=0), p)
 
 
+def _target_walk_tokens(target_probs: torch.Tensor, generator) -> torch.Tensor:
+    """One independent sample from the target distribution of every node: [B, N]."""
+    return sample(target_probs, generator)
+
+
+def _bonus_after_rejection(walk_sample: torch.Tensor, p: torch.Tensor, generator) -> torch.Tensor:
+    """Bonus token at the node where the walk stopped: the node's own sample, which matched none
+    of its children, so it is distributed as p with the children removed (the residual)."""
+    return walk_sample
+
+
+def _verify_deterministic_children(tree: DraftTree, target_probs: torch.Tensor, generator) -> VerifyResult:
+    """Deterministic children (top-k, beam). Trying the children in order, accepting child x
+    with probability p(x) and renormalising p without x on rejection, accepts child x with
+    probability exactly p(x) and, when all are rejected, emits a token from p without the
+    children. Drawing one token y ~ p per node and moving to the child whose token is y (or
+    stopping with y as the bonus) is the same process, so the walk is the greedy walk over
+    sampled tokens: one sample per node, no loop."""
+    tokens = _target_walk_tokens(target_probs, generator)
+    walk = verify_greedy(tree, tokens, tokens_given=True)
+    last = walk.accepted_nodes.gather(1, walk.num_accepted[:, None]).squeeze(1)
+    rows = torch.arange(tree.batch_size, device=last.device)
+    bonus = _bonus_after_rejection(walk.bonus_token, target_probs[rows, last], generator)
+    return VerifyResult(walk.accepted_nodes, walk.num_accepted, walk.accepted_tokens, bonus)
+
+
 def verify_sampling(
-    tree: DraftTree, target_probs: torch.Tensor, generator: Optional[torch.Generator] = None
+    tree: DraftTree, target_probs: torch.Tensor, generator=None
 ) -> VerifyResult:
     """Lossless stochastic acceptance: the emitted tokens are distributed exactly as sampling
     from ``target_probs`` token by token.
@@ -138,27 +165,31 @@ def verify_sampling(
 
     * ``tree.children_sampled == False`` (top-k / beam children): try the children in node-index
       order (proposers store siblings in descending draft probability); accept child ``x`` with
-      probability ``p(x)``; on rejection ``p <- norm(p with p(x) = 0)``.
+      probability ``p(x)``; on rejection ``p <- norm(p with p(x) = 0)`` (computed in one shot,
+      see ``_verify_deterministic_children``).
     * ``tree.children_sampled == True`` (children drawn from ``q = draft_probs[node]``): accept
       ``x`` with probability ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(0, p - q))``,
       and for siblings drawn without replacement also ``q <- norm(q with q(x) = 0)``.
 
     On acceptance move to the child with a fresh ``p = target_probs[child]`` (and ``q``). When no
-    child is accepted (or at a leaf), the bonus token is sampled from the current ``p``.
+    child is accepted (or at a leaf), the bonus token is sampled from the current ``p``. Loop
+    bounds come from the tree's level sizes: no host synchronisation.
 
     Args:
         tree: the draft tree.
         target_probs: ``[B, N, V]`` target distributions, already warped by ``warp_probs``.
-        generator: optional ``torch.Generator`` on the tensors' device.
+        generator: optional ``torch.Generator`` on the tensors' device, or a
+            :class:`~longspec.decoding.sampling.Uniforms`.
     """
     _check_target(tree, target_probs, "target_probs")
     sampled = tree.children_sampled
-    if sampled:
-        _check_target(tree, tree.draft_probs, "draft_probs")
-        if tree.draft_probs.shape[-1] != target_probs.shape[-1]:
-            raise ValueError(
-                f"draft_probs vocabulary {tree.draft_probs.shape[-1]} != target vocabulary {target_probs.shape[-1]}"
-            )
+    if not sampled:
+        return _verify_deterministic_children(tree, target_probs, generator)
+    _check_target(tree, tree.draft_probs, "draft_probs")
+    if tree.draft_probs.shape[-1] != target_probs.shape[-1]:
+        raise ValueError(
+            f"draft_probs vocabulary {tree.draft_probs.shape[-1]} != target vocabulary {target_probs.shape[-1]}"
+        )
     B, N = tree.tokens.shape
     D = tree.depth
     dev = tree.tokens.device
@@ -168,47 +199,36 @@ def verify_sampling(
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
     p = target_probs[:, 0].float()
-    q = tree.draft_probs[:, 0].float() if sampled else None
+    q = tree.draft_probs[:, 0].float()
     accepted = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
     accepted[:, 0] = 0
 
     for d in range(D):
+        width = tree.level_width(d + 1)  # a node has at most as many children as the next level has nodes
         is_child = (tree.parents == cur.unsqueeze(1)) & active.unsqueeze(1)  # [B, N]
-        width = int(is_child.sum(-1).max())
-        if width == 0:
-            break
         # children of the current node in index order, padded with N
         children = torch.where(is_child, node_ids, N).sort(dim=-1).values[:, :width]
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
         nxt = cur
+        u_all = uniform((B, width), generator, dev)
         for k in range(width):
             node = children[:, k]
             trying = active & ~moved & (node < N)
             x = tree.tokens.gather(1, node.clamp(max=N - 1).unsqueeze(1)).squeeze(1)
             px = p.gather(1, x.unsqueeze(1)).squeeze(1)
-            u = torch.rand(B, generator=generator, device=dev)
-            if sampled:
-                qx = q.gather(1, x.unsqueeze(1)).squeeze(1)
-                acc = trying & (u * qx < px)  # u < min(1, p/q); q(x) = 0 accepts iff p(x) > 0
-            else:
-                acc = trying & (u < px)
+            qx = q.gather(1, x.unsqueeze(1)).squeeze(1)
+            acc = trying & (u_all[:, k] * qx < px)  # u < min(1, p/q); q(x) = 0 accepts iff p(x) > 0
             rej = (trying & ~acc).unsqueeze(1)
-            if sampled:
-                p = torch.where(rej, _sampled_residual(p, q), p)
-                if tree.without_replacement:
-                    q = torch.where(rej, _drop_token(q, x), q)
-            else:
-                p = torch.where(rej, _deterministic_residual(p, x), p)
+            p = torch.where(rej, _sampled_residual(p, q), p)
+            if tree.without_replacement:
+                q = torch.where(rej, _drop_token(q, x), q)
             moved = moved | acc
             nxt = torch.where(acc, node, nxt)
         active = moved
         cur = nxt
         accepted[:, d + 1] = torch.where(moved, cur, -1)
         p = torch.where(moved.unsqueeze(1), target_probs[rows, cur].float(), p)
-        if sampled:
-            q = torch.where(moved.unsqueeze(1), tree.draft_probs[rows, cur].float(), q)
-        if not bool(moved.any()):
-            break
+        q = torch.where(moved.unsqueeze(1), tree.draft_probs[rows, cur].float(), q)
 
     bonus = sample(p, generator)
     return _result(tree, accepted, bonus)

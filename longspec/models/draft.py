@@ -22,7 +22,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import masked_attention, reference
+from ..attention import attend_masked
+from ..cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig, RopeConfig
 from .rope import apply_rotary
 from .target import MLP, Projections, RMSNorm, TargetModel
@@ -94,61 +95,6 @@ def embedding_sample(target: TargetModel, rows: int = 8, cols: int = 8) -> list:
     return [float(f"{x:.5g}") for x in emb[idx, :cols].float().flatten().tolist()]
 
 
-class DraftCache:
-    """Ring buffer of the draft's self-attention K/V for a batch: ``R = window + tree_size``
-    slots, independent of the context length.
-
-    Token with sequence index ``i`` (its slot in the target cache) is stored in slot ``i % R``.
-    ``slot_index`` [B, R] records which index a slot holds (-1: empty), ``slot_node`` [B, R]
-    marks pending tree nodes (their node number; -1 for committed tokens). A committed query at
-    index ``i`` sees committed keys ``i-W+1..i``; a pending tree node sees those below its index plus
-    the pending nodes its tree mask allows."""
-
-    def __init__(self, config: DraftConfig, batch_size: int, tree_size: int, dtype, device):
-        self.window, self.size = config.window, config.window + tree_size
-        shape = (batch_size, config.num_kv_heads, self.size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.slot_index = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)
-        self.slot_node = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.k, self.v, self.slot_index, self.slot_node))
-
-    def write(self, k, v, index, node, valid, slot=None):
-        """k, v [B, Hkv, T, D]; index, node [B, T] (node -1: committed); valid [B, T] bool;
-        ``slot`` [B, T] (default ``index``) picks ring slot ``slot % R``: a pending node n of a tree
-        whose root has index r uses ``r + n``, so the nodes of one tree never collide."""
-        slot = (index if slot is None else slot) % self.size
-        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(slot)
-        rows, slot = rows[valid], slot[valid]
-        self.k.transpose(1, 2)[rows, slot] = k.transpose(1, 2)[valid]
-        self.v.transpose(1, 2)[rows, slot] = v.transpose(1, 2)[valid]
-        self.slot_index[rows, slot] = index[valid]
-        self.slot_node[rows, slot] = node[valid]
-
-    def visibility(self, index, node, tree_mask):
-        """Mask [B, T, R] for queries at ``index`` [B, T] (node [B, T], -1 for committed ones);
-        tree_mask [B, T, N] over tree nodes (rows of committed queries are ignored)."""
-        si, sn = self.slot_index[:, None, :], self.slot_node[:, None, :]
-        q = index[..., None]
-        committed = (sn < 0) & (si >= 0) & (si <= q) & (si > q - self.window)
-        if tree_mask is None:
-            return committed
-        pending = (sn >= 0) & (node[..., None] >= 0) & tree_mask.gather(2, sn.clamp(min=0).expand(-1, q.shape[1], -1))
-        return committed | pending
-
-    def drop_pending(self):
-        pending = self.slot_node >= 0
-        self.slot_index[pending] = -1
-        self.slot_node[pending] = -1
-
-    def select_rows(self, rows):
-        self.k, self.v = self.k[rows], self.v[rows]
-        self.slot_index, self.slot_node = self.slot_index[rows], self.slot_node[rows]
-
-
 class CrossAttention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -185,7 +131,7 @@ class LongSpecDraft(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft hidden [..., H] -> float32 logits through the target's final norm and LM head."""
-        return self.target.logits(self.target.model.norm(hidden))
+        return self.target.logits(self.target.final_norm(hidden))
 
     def _qkv(self, x, positions):
         a, c = self.self_attn, self.config
@@ -211,7 +157,7 @@ class LongSpecDraft(nn.Module):
         target KV 0..t-g (a shifted causal attention, no dense mask). Self-attention is causal
         within a window of W tokens. Returns the draft hidden states [B, T, H]."""
         b, t = input_ids.shape
-        x = self.target.model.embed_tokens(input_ids)
+        x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
         idx = torch.arange(t, device=x.device)
         window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
@@ -233,27 +179,21 @@ class LongSpecDraft(nn.Module):
         cache); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
         [B, T, N] for pending nodes; slot: see ``DraftCache.write``. Writes this step's K/V into
         ``cache`` first. Returns hidden [B, T, H]."""
-        x = self.target.model.embed_tokens(input_ids)
+        x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
         cache.write(k, v, index, node, valid, slot)
-        visible = cache.visibility(index, node, tree_mask)
-        if self.target.attention_impl == "reference":
-            o, _ = reference.dense_attention(q, cache.k, cache.v, visible)
-        else:
-            o = masked_attention(q, cache.k, cache.v, visible, may_be_empty=True)
+        impl = self.target.attention_impl
+        o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
-        if self.target.attention_impl == "reference":
-            cross, _ = reference.prefix_attention(cq, target_k, target_v, cross_limit)
-        else:
-            slots = torch.arange(target_k.shape[2], device=x.device)
-            cross = masked_attention(cq, target_k, target_v, slots < cross_limit[..., None], may_be_empty=True)
+        slots = torch.arange(target_k.shape[2], device=x.device)
+        cross = attend_masked(cq, target_k, target_v, slots < cross_limit[..., None], impl, may_be_empty=True)
         return self._finish(x, cross)
 
     def window_kv(self, input_ids, positions):
         """Self-attention K/V [B, Hkv, T, D] of committed tokens. Exact without running the block:
         in a one-block draft they depend on the token and its position only."""
-        x = self.target.model.embed_tokens(input_ids)
+        x = self.target.embed(input_ids)
         return self._qkv(x, positions)[1:3]
 
 

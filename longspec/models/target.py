@@ -18,7 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import causal_attention, masked_attention, reference
+from ..attention import AttentionMeta, attend
 from ..cache import KVCache
 from ..config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -76,44 +76,15 @@ class Attention(Projections):
             x = norm(x)
         return x.transpose(1, 2)  # [B, n, T, D]
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, view: "AttentionView"):
-        """x [B, T, H]; cos/sin [B, T, D]; ``view``: what the new tokens see -> [B, T, H]."""
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: AttentionMeta):
+        """x [B, T, H]; cos/sin [B, T, D]; ``meta``: what the new tokens see -> [B, T, H]."""
         q = apply_rotary(self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None)), cos, sin)
         k = apply_rotary(self._heads(self.k_proj(x), self.n_kv, getattr(self, "k_norm", None)), cos, sin)
         v = self._heads(self.v_proj(x), self.n_kv, None)
-        cache.write(layer, k, v)
-        if view.fresh_causal:  # a first prefill chunk: nothing cached, plain causal attention
-            o = causal_attention(q, k, v)
-        elif view.key_mask is not None:  # fused kernel over the cache slots, one mask for all layers
-            s = view.key_mask.shape[-1]
-            o = masked_attention(q, cache.k[layer][:, :, :s], cache.v[layer][:, :, :s], view.key_mask)
-        else:  # the reference: unmasked prefix + tree part, merged by log-sum-exp
-            if cache.pending:  # a tree grown level by level: earlier levels are pending in the cache
-                k, v = cache.pending_kv(layer, cache.pending + k.shape[2])
-            used = view.used
-            o = reference.hybrid_attention(q, cache.k[layer][:, :, :used], cache.v[layer][:, :, :used],
-                                           cache.lengths, k, v, view.tree_mask)
+        cache.write(layer, k, v, meta.slots)
+        o = attend(q, k, v, cache.k[layer], cache.v[layer], meta)
         b, _, t, _ = o.shape
         return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
-
-
-class AttentionView:
-    """What T new tokens of a forward see, computed once for all layers: every committed slot of
-    their row (``0..lengths[b]-1``) plus the pending/new tokens their tree mask [B or 1, T, P+T]
-    allows. ``key_mask`` [B, T, S] spells that out over cache slots for the fused kernel."""
-
-    def __init__(self, cache: KVCache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool):
-        self.tree_mask, self.used = tree_mask, int(cache.lengths.max())
-        self.fresh_causal = impl == "sdpa" and causal and self.used == 0 and cache.pending == 0
-        self.key_mask = None
-        if impl == "sdpa" and not self.fresh_causal:
-            n_tree = cache.pending + n_new
-            slots = torch.arange(self.used + n_tree, device=tree_mask.device)
-            rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
-            tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
-                2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
-            in_tree = (rel >= 0) & (rel < n_tree)
-            self.key_mask = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
 
 
 class DecoderLayer(nn.Module):
@@ -124,8 +95,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache, layer, view):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, view)
+    def forward(self, x, cos, sin, cache, layer, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -164,28 +135,39 @@ class TargetModel(nn.Module):
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
 
+    # the small interface a draft reads the target through
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> embeddings [..., H]."""
+        return self.model.embed_tokens(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (after the final norm) -> float32 logits [..., V]."""
         return self.lm_head(hidden).float()
 
+    @staticmethod
+    def last_layer_kv(cache: KVCache) -> tuple:
+        """K, V [B, Hkv, S, D] of the last layer's cache (as stored: keys already rotated)."""
+        return cache.k[-1], cache.v[-1]
+
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        tree_mask: torch.Tensor, rope_seq_len: Optional[torch.Tensor] = None,
-                       causal: bool = False) -> torch.Tensor:
+                       causal: bool = False, n_keys: Optional[int] = None) -> torch.Tensor:
         """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
         (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
-        says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel)."""
-        if tree_mask.shape[-1] != cache.pending + input_ids.shape[1]:
-            raise ValueError(f"tree mask covers {tree_mask.shape[-1]} tokens, expected pending "
-                             f"{cache.pending} + new {input_ids.shape[1]}")
-        view = AttentionView(cache, tree_mask, input_ids.shape[1], self.attention_impl, causal)
-        cache.check_room(input_ids.shape[1], longest=view.used)
-        x = self.model.embed_tokens(input_ids)
+        says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel).
+        ``n_keys``: cache slots to attend over, fixed by the caller (no host sync, no room
+        check: see :class:`~longspec.attention.AttentionMeta`)."""
+        meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], self.attention_impl, causal, n_keys)
+        x = self.embed(input_ids)
         cos, sin = self.rotary(positions, rope_seq_len)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, view)
+            x = layer(x, cos, sin, cache, i, meta)
         cache.pending += input_ids.shape[1]
-        return self.model.norm(x)
+        return self.final_norm(x)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, n_tokens: torch.Tensor, cache: KVCache,
@@ -218,19 +200,21 @@ class TargetModel(nn.Module):
         return torch.cat(outputs, 1) if all_logits else self.logits(last_hidden)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per row: tokens [B] at positions ``cache.lengths``; committed.
+    def decode(self, tokens: torch.Tensor, cache: KVCache, n_keys: Optional[int] = None,
+               advance: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One token per row: tokens [B] at positions ``cache.lengths``; committed (``advance``
+        [B] long: 1 for rows that keep the token, 0 for rows that only compute; default all).
         Returns logits [B, V]."""
         ids = tokens.view(-1, 1)
         mask = torch.ones(1, 1, 1, dtype=torch.bool, device=ids.device)
-        hidden = self.forward_hidden(ids, cache.lengths[:, None].clone(), cache, mask)
-        cache.advance(torch.ones_like(cache.lengths))
+        hidden = self.forward_hidden(ids, cache.lengths[:, None].clone(), cache, mask, n_keys=n_keys)
+        cache.advance(torch.ones_like(cache.lengths) if advance is None else advance)
         return self.logits(hidden[:, 0])
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-               cache: KVCache) -> torch.Tensor:
+               cache: KVCache, n_keys: Optional[int] = None) -> torch.Tensor:
         """Scores a token tree: tokens, positions [B, M]; tree_mask [B or 1, M, M] bool
         (ancestor-or-self). The tokens stay pending: follow with ``cache.commit`` (or
         ``cache.discard``). Returns logits [B, M, V]."""
-        return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask))
+        return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask, n_keys=n_keys))

@@ -1,0 +1,120 @@
+"""One attention interface for every forward over a :class:`~longspec.cache.KVCache`.
+
+The caller builds :class:`AttentionMeta` once per step (per-row lengths, where the new tokens
+go, their tree mask, how many cache slots to attend over); every layer then calls
+:func:`attend`. Implementations, all with the reference's semantics:
+
+* ``reference``: the pure-PyTorch oracle (unmasked prefix + masked tree part merged by LSE);
+* ``sdpa``: PyTorch's fused ``scaled_dot_product_attention`` with one key mask per step;
+* ``matmul``: two batched matrix products and a float32 softmax, GQA heads packed into one
+  product (no repeated K/V): few launches and cuBLAS split-K, good for short query blocks over a
+  long cache at batch 1.
+
+``n_keys`` is a Python int: given by the caller (the cache capacity, so a step's shapes never
+change and it can be captured in a CUDA graph), or measured from the lengths (one host sync)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import reference
+from .fast import causal_attention, masked_attention
+
+IMPLEMENTATIONS = ("reference", "sdpa", "matmul")
+
+
+@dataclass
+class AttentionMeta:
+    """What the M new tokens of a forward see: every committed slot of their row
+    (``0..lengths[b]-1``) plus the pending and new tokens their ``tree_mask`` [B or 1, M, P+M]
+    allows (P tokens already pending in the cache). ``slots`` [B, M]: where their K/V are
+    written. ``key_mask`` [B, M, n_keys] spells that out over cache slots for the fused kernels.
+    ``causal``: nothing is cached yet and the mask is causal (a plain causal kernel suffices)."""
+
+    impl: str
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    tree_mask: torch.Tensor
+    pending: int
+    n_keys: int
+    causal: bool = False
+    key_mask: Optional[torch.Tensor] = None
+
+    @classmethod
+    def build(cls, cache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool = False,
+              n_keys: Optional[int] = None) -> "AttentionMeta":
+        """``n_keys`` None: measured as ``lengths.max() + pending + n_new`` (one host sync; the
+        room in the cache is checked). Otherwise the caller vouches that every row fits."""
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+        n_tree = cache.pending + n_new
+        if tree_mask.shape[-1] != n_tree or tree_mask.shape[-2] != n_new:
+            raise ValueError(f"tree mask must be [B or 1, {n_new}, {n_tree}] (pending {cache.pending} + new "
+                             f"{n_new}), got {tuple(tree_mask.shape)}")
+        if n_keys is None:
+            used = int(cache.lengths.max())
+            cache.check_room(n_new, longest=used)
+            n_keys = used + n_tree
+            causal = causal and impl != "reference" and used == 0 and cache.pending == 0
+        else:
+            causal = False
+        meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
+        if impl != "reference" and not causal:
+            slots = torch.arange(n_keys, device=tree_mask.device)
+            rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
+            tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
+                2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
+            in_tree = (rel >= 0) & (rel < n_tree)
+            meta.key_mask = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
+        return meta
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: torch.Tensor,
+           v_layer: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """q [B, Hq, M, D]; k_new, v_new [B, Hkv, M, D] (already written to the cache);
+    k_layer, v_layer [B, Hkv, S, D]: one layer of the cache. Returns o [B, Hq, M, D]."""
+    if meta.causal:
+        return causal_attention(q, k_new, v_new)
+    k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]
+    if meta.impl == "sdpa":
+        return masked_attention(q, k, v, meta.key_mask)
+    if meta.impl == "matmul":
+        return matmul_attention(q, k, v, meta.key_mask)
+    n_tree = meta.pending + q.shape[2]
+    rows = torch.arange(q.shape[0], device=q.device)[:, None]
+    tree_slots = meta.lengths[:, None] + torch.arange(n_tree, device=q.device)[None, :]
+    k_tree = k_layer.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
+    v_tree = v_layer.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
+    return reference.hybrid_attention(q, k, v, meta.lengths, k_tree, v_tree, meta.tree_mask)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, impl: str,
+                  may_be_empty: bool = False) -> torch.Tensor:
+    """Plain masked attention through the same implementations (the draft's ring buffer and its
+    cross-attention into the target cache): q [B, Hq, M, D], k/v [B, Hkv, S, D], mask [B, M, S].
+    ``may_be_empty``: rows that see no key get a zero output. Returns o [B, Hq, M, D]."""
+    if impl == "reference":
+        return reference.dense_attention(q, k, v, mask)[0]
+    if impl == "sdpa":
+        return masked_attention(q, k, v, mask, may_be_empty)
+    if not may_be_empty:
+        return matmul_attention(q, k, v, mask)
+    empty = ~mask.any(-1)  # [B, M]
+    o = matmul_attention(q, k, v, mask | empty[..., None])
+    return o.masked_fill(empty[:, None, :, None], 0.0)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, M, D]; k, v [B, Hkv, S, D]; mask [B, M, S] bool (true = visible; every row must
+    see at least one key). Products in the inputs' dtype, softmax in float32. Returns
+    o [B, Hq, M, D] in q's dtype."""
+    b, hq, m, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * m, d), k.transpose(-1, -2)).float()
+    scores = scores.view(b, hkv, g, m, s).masked_fill(~mask[:, None, None], float("-inf"))
+    weights = torch.softmax(scores * (1.0 / math.sqrt(d)), dim=-1).to(v.dtype)
+    return torch.matmul(weights.view(b, hkv, g * m, s), v).view(b, hq, m, d)

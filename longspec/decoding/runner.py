@@ -1,0 +1,93 @@
+"""Runs the phases of a decoding round eagerly or as captured CUDA graphs.
+
+A phase is a function of no arguments that reads and writes only tensors that live as long as
+the engine (the caches, the proposer's buffers, the engine's static inputs and outputs), with
+shapes that never change: the first call runs it eagerly; on CUDA, ``capture`` records each
+phase once and later rounds replay the recordings (one launch per phase instead of hundreds).
+Capturing needs warm-up runs, which would advance the decoding state: ``state`` lists the
+tensors to put back afterwards (caches are only written past the committed tokens, so they are
+not part of it)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .sampling import Uniforms
+
+
+class PhaseRunner:
+    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers."""
+
+    def __init__(self, phases: Sequence[Callable[[], None]], state: Sequence[torch.Tensor], uniforms: Uniforms,
+                 device: torch.device, cuda_graphs: bool):
+        self.phases, self.state, self.uniforms = list(phases), list(state), uniforms
+        self.device = device
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.graphs: Optional[list] = None
+        self.capture_s = 0.0  # time spent capturing (first round)
+        self.times = [0.0] * len(self.phases)  # seconds per phase, summed over rounds
+        self._events: list = []
+
+    def run_round(self) -> None:
+        """Runs every phase once (capturing the graphs first if they are due). Nothing here waits
+        for the device; ``collect_times`` must be called after the caller has synchronised."""
+        if self.cuda_graphs and self.graphs is None:
+            self._capture()
+        self.uniforms.refill()
+        if self.device.type == "cuda":
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.phases) + 1)]
+            events[0].record()
+            for i, phase in enumerate(self.phases):
+                self.graphs[i].replay() if self.graphs else phase()
+                events[i + 1].record()
+            self._events.append(events)
+        else:
+            t = time.perf_counter()
+            for i, phase in enumerate(self.phases):
+                phase()
+                now = time.perf_counter()
+                self.times[i] += now - t
+                t = now
+
+    def collect_times(self) -> None:
+        """Adds the device time of the rounds run since the last call (their events are done)."""
+        for events in self._events:
+            for i in range(len(self.phases)):
+                self.times[i] += events[i].elapsed_time(events[i + 1]) / 1000.0
+        self._events.clear()
+
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in self.state]
+
+        def restore():
+            for t, s in zip(self.state, saved):
+                t.copy_(s)
+
+        self.uniforms.refill()  # sizing run: how many random numbers a round takes
+        for phase in self.phases:
+            phase()
+        self.uniforms.make_static(self.uniforms.used)
+        restore()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+            self.uniforms.refill()
+            for phase in self.phases:
+                phase()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        restore()
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        self.uniforms.refill()
+        for phase in self.phases:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                phase()
+            graphs.append(graph)
+        restore()
+        torch.cuda.synchronize(self.device)
+        self.graphs = graphs
+        self.capture_s = time.perf_counter() - t0
