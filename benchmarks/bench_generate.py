@@ -3,8 +3,10 @@
 
 For each context length, the prompt is real source code (files of one project concatenated,
 cut to the length) and every method generates ``--max-new-tokens`` greedy tokens. Reports
-acceptance length tau, tokens/s (decode), speedup over autoregressive, peak memory, and whether
-the output equals the autoregressive output token for token. Prints one JSON line last.
+acceptance length tau, decode ms/token, speed relative to transformers' compiled static-cache
+``generate`` (run in the same process on the same prompt, with its dynamic-cache and prompt-lookup
+modes), peak memory, first-call latency (graph capture / compilation) and whether the output
+equals our autoregressive output token for token. Prints one JSON line last.
 
     python benchmarks/bench_generate.py --target DIR [--draft DIR] --prompt-dir SRC_DIR \
         --lengths 2048,4096,7900 --max-new-tokens 128 --dtype bfloat16
@@ -57,20 +59,61 @@ def methods(args, target):
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
-def run_one(target, proposer, tree, prompt, config, repeats):
+def peak_mib(fn):
+    if not torch.cuda.is_available():
+        return fn(), float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() / 2**20
+
+
+def run_ours(target, proposer, tree, prompt, config, repeats):
     gen = Generator(target, proposer=proposer, tree=tree)
-    gen.generate([prompt[:256]], GenerationConfig(max_new_tokens=8, ignore_eos=True))  # warm-up
-    times, out = [], None
+    t0 = time.perf_counter()
+    first = gen.generate([prompt], config)  # first call: engine, CUDA-graph capture
+    first_call_s = time.perf_counter() - t0
+    times, out, peak = [], first, float("nan")
     for _ in range(repeats):
-        torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-        out = gen.generate([prompt], config)
+        out, peak = peak_mib(lambda: gen.generate([prompt], config))
         times.append(out.stats["decode_s"])
-    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else float("nan")
     decode_s = statistics.median(times)
-    return out, {"tokens_per_s": (out.stats["new_tokens"] - 1) / decode_s, "decode_s": decode_s,
-                 "prefill_s": out.stats["prefill_s"], "tau": out.stats.get("tau", 1.0),
-                 "draft_s": out.stats.get("draft_s", 0.0), "verify_s": out.stats.get("verify_s", 0.0),
-                 "peak_mib": peak, "steps": out.stats["steps"]}
+    n = out.stats["new_tokens"] - 1
+    return out.sequences[0], {"ms_per_token": 1e3 * decode_s / n, "tau": out.stats.get("tau", 1.0),
+                              "draft_s": out.stats.get("draft_s", 0.0), "verify_s": out.stats.get("verify_s", 0.0),
+                              "peak_mib": peak, "steps": out.stats["steps"], "first_call_s": first_call_s,
+                              "capture_s": first.stats["capture_s"], "cuda_graphs": out.stats["cuda_graphs"]}
+
+
+def run_hf(model, prompt, max_new, repeats, **kwargs):
+    """transformers' generate: decode ms/token = (time for max_new tokens - time for 1) / (max_new - 1)."""
+    ids = torch.tensor([prompt], device=model.device)
+    attn = torch.ones_like(ids)
+
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def gen(n):
+        sync()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             **kwargs)
+        sync()
+        return out, time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    for _ in range(2):  # warm-up (compilation for the static cache)
+        gen(max_new)
+        gen(1)
+    first_call_s = time.perf_counter() - t0
+    full, one, out, peak = [], [], None, float("nan")
+    for _ in range(repeats):
+        (out, t), peak = peak_mib(lambda: gen(max_new))
+        full.append(t)
+        one.append(gen(1)[1])
+    decode = statistics.median(full) - statistics.median(one)
+    return out[0, len(prompt):].tolist(), {"ms_per_token": 1e3 * decode / (max_new - 1), "tau": None,
+                                           "peak_mib": peak, "warmup_s": first_call_s}
 
 
 def main(argv=None):
@@ -84,36 +127,48 @@ def main(argv=None):
     p.add_argument("--chain-tree", default="chain:5")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--methods", default="all")
+    p.add_argument("--methods", default="ar,pld,longspec,longspec-chain")
+    p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
+    p.add_argument("--attention", default="sdpa")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
 
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target.attention_impl = args.attention
     tokenizer = AutoTokenizer.from_pretrained(args.target)
+    hf = None
+    if args.hf:
+        hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype),
+                                                  attn_implementation="sdpa").to(args.device).eval()
+    hf_kwargs = {"dynamic": {}, "static": {"cache_implementation": "static"},
+                 "pld": {"prompt_lookup_num_tokens": 10}}
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rows = []
     for n in map(int, args.lengths.split(",")):
         prompt = code_prompt(tokenizer, Path(args.prompt_dir), n)
-        reference, baseline = None, None
+        results = []
+        for name in filter(None, args.hf.split(",")):
+            seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
+            results.append((f"hf-{name}", None, seq, res))
         for name, (proposer, tree) in methods(args, target).items():
-            out, res = run_one(target, proposer, tree, prompt, config, args.repeats)
-            if name == "ar":
-                reference, baseline = out.sequences[0], res["tokens_per_s"]
-            res.update(method=name, context=n, tree=str(tree) if tree else None,
-                       matches_ar=(out.sequences[0] == reference) if reference is not None else None,
-                       speedup=res["tokens_per_s"] / baseline if baseline else None)
+            seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
+            results.append((name, tree, seq, res))
+        reference = next(seq for name, _, seq, _ in results if name == "ar")
+        base = next((r["ms_per_token"] for name, _, _, r in results if name == "hf-static"), None)
+        for name, tree, seq, res in results:
+            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == reference,
+                       speedup_vs_hf_static=(base / res["ms_per_token"]) if base else None)
             rows.append(res)
-            print(f"{n:>6} {name:<15} tau {res['tau']:5.2f}  {res['tokens_per_s']:8.1f} tok/s  "
-                  f"x{(res['speedup'] or float('nan')):5.2f}  peak {res['peak_mib']:8.0f} MiB  "
-                  f"draft {res['draft_s']:.2f}s verify {res['verify_s']:.2f}s  same-as-AR {res['matches_ar']}",
-                  flush=True)
+            print(f"{n:>6} {name:<15} {res['tree'] or '-':<14} tau {res['tau'] or 1.0:5.2f} "
+                  f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf_static'] or float('nan')):5.2f} "
+                  f"vs hf-static  peak {res['peak_mib']:7.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(json.dumps({"device": device_name, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                      "results": rows}))
+    print(json.dumps({"device": device_name, "dtype": args.dtype, "attention": args.attention,
+                      "max_new_tokens": args.max_new_tokens, "results": rows}))
 
 
 if __name__ == "__main__":

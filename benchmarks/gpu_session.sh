@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Second device call of a GPU session (see README "Benchmarks"): reassembles the default model
 # (staged by ../shared/tools/stage-smollm2.sh; part 00 copied to /root/stage by the first call),
-# converts it, runs the GPU tests, trains the draft on real source code and runs the benchmark.
-# STEPS selects what runs (default: convert tests bench). The draft trains on numpy, scipy,
+# converts it, runs the GPU tests, trains the draft on real source code and runs the benchmarks.
+# STEPS selects what runs (default: convert steps bench tests); each step is limited to STEP_TIMEOUT s. The draft trains on numpy, scipy,
 # networkx and torch sources from the machine's site-packages; the benchmark prompts come from
 # transformers/generation, which the draft never saw.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"convert tests bench"}
+STEPS=${STEPS:-"convert steps bench tests"}
+T=${STEP_TIMEOUT:-400}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if [ ! -f /root/stage/smol-hf/config.json ]; then
   cat /root/stage/smol.part.00 .stage/smol.part.01 .stage/smol.part.02 > /root/stage/smol.gguf
@@ -20,7 +21,9 @@ SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 for step in $STEPS; do
   case $step in
     convert) [ -f /root/stage/smol-hf/config.json ] || python3 -m longspec.cli convert --gguf /root/stage/smol.gguf --out /root/stage/smol-hf ;;
-    tests) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) timeout $T python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
+    steps) timeout $T python3 benchmarks/bench_steps.py --target /root/stage/smol-hf ${DRAFT:+--draft $DRAFT} \
+             --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-sdpa,matmul} 2>&1 | tee "$OUT/steps.log" || true ;;
     train) timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
              --data "$SITE/numpy" "$SITE/scipy" "$SITE/networkx" "$SITE/torch" --out /root/stage/draft \
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
@@ -35,8 +38,8 @@ save_draft(load_draft("/root/stage/draft", target), sys.argv[1])  # bf16 copy to
 print("exported", sys.argv[1])
 PY
            ;;
-    bench) python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
-             ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-2} \
-             2>&1 | tee "$OUT/bench.log" ;;
+    bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
+             ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
+             --attention ${BENCH_ATTENTION:-sdpa} 2>&1 | tee "$OUT/bench.log" || true ;;
   esac
 done

@@ -1,11 +1,14 @@
-"""CUDA checks (``-m gpu``): the same engine on the GPU — parity with transformers, greedy
-losslessness in float32 and bfloat16 runs."""
+"""CUDA checks (``-m gpu``): the same engine on the GPU — parity with transformers, CUDA-graph
+rounds equal to eager rounds, greedy losslessness in float32 (and a bfloat16 run), sampling
+against the exact distribution, and at most one host synchronisation per round."""
+import warnings
+
 import pytest
 import torch
 
 from conftest import hf_logits
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Generator
+from longspec.decoding.engine import Engine, Generator, Sequence
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
@@ -30,19 +33,82 @@ def test_cuda_parity_float32(model):
     assert (ours[0].cpu() - hf_logits(hf, ids[0])).abs().max() < 1e-4
 
 
+def proposers(target):
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    return [(None, None), (PromptLookup(), "chain:4"), (StreamingSelfSpec(window=16), "3,4,4"),
+            (LongSpecProposer(draft), "4,16,16,16,16"), (LongSpecProposer(draft), "chain:5"),
+            (LongSpecProposer(draft), '[[0],[1],[0,0],[0,1],[0,0,0]]')]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_speculative_lossless(model, dtype):
+def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
     _, path = model
     target = load_target(path, dtype=dtype, device="cuda")
-    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    target.attention_impl = impl
     prompts = [torch.randint(0, 160, (n,)).tolist() for n in (20, 45, 31)]
     config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-    expected = Generator(target).generate(prompts, config).sequences
-    for proposer, tree in ((PromptLookup(), "chain:4"), (StreamingSelfSpec(window=16), "3,4,4"),
-                           (LongSpecProposer(draft), "4,16,16,16,16")):
-        out = Generator(target, proposer=proposer, tree=TreeSpec.parse(tree)).generate(prompts, config)
+    expected = Generator(target, cuda_graphs=False).generate(prompts, config).sequences
+    assert Generator(target, cuda_graphs=True).generate(prompts, config).sequences == expected
+    for proposer, tree in proposers(target)[1:]:
+        eager = Generator(target, proposer=proposer, tree=TreeSpec.parse(tree), cuda_graphs=False)
+        graphed = Generator(target, proposer=proposer, tree=TreeSpec.parse(tree))
+        out = graphed.generate(prompts, config)
+        assert out.stats["cuda_graphs"] == proposer.graphable
+        assert out.sequences == eager.generate(prompts, config).sequences, (tree, "graph != eager")
+        assert graphed.generate(prompts, config).sequences == out.sequences  # graphs replayed again
         if dtype == torch.float32:
-            assert out.sequences == expected
+            assert out.sequences == expected, tree
         else:  # bf16: tree and one-token forwards may round differently; most tokens must agree
             agree = sum(a == b for x, y in zip(out.sequences, expected) for a, b in zip(x, y))
             assert agree >= 0.5 * sum(map(len, expected))
+
+
+@pytest.mark.parametrize("tree", ["2,3", "chain:2"])
+def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tree):
+    """20000 rows in one graph-captured batch (LongSpec draft, beam: point-mass rule; chain:
+    residual rule); chi-square of the first two tokens against the exact warped target."""
+    from scipy import stats
+    from test_speculative import exact_two_token_distribution
+
+    _, path = tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)
+    target = load_target(path, dtype=torch.float32, device="cuda")
+    cpu_target = load_target(path)
+    draft = init_draft(DraftConfig.for_target(target, window=4), target, seed=1)
+    prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    out = Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate([prompt] * n, config)
+    assert out.stats["cuda_graphs"]
+    counts = torch.zeros(8, 8)
+    for seq in out.sequences:
+        counts[seq[0], seq[1]] += 1
+    expected = exact_two_token_distribution(cpu_target, prompt, config).flatten() * n
+    keep = expected > 0
+    assert counts.flatten()[~keep].sum() == 0
+    big = expected[keep] >= 5
+    obs, exp = counts.flatten()[keep][big], expected[keep][big]
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("spec", [None, "4,16,16,16,16"])
+def test_one_host_sync_per_round(model, spec):
+    _, path = model
+    target = load_target(path, dtype=torch.bfloat16, device="cuda")
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    proposer = None if spec is None else LongSpecProposer(draft)
+    engine = Engine(target, proposer, TreeSpec.parse(spec) if spec else None, max_batch=2, max_len=256,
+                    config=GenerationConfig(max_new_tokens=64, ignore_eos=True))
+    engine.add([Sequence(torch.randint(0, 160, (n,)).tolist(), 64) for n in (30, 50)])
+    engine.step()  # captures the graphs
+    torch.cuda.synchronize()
+    rounds = 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(rounds):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= rounds, [str(w.message) for w in syncs]

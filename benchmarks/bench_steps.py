@@ -1,0 +1,121 @@
+"""Step benchmark: one target decode step and one verify step over trees of M tokens, and one
+full LongSpec draft proposal, each captured in a CUDA graph and timed by replaying it (CUDA
+events, median of many replays), at several context lengths, with the bandwidth floor
+(weights + KV bytes read once / measured device-to-device copy bandwidth). Prints a table and
+one JSON line last.
+
+    python benchmarks/bench_steps.py --target DIR [--draft DIR] --contexts 2048,8192 \
+        --trees 16,32,69,128 --attention sdpa,matmul --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longspec import GenerationConfig, load_target  # noqa: E402
+from longspec.decoding.engine import Engine, Sequence  # noqa: E402
+from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
+from longspec.decoding.tree import TreeSpec  # noqa: E402
+from longspec.models.checkpoint import load_draft  # noqa: E402
+
+
+def time_graph(fn, replays: int = 50) -> float:
+    """Median seconds of one replay of ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write)."""
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    b.synchronize()
+    return 10 * 2 * x.numel() / (a.elapsed_time(b) / 1000)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft")
+    p.add_argument("--contexts", default="2048,8192")
+    p.add_argument("--trees", default="16,32,69,128", help="verify tree sizes (tokens incl. the root)")
+    p.add_argument("--attention", default="sdpa,matmul")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    target = load_target(args.target, dtype=args.dtype, device="cuda")
+    draft = load_draft(args.draft, target) if args.draft else None
+    bw = copy_bandwidth()
+    weight_bytes = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    c = target.config
+    rows = []
+    for impl in args.attention.split(","):
+        target.attention_impl = impl
+        for ctx in map(int, args.contexts.split(",")):
+            max_m = max(map(int, args.trees.split(",")))
+            cache = target.new_cache(1, -(-(ctx + max_m) // 64) * 64)
+            ids = torch.randint(0, c.vocab_size, (1, ctx), device="cuda")
+            target.prefill(ids, torch.tensor([ctx], device="cuda"), cache)
+            kv_bytes = 2 * c.num_layers * c.num_kv_heads * cache.max_len * c.head_dim * cache.k.element_size()
+            floor = (weight_bytes + kv_bytes) / bw
+            for m in [1] + list(map(int, args.trees.split(","))):
+                tokens = torch.randint(0, c.vocab_size, (1, m), device="cuda")
+                positions = cache.lengths[:, None] + torch.arange(m, device="cuda")
+                mask = torch.ones(m, m, dtype=torch.bool, device="cuda").tril()[None]
+
+                def step():
+                    target.verify(tokens, positions, mask, cache, n_keys=cache.max_len)
+                    cache.discard()
+
+                t = time_graph(step)
+                rows.append(dict(attention=impl, context=ctx, step="decode" if m == 1 else f"verify M={m}",
+                                 ms=t * 1e3, floor_ms=floor * 1e3, x_floor=t / floor))
+            if draft is not None:
+                tree = TreeSpec.parse("4,16,16,16,16")
+                engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=ctx + 256,
+                                config=GenerationConfig(max_new_tokens=64), cuda_graphs=False)
+                engine.add([Sequence(ids[0].tolist(), 64)])
+                t = time_graph(lambda: (engine.proposer.propose(engine.root), None)[1])
+                rows.append(dict(attention=impl, context=ctx, step="propose 4,16,16,16,16 (5 levels)", ms=t * 1e3,
+                                 floor_ms=float("nan"), x_floor=float("nan")))
+            del cache
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
+    print(f"{'attention':<9} {'context':>7} {'step':<34} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    for r in rows:
+        print(f"{r['attention']:<9} {r['context']:>7} {r['step']:<34} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+              f"{r['x_floor']:8.2f}")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "copy_tb_s": bw / 1e12,
+                      "weight_mib": weight_bytes / 2**20, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
