@@ -68,6 +68,7 @@ class TreeDrafter(Proposer):
         self.sample_chain = not config.greedy and tree.kind == "chain"
         device = cache.lengths.device
         self.depths = tree.depths.to(device)
+        self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
         self.static_levels = {}
         if tree.is_static:
             for d in range(1, tree.depth + 1):
@@ -112,12 +113,10 @@ class TreeDrafter(Proposer):
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
             parent = local_parent + prev.start
             tokens[:, cur], parents[:, cur] = new_tokens, parent
-            idx = torch.arange(cur.start, cur.stop, device=device)
-            mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n))
-            mask[:, idx, idx] = True
+            mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]
             if depth < spec.depth:
                 positions = self.cache.lengths[:, None] + depth
-                level_logits = self._level_logits(new_tokens, positions.expand(-1, idx.numel()),
+                level_logits = self._level_logits(new_tokens, positions.expand(-1, new_tokens.shape[1]),
                                                   mask[:, cur, :cur.stop], tokens[:, :cur.stop])
         self._end_round()
         return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, draft_probs=draft_probs,
