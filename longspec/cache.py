@@ -73,10 +73,13 @@ class KVCache:
         offsets = torch.arange(self.pending, self.pending + count, device=self.lengths.device)
         return self.lengths[:, None] + offsets[None, :]
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
+              rows: Optional[torch.Tensor] = None) -> None:
         """Stores k_new, v_new [B, Hkv, M, D] of ``layer`` at ``slots`` [B, M] (from ``new_slots``;
-        the caller adds M to ``pending`` once every layer has written)."""
-        rows = torch.arange(self.batch_size, device=slots.device)[:, None]
+        the caller adds M to ``pending`` once every layer has written). ``rows``: ``arange(B)[:, None]``
+        if the caller has it."""
+        if rows is None:
+            rows = torch.arange(self.batch_size, device=slots.device)[:, None]
         self.k[layer].transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
 

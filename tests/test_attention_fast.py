@@ -4,7 +4,23 @@ import pytest
 import torch
 
 from longspec import load_target
-from longspec.attention import dense_attention, masked_attention
+from longspec.attention import attend_masked, dense_attention, masked_attention, matmul_attention
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_matmul_attention_matches_dense_reference(hq, hkv):
+    gen = torch.Generator().manual_seed(hq + 1)
+    b, m, s, d = 2, 7, 40, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for h, n in ((hq, m), (hkv, s), (hkv, s)))
+    mask = torch.rand(b, m, s, generator=gen) < 0.3
+    mask[:, :, 0] = True
+    ref, _ = dense_attention(q, k, v, mask)
+    assert torch.allclose(matmul_attention(q, k, v, mask), ref, atol=1e-5)
+    empty = mask.clone()
+    empty[0, 3] = False
+    ours = attend_masked(q, k, v, empty, "matmul", may_be_empty=True)
+    assert torch.isfinite(ours).all() and ours[0, :, 3].abs().max() == 0
+    assert torch.allclose(ours, dense_attention(q, k, v, empty)[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
@@ -27,7 +43,7 @@ def test_model_fast_path_equals_reference_path(tiny_model_factory, family):
     (pending tokens), with both attention implementations."""
     _, path = tiny_model_factory(f"fast-{family}", family, max_position_embeddings=256, seed=4)
     outputs = {}
-    for impl in ("sdpa", "reference"):
+    for impl in ("sdpa", "matmul", "reference"):
         target = load_target(path)
         target.attention_impl = impl
         gen = torch.Generator().manual_seed(0)
@@ -44,9 +60,13 @@ def test_model_fast_path_equals_reference_path(tiny_model_factory, family):
         positions = cache.lengths[:, None] + depth
         tree = target.verify(tokens, positions, mask[None], cache)
         cache.discard()
+        fixed = target.verify(tokens, positions, mask[None], cache, n_keys=64)  # a step over the whole capacity
+        assert torch.allclose(fixed, tree, atol=1e-5)
+        cache.discard()
         level1 = target.verify(tokens[:, :3], positions[:, :3], mask[None, :3, :3], cache)
         level2 = target.verify(tokens[:, 3:], positions[:, 3:], mask[None, 3:, :6], cache)
         outputs[impl] = (pre, tree, torch.cat([level1, level2], 1))
-    for ours, ref in zip(outputs["sdpa"], outputs["reference"]):
-        assert torch.allclose(ours, ref, atol=1e-4)
+    for impl in ("sdpa", "matmul"):
+        for ours, ref in zip(outputs[impl], outputs["reference"]):
+            assert torch.allclose(ours, ref, atol=1e-4)
     assert torch.allclose(outputs["sdpa"][1], outputs["sdpa"][2], atol=1e-4)

@@ -110,5 +110,5 @@ def test_one_host_sync_per_round(model, spec):
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) <= rounds, [str(w.message) for w in syncs]

@@ -192,3 +192,38 @@ def test_prompt_lookup_history_holds_every_emitted_token(targets):
 def test_tokens_per_s_counts_decoded_tokens_only(targets):
     out = Generator(targets["llama"]).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=1))
     assert out.stats["new_tokens"] == 1 and out.stats["tokens_per_s"] == 0
+
+
+def test_proposer_shared_by_two_generators(targets):
+    """A proposer object used by two generators in turn (each keeps its engine): both stay right."""
+    target = targets["llama"]
+    prompts = prompts_for(2, seed=13)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    expected = Generator(target).generate(prompts, config).sequences
+    shared = StreamingSelfSpec(window=8, sinks=2)
+    first, second = (Generator(target, proposer=shared, tree="3,4,4") for _ in range(2))
+    for gen in (first, second, first, second):
+        assert gen.generate(prompts, config).sequences == expected
+
+
+@pytest.mark.parametrize("proposer", ["none", "streaming", "pld"])
+def test_sequences_join_and_leave_between_rounds(targets, proposer):
+    """Engine.step with requests added while others run, in rows freed by finished ones: each
+    output equals the request generated alone."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["qwen3"]
+    prompts = prompts_for(3, seed=21) + prompts_for(2, seed=22)
+    budgets = [5, 14, 9, 12, 7]
+    alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0]
+             for p, n in zip(prompts, budgets)]
+    draft = {"none": None, "streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
+    engine = Engine(target, draft, None if draft is None else TreeSpec.parse("2,3,3"), max_batch=3, max_len=96)
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    engine.add(seqs[:2])
+    waiting = seqs[2:]
+    while engine.has_active or waiting:
+        if waiting and engine.free_rows():
+            engine.add([waiting.pop(0)])
+        engine.step()
+    assert [s.tokens for s in seqs] == alone

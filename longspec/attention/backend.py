@@ -42,6 +42,8 @@ class AttentionMeta:
     n_keys: int
     causal: bool = False
     key_mask: Optional[torch.Tensor] = None
+    key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
+    rows: Optional[torch.Tensor] = None  # arange(B)[:, None], for the cache writes
 
     @classmethod
     def build(cls, cache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool = False,
@@ -62,6 +64,7 @@ class AttentionMeta:
         else:
             causal = False
         meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
+        meta.rows = torch.arange(cache.batch_size, device=tree_mask.device)[:, None]
         if impl != "reference" and not causal:
             slots = torch.arange(n_keys, device=tree_mask.device)
             rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
@@ -69,6 +72,8 @@ class AttentionMeta:
                 2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
             in_tree = (rel >= 0) & (rel < n_tree)
             meta.key_mask = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
+            if impl == "matmul":
+                meta.key_bias = mask_bias(meta.key_mask)
         return meta
 
 
@@ -82,7 +87,7 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
     if meta.impl == "sdpa":
         return masked_attention(q, k, v, meta.key_mask)
     if meta.impl == "matmul":
-        return matmul_attention(q, k, v, meta.key_mask)
+        return matmul_attention(q, k, v, bias=meta.key_bias)
     n_tree = meta.pending + q.shape[2]
     rows = torch.arange(q.shape[0], device=q.device)[:, None]
     tree_slots = meta.lengths[:, None] + torch.arange(n_tree, device=q.device)[None, :]
@@ -107,14 +112,23 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.masked_fill(empty[:, None, :, None], 0.0)
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, M, D]; k, v [B, Hkv, S, D]; mask [B, M, S] bool (true = visible; every row must
-    see at least one key). Products in the inputs' dtype, softmax in float32. Returns
+def mask_bias(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, M, S] bool -> additive float32 bias [B, 1, 1, M, S] (0 visible, -inf hidden)."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))[:, None, None]
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, Hq, M, D]; k, v [B, Hkv, S, D]; mask [B, M, S] bool (true = visible) or its
+    ``mask_bias``; every row must see at least one key. Products in the inputs' dtype with the
+    query heads of one KV head stacked (no repeated K/V), softmax in float32. Returns
     o [B, Hq, M, D] in q's dtype."""
     b, hq, m, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
-    scores = torch.matmul(q.reshape(b, hkv, g * m, d), k.transpose(-1, -2)).float()
-    scores = scores.view(b, hkv, g, m, s).masked_fill(~mask[:, None, None], float("-inf"))
-    weights = torch.softmax(scores * (1.0 / math.sqrt(d)), dim=-1).to(v.dtype)
+    if bias is None:
+        bias = mask_bias(mask)
+    scores = torch.matmul(q.reshape(b, hkv, g * m, d), k.transpose(-1, -2)).view(b, hkv, g, m, s)
+    weights = torch.softmax(torch.add(bias, scores, alpha=1.0 / math.sqrt(d)), dim=-1).to(v.dtype)
     return torch.matmul(weights.view(b, hkv, g * m, s), v).view(b, hq, m, d)

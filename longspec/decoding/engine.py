@@ -85,6 +85,7 @@ class Engine:
             phases = [self._decode_phase]
         else:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
+            proposer.engine = self  # its state now belongs to this engine
             phases = [self._propose_phase, self._verify_phase]
             state += proposer.state_tensors()
         if cuda_graphs is None:
@@ -280,7 +281,8 @@ class Generator:
         """An engine for ``batch`` rows of ``need`` slots (the kept one when it fits exactly)."""
         sampling = (config.temperature, config.top_k, config.top_p)
         key = (batch, need, sampling)
-        if self._engine is None or self._engine_key != key:
+        taken = self.proposer is not None and getattr(self.proposer, "engine", None) is not self._engine
+        if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
             self._engine = None  # free the old caches first
             self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs)
             self._engine_key = key

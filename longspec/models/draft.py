@@ -134,18 +134,19 @@ class LongSpecDraft(nn.Module):
         return self.target.logits(self.target.final_norm(hidden))
 
     def _qkv(self, x, positions):
-        a, c = self.self_attn, self.config
-        cos, sin = self.target.rotary(positions)
-        h = self.input_layernorm(x)
-        q = apply_rotary(_heads(a.q_proj(h), c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(_heads(a.k_proj(h), c.num_kv_heads, c.head_dim), cos, sin)
-        v = _heads(a.v_proj(h), c.num_kv_heads, c.head_dim)
+        cos, sin = (c.to(x.dtype) for c in self.target.rotary(positions))
+        q, k, v = self.self_attn.rotated_qkv(self.input_layernorm(x), cos, sin)
         return q, k, v, cos, sin
 
     def _cross_query(self, x, cos, sin):
         c = self.config
         return apply_rotary(_heads(self.cross_attn.q_proj(self.post_self_attention_layernorm(x)),
-                                   c.num_heads, c.head_dim), cos, sin)
+                                   c.num_heads, c.head_dim), cos[:, None], sin[:, None])
+
+    def fuse_projections(self) -> None:
+        """One product for q/k/v and one for gate/up at inference (training keeps them apart)."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
     def _finish(self, x, cross_o):
         x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))

@@ -100,8 +100,7 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]``, ``cos/sin [B, T, D]`` -> rotated ``x`` (in x's dtype)."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    """``x [..., D]``, ``cos/sin`` broadcastable to it -> rotated ``x`` (in x's dtype)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos.to(x.dtype), rotated, sin.to(x.dtype))

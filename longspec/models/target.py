@@ -31,10 +31,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Normalised in float32 (one fused kernel where PyTorch has one), scaled by the weight."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def fuse_linears(linears: list) -> tuple:
+    """Concatenates the weights (and biases) of linear layers that share their input into one
+    tensor and makes each layer's parameters views of it, so one matrix product serves all of them
+    and no memory is duplicated. Returns ``(weight, bias or None)``. Call outside inference mode."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = weight[start:start + n]
+            if bias is not None:
+                m.bias.data = bias[start:start + n]
+            start += n
+    return weight, bias
+
+
+def fused_linear(x: torch.Tensor, linears: list, fused: Optional[tuple]):
+    """``[m(x) for m in linears]`` in one product when ``fused`` (from :func:`fuse_linears`) still
+    holds the layers' parameters and no gradient is needed: then one tensor [..., sum of outputs]
+    is returned, else a list."""
+    w = linears[0].weight
+    if fused is None or fused[0].data_ptr() != w.data_ptr() or (torch.is_grad_enabled() and w.requires_grad):
+        return [m(x) for m in linears]
+    return F.linear(x, fused[0], fused[1])
 
 
 class MLP(nn.Module):
@@ -45,9 +70,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self._fused = None
+
+    def fuse(self) -> None:
+        self._fused = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._fused)
+        gate, up = gate_up.chunk(2, dim=-1) if torch.is_tensor(gate_up) else gate_up
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Projections(nn.Module):
@@ -60,6 +91,29 @@ class Projections(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        self._fused = None
+
+    def fuse(self) -> None:
+        self._fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def rotated_qkv(self, x, cos, sin, q_norm=None, k_norm=None):
+        """x [B, T, H]; cos/sin [B, T, D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], q and k rotated
+        (after the per-head norms, if given). With fused projections q and k are rotated in one go."""
+        b, t, _ = x.shape
+        hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        qkv = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj], self._fused)
+        if torch.is_tensor(qkv) and q_norm is None:
+            heads = qkv.view(b, t, hq + 2 * hkv, d)
+            qk = apply_rotary(heads[:, :, :hq + hkv], cos, sin)
+            q, k, v = qk[:, :, :hq], qk[:, :, hq:], heads[:, :, hq + hkv:]
+        else:
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1) if torch.is_tensor(qkv) else qkv
+            q, k, v = q.view(b, t, hq, d), k.view(b, t, hkv, d), v.view(b, t, hkv, d)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 class Attention(Projections):
@@ -69,19 +123,10 @@ class Attention(Projections):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def _heads(self, x: torch.Tensor, n: int, norm: Optional[nn.Module]) -> torch.Tensor:
-        b, t, _ = x.shape
-        x = x.view(b, t, n, self.head_dim)
-        if norm is not None:
-            x = norm(x)
-        return x.transpose(1, 2)  # [B, n, T, D]
-
     def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: AttentionMeta):
         """x [B, T, H]; cos/sin [B, T, D]; ``meta``: what the new tokens see -> [B, T, H]."""
-        q = apply_rotary(self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None)), cos, sin)
-        k = apply_rotary(self._heads(self.k_proj(x), self.n_kv, getattr(self, "k_norm", None)), cos, sin)
-        v = self._heads(self.v_proj(x), self.n_kv, None)
-        cache.write(layer, k, v, meta.slots)
+        q, k, v = self.rotated_qkv(x, cos, sin, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+        cache.write(layer, k, v, meta.slots, meta.rows)
         o = attend(q, k, v, cache.k[layer], cache.v[layer], meta)
         b, _, t, _ = o.shape
         return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
@@ -122,7 +167,8 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.path: Optional[str] = None  # checkpoint directory (for the tokenizer)
-        self.attention_impl = "sdpa"  # or "reference": the pure-PyTorch oracle
+        # attention of fixed-shape steps: "sdpa", "matmul" (default on CUDA) or "reference" (the oracle)
+        self.attention_impl = "sdpa"
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +177,13 @@ class TargetModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up of every layer in one matrix product each (parameters become views of
+        the fused weights; names and checkpoints are unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
@@ -160,10 +213,12 @@ class TargetModel(nn.Module):
         (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
         says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel).
         ``n_keys``: cache slots to attend over, fixed by the caller (no host sync, no room
-        check: see :class:`~longspec.attention.AttentionMeta`)."""
-        meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], self.attention_impl, causal, n_keys)
+        check: see :class:`~longspec.attention.AttentionMeta`); such fixed-shape steps use
+        ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference."""
+        impl = self.attention_impl if n_keys is not None or self.attention_impl == "reference" else "sdpa"
+        meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
-        cos, sin = self.rotary(positions, rope_seq_len)
+        cos, sin = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, meta)
         cache.pending += input_ids.shape[1]
