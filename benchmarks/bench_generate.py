@@ -60,13 +60,16 @@ def methods(args, target):
 
 
 def peak_mib(fn):
+    """Runs fn; returns (its result, the peak device memory it allocated beyond what was already
+    allocated, MiB): the caches and activations of one generation, not the weights."""
     if not torch.cuda.is_available():
         return fn(), float("nan")
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     out = fn()
     torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() / 2**20
+    return out, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def run_ours(target, proposer, tree, prompt, config, repeats):
@@ -74,10 +77,12 @@ def run_ours(target, proposer, tree, prompt, config, repeats):
     t0 = time.perf_counter()
     first = gen.generate([prompt], config)  # first call: engine, CUDA-graph capture
     first_call_s = time.perf_counter() - t0
-    times, out, peak = [], first, float("nan")
+    times, out = [], first
     for _ in range(repeats):
-        out, peak = peak_mib(lambda: gen.generate([prompt], config))
+        out = gen.generate([prompt], config)
         times.append(out.stats["decode_s"])
+    del gen  # memory of a first call on a fresh generator: caches, capture, activations
+    _, peak = peak_mib(lambda: Generator(target, proposer=proposer, tree=tree).generate([prompt], config))
     decode_s = statistics.median(times)
     n = out.stats["new_tokens"] - 1
     return out.sequences[0], {"ms_per_token": 1e3 * decode_s / n, "tau": out.stats.get("tau", 1.0),
@@ -129,7 +134,7 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--methods", default="ar,pld,longspec,longspec-chain")
     p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
-    p.add_argument("--attention", default="sdpa")
+    p.add_argument("--attention", default="triton", help="attention implementations of our steps, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -138,7 +143,6 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    target.attention_impl = args.attention
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     hf = None
     if args.hf:
@@ -154,9 +158,13 @@ def main(argv=None):
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
             results.append((f"hf-{name}", None, seq, res))
-        for name, (proposer, tree) in methods(args, target).items():
-            seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
-            results.append((name, tree, seq, res))
+        impls = args.attention.split(",")
+        for impl in impls:
+            target.attention_impl = impl
+            for name, (proposer, tree) in methods(args, target).items():
+                seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
+                res["attention"] = impl
+                results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
         reference = next(seq for name, _, seq, _ in results if name == "ar")
         base = next((r["ms_per_token"] for name, _, _, r in results if name == "hf-static"), None)
         for name, tree, seq, res in results:
@@ -165,9 +173,11 @@ def main(argv=None):
             rows.append(res)
             print(f"{n:>6} {name:<15} {res['tree'] or '-':<14} tau {res['tau'] or 1.0:5.2f} "
                   f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf_static'] or float('nan')):5.2f} "
-                  f"vs hf-static  peak {res['peak_mib']:7.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
+                  f"vs hf-static  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(json.dumps({"device": device_name, "dtype": args.dtype, "attention": args.attention,
+    weights = sum(t.numel() * t.element_size() for t in target.state_dict().values()) / 2**20
+    print(f"peak = device memory a generation allocates beyond the loaded weights ({weights:.0f} MiB)")
+    print(json.dumps({"device": device_name, "dtype": args.dtype, "attention": args.attention, "weights_mib": weights,
                       "max_new_tokens": args.max_new_tokens, "results": rows}))
 
 

@@ -5,7 +5,7 @@ events, median of many replays), at several context lengths, with the bandwidth 
 one JSON line last.
 
     python benchmarks/bench_steps.py --target DIR [--draft DIR] --contexts 2048,8192 \
-        --trees 16,32,69,128 --attention sdpa,matmul --dtype bfloat16
+        --trees 16,32,69,128 --attention triton,matmul,sdpa --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main(argv=None):
     p.add_argument("--draft")
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--trees", default="16,32,69,128", help="verify tree sizes (tokens incl. the root)")
-    p.add_argument("--attention", default="sdpa,matmul")
+    p.add_argument("--attention", default="triton,matmul,sdpa")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
     torch.manual_seed(0)

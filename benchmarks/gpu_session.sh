@@ -23,7 +23,7 @@ for step in $STEPS; do
     convert) [ -f /root/stage/smol-hf/config.json ] || python3 -m longspec.cli convert --gguf /root/stage/smol.gguf --out /root/stage/smol-hf ;;
     tests) timeout $T python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
     steps) timeout $T python3 benchmarks/bench_steps.py --target /root/stage/smol-hf ${DRAFT:+--draft $DRAFT} \
-             --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-sdpa,matmul} 2>&1 | tee "$OUT/steps.log" || true ;;
+             --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-triton,matmul,sdpa} 2>&1 | tee "$OUT/steps.log" || true ;;
     train) timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
              --data "$SITE/numpy" "$SITE/scipy" "$SITE/networkx" "$SITE/torch" --out /root/stage/draft \
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
@@ -40,6 +40,6 @@ PY
            ;;
     bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
-             --attention ${BENCH_ATTENTION:-sdpa} 2>&1 | tee "$OUT/bench.log" || true ;;
+             --attention ${BENCH_ATTENTION:-triton,matmul} 2>&1 | tee "$OUT/bench.log" || true ;;
   esac
 done

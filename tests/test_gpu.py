@@ -40,7 +40,7 @@ def proposers(target):
             (LongSpecProposer(draft), '[[0],[1],[0,0],[0,1],[0,0,0]]')]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "matmul"])
+@pytest.mark.parametrize("impl", ["sdpa", "matmul", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
     _, path = model

@@ -7,8 +7,9 @@ go, their tree mask, how many cache slots to attend over); every layer then call
 * ``reference``: the pure-PyTorch oracle (unmasked prefix + masked tree part merged by LSE);
 * ``sdpa``: PyTorch's fused ``scaled_dot_product_attention`` with one key mask per step;
 * ``matmul``: two batched matrix products and a float32 softmax, GQA heads packed into one
-  product (no repeated K/V): few launches and cuBLAS split-K, good for short query blocks over a
-  long cache at batch 1.
+  product (no repeated K/V): few launches, good for short query blocks over a long cache;
+* ``triton``: the hybrid tree-attention kernels (``tree_attention.py``): split-KV over the
+  prefix, masked tree part, LSE merge; reads only each row's own length of the cache.
 
 ``n_keys`` is a Python int: given by the caller (the cache capacity, so a step's shapes never
 change and it can be captured in a CUDA graph), or measured from the lengths (one host sync)."""
@@ -22,8 +23,9 @@ import torch
 
 from . import reference
 from .fast import causal_attention, masked_attention
+from .triton_kernels import tree_attention
 
-IMPLEMENTATIONS = ("reference", "sdpa", "matmul")
+IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 
 
 @dataclass
@@ -43,6 +45,7 @@ class AttentionMeta:
     causal: bool = False
     key_mask: Optional[torch.Tensor] = None
     key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
+    tree_int8: Optional[torch.Tensor] = None  # triton: tree_mask as int8
     rows: Optional[torch.Tensor] = None  # arange(B)[:, None], for the cache writes
 
     @classmethod
@@ -59,13 +62,16 @@ class AttentionMeta:
         if n_keys is None:
             used = int(cache.lengths.max())
             cache.check_room(n_new, longest=used)
-            n_keys = used + n_tree
+            # a multiple of 16 keys keeps PyTorch's memory-efficient kernel usable with a mask
+            n_keys = min(-(-(used + n_tree) // 16) * 16, cache.max_len)
             causal = causal and impl != "reference" and used == 0 and cache.pending == 0
         else:
             causal = False
         meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
         meta.rows = torch.arange(cache.batch_size, device=tree_mask.device)[:, None]
-        if impl != "reference" and not causal:
+        if impl == "triton":
+            meta.tree_int8 = tree_mask.to(torch.int8)
+        elif impl != "reference" and not causal:
             slots = torch.arange(n_keys, device=tree_mask.device)
             rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
             tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
@@ -83,6 +89,8 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
     k_layer, v_layer [B, Hkv, S, D]: one layer of the cache. Returns o [B, Hq, M, D]."""
     if meta.causal:
         return causal_attention(q, k_new, v_new)
+    if meta.impl == "triton":
+        return tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_int8)
     k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]
     if meta.impl == "sdpa":
         return masked_attention(q, k, v, meta.key_mask)

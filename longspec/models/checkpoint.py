@@ -124,8 +124,10 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     load_state(model, files)
     model.path = str(path)
     model.fuse_projections()
-    if torch.device(device).type == "cuda":
-        model.attention_impl = "matmul"  # measured faster than masked SDPA for decode/verify steps
+    if torch.device(device).type == "cuda":  # measured faster than masked SDPA for decode/verify steps
+        from ..attention import triton_kernels
+
+        model.attention_impl = "triton" if triton_kernels.available() else "matmul"
     return model.eval().requires_grad_(False)
 
 

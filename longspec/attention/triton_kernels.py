@@ -1,0 +1,177 @@
+"""Hybrid tree attention in Triton: split-KV over the cached prefix (no mask) + the masked tree
+part, merged exactly by log-sum-exp (DESIGN.md 2.4).
+
+One program handles every query row of one KV head (the ``G`` query heads that share it, times
+the ``M`` tree tokens, packed into one tile: GQA packing) over one chunk of the prefix, or over
+the tree tokens with their ancestor mask; per-row cache lengths are read on the device, so
+chunks past a row's length do no work and the launch grid depends only on the cache capacity
+(CUDA-graph capturable). A second kernel merges the chunks' partial outputs by their LSE and
+writes the result directly in the layout the output projection reads.
+
+The oracle is :func:`longspec.attention.reference.hybrid_attention`; on a CPU the kernels run
+under ``TRITON_INTERPRET=1`` (float16 / float32 there)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, LEN, TM, OP, LP,
+                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, stm_b, stm_m,
+                        so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, qk_scale,
+                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        pid, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = pid // HKV, pid % HKV
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # packed row = g * M + i
+        row_ok = rows < G * M
+        g, i = rows // M, rows % M
+        d = tl.arange(0, HEAD_D)
+        q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        length = tl.load(LEN + b)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
+        k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
+        if split < N_SPLITS:  # a chunk of the cached prefix: every key visible
+            lo = split * CHUNK
+            hi = tl.minimum(lo + CHUNK, length)
+            n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+            first = lo
+        else:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
+            hi = length + N_TREE
+            n_blocks = tl.cdiv(N_TREE, BLOCK_N)
+            first = length
+        for blk in range(0, n_blocks):
+            start = first + blk * BLOCK_N
+            n = start + tl.arange(0, BLOCK_N)
+            if split < N_SPLITS:
+                visible = (n < hi)[None, :] & row_ok[:, None]
+                n_ok = n < hi
+            else:
+                j = n - length
+                n_ok = j < N_TREE
+                tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
+                             mask=row_ok[:, None] & n_ok[None, :], other=0)
+                visible = tm != 0
+            k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o,
+                 mask=row_ok[:, None])
+        tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
+                      HKV, M, G, N_PARTS, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+        pid, tile = tl.program_id(0), tl.program_id(1)
+        b, h = pid // HKV, pid % HKV
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < G * M
+        d = tl.arange(0, HEAD_D)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, HEAD_D], tl.float32)
+        for part in range(0, N_PARTS):
+            lse = tl.load(LP + b * sl_b + h * sl_h + part * sl_s + rows, mask=row_ok, other=float("-inf"))
+            o = tl.load(OP + b * so_b + h * so_h + part * so_s + rows[:, None] * so_r + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, w = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            total = total * alpha + w
+            m = m_new
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        g, i = rows // M, rows % M
+        tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64) -> tuple:
+    """(n_splits, chunk) for a cache of ``capacity`` slots: about two programs per multiprocessor
+    of an H100/H200 class GPU, chunks of at least 128 keys (512 when a tile holds many rows,
+    which keeps the partial results small)."""
+    tiles = -(-rows // 128)
+    want = max(1, -(-264 // (batch_kv * tiles)))
+    chunk = max(-(-capacity // want), 128 if rows <= 16 else 512)
+    chunk = -(-chunk // block_n) * block_n
+    return -(-capacity // chunk), chunk
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                   tree_mask: torch.Tensor) -> torch.Tensor:
+    """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
+    the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
+
+    q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] (the tree tokens already written); lengths [B]
+    long; tree_mask [B or 1, M, N_TREE] bool or int8. Returns o [B, Hq, M, D] in q's dtype, a view
+    of a [B, M, Hq, D] tensor (so the output projection's reshape is free)."""
+    if triton is None:
+        raise RuntimeError("the Triton attention kernels need the triton package (pip install triton)")
+    b, hq, m, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"tree_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"tree_attention: head_dim {d} must be a power of two >= 16")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"tree_attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
+    if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, b):
+        raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
+    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("tree_attention: the head dimension must be contiguous")
+    g, n_tree = hq // hkv, tree_mask.shape[2]
+    tm = tree_mask.to(torch.int8)
+    rows = g * m
+    block_q = max(16, min(128, triton.next_power_of_2(rows)))
+    n_splits, chunk = plan(cap, rows, b * hkv)
+    parts = n_splits + 1
+    o_part = torch.empty(b, hkv, parts, rows, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(b, hkv, parts, rows, dtype=torch.float32, device=q.device)
+    grid = (b * hkv, parts, triton.cdiv(rows, block_q))
+    _partial_kernel[grid](
+        q, k_cache, v_cache, lengths, tm, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tm.stride(0) if tm.shape[0] > 1 else 0, tm.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        hkv, m, g, n_tree, chunk, n_splits, LOG2E / math.sqrt(d),
+        BLOCK_Q=block_q, BLOCK_N=64, HEAD_D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_q <= 64 else 8)
+    out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
+    block_r = max(16, min(64, triton.next_power_of_2(rows)))
+    _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](
+        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        hkv, m, g, parts, BLOCK_R=block_r, HEAD_D=d)
+    return out.transpose(1, 2)
