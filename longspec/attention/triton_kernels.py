@@ -46,7 +46,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_D)
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        length = tl.load(LEN + b)
+        length = tl.load(LEN + b).to(tl.int32)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
