@@ -62,8 +62,7 @@ class AttentionMeta:
         if n_keys is None:
             used = int(cache.lengths.max())
             cache.check_room(n_new, longest=used)
-            # a multiple of 16 keys keeps PyTorch's memory-efficient kernel usable with a mask
-            n_keys = min(-(-(used + n_tree) // 16) * 16, cache.max_len)
+            n_keys = used + n_tree
             causal = causal and impl != "reference" and used == 0 and cache.pending == 0
         else:
             causal = False
