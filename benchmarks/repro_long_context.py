@@ -1,0 +1,41 @@
+"""Reproduces, on a random SmolLM2-shaped model (no weights needed), one greedy generation at a
+given prompt length with a given attention implementation, eager or with CUDA graphs; exits
+non-zero on failure. Used to localise a CUDA illegal-memory-access seen at 7.9k tokens.
+
+    CUDA_LAUNCH_BLOCKING=1 python benchmarks/repro_long_context.py --length 7900 --attention triton --eager
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longspec import GenerationConfig, load_target  # noqa: E402
+from longspec.decoding.engine import Generator  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--length", type=int, default=7900)
+    p.add_argument("--attention", default="triton")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--dir", default="/tmp/smol-random")
+    args = p.parse_args()
+    if not (Path(args.dir) / "config.json").exists():
+        import transformers
+        cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                       rope_theta=100000.0, tie_word_embeddings=True)
+        transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(args.dir)
+    target = load_target(args.dir, dtype=torch.bfloat16, device="cuda")
+    target.attention_impl = args.attention
+    prompt = torch.randint(0, 49152, (args.length,)).tolist()
+    out = Generator(target, cuda_graphs=not args.eager).generate([prompt], GenerationConfig(max_new_tokens=16,
+                                                                                            ignore_eos=True))
+    torch.cuda.synchronize()
+    print("OK", args, out.sequences[0][:8])
+
+
+if __name__ == "__main__":
+    main()
