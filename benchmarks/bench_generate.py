@@ -134,7 +134,7 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--methods", default="ar,pld,longspec,longspec-chain")
     p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
-    p.add_argument("--attention", default="triton", help="attention implementations of our steps, comma-separated")
+    p.add_argument("--attention", default="matmul", help="attention implementations of our steps, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -40,6 +40,6 @@ PY
            ;;
     bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
-             --attention ${BENCH_ATTENTION:-triton,matmul} 2>&1 | tee "$OUT/bench.log" || true ;;
+             --attention ${BENCH_ATTENTION:-matmul,triton} 2>&1 | tee "$OUT/bench.log" || true ;;
   esac
 done
