@@ -1,5 +1,6 @@
 """longspec: lossless speculative decoding for long contexts (the LongSpec method)."""
 from .config import GenerationConfig, ModelConfig
+from .convert import default_draft_path, default_model_path
 from .decoding.engine import GenerationOutput, Generator
 from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
 from .decoding.tree import TreeSpec
@@ -9,4 +10,5 @@ from .models.checkpoint import load_draft, save_draft
 __version__ = "0.1.0"
 
 __all__ = ["GenerationConfig", "GenerationOutput", "Generator", "LongSpecProposer", "ModelConfig", "PromptLookup",
-           "StreamingSelfSpec", "TargetModel", "TreeSpec", "load_draft", "load_target", "save_draft"]
+           "StreamingSelfSpec", "TargetModel", "TreeSpec", "default_draft_path", "default_model_path", "load_draft",
+           "load_target", "save_draft"]

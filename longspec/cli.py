@@ -1,4 +1,7 @@
-"""Command line: ``longspec generate | train | convert``."""
+"""longspec: lossless speculative decoding for long contexts.
+
+Commands: generate (text from a prompt), train (a LongSpec draft for a target), convert (a GGUF
+checkpoint into a Hugging Face-format directory)."""
 from __future__ import annotations
 
 import argparse
@@ -7,25 +10,41 @@ import sys
 from pathlib import Path
 
 
+class UsageError(ValueError):
+    """A bad command line: reported with exit code 2 before anything heavy is loaded."""
+
+
 def _device_and_dtype(args):
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} is not available on this machine (use --device cpu)")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise UsageError(f"--device {device!r} is not a device longspec runs on (use cpu, cuda or cuda:N)")
+    if kind == "cuda" and (not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"device {device!r} is not available on this machine (use --device cpu)")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = args.dtype or ("bfloat16" if kind == "cuda" else "float32")
     return device, dtype
+
+
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _prompt_text(args) -> str:
     if args.prompt is not None:
-        return args.prompt
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise SystemExit(f"error: prompt file not found: {path}")
-    return path.read_text()
+        text = args.prompt
+    else:
+        path = Path(args.prompt_file)
+        if path.is_dir():
+            raise UsageError(f"--prompt-file {path} is a directory, not a file")
+        if not path.is_file():
+            raise UsageError(f"--prompt-file {path} not found")
+        text = path.read_text()
+    if not text.strip():
+        raise UsageError("the prompt is empty (give some text with --prompt or --prompt-file)")
+    return text
 
 
 class TextStreamer:
@@ -45,28 +64,53 @@ class TextStreamer:
 
 
 def cmd_generate(args) -> int:
-    from transformers import AutoTokenizer
+    import torch
 
     from . import GenerationConfig, Generator, load_target
-    from .convert import default_model_dir
+    from .convert import DEFAULT_NAME, default_model_dir
+    from .decoding.engine import cache_need
 
-    target_dir = Path(args.target) if args.target else default_model_dir()
+    # everything that can be checked without the model first
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device, dtype = _device_and_dtype(args)
+    try:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as err:
+        raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
+    text = _prompt_text(args)
+    name, tree = proposer_choice(args)
+
+    from transformers import AutoTokenizer
+
+    target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    text = _prompt_text(args)
     if args.chat:
         if not tokenizer.chat_template:
-            raise SystemExit(f"error: the tokenizer in {target_dir} has no chat template; drop --chat")
+            raise UsageError(f"the tokenizer in {target_dir} has no chat template; drop --chat")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=False)
         ids = tokenizer(ids, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text).input_ids
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    round_slots = 1 if tree is None else tree.num_nodes
+    need, limit = cache_need(len(ids), args.max_new_tokens, round_slots), target.config.max_position_embeddings
+    if need > limit:
+        raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
+                         + (f" and the tree ({round_slots} nodes)" if tree is not None else "")
+                         + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
+                         "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
+    proposer = make_proposer(args, name, target)
+    if not args.json:
+        about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
+                 "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
+        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{f' tree {tree}' if tree else ''}]",
+              file=sys.stderr)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
-    proposer, tree = make_proposer(args, target)
     out = Generator(target, proposer=proposer, tree=tree).generate([ids], config, streamer=streamer)
     streamer.out.write("\n")
     tokens = out.sequences[0]
@@ -81,30 +125,47 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def make_proposer(args, target):
-    """(proposer, TreeSpec) from --proposer / --tree / --window, or (None, None)."""
-    from .decoding.proposers import PromptLookup, StreamingSelfSpec
+def proposer_choice(args):
+    """(proposer name, TreeSpec or None) from --proposer / --tree / --draft, checked without loading
+    anything."""
     from .decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
     if args.draft and name != "longspec":
-        raise ValueError(f"--draft is for --proposer longspec, not {name}")
+        raise UsageError(f"--draft is for --proposer longspec, not {name}")
     if name == "none":
         if args.tree:
-            raise ValueError("--tree needs a proposer (--proposer pld | streaming | longspec)")
-        return None, None
-    tree = TreeSpec.parse(args.tree or ("chain:5" if name == "pld" else "4,16,16,16,16"))
+            raise UsageError("--tree needs a proposer (--proposer pld | streaming | longspec)")
+        return name, None
+    if name == "longspec" and not args.draft and args.target:
+        raise UsageError("--proposer longspec needs --draft DIR (a LongSpec draft trained for this target; "
+                         "only the default model ships one)")
+    if args.window < 1:
+        raise UsageError(f"--window must be >= 1, got {args.window}")
+    try:
+        return name, TreeSpec.parse(args.tree or default_tree(name))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def default_tree(proposer: str) -> str:
+    return "chain:5" if proposer == "pld" else "4,16,16,16,16"
+
+
+def make_proposer(args, name, target):
+    """The proposer object for ``name`` (loads the draft for longspec), or None."""
+    from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
+
+    if name == "none":
+        return None
     if name == "pld":
-        return PromptLookup(), tree
+        return PromptLookup()
     if name == "streaming":
-        return StreamingSelfSpec(window=args.window), tree
+        return StreamingSelfSpec(window=args.window)
     from .convert import DEFAULT_DRAFT
-    from .decoding.proposers import LongSpecProposer
     from .models.checkpoint import load_draft
 
-    if not args.draft and args.target:
-        raise ValueError("--proposer longspec needs --draft DIR (a LongSpec draft trained for this target)")
-    return LongSpecProposer(load_draft(args.draft or DEFAULT_DRAFT, target)), tree
+    return LongSpecProposer(load_draft(args.draft or DEFAULT_DRAFT, target))
 
 
 def cmd_convert(args) -> int:
@@ -140,7 +201,8 @@ def cmd_train(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longspec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="longspec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a target model")
@@ -148,22 +210,26 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt text")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
     gen.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec"], default="none",
-                     help="draft strategy: none (autoregressive), pld (prompt lookup), streaming "
-                          "(target with a StreamingLLM cache, MagicDec), longspec (needs --draft)")
+                     help="draft strategy: none (plain decoding, the default), pld (prompt lookup), streaming "
+                          "(the target over a StreamingLLM cache, MagicDec), longspec (the LongSpec draft: "
+                          "shipped for the default model, --draft DIR for other targets)")
     gen.add_argument("--tree", default=None,
-                     help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' (default) or "
-                          "static paths '[[0],[1],[0,0]]'")
+                     help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' or static paths "
+                          "'[[0],[1],[0,0]]' (default: chain:5 for pld, 4,16,16,16,16 otherwise)")
     gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec; "
                                                    "the default model has a shipped draft)")
-    gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming")
+    gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")
+    gen.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for PyTorch (default: PyTorch's choice; 1-2 is often fastest on a busy "
+                          "small machine)")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     gen.set_defaults(func=cmd_generate)
@@ -217,7 +283,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:  # UsageError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -43,10 +43,11 @@ def default_gguf() -> Path:
 
 
 def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
-                 dtype: torch.dtype = torch.float32) -> Path:
+                 dtype: torch.dtype = torch.float32, progress=None) -> Path:
     """Dequantizes a GGUF checkpoint with transformers and writes ``config.json``,
     ``model.safetensors`` (in ``dtype``) and the tokenizer to ``out_dir``, atomically (a temporary
-    directory renamed into place). Returns ``out_dir``."""
+    directory renamed into place). ``progress(message)`` hears about each stage. Returns ``out_dir``."""
+    say = progress or (lambda message: None)
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
@@ -56,7 +57,9 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    say("dequantising the weights")
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
+    say("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     config = model.config
     config.architectures = [type(model).__name__]
@@ -67,6 +70,7 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    say("writing safetensors")
     try:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
@@ -84,9 +88,40 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
 DEFAULT_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"
 
 
-def default_model_dir() -> Path:
-    """The default model's HF-format directory, converting it on first use."""
+def default_model_dir(announce: bool = False) -> Path:
+    """The default model's HF-format directory, converting it on first use (``announce``: say so
+    on stderr, with each stage and the time taken, instead of transformers' progress bars)."""
     out = home_dir() / "models" / DEFAULT_NAME
     if not (out / "config.json").is_file():
-        convert_gguf(default_gguf(), out)
+        gguf = default_gguf()
+        if not announce:
+            return convert_gguf(gguf, out)
+        import sys
+        import time
+
+        from transformers.utils import logging as hf_logging
+
+        start = time.perf_counter()
+        print(f"[longspec: converting the default model ({DEFAULT_NAME}) once into {out}; this takes about 20 s]",
+              file=sys.stderr, flush=True)
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            convert_gguf(gguf, out, progress=lambda m: print(f"[longspec:   {m} ...]", file=sys.stderr, flush=True))
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+        print(f"[longspec: converted in {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
     return out
+
+
+def default_model_path() -> Path:
+    """Directory of the default target (SmolLM2-135M-Instruct), converted on first use: pass it to
+    :func:`longspec.load_target` and to transformers' ``AutoTokenizer``."""
+    return default_model_dir()
+
+
+def default_draft_path() -> Path:
+    """Directory of the LongSpec draft shipped for the default target: pass it to
+    :func:`longspec.load_draft`."""
+    return DEFAULT_DRAFT

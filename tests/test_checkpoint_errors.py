@@ -216,15 +216,15 @@ def target(base_dir):
 
 
 def test_prompt_longer_than_context(target):
-    with pytest.raises(ValueError, match="exceeds the maximum length 64"):
+    with pytest.raises(ValueError, match="over the maximum length 64"):
         Generator(target).generate([list(range(100)) * 3], GenerationConfig(max_new_tokens=10))
 
 
 def test_prompt_plus_new_tokens_longer_than_context(target):
-    gen = Generator(target)
-    assert len(gen.generate([list(range(54))], GenerationConfig(max_new_tokens=10)).sequences[0]) == 10
-    with pytest.raises(ValueError, match="maximum length"):
-        gen.generate([list(range(55))], GenerationConfig(max_new_tokens=10))
+    gen = Generator(target)  # the last new token is emitted, never written: prompt + 9 slots
+    assert len(gen.generate([list(range(55))], GenerationConfig(max_new_tokens=10)).sequences[0]) == 10
+    with pytest.raises(ValueError, match="needs 65 positions, over the maximum length 64"):
+        gen.generate([list(range(56))], GenerationConfig(max_new_tokens=10))
     # an explicit max_len raises the limit
     out = Generator(target, max_len=128).generate([list(range(100))], GenerationConfig(max_new_tokens=10))
     assert len(out.sequences[0]) == 10

@@ -227,3 +227,37 @@ def test_sequences_join_and_leave_between_rounds(targets, proposer):
             engine.add([waiting.pop(0)])
         engine.step()
     assert [s.tokens for s in seqs] == alone
+
+
+def test_room_is_exactly_what_a_round_writes(tiny_model_factory):
+    """A 254-token prompt with max_new_tokens=1 fits a 256-token model with or without a tree
+    (no round runs); each extra token needs one slot, plus the tree's nodes for a round."""
+    _, path = tiny_model_factory("room-256", "llama", max_position_embeddings=256, seed=5)
+    target = load_target(path)
+    prompt = torch.randint(0, 160, (254,), generator=torch.Generator().manual_seed(0)).tolist()
+    one = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    expected = Generator(target).generate([prompt], one).sequences
+    assert Generator(target, proposer=PromptLookup(), tree="chain:1").generate([prompt], one).sequences == expected
+    three = GenerationConfig(max_new_tokens=3, ignore_eos=True)  # 254 + 3 - 2 + 1 = 256 slots
+    expected = Generator(target).generate([prompt], three).sequences
+    with pytest.raises(ValueError, match="257 positions"):  # 254 + 3 - 2 + 2 tree nodes
+        Generator(target, proposer=PromptLookup(), tree="chain:1").generate([prompt], three)
+    short = prompt[:253]
+    assert (Generator(target, proposer=PromptLookup(), tree="chain:1").generate([short], three).sequences
+            == Generator(target).generate([short], three).sequences)
+    with pytest.raises(ValueError, match="257 positions"):
+        Generator(target).generate([prompt], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+
+
+@pytest.mark.parametrize("tree", [[3, 4, 4], (3, 4, 4), [[0], [1], [0, 0]], TreeSpec.parse("3,4,4"), "3,4,4"])
+def test_tree_given_in_any_form(targets, tree):
+    gen = Generator(targets["llama"], proposer=PromptLookup(), tree=tree)
+    assert gen.tree == TreeSpec.coerce(tree)
+    assert len(gen.generate([[1, 2, 3, 1, 2]], GenerationConfig(max_new_tokens=6, ignore_eos=True)).sequences[0]) == 6
+
+
+@pytest.mark.parametrize("tree,message", [(3.5, "got float"), ([1, [0]], "beam widths"), ([], "got list"),
+                                         ({"w": 1}, "got dict")])
+def test_tree_of_a_wrong_type_is_named(targets, tree, message):
+    with pytest.raises(ValueError, match=message):
+        Generator(targets["llama"], proposer=PromptLookup(), tree=tree)

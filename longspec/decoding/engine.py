@@ -60,6 +60,16 @@ class Sequence:
         return kept
 
 
+def cache_need(prompt_len: int, max_new_tokens: int, round_slots: int) -> int:
+    """Cache slots a sequence can use: its prompt, and while it still needs tokens, the committed
+    ones plus what one round writes (``round_slots``: 1 for a decode step, the tree's nodes for
+    a speculative round). The last token is emitted, never written; ``max_new_tokens = 1`` needs
+    no round at all."""
+    if max_new_tokens <= 1:
+        return prompt_len
+    return prompt_len + max_new_tokens - 2 + round_slots
+
+
 class Engine:
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), sharing the sampling settings of ``config``. ``cuda_graphs`` (default: on
@@ -71,6 +81,8 @@ class Engine:
         self.config = config or GenerationConfig()
         device = target.device
         self.max_len = -(-max_len // 64) * 64 if device.type == "cuda" else max_len  # aligned key masks
+        if proposer is not None and self.max_len < tree.num_nodes:
+            raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
         self.cache = target.new_cache(max_batch, self.max_len)
         self.rows: list = [None] * max_batch
         gen = None if self.config.seed is None else torch.Generator(device=device).manual_seed(self.config.seed)
@@ -95,8 +107,8 @@ class Engine:
 
     # ---- sequences ------------------------------------------------------------------------
     def room(self) -> int:
-        """Cache slots a round may write beyond a row's committed tokens."""
-        return 0 if self.proposer is None else self.tree.num_nodes
+        """Cache slots a round writes (the decode token, or the whole tree)."""
+        return 1 if self.proposer is None else self.tree.num_nodes
 
     def free_rows(self) -> list:
         return [r for r, s in enumerate(self.rows) if s is None]
@@ -113,10 +125,10 @@ class Engine:
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
         for s in seqs:
-            need = len(s.prompt) + s.max_new_tokens + self.room()
+            need = cache_need(len(s.prompt), s.max_new_tokens, self.room())
             if need > self.max_len:
-                raise ValueError(f"prompt of {len(s.prompt)} tokens + max_new_tokens {s.max_new_tokens} = "
-                                 f"{len(s.prompt) + s.max_new_tokens} does not fit the engine's {self.max_len} slots")
+                raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
+                                 f"{need} cache slots, the engine has {self.max_len}")
         start = 0
         while start < len(seqs):  # runs of consecutive free rows
             stop = start + 1
@@ -241,7 +253,7 @@ class Generator:
         if proposer is None and tree is not None:
             raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
         if proposer is not None:
-            tree = TreeSpec.parse(tree or DEFAULT_TREE) if not isinstance(tree, TreeSpec) else tree
+            tree = TreeSpec.coerce(DEFAULT_TREE if tree is None else tree)
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree = target, proposer, tree
         self.max_len = max_len or target.config.max_position_embeddings
@@ -249,9 +261,9 @@ class Generator:
         self._engine: Optional[Engine] = None
         self._engine_key = None
 
-    def proposer_room(self) -> int:
-        """Extra cache slots a speculative round may write beyond the committed tokens."""
-        return 0 if self.proposer is None else int(self.tree.num_nodes)
+    def round_slots(self) -> int:
+        """Cache slots one round writes: the decode token, or every tree node."""
+        return 1 if self.proposer is None else int(self.tree.num_nodes)
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
         if len(prompts) == 0:
@@ -267,14 +279,13 @@ class Generator:
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         longest = max(map(len, prompts))
-        room = self.proposer_room()
-        need = longest + config.max_new_tokens + room
+        need = cache_need(longest, config.max_new_tokens, self.round_slots())
         if need > self.max_len:
+            tree = f" and {self.round_slots()} tree slots" if self.proposer is not None else ""
             raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens {config.max_new_tokens}"
-                + (f" + {room} tree slots" if room else "")
-                + f" = {need} exceeds the maximum length {self.max_len} (the model's context; "
-                "shorten the prompt or pass Generator(max_len=...))")
+                f"prompt of {longest} tokens with max_new_tokens {config.max_new_tokens}{tree} needs {need} "
+                f"positions, over the maximum length {self.max_len} (the model's context; shorten the prompt, "
+                "lower max_new_tokens, use a smaller tree, or pass Generator(max_len=...))")
         return prompts, need
 
     def engine(self, batch: int, need: int, config: GenerationConfig) -> Engine:
@@ -304,7 +315,7 @@ class Generator:
         sampling: the same distribution). Finished rows leave the batch."""
         config = config or GenerationConfig()
         prompts, need = self._prepare(prompts, config)
-        engine = self.engine(len(prompts), need, config)
+        engine = self.engine(len(prompts), max(need, self.round_slots()), config)
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
         clock = _Clock(self.target.device)

@@ -183,6 +183,23 @@ class TreeSpec:
                 "(expected 'chain:N', 'W1,W2,...' (beam widths) or a JSON list of paths like '[[0],[1],[0,0]]')"
             ) from None
 
+    @classmethod
+    def coerce(cls, tree) -> "TreeSpec":
+        """A ``TreeSpec`` from any accepted form: a ``TreeSpec``; a string (see ``parse``); a list or
+        tuple of beam widths (``[4, 16, 16, 16, 16]``); a list of paths (``[[0], [1], [0, 0]]``)."""
+        if isinstance(tree, TreeSpec):
+            return tree
+        if isinstance(tree, str):
+            return cls.parse(tree)
+        if isinstance(tree, (list, tuple)) and tree:
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in tree):
+                return cls.beam(tree)
+            if all(isinstance(x, (list, tuple)) for x in tree):
+                return cls.from_paths(tree)
+            raise ValueError(f"a tree given as a list holds beam widths (ints) or paths (lists of ranks), got {tree!r}")
+        raise ValueError(f"a tree is a TreeSpec, a string like '4,16,16,16,16' or 'chain:5', a list of beam widths "
+                         f"or a list of paths; got {type(tree).__name__} {tree!r}")
+
     def __str__(self) -> str:
         if self.kind == "chain":
             return f"chain:{self.depth}"

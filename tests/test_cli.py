@@ -1,0 +1,86 @@
+"""The command line as a new user meets it: argument errors exit 2 with a message of ours (no
+traceback) before any model is loaded, the one-time conversion of the default model announces
+itself, the README's Python example runs."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longspec.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MISSING = "/nonexistent/target"  # never loaded: every error below must come first
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be finite and >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k must be an int >= 0"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--device", "tpu"], "--device 'tpu' is not a device longspec runs on"),
+    (["--device", "cuda:x"], "--device 'cuda:x' is not a device longspec runs on"),
+    (["--device", "cpu", "--dtype", "float8"], "--dtype 'float8' is not one of"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--proposer", "pld", "--tree", "4,x"], "invalid tree spec"),
+    (["--tree", "chain:3"], "--tree needs a proposer"),
+    (["--proposer", "longspec"], "needs --draft DIR"),
+])
+def test_argument_errors_come_before_loading(capsys, args, message):
+    assert main(["generate", "--target", MISSING, "--prompt", "x", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "checkpoint directory not found" not in err, err
+
+
+def test_prompt_errors(capsys, tmp_path):
+    assert main(["generate", "--target", MISSING, "--prompt", ""]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "--target", MISSING, "--prompt-file", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt not found" in capsys.readouterr().err
+    assert main(["generate", "--target", MISSING, "--prompt-file", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def needs_default_model():
+    pytest.importorskip("gguf")
+    from longspec.convert import default_gguf
+
+    try:
+        default_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+def run_cli(*args, env=None, timeout=600):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "longspec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_first_run_announces_conversion_and_model(tmp_path):
+    needs_default_model()
+    run = run_cli("generate", "--prompt", "Hello", "--max-new-tokens", "2", "--threads", "1",
+                  env={"LONGSPEC_HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith("[longspec: converting the default model (SmolLM2-135M-Instruct) once into")
+    assert any("converted in" in line for line in lines)
+    assert any("a small demo model" in line and "proposer none" in line for line in lines)
+    assert "Loading weights" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_context_error_names_the_options():
+    needs_default_model()
+    run = run_cli("generate", "--prompt", "x", "--max-new-tokens", "9000", "--proposer", "pld")
+    assert run.returncode == 2
+    assert "shorten the prompt, lower --max-new-tokens or use a smaller --tree" in run.stderr, run.stderr
+    assert "Generator(" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_readme_python_example_runs():
+    needs_default_model()
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "same tokens as plain decoding: True" in run.stdout
