@@ -261,3 +261,43 @@ def test_tree_given_in_any_form(targets, tree):
 def test_tree_of_a_wrong_type_is_named(targets, tree, message):
     with pytest.raises(ValueError, match=message):
         Generator(targets["llama"], proposer=PromptLookup(), tree=tree)
+
+
+def reference_candidates(context: list, max_ngram: int, min_ngram: int, candidates: int) -> list:
+    """Prompt lookup by hand: for n = max_ngram down to min_ngram, every earlier occurrence of the
+    context's last n tokens (most recent first) proposes the token that followed it."""
+    found = []
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail and context[start + n] not in found:
+                found.append(context[start + n])
+                if len(found) >= candidates:
+                    return found
+    return found
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngram):
+    """The vectorised lookup ranks exactly the candidates the by-hand search finds, for the
+    root (history only) and for tree nodes (history + the node's path)."""
+    from longspec.cache import KVCache
+
+    target = targets["llama"]
+    gen = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
+    tree = TreeSpec.parse("2,3")
+    lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, candidates=4)
+    lookup.begin(target, KVCache(target.config, 3, 64), tree, GenerationConfig(), None)
+    histories = [torch.randint(0, 5, (n,), generator=gen).tolist() for n in (30, 7, 1)]
+    for row, h in enumerate(histories):
+        lookup.add(row, h[:-1], h[-1])
+    root = lookup._lookup(torch.zeros(3, 1, 0, dtype=torch.long))
+    paths = torch.randint(0, 5, (3, 4, 2), generator=gen)
+    nodes = lookup._lookup(paths)
+    for row, h in enumerate(histories):
+        contexts = [(h, root[row, 0])] + [(h + paths[row, j].tolist(), nodes[row, j]) for j in range(4)]
+        for context, logits in contexts:
+            expected = reference_candidates(context, max_ngram, min_ngram, 4)
+            ranked = [int(t) for t in logits.argsort(descending=True)[:len(expected)]]
+            assert ranked == expected, (context, ranked, expected)
+            assert int((logits > -1e4).sum()) == len(expected)

@@ -175,9 +175,14 @@ class StreamingSelfSpec(TreeDrafter):
 class PromptLookup(TreeDrafter):
     """Prompt lookup decoding: the next token after a node is what followed the most recent
     earlier occurrence of the context's last n tokens (n = ``max_ngram`` down to ``min_ngram``),
-    in the prompt and the generated text. Several earlier occurrences rank several candidates
-    (most recent first), so any tree shape can be filled; with no match the proposal is arbitrary
-    (and will simply be rejected)."""
+    in the prompt, the generated text and the node's path. Several earlier occurrences rank several
+    candidates (longest match first, then most recent), so any tree shape can be filled; with no
+    match the proposal is arbitrary (and will simply be rejected).
+
+    The history lives on the device ([B, capacity] tokens) and the search is a few tensor ops over
+    it, with fixed shapes: rounds can be captured in a CUDA graph."""
+
+    graphable = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 8):
         if not 1 <= min_ngram <= max_ngram:
@@ -186,50 +191,71 @@ class PromptLookup(TreeDrafter):
 
     def begin(self, target, cache, tree, config, rng):
         super().begin(target, cache, tree, config, rng)
-        self.history = [[] for _ in range(cache.batch_size)]
         self.vocab = target.config.vocab_size
+        self.capacity = cache.max_len + tree.depth + 2  # prompt + every emitted token
+        device = cache.lengths.device
+        self.hist = torch.full((cache.batch_size, self.capacity + 1), -1, dtype=torch.long, device=device)  # + scratch
+        self.hist_len = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
+
+    @property
+    def history(self) -> list:
+        """Per row, the prompt and every emitted token (host lists; a device sync)."""
+        return [h[:n].tolist() for h, n in zip(self.hist, self.hist_len.tolist())]
 
     def add(self, row, prompt, first_token):
-        self.history[row] = list(prompt) + [first_token]
+        tokens = (list(prompt) + [first_token])[-self.capacity:]
+        self.hist[row] = -1
+        self.hist[row, :len(tokens)] = torch.tensor(tokens, device=self.hist.device)
+        self.hist_len[row] = len(tokens)
 
     def accepted(self, emitted, counts):
-        for row, (new, n) in enumerate(zip(emitted.tolist(), counts.tolist())):
-            self.history[row].extend(new[:n])
+        cols = torch.arange(emitted.shape[1], device=emitted.device)[None, :]
+        pos = self.hist_len[:, None] + cols
+        pos = torch.where((cols < counts[:, None]) & (pos < self.capacity), pos, self.capacity)
+        self.hist.scatter_(1, pos, emitted)
+        self.hist_len += counts
+
+    def state_tensors(self):
+        return [self.hist, self.hist_len]
 
     def _root_logits(self, root):
         # the root was emitted last round and is already in the history
-        return self._lookup([[h] for h in self.history], root.device)[:, 0]
+        empty = torch.zeros(root.shape[0], 1, 0, dtype=torch.long, device=root.device)
+        return self._lookup(empty)[:, 0]
 
     def _level_logits(self, tokens, positions, mask, tree_tokens):
-        mask, tree_tokens = mask.cpu(), tree_tokens.cpu()
-        contexts = [[history + tree_tokens[row][mask[row, j]].tolist()[1:]  # path below the root
-                     for j in range(tokens.shape[1])] for row, history in enumerate(self.history)]
-        return self._lookup(contexts, tokens.device)
+        depths = self.depths[:mask.shape[-1]]
+        depth = int(self.spec.depths[mask.shape[-1] - 1])  # the new nodes' depth (the spec's CPU tensor: no sync)
+        path = torch.stack([((mask & (depths == k)) * tree_tokens[:, None, :]).sum(-1) for k in range(1, depth + 1)],
+                           -1)  # [B, n, depth]: each node's path below the root
+        return self._lookup(path)
 
-    def _lookup(self, contexts: list, device) -> torch.Tensor:
-        """contexts: [B][n] token lists -> pseudo-logits [B, n, V] ranking the candidates."""
-        b, n = len(contexts), len(contexts[0])
-        logits = torch.full((b, n, self.vocab), -1e4, device=device)
-        for row in range(b):
-            for j in range(n):
-                for rank, token in enumerate(self._candidates(contexts[row][j])):
-                    logits[row, j, token] = -float(rank)
-        return logits
-
-    def _candidates(self, context: list) -> list:
-        seq = torch.tensor(context)
-        found = []
-        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            windows = seq[:-1].unfold(0, n, 1)  # every earlier n-gram that has a follower
-            hits = torch.nonzero((windows == tail).all(-1)).flatten().flip(0)  # most recent first
-            for start in hits.tolist():
-                token = context[start + n]
-                if token not in found:
-                    found.append(token)
-                if len(found) >= self.candidates:
-                    return found
-        return found
+    def _lookup(self, path: torch.Tensor) -> torch.Tensor:
+        """path [B, n, d] (the tokens after the history, per node) -> pseudo-logits [B, n, V]:
+        ``-rank`` for the ranked candidates, -1e4 elsewhere."""
+        b, n, d = path.shape
+        width = self.capacity + d
+        ctx = torch.cat([self.hist[:, None, :self.capacity].expand(b, n, -1),
+                         torch.full((b, n, d), -1, dtype=torch.long, device=path.device)], -1)
+        if d:
+            at = self.hist_len[:, None, None] + torch.arange(d, device=path.device)
+            ctx = ctx.scatter(2, at.expand(b, n, d), path)
+        ctx_len = (self.hist_len + d)[:, None]  # [B, 1]
+        f = torch.arange(width, device=path.device)[None, None, :]  # follower positions
+        matched = torch.zeros(b, n, width, dtype=torch.long, device=path.device)
+        run = f <= ctx_len[..., None] - 1  # a window needs a follower inside the context
+        for k in range(1, self.max_ngram + 1):
+            tail = ctx.gather(2, (ctx_len - k).clamp(min=0)[..., None].expand(b, n, 1))  # k-th last token
+            shifted = torch.cat([torch.full((b, n, k), -2, dtype=torch.long, device=path.device), ctx[..., :-k]], -1)
+            run = run & (shifted == tail) & (ctx_len[..., None] - k >= 0) & (ctx_len[..., None] - 1 >= k)
+            matched += run.long()
+        score = torch.where(matched >= self.min_ngram, matched * (width + 1) + f, -1)
+        best = torch.full((b, n, self.vocab), -1, dtype=torch.long, device=path.device)
+        best.scatter_reduce_(2, ctx.clamp(min=0), score, "amax")
+        top, token = best.topk(min(self.candidates, self.vocab), dim=-1)
+        rank = torch.arange(top.shape[-1], device=path.device).expand_as(top)
+        logits = torch.full((b, n, self.vocab), -1e4, device=path.device)
+        return logits.scatter(2, token, torch.where(top >= 0, -rank.float(), -1e4))
 
 
 class LongSpecProposer(TreeDrafter):

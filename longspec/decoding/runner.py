@@ -10,6 +10,7 @@ not part of it)."""
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -82,11 +83,16 @@ class PhaseRunner:
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         self.uniforms.refill()
-        for phase in self.phases:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                phase()
-            graphs.append(graph)
+        try:
+            for phase in self.phases:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    phase()
+                graphs.append(graph)
+        except RuntimeError as err:  # an op that cannot be captured: stay correct, run eagerly
+            warnings.warn(f"CUDA-graph capture failed, this engine runs eagerly: {err}")
+            graphs, self.cuda_graphs = None, False
+            self.uniforms.buffer = None
         restore()
         torch.cuda.synchronize(self.device)
         self.graphs = graphs
