@@ -83,3 +83,17 @@ def test_sample_shapes_and_determinism():
     p = torch.tensor([[0.1, 0.6, 0.3]]).expand(60000, 3)
     freq = torch.bincount(sample(p, torch.Generator().manual_seed(0)), minlength=3) / 60000
     torch.testing.assert_close(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.01, rtol=0)
+
+
+def test_per_row_warping_equals_scalar_warping():
+    from longspec.decoding.sampling import warp_probs_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 3, 50, generator=gen) * 3
+    settings = [(0.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (1.0, 7, 0.8), (0.5, 50, 0.5)]
+    t = torch.tensor([s[0] for s in settings])
+    k = torch.tensor([s[1] for s in settings])
+    p = torch.tensor([s[2] for s in settings])
+    rows = warp_probs_rows(logits, t, k, p)
+    for i, (ti, ki, pi) in enumerate(settings):
+        assert torch.allclose(rows[i], warp_probs(logits[i], ti, ki, pi), atol=1e-6), settings[i]

@@ -301,3 +301,34 @@ def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngra
             ranked = [int(t) for t in logits.argsort(descending=True)[:len(expected)]]
             assert ranked == expected, (context, ranked, expected)
             assert int((logits > -1e4).sum()) == len(expected)
+
+
+@pytest.mark.parametrize("tree", ["2,3", "chain:3"])
+def test_engine_with_per_row_sampling(small_vocab_target, tree):
+    """One engine, rows with their own settings: greedy rows give exactly the greedy output; the
+    sampled rows (T=0.8, top-p 0.9) follow the exact two-token target distribution."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.sampling import RowSampling
+
+    target, n = small_vocab_target, 6000
+    prompt = [1, 5, 2, 7, 3, 0, 6]
+    greedy = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=6, ignore_eos=True)).sequences[0]
+    engine = Engine(target, StreamingSelfSpec(window=2, sinks=1), TreeSpec.parse(tree), max_batch=n + 2,
+                    max_len=64, config=RowSampling.zeros(n + 2, "cpu"))
+    engine.uniforms.generator = torch.Generator().manual_seed(7)
+    seqs = [Sequence(prompt, 6)] + [Sequence(prompt, 2, temperature=0.8, top_p=0.9) for _ in range(n)]
+    seqs.append(Sequence(prompt, 6))
+    engine.add(seqs)
+    while engine.has_active:
+        engine.step()
+    assert seqs[0].tokens == greedy and seqs[-1].tokens == greedy
+    counts = torch.zeros(8, 8)
+    for s in seqs[1:-1]:
+        counts[s.tokens[0], s.tokens[1]] += 1
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9)
+    expected = exact_two_token_distribution(target, prompt, config).flatten() * n
+    keep = expected > 0
+    assert counts.flatten()[~keep].sum() == 0
+    big = expected[keep] >= 5
+    obs, exp = counts.flatten()[keep][big], expected[keep][big]
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3

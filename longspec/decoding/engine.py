@@ -20,7 +20,7 @@ import torch
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .runner import PhaseRunner
-from .sampling import Uniforms, sample, warp_probs
+from .sampling import RowSampling, Uniforms, sample, warp_probs
 from .tree import TreeSpec
 from .verify import verify_tree
 
@@ -47,6 +47,15 @@ class Sequence:
     done: bool = False
     row: int = -1
     accepted_hist: list = field(default_factory=list)  # rounds by number of accepted draft tokens
+    temperature: float = 0.0  # this sequence's sampling, used by engines with per-row settings
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round: accepted draft tokens + 1, averaged over this sequence's rounds."""
+        rounds = sum(self.accepted_hist)
+        return sum((n + 1) * c for n, c in enumerate(self.accepted_hist)) / rounds if rounds else 1.0
 
     def extend(self, new: list) -> list:
         """Appends ``new`` up to the first EOS or the token budget; returns what was kept."""
@@ -72,8 +81,10 @@ def cache_need(prompt_len: int, max_new_tokens: int, round_slots: int) -> int:
 
 class Engine:
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
-    new tokens + tree), sharing the sampling settings of ``config``. ``cuda_graphs`` (default: on
-    CUDA when the proposer allows it) captures each phase of a round on first use."""
+    new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
+    each with its own (``config`` a :class:`~longspec.decoding.sampling.RowSampling`: every
+    sequence's ``temperature`` / ``top_k`` / ``top_p``). ``cuda_graphs`` (default: on CUDA when
+    the proposer allows it) captures each phase of a round on first use."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None):
@@ -146,8 +157,11 @@ class Engine:
         for i, s in enumerate(seqs):
             ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
         lens = torch.tensor([len(s.prompt) for s in seqs])
+        if isinstance(self.config, RowSampling):
+            for i, s in enumerate(seqs):
+                self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         logits = self.target.prefill(ids.to(device), lens.to(device), rows)
-        first = self._next_token(logits)
+        first = self._next_token(logits, slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
         for i, (s, t) in enumerate(zip(seqs, first.tolist())):
             s.row = row0 + i
@@ -159,6 +173,13 @@ class Engine:
                 self.active[s.row] = 1
             else:
                 self._release(s)
+
+    def cancel(self, s: Sequence) -> None:
+        """Ends a sequence now (a client went away, a stop string was met): its row is free for
+        the next ``add``. Call between rounds."""
+        s.done = True
+        if s.row >= 0 and self.rows[s.row] is s:
+            self._release(s)
 
     def _release(self, s: Sequence) -> None:
         """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
@@ -172,11 +193,16 @@ class Engine:
         if streamer is not None and kept:
             streamer(s.row, kept)
 
-    def _next_token(self, logits: torch.Tensor) -> torch.Tensor:
+    def _next_token(self, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """logits [n, V] of batch rows ``rows`` -> their next tokens [n]."""
         c = self.config
         if c.greedy:
             return logits.argmax(-1)
-        return sample(warp_probs(logits, c.temperature, c.top_k, c.top_p), self.uniforms)
+        if isinstance(c, RowSampling):
+            probs = warp_probs(logits, c.temperature[rows], c.top_k[rows], c.top_p[rows])
+        else:
+            probs = warp_probs(logits, c.temperature, c.top_k, c.top_p)
+        return sample(probs, self.uniforms)
 
     # ---- the round --------------------------------------------------------------------------
     def _decode_phase(self) -> None:

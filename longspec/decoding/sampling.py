@@ -9,11 +9,13 @@ sampling with these settings would have.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs"]
+__all__ = ["RowSampling", "Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs",
+           "warp_probs_rows"]
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
@@ -77,11 +79,56 @@ def warp_probs(
     Returns:
         ``[..., V]`` float32 probabilities.
     """
+    if torch.is_tensor(temperature):
+        return warp_probs_rows(logits, temperature, top_k, top_p)
     check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         idx = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, 1.0)
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """``warp_probs`` with settings per batch row: logits [B, ..., V]; temperature [B] float
+    (0 = greedy: the one-hot of the argmax), top_k [B] long (0 = off), top_p [B] float (1 = off).
+    The same warpers as transformers, in the same order, with no host synchronisation."""
+    view = (-1,) + (1,) * (logits.dim() - 1)
+    t, k, p = temperature.view(view), top_k.view(view), top_p.view(view).float()
+    greedy = t == 0
+    scores = logits.float() / torch.where(greedy, 1.0, t.float())
+    vocab = scores.shape[-1]
+    ordered = scores.sort(dim=-1, descending=True).values
+    kth = ordered.gather(-1, (k.clamp(1, vocab) - 1).expand(*scores.shape[:-1], 1))
+    scores = scores.masked_fill(((k > 0) & (k < vocab)) & (scores < kth), float("-inf"))
+    ascending, index = scores.sort(dim=-1)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - p)
+    remove[..., -1:] = False  # always keep the most likely token
+    remove = remove & (p < 1.0)
+    scores = scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
+    onehot = torch.zeros_like(scores).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, scores.softmax(dim=-1))
+
+
+@dataclass
+class RowSampling:
+    """Sampling settings per batch row, for an engine whose rows are different requests:
+    device tensors read inside the captured rounds. A row with temperature 0 decodes greedily."""
+
+    temperature: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] long
+    top_p: torch.Tensor  # [B] float
+    seed: Optional[int] = None
+    greedy = False  # the engine samples (greedy rows get one-hot distributions)
+
+    @classmethod
+    def zeros(cls, batch: int, device) -> "RowSampling":
+        return cls(torch.zeros(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device),
+                   torch.ones(batch, device=device))
+
+    def set_row(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
+        check_sampling_args(temperature, top_k, top_p)
+        self.temperature[row], self.top_k[row], self.top_p[row] = temperature, top_k or 0, top_p or 1.0
 
 
 class Uniforms:

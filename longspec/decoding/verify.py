@@ -243,7 +243,12 @@ def verify_tree(
     generator: Optional[torch.Generator] = None,
 ) -> VerifyResult:
     """Dispatch: ``temperature == 0`` -> ``verify_greedy``; otherwise warp the target logits with
-    ``warp_probs`` and run ``verify_sampling``. ``target_logits``: ``[B, N, V]``."""
+    ``warp_probs`` and run ``verify_sampling``. ``target_logits``: ``[B, N, V]``. The settings may
+    be tensors with one value per row (:class:`~longspec.decoding.sampling.RowSampling`): rows at
+    temperature 0 then get one-hot target distributions, which the sampling rules verify exactly
+    as the greedy rule does."""
+    if torch.is_tensor(temperature):
+        return verify_sampling(tree, warp_probs(target_logits, temperature, top_k, top_p), generator)
     check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         return verify_greedy(tree, target_logits)
