@@ -1,7 +1,7 @@
 """longspec: lossless speculative decoding for long contexts.
 
-Commands: generate (text from a prompt), train (a LongSpec draft for a target), convert (a GGUF
-checkpoint into a Hugging Face-format directory)."""
+Commands: generate (text from a prompt), serve (an OpenAI-compatible server), train (a LongSpec
+draft for a target), convert (a GGUF checkpoint into a Hugging Face-format directory)."""
 from __future__ import annotations
 
 import argparse
@@ -168,6 +168,42 @@ def make_proposer(args, name, target):
     return LongSpecProposer(load_draft(args.draft or DEFAULT_DRAFT, target))
 
 
+def cmd_serve(args) -> int:
+    """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    device, dtype = _device_and_dtype(args)
+    name, tree = proposer_choice(args)
+    if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0:
+        raise UsageError("--max-batch must be >= 1, --max-len >= 2 and --max-queue >= 0")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UsageError("longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]'") from None
+    from transformers import AutoTokenizer
+
+    from . import load_target
+    from .convert import DEFAULT_NAME, default_model_dir
+    from .serve import build_server, create_app
+
+    target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    target = load_target(target_dir, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
+    server = build_server(target, tokenizer, model_name, make_proposer(args, name, target), tree,
+                          max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue)
+    print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
+          f"{name}{f' tree {tree}' if tree else ''}, {args.max_batch} rows of {args.max_len} tokens)]",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def cmd_convert(args) -> int:
     from .convert import convert_gguf
     from .models.checkpoint import resolve_dtype
@@ -233,6 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    srv.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
+    srv.add_argument("--model-name", default=None, help="the model id clients use (default: the directory name)")
+    srv.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec"], default="none",
+                     help="draft strategy, as for generate (default: none)")
+    srv.add_argument("--tree", default=None, help="tree shape, as for generate")
+    srv.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec)")
+    srv.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
+    srv.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per request (default: 4096)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; then 429 (default: 64)")
+    srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
     conv.add_argument("--gguf", required=True, help="input .gguf file")

@@ -1,0 +1,394 @@
+"""``longspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one
+:class:`~longspec.decoding.engine.Engine` with continuous batching.
+
+One worker thread owns the engine: between rounds it admits queued requests into free rows (one
+batched prefill each) and ends cancelled ones; each round advances every active request. Every
+request has its own sampling settings (a ``RowSampling`` engine), so a greedy request gets
+exactly the tokens it would get alone. Text reaches the client through an asyncio queue, as
+server-sent events when ``stream`` is true.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``. Extensions: ``top_k`` in requests; ``longspec`` (tau, token ids) in responses."""
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .decoding.engine import Engine, Sequence, cache_need
+from .decoding.sampling import RowSampling, check_sampling_args
+
+UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
+               "response_format", "top_logprobs")
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP ``status`` and the error object's fields."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One request in flight: its sequence, stop strings, the text sent so far and where its
+    events go (an asyncio queue of the server's event loop)."""
+
+    seq: Sequence
+    stop: list
+    seed: Optional[int]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    text: str = ""
+    sent: int = 0  # characters already handed to the client
+    finish_reason: Optional[str] = None
+    final: bool = False  # text is complete (cut at a stop string)
+    cancelled: bool = False
+    created: float = field(default_factory=time.time)
+
+    def push(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Worker:
+    """Runs the engine in a background thread (see the module docstring)."""
+
+    def __init__(self, engine: Engine, tokenizer, max_queue: int):
+        self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self.waiting: deque = deque()
+        self.running: dict = {}  # Sequence id -> Request
+        self.lock = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name="longspec-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise APIError(429, f"the server is busy: {len(self.waiting)} requests are waiting",
+                               code="queue_full", kind="rate_limit_error")
+            self.waiting.append(request)
+            self.lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        with self.lock:
+            request.cancelled = True
+            self.lock.notify()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"active": len(self.running), "waiting": len(self.waiting)}
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            self.lock.notify()
+        self.thread.join(timeout=10)
+
+    # ---- worker thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopped and not self.waiting and not self.running:
+                    self.lock.wait()
+                if self.stopped:
+                    return
+                admit = []
+                free = len(self.engine.free_rows())
+                while self.waiting and len(admit) < free:
+                    request = self.waiting.popleft()
+                    if not request.cancelled:
+                        admit.append(request)
+                cancelled = [r for r in self.running.values() if r.cancelled]
+            for request in cancelled:
+                self._finish(request, None)
+            try:
+                self._admit(admit)
+                if self.running:
+                    self.engine.step(streamer=self._on_tokens)
+                    for request in list(self.running.values()):
+                        if request.seq.done:
+                            self._finish(request, request.finish_reason or self._reason(request))
+            except Exception as err:  # noqa: BLE001 - a failed round fails its requests, the server lives on
+                for request in list(self.running.values()):
+                    self._fail(request, err)
+
+    def _admit(self, requests: list) -> None:
+        with torch.inference_mode():
+            for request in requests:  # one prefill each (rows are reused in any order)
+                try:
+                    if request.seed is not None:
+                        self.engine.uniforms.generator = torch.Generator(
+                            device=self.engine.target.device).manual_seed(request.seed)
+                    self.running[id(request.seq)] = request
+                    self.engine.add([request.seq], streamer=self._on_tokens)
+                    if request.seq.done:
+                        self._finish(request, request.finish_reason or self._reason(request))
+                except Exception as err:  # noqa: BLE001 - this request only
+                    self._fail(request, err)
+
+    def _on_tokens(self, row: int, tokens: list) -> None:
+        request = self._by_row(row)
+        if request is None or request.finish_reason is not None:
+            return
+        try:
+            text = self.tokenizer.decode(request.seq.tokens, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in request.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, request.finish_reason, request.final = text[:cut], "stop", True
+                self.engine.cancel(request.seq)
+            elif text.endswith("\ufffd"):  # an incomplete character: wait for its next token
+                return
+            request.text = text
+            if len(text) > request.sent:
+                request.push(("text", text[request.sent:]))
+                request.sent = len(text)
+        except Exception as err:  # noqa: BLE001 - this request only
+            self._fail(request, err)
+
+    def _by_row(self, row: int) -> Optional[Request]:
+        for request in self.running.values():
+            if request.seq.row == row:
+                return request
+        return None
+
+    def _reason(self, request: Request) -> str:
+        return "length" if len(request.seq.tokens) >= request.seq.max_new_tokens and not (
+            request.seq.tokens and request.seq.tokens[-1] in request.seq.eos) else "stop"
+
+    def _finish(self, request: Request, reason: Optional[str]) -> None:
+        self.engine.cancel(request.seq)
+        self.running.pop(id(request.seq), None)
+        if reason is None:  # cancelled: nobody is listening
+            return
+        if not request.final:  # characters held back while incomplete
+            request.text = self.tokenizer.decode(request.seq.tokens, skip_special_tokens=True)
+            if len(request.text) > request.sent:
+                request.push(("text", request.text[request.sent:]))
+                request.sent = len(request.text)
+        request.push(("done", reason))
+
+    def _fail(self, request: Request, err: Exception) -> None:
+        self.engine.cancel(request.seq)
+        self.running.pop(id(request.seq), None)
+        request.push(("error", APIError(500, f"generation failed: {err}", kind="server_error")))
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+def _number(body: dict, name: str, kind, default, lo=None, hi=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise APIError(400, f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {value!r}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise APIError(400, f"'{name}' must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}", name)
+    return kind(value)
+
+
+class Server:
+    """Everything the HTTP handlers need: the model name, tokenizer, worker and limits."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.worker = Worker(engine, tokenizer, max_queue)
+        self.eos = frozenset(engine.target.config.eos_token_ids)
+
+    def parse(self, body: dict, chat: bool) -> tuple:
+        """Request body -> (prompt token ids, Sequence, stop strings, seed, stream). Raises APIError."""
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        for name in UNSUPPORTED:
+            value = body.get(name)
+            if not (value is None or value is False or (name in ("n", "best_of") and value == 1)):
+                raise APIError(400, f"'{name}' is not supported by this server", name)
+        model = body.get("model")
+        if model not in (None, self.model_name):
+            raise APIError(404, f"model {model!r} not found; this server has {self.model_name!r}", "model",
+                           "model_not_found")
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                             int, 16 if not chat else 256, lo=1)
+        temperature = _number(body, "temperature", float, 1.0, lo=0.0, hi=100.0)
+        top_p = _number(body, "top_p", float, 1.0, lo=0.0, hi=1.0)
+        top_k = _number(body, "top_k", int, 0, lo=0)
+        seed = _number(body, "seed", int, None)
+        try:
+            check_sampling_args(temperature, top_k, top_p)
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        need = cache_need(len(ids), max_tokens, self.engine.room())
+        if need > self.engine.max_len:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) with max_tokens {max_tokens} needs {need} positions; "
+                                f"this server holds {self.engine.max_len} per request (--max-len)", "max_tokens",
+                           "context_length_exceeded")
+        seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p)
+        return seq, stop, seed, bool(body.get("stream", False))
+
+    def _prompt_ids(self, body: dict) -> list:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer(prompt).input_ids
+        vocab = self.engine.target.config.vocab_size
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            return prompt
+        raise APIError(400, "'prompt' must be one non-empty string or one list of token ids in the vocabulary",
+                       "prompt")
+
+    def _chat_ids(self, body: dict) -> list:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with text content",
+                           "messages")
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def create_app(server: Server):
+    """The FastAPI application serving ``server``."""
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="longspec", description="OpenAI-compatible speculative decoding server")
+
+    @app.exception_handler(APIError)
+    async def api_error(_, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **server.worker.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "longspec"}]}
+
+    async def handle(http: HTTPRequest, chat: bool):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the request body is not valid JSON: {err}") from None
+        seq, stop, seed, stream = server.parse(body, chat)
+        request = Request(seq, stop, seed, asyncio.get_running_loop(), asyncio.Queue())
+        server.worker.submit(request)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        kind = "chat.completion" if chat else "text_completion"
+        if stream:
+            return StreamingResponse(_events(server, request, ident, kind, chat, http),
+                                     media_type="text/event-stream")
+        try:
+            reason = await _drain(request)
+        except asyncio.CancelledError:
+            server.worker.cancel(request)
+            raise
+        choice = ({"index": 0, "message": {"role": "assistant", "content": request.text}, "finish_reason": reason}
+                  if chat else {"index": 0, "text": request.text, "logprobs": None, "finish_reason": reason})
+        return {"id": ident, "object": kind, "created": int(request.created), "model": server.model_name,
+                "choices": [choice], "usage": _usage(request), "longspec": _extension(request)}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await handle(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        return await handle(http, chat=True)
+
+    @app.on_event("shutdown")
+    def shutdown():
+        server.worker.stop()
+
+    return app
+
+
+async def _drain(request: Request) -> str:
+    """Waits for a non-streamed request's end; returns its finish reason."""
+    while True:
+        kind, value = await request.events.get()
+        if kind == "done":
+            return value
+        if kind == "error":
+            raise value
+
+
+async def _events(server: Server, request: Request, ident: str, kind: str, chat: bool, http):
+    """Server-sent events of a streamed request; a client that goes away cancels it."""
+    chunk_kind = "chat.completion.chunk" if chat else kind
+
+    def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        payload = {"id": ident, "object": chunk_kind, "created": int(request.created), "model": server.model_name,
+                   "choices": [choice]}
+        if reason is not None:
+            payload.update(usage=_usage(request), longspec=_extension(request))
+        return f"data: {json.dumps(payload)}\n\n"
+
+    try:
+        if chat:
+            yield chunk(None, None, first=True)
+        while True:
+            try:
+                kind_, value = await asyncio.wait_for(request.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return
+                continue
+            if kind_ == "text":
+                yield chunk(value, None)
+            elif kind_ == "done":
+                yield chunk(None, value)
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                yield f"data: {json.dumps(value.body())}\n\n"
+                return
+    finally:
+        if request.finish_reason is None and not request.seq.done:
+            server.worker.cancel(request)
+
+
+def _usage(request: Request) -> dict:
+    prompt, completion = len(request.seq.prompt), len(request.seq.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _extension(request: Request) -> dict:
+    return {"tau": round(request.seq.tau, 4), "token_ids": list(request.seq.tokens)}
+
+
+def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
+                 max_len: int = 4096, max_queue: int = 64) -> Server:
+    """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its worker."""
+    from .decoding.tree import TreeSpec
+
+    tree = TreeSpec.coerce(tree) if proposer is not None else None
+    sampling = RowSampling.zeros(max_batch, target.device)
+    engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling)
+    return Server(engine, tokenizer, model_name, max_queue)

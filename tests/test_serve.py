@@ -1,0 +1,246 @@
+"""`longspec serve` end to end: a real server process on a free port, queried with the official
+`openai` client and raw HTTP. Completions and chat, streamed and not; 16 concurrent streaming
+clients whose greedy outputs equal single-request runs; errors as OpenAI error objects with the
+server still serving; a client that disconnects frees its row; a full queue answers 429; the
+default model with its shipped draft."""
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from longspec import GenerationConfig, load_target  # noqa: E402
+from longspec.decoding.engine import Generator  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args):
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "serve", "--port", str(self.port),
+                                      "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("server did not start")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def client(self, cls=None):
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_factory, tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer (and chat template)."""
+    from longspec.convert import default_gguf, default_model_dir
+
+    try:
+        default_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    smol = default_model_dir()
+    _, path = tiny_model_factory("serve-tiny", "llama", vocab_size=49152, max_position_embeddings=1024, seed=3)
+    for name in os.listdir(smol):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(smol / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    proc = ServerProcess("--target", str(tiny_dir), "--model-name", "tiny", "--proposer", "pld",
+                         "--max-batch", "4", "--max-len", "256", "--max-queue", "64")
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir):
+    """Greedy tokens of one prompt generated alone (no server), to compare with."""
+    target = load_target(tiny_dir)
+
+    def run(ids, n):
+        return Generator(target).generate([ids], GenerationConfig(max_new_tokens=n)).sequences[0]
+    return run
+
+
+def prompt_ids(i: int) -> list:
+    gen = torch.Generator().manual_seed(i)
+    base = torch.randint(0, 49152, (5,), generator=gen).tolist()
+    return (base * 8)[:8 + 5 * i] + torch.randint(0, 49152, (3,), generator=gen).tolist()
+
+
+def test_completion_and_chat(server, alone, tiny_dir):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    ids = prompt_ids(1)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    extension = out.model_extra["longspec"]
+    assert extension["token_ids"] == alone(ids, 12)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(extension["token_ids"])
+    assert out.choices[0].finish_reason in ("length", "stop") and extension["tau"] >= 1.0
+    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in streamed)
+    assert text == out.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    chat_ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                       tokenize=False), add_special_tokens=False).input_ids
+    assert chat.model_extra["longspec"]["token_ids"] == alone(chat_ids, 8)
+    assert chat.choices[0].message.role == "assistant"
+    pieces = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == chat.choices[0].message.content
+
+
+def test_stop_strings_and_sampling_parameters(server):
+    client = server.client()
+    ids = prompt_ids(2)
+    full = client.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0).choices[0].text
+    if len(full) > 6:
+        stop = full[3:6]
+        cut = client.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0, stop=[stop])
+        assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=1.0, top_p=0.9,
+                                         seed=5, extra_body={"top_k": 20}) for _ in range(2)]
+    assert all(s.usage.completion_tokens == 6 for s in sampled)
+    assert sampled[0].model_extra["longspec"]["token_ids"] == sampled[1].model_extra["longspec"]["token_ids"]
+
+
+def test_sixteen_concurrent_streams_each_equal_to_a_lone_run(server, alone):
+    client = server.client(openai.AsyncOpenAI)
+
+    async def one(i):
+        greedy = i % 3 != 0
+        n = 6 + i % 7
+        stream = await client.completions.create(model="tiny", prompt=prompt_ids(i), max_tokens=n, stream=True,
+                                                 temperature=0 if greedy else 0.8, top_p=0.95)
+        last = None
+        async for chunk in stream:
+            last = chunk
+        return i, greedy, n, last.model_extra["longspec"]["token_ids"], last.choices[0].finish_reason
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    for i, greedy, n, tokens, reason in asyncio.run(all_of_them()):
+        assert reason in ("length", "stop")
+        if greedy:
+            assert tokens == alone(prompt_ids(i), n), i
+        else:
+            assert 1 <= len(tokens) <= n
+    assert server.health()["active"] == 0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": [1, 2, 99999999]}, 400, "prompt"),
+    ({"prompt": "x " * 300, "max_tokens": 10}, 400, "max_tokens"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+])
+def test_bad_requests_get_error_objects_and_the_server_keeps_serving(server, body, status, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    ok = server.client().completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_client_disconnect_frees_its_row(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt_ids(3), "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data:"):
+                seen += 1
+            if seen >= 2:
+                break
+    deadline = time.time() + 30
+    while server.health()["active"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert server.health() == {"status": "ok", "active": 0, "waiting": 0}
+
+
+def test_full_queue_answers_429(tiny_dir):
+    proc = ServerProcess("--target", str(tiny_dir), "--max-batch", "1", "--max-len", "256", "--max-queue", "1")
+    try:
+        client = proc.client(openai.AsyncOpenAI)
+
+        async def one():
+            try:
+                await client.completions.create(model=tiny_dir.name, prompt="hello", max_tokens=60, temperature=0)
+                return 200
+            except openai.RateLimitError as err:
+                assert err.body["code"] == "queue_full"
+                return 429
+
+        async def burst():
+            return await asyncio.gather(*(one() for _ in range(6)))
+
+        codes = asyncio.run(burst())
+        assert 429 in codes and 200 in codes
+    finally:
+        proc.close()
+
+
+def test_default_pair_with_the_shipped_draft():
+    from longspec import LongSpecProposer, default_draft_path, default_model_path, load_draft
+
+    try:
+        smol = default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    proc = ServerProcess("--proposer", "longspec", "--tree", "chain:3", "--max-batch", "2", "--max-len", "512")
+    try:
+        ids = list(range(100, 140))
+        out = proc.client().completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=10,
+                                               temperature=0)
+        target = load_target(smol)
+        expected = Generator(target, proposer=LongSpecProposer(load_draft(default_draft_path(), target)),
+                             tree="chain:3").generate([ids], GenerationConfig(max_new_tokens=10)).sequences[0]
+        assert out.model_extra["longspec"]["token_ids"] == expected
+    finally:
+        proc.close()
