@@ -95,6 +95,9 @@ class Engine:
         if proposer is not None and self.max_len < tree.num_nodes:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
         self.cache = target.new_cache(max_batch, self.max_len)
+        # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
+        # the slots in use (reading the longest length costs nothing there)
+        self.step_keys = self.max_len if device.type == "cuda" else None
         self.rows: list = [None] * max_batch
         gen = None if self.config.seed is None else torch.Generator(device=device).manual_seed(self.config.seed)
         self.uniforms = Uniforms(gen, device)
@@ -206,7 +209,7 @@ class Engine:
 
     # ---- the round --------------------------------------------------------------------------
     def _decode_phase(self) -> None:
-        logits = self.target.decode(self.root, self.cache, n_keys=self.max_len, advance=self.active)
+        logits = self.target.decode(self.root, self.cache, n_keys=self.step_keys, advance=self.active)
         self.root.copy_(self._next_token(logits))
         self.out_tokens[:, 0] = self.root
 
@@ -216,7 +219,7 @@ class Engine:
     def _verify_phase(self) -> None:
         c, tree, cache = self.config, self.draft_tree, self.cache
         positions = cache.lengths[:, None] + tree.depths
-        logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.max_len)
+        logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.step_keys)
         result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
         cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * self.active)
         emitted, counts = result.emitted()
