@@ -6,6 +6,13 @@ one JSON line last.
 
     python benchmarks/bench_steps.py --target DIR [--draft DIR] --contexts 2048,8192 \
         --trees 16,32,69,128 --attention triton,matmul,sdpa --dtype bfloat16
+    python benchmarks/bench_steps.py --shape llama-8b --contexts 8192,32768,131072 --trees 16,69,128 \
+        --attention triton,matmul --hf
+
+``--shape llama-8b`` builds an 8B-Llama-shaped target (32 layers, hidden 4096, 32/8 heads,
+intermediate 14336, vocab 128256) with random weights: a step's latency does not depend on the
+weights' values. ``--hf`` also times transformers' own decode step (its Llama model with the same
+weights, SDPA, a dynamic cache holding the same context) for comparison.
 """
 from __future__ import annotations
 
@@ -47,6 +54,65 @@ def time_graph(fn, replays: int = 50) -> float:
     return statistics.median(times)
 
 
+SHAPES = {"llama-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                           intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
+                           rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)}
+
+
+def random_target(shape: str, dtype):
+    """A target of a known shape with random weights (N(0, 0.02)), on the GPU."""
+    from longspec.config import ModelConfig
+    from longspec.models.rope import RotaryEmbedding
+    from longspec.models.target import TargetModel
+
+    config = ModelConfig.from_hf(SHAPES[shape])
+    with torch.device("meta"):
+        model = TargetModel(config)
+    model = model.to_empty(device="cuda").to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to("cuda")
+    model.fuse_projections()
+    return model.eval().requires_grad_(False)
+
+
+def hf_decode_step(target, ids, replays: int = 10) -> float:
+    """Median seconds of one decode step of transformers' Llama (SDPA) with ``ids`` in its cache."""
+    import transformers
+
+    c = target.config
+    cfg = transformers.LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                                   num_key_value_heads=c.num_kv_heads, vocab_size=c.vocab_size,
+                                   max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                                   tie_word_embeddings=False)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(cfg)
+    hf = hf.to_empty(device="cuda").to(target.dtype)
+    hf.load_state_dict(target.state_dict(), strict=False, assign=True)
+    hf.model.rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config=cfg, device="cuda")
+    hf.eval()
+    cache = transformers.DynamicCache(config=cfg)
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], 4096):
+            hf(ids[:, start:start + 4096], past_key_values=cache, use_cache=True)
+        nxt = ids[:, -1:]
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            hf(nxt, past_key_values=cache, use_cache=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1000)
+            cache.crop(ids.shape[1])
+    del hf, cache
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a large device-to-device copy (read + write)."""
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
@@ -64,7 +130,9 @@ def copy_bandwidth() -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", help="model directory (or --shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight target of this shape")
+    p.add_argument("--hf", action="store_true", help="also time transformers' decode step")
     p.add_argument("--draft")
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--trees", default="16,32,69,128", help="verify tree sizes (tokens incl. the root)")
@@ -72,10 +140,14 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    target = load_target(args.target, dtype=args.dtype, device="cuda")
+    if bool(args.target) == bool(args.shape):
+        raise SystemExit("give --target DIR or --shape NAME")
+    target = (load_target(args.target, dtype=args.dtype, device="cuda") if args.target
+              else random_target(args.shape, getattr(torch, args.dtype)))
     draft = load_draft(args.draft, target) if args.draft else None
     bw = copy_bandwidth()
-    weight_bytes = sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    unique = {t.data_ptr(): t for t in target.state_dict().values()}  # tied weights once
+    weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     c = target.config
     rows = []
     for impl in args.attention.split(","):
@@ -107,6 +179,10 @@ def main(argv=None):
                 t = time_graph(lambda: (engine.proposer.propose(engine.root), None)[1])
                 rows.append(dict(attention=impl, context=ctx, step="propose 4,16,16,16,16 (5 levels)", ms=t * 1e3,
                                  floor_ms=float("nan"), x_floor=float("nan")))
+            if args.hf and impl == args.attention.split(",")[0]:
+                t = hf_decode_step(target, ids)
+                rows.append(dict(attention="transformers sdpa", context=ctx, step="decode", ms=t * 1e3,
+                                 floor_ms=floor * 1e3, x_floor=t / floor))
             del cache
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
     print(f"{'attention':<9} {'context':>7} {'step':<34} {'ms':>8} {'floor ms':>9} {'x floor':>8}")

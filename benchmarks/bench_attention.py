@@ -1,0 +1,108 @@
+"""Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
+tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
+split-KV + masked-tree kernel), PyTorch's flash SDPA (``_scaled_dot_product_flash_attention``,
+which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
+matmul path (two batched products + float32 softmax). Each is checked against the float64
+reference (except flash, which computes another function) and timed with CUDA events (median of
+``--repeats`` after warm-up), with its ratio to the floor max(bytes / copy bandwidth, FLOPs /
+matmul rate), both measured here. Prints a table and one JSON line last.
+
+    python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longspec.attention import matmul_attention, reference  # noqa: E402
+from longspec.attention.triton_kernels import tree_attention  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+def machine_rates() -> tuple:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    copy = timed(lambda: x.clone(), 10)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = timed(lambda: a @ a, 10)
+    return 2 * x.numel() / copy, 2 * 8192**3 / mm
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="8192,32768,131072")
+    p.add_argument("--trees", default="16,64,69,128")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=50)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    bandwidth, rate = machine_rates()
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    rows = []
+    for s in map(int, args.contexts.split(",")):
+        for m in map(int, args.trees.split(",")):
+            cap = s + m
+            q = torch.randn(1, h, m, d, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(1, hkv, cap, d, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn(1, hkv, cap, d, dtype=torch.bfloat16, device="cuda")
+            lengths = torch.tensor([s], device="cuda")
+            parents = torch.randint(0, 1, (m,))
+            parents[1:] = torch.tensor([torch.randint(0, i, (1,)).item() for i in range(1, m)])
+            tree = torch.eye(m, dtype=torch.bool)
+            for i in range(1, m):
+                tree[i] |= tree[parents[i]]
+            tree = tree.cuda()[None]
+            dense = torch.cat([torch.ones(1, m, s, dtype=torch.bool, device="cuda"), tree], -1)
+            ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,
+                                             k[:, :, s:].double(), v[:, :, s:].double(), tree)
+            g = h // hkv
+            k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
+            impls = {
+                "triton": lambda: tree_attention(q, k, v, lengths, tree),
+                "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
+                                                                    enable_gqa=True),
+                "matmul": lambda: matmul_attention(q, k, v, dense),
+                "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
+            }
+            floor = max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
+            for name, fn in impls.items():
+                try:
+                    out = fn()
+                    err = float((out.double() - ref).norm() / ref.norm()) if "flash" not in name else float("nan")
+                    t = timed(fn, args.repeats)
+                except torch.OutOfMemoryError:
+                    err, t = float("nan"), float("nan")
+                    torch.cuda.empty_cache()
+                rows.append(dict(context=s, m=m, impl=name, us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor,
+                                 rel_err=err))
+                print(f"S={s:>6} M={m:>3} {name:<16} {t * 1e6:9.1f} us  floor {floor * 1e6:7.1f} us  "
+                      f"x{t / floor:6.2f}  rel err {err:.1e}", flush=True)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s "
+          "(flash SDPA repeats K/V per query head and ignores the tree mask: a speed reference only)")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "bandwidth_tb_s": bandwidth / 1e12,
+                      "matmul_tflops": rate / 1e12, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
