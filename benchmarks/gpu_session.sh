@@ -41,5 +41,12 @@ PY
     bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
              --attention ${BENCH_ATTENTION:-matmul,triton} 2>&1 | tee "$OUT/bench.log" || true ;;
+    repro) for cfg in "7900 triton --eager" "7900 triton" "4100 triton" "7900 matmul"; do set -- $cfg
+             echo "== repro $cfg"; CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/repro_long_context.py \
+               --length $1 --attention $2 ${3:-} 2>&1 | grep -E "OK|Error|File \"/work" | tail -4; done \
+             | tee "$OUT/repro.log" ;;
+    attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
+    steps8b) timeout $T python3 benchmarks/bench_steps.py --shape llama-8b --contexts ${CONTEXTS_8B:-8192,32768,131072} \
+             --trees 16,69,128 --attention triton,matmul --hf 2>&1 | tee "$OUT/steps_8b.log" || true ;;
   esac
 done

@@ -416,3 +416,24 @@ def test_verify_dispatch_and_errors():
     sampled = DraftTree.from_spec(spec, tokens, draft_probs=torch.rand(1, 3, 5), children_sampled=True)
     with pytest.raises(ValueError, match="vocabulary"):
         verify_sampling(sampled, logits.softmax(-1))
+
+
+def test_duplicate_siblings_stay_lossless():
+    """Two children with the same token (a merged tree may hold them) whose own children differ:
+    following whichever duplicate leads deeper would bias the emitted tokens; the first one is
+    used, and the two-token joint matches the target."""
+    target, draft = make_tables(5)
+    ptab = warp_probs(target, 0.9)
+    qtab = draft.softmax(-1)
+    spec = TreeSpec.from_paths([[0], [1], [0, 0], [1, 0]])
+
+    def make(ctx2, gen):
+        b = ctx2.shape[0]
+        q = qtab[ctx2[:, 0], ctx2[:, 1]]
+        top = q.topk(3, -1).indices
+        tokens = torch.stack([ctx2[:, 1], top[:, 0], top[:, 0], top[:, 1], top[:, 2]], 1)
+        return DraftTree.from_spec(spec, tokens)
+
+    samples = simulate(make, ptab, B_STAT, 2, torch.Generator().manual_seed(3))
+    pval, tv = frequency_test(samples, exact_joint(ptab, 2))
+    assert pval > 1e-3 and tv < 0.04, (pval, tv)

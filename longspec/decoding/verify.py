@@ -148,6 +148,14 @@ def _verify_deterministic_children(tree: DraftTree, target_probs: torch.Tensor, 
     stopping with y as the bonus) is the same process, so the walk is the greedy walk over
     sampled tokens: one sample per node, no loop."""
     tokens = _target_walk_tokens(target_probs, generator)
+    # a child whose token an earlier sibling already has would be a second chance for the same
+    # token (its rule sets p(x) = 0 after the first rejection): it never matches
+    n = tree.num_nodes
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
+    dup = ((tree.parents[:, :, None] == tree.parents[:, None, :]) & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
+           & earlier).any(-1)
+    tree = DraftTree(tree.tokens.masked_fill(dup, -1), tree.parents, tree.depths, tree.mask,
+                     level_sizes=tree.level_sizes)
     walk = verify_greedy(tree, tokens, tokens_given=True)
     last = walk.accepted_nodes.gather(1, walk.num_accepted[:, None]).squeeze(1)
     rows = torch.arange(tree.batch_size, device=last.device)
