@@ -223,7 +223,7 @@ def cmd_train(args) -> int:
         target=args.target, data=args.data, out=args.out, seq_len=args.seq_len, batch_size=args.batch_size,
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip, window=args.window,
-        max_lag=args.max_lag, anchor_offset=not args.no_anchor_offset, noise=not args.no_noise,
+        max_lag=args.max_lag, tree=args.tree, anchor_offset=not args.no_anchor_offset, noise=not args.no_noise,
         distill=args.distill, distill_weight=args.distill_weight, text_field=args.text_field,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
         save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--weight-decay", type=float, default=0.0)
     tr.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     tr.add_argument("--window", type=int, default=512, help="draft self-attention window")
-    tr.add_argument("--max-lag", type=int, default=4, help="noisy cross-attention lags 1..G (max tree depth)")
+    tr.add_argument("--max-lag", type=int, default=None,
+                    help="noisy cross-attention lags 1..G (default: the depth of --tree, 5 for the default beam tree)")
+    tr.add_argument("--tree", default="4,16,16,16,16", help="the tree shape the draft will draft (default: 4,16,16,16,16)")
     tr.add_argument("--no-anchor-offset", action="store_true", help="plain positions 0..n-1 (ablation)")
     tr.add_argument("--no-noise", action="store_true", help="lag 1 always (ablation)")
     tr.add_argument("--distill", action="store_true", help="add KL(target || draft) to the loss")

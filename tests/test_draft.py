@@ -156,6 +156,13 @@ def test_loads_published_longspec_layout(targets, tmp_path):
     assert loaded.config.qkv_bias and loaded.config.window == 512
     for (name, a), (_, b) in zip(ours.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+    # the published code applies the LM head to the block's output, without the final norm
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    assert not loaded.config.head_norm and ours.config.head_norm
+    assert torch.equal(loaded.logits(hidden), target.logits(hidden))
+    assert torch.equal(ours.logits(hidden), target.logits(target.final_norm(hidden)))
+    save_draft(loaded, tmp_path / "ours")  # our format keeps the choice
+    assert not load_draft(tmp_path / "ours", target).config.head_norm
     del state["model.layers.0.mlp.up_proj.weight"]
     save_file(state, str(tmp_path / "pub" / "model.safetensors"))
     with pytest.raises(ValueError, match="missing tensor.*mlp.up_proj.weight"):

@@ -340,3 +340,17 @@ def test_trained_draft_is_lossless_and_beats_untrained(target, corpus, tmp_path)
                 assert out.sequences == expected[:len(batch)], (tree, name, len(batch))
                 taus.setdefault(name, []).append(out.stats["tau"])
     assert sum(taus["trained"]) > sum(taus["untrained"]) + 0.5, (taus, result.history[-1])
+
+
+def test_lag_range_follows_the_tree_depth(tmp_path):
+    """A node at depth d of a depth-D tree reads the target cache d+1 positions behind it; the
+    deepest drafting level is D-1, so lags 1..D are trained unless --max-lag says otherwise."""
+    from longspec.training import TrainConfig
+
+    for tree, lag in (("4,16,16,16,16", 5), ("chain:3", 3), ("[[0],[1],[0,0]]", 2)):
+        config = TrainConfig(out=str(tmp_path), tree=tree)
+        config.validate()
+        assert config.max_lag == lag
+    config = TrainConfig(out=str(tmp_path), tree="chain:3", max_lag=7)
+    config.validate()
+    assert config.max_lag == 7

@@ -207,6 +207,7 @@ def load_draft(path: Union[str, Path], target):
                                         qkv_bias="self_attn.q_proj.bias" in keys,
                                         cross_q_bias="cross_attn.q_proj.bias" in keys)
         config.target_embedding_sample = []  # published files carry no fingerprint
+        config.head_norm = False  # the published code applies the LM head to the block's output
         hidden = raw.get("hidden_size", config.hidden_size)
         if hidden != target.config.hidden_size:
             raise ValueError(f"draft/target mismatch: the draft has hidden_size={hidden}, "

@@ -47,6 +47,9 @@ class DraftConfig:
     target_model_type: str = ""
     target_embedding_sample: list = field(default_factory=list)  # fingerprint, see embedding_sample
     rope: Optional[dict] = None  # informational: the target's RoPE (the draft always uses the target's)
+    # the target's final RMSNorm before the shared LM head: ours are trained with it; the published
+    # LongSpec drafts apply the LM head to the block's output directly (their code does)
+    head_norm: bool = True
 
     @classmethod
     def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
@@ -130,8 +133,9 @@ class LongSpecDraft(nn.Module):
         object.__setattr__(self, "target", target)  # shared, not a submodule
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft hidden [..., H] -> float32 logits through the target's final norm and LM head."""
-        return self.target.logits(self.target.final_norm(hidden))
+        """Draft hidden [..., H] -> float32 logits through the target's LM head (after its final
+        norm when ``config.head_norm``, as our drafts are trained; published drafts have none)."""
+        return self.target.logits(self.target.final_norm(hidden) if self.config.head_norm else hidden)
 
     def _qkv(self, x, positions):
         cos, sin = (c.to(x.dtype) for c in self.target.rotary(positions))

@@ -53,7 +53,10 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0  # max global gradient norm (0: off)
     window: int = 512  # draft self-attention window
-    max_lag: int = 4  # G: lags 1..G for noisy cross-attention (max tree depth)
+    # G: lags 1..G for noisy cross-attention. A tree of depth D queries the target cache at lags
+    # 1 (re-read tokens, root) to D (its deepest drafting level), so G defaults to the tree's depth.
+    max_lag: Optional[int] = None
+    tree: str = "4,16,16,16,16"  # the tree the draft will be used with (sets the default max_lag)
     anchor_offset: bool = True
     noise: bool = True
     distill: bool = False  # objective (1 - w) CE + w KL(target || draft)
@@ -74,6 +77,10 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on rank 0
 
     def validate(self) -> None:
+        if self.max_lag is None:
+            from ..decoding.tree import TreeSpec
+
+            self.max_lag = TreeSpec.parse(self.tree).depth
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
