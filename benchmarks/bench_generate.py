@@ -56,6 +56,7 @@ def methods(args, target):
         draft = load_draft(args.draft, target)
         out["longspec"] = (LongSpecProposer(draft), TreeSpec.parse(args.tree))
         out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree))
+        out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.tree))
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
@@ -132,7 +133,7 @@ def main(argv=None):
     p.add_argument("--chain-tree", default="chain:5")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--methods", default="ar,pld,longspec,longspec-chain")
+    p.add_argument("--methods", default="ar,pld,longspec,longspec-chain,hybrid")
     p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
     p.add_argument("--attention", default="matmul", help="attention implementations of our steps, comma-separated")
     p.add_argument("--repeats", type=int, default=3)

@@ -131,14 +131,14 @@ def proposer_choice(args):
     from .decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
-    if args.draft and name != "longspec":
-        raise UsageError(f"--draft is for --proposer longspec, not {name}")
+    if args.draft and name not in ("longspec", "hybrid"):
+        raise UsageError(f"--draft is for --proposer longspec or hybrid, not {name}")
     if name == "none":
         if args.tree:
             raise UsageError("--tree needs a proposer (--proposer pld | streaming | longspec)")
         return name, None
-    if name == "longspec" and not args.draft and args.target:
-        raise UsageError("--proposer longspec needs --draft DIR (a LongSpec draft trained for this target; "
+    if name in ("longspec", "hybrid") and not args.draft and args.target:
+        raise UsageError(f"--proposer {name} needs --draft DIR (a LongSpec draft trained for this target; "
                          "only the default model ships one)")
     if args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
@@ -165,7 +165,8 @@ def make_proposer(args, name, target):
     from .convert import DEFAULT_DRAFT
     from .models.checkpoint import load_draft
 
-    return LongSpecProposer(load_draft(args.draft or DEFAULT_DRAFT, target))
+    draft = load_draft(args.draft or DEFAULT_DRAFT, target)
+    return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
 
 
 def cmd_serve(args) -> int:
@@ -253,10 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
-    gen.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec"], default="none",
+    gen.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec", "hybrid"], default="none",
                      help="draft strategy: none (plain decoding, the default), pld (prompt lookup), streaming "
                           "(the target over a StreamingLLM cache, MagicDec), longspec (the LongSpec draft: "
-                          "shipped for the default model, --draft DIR for other targets)")
+                          "shipped for the default model, --draft DIR for other targets), hybrid (the LongSpec "
+                          "draft's beam tree with a prompt-lookup chain merged in)")
     gen.add_argument("--tree", default=None,
                      help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' or static paths "
                           "'[[0],[1],[0,0]]' (default: chain:5 for pld, 4,16,16,16,16 otherwise)")
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
     srv.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
     srv.add_argument("--model-name", default=None, help="the model id clients use (default: the directory name)")
-    srv.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec"], default="none",
+    srv.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec", "hybrid"], default="none",
                      help="draft strategy, as for generate (default: none)")
     srv.add_argument("--tree", default=None, help="tree shape, as for generate")
     srv.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec)")

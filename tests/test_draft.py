@@ -175,3 +175,41 @@ def test_corrupt_published_draft_is_a_clear_error(targets, tmp_path):
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="corrupt safetensors file"):
         load_draft(tmp_path / "bad", targets["llama"])
+
+
+def repetitive_prompts(batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(batch):
+        motif = torch.randint(0, 160, (5 + i,), generator=gen).tolist()
+        out.append(torch.randint(0, 160, (4,), generator=gen).tolist() + motif * 6)
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tree", ["3,4,4", "4,16,16,16,16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2-mha"])
+def test_hybrid_lookup_and_draft_is_lossless_and_accepts_more(targets, name, tree, batch):
+    """The prompt-lookup chain merged into the draft's beam tree: greedy output equals plain
+    decoding, and on repetitive text it accepts more than the (random) draft alone."""
+    from longspec import PromptLookup
+
+    target = targets[name]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompts = repetitive_prompts(batch, seed=batch + len(tree))
+    expected = Generator(target).generate(prompts, config).sequences
+    draft = noisy_draft(target, window=6)
+    alone = Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config)
+    hybrid = Generator(target, proposer=LongSpecProposer(draft, lookup=PromptLookup()), tree=tree).generate(
+        prompts, config)
+    assert alone.sequences == expected and hybrid.sequences == expected
+    assert hybrid.stats["tau"] >= alone.stats["tau"]
+
+
+def test_hybrid_needs_a_beam_tree(targets):
+    from longspec import PromptLookup
+
+    target = targets["llama"]
+    with pytest.raises(ValueError, match="beam trees"):
+        Generator(target, proposer=LongSpecProposer(noisy_draft(target), lookup=PromptLookup()),
+                  tree="chain:3").generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))

@@ -61,7 +61,13 @@ class TreeDrafter(Proposer):
     ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static
     trees), the best cumulative log-probability pairs (beam trees), or, for a chain under
     sampling, drawn from the draft's own warped distribution (the residual verification rule then
-    applies). Shapes are fixed by the tree spec: no host synchronisation."""
+    applies). Shapes are fixed by the tree spec: no host synchronisation.
+
+    ``lookup`` (a :class:`PromptLookup`, beam trees only): the last node of every level is the
+    lookup's candidate after the previous level's lookup node (the prompt-lookup chain, merged into
+    the draft's tree: the HOWL idea inside one verification), when it has one."""
+
+    lookup: Optional["PromptLookup"] = None
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng
@@ -69,6 +75,10 @@ class TreeDrafter(Proposer):
         device = cache.lengths.device
         self.depths = tree.depths.to(device)
         self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
+        if self.lookup is not None:
+            if tree.kind != "beam" or min(tree.widths) < 2:
+                raise ValueError(f"prompt lookup merges into beam trees of widths >= 2, not {tree}")
+            self.lookup.begin(target, cache, tree, config, rng)
         self.static_levels = {}
         if tree.is_static:
             for d in range(1, tree.depth + 1):
@@ -94,6 +104,7 @@ class TreeDrafter(Proposer):
         draft_probs = None
         level_logits = self._root_logits(root)[:, None]  # [B, 1, V]
         cum = torch.zeros(b, 1, device=device)
+        chain = _LookupChain(self.lookup, b, device) if self.lookup is not None else None
         for depth in range(1, spec.depth + 1):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
             if self.sample_chain:
@@ -111,6 +122,8 @@ class TreeDrafter(Proposer):
             else:
                 logprobs = level_logits.float().log_softmax(-1)
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
+                if chain is not None:
+                    chain.extend(local_parent, new_tokens, cum, logprobs)
             parent = local_parent + prev.start
             tokens[:, cur], parents[:, cur] = new_tokens, parent
             mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]
@@ -121,6 +134,31 @@ class TreeDrafter(Proposer):
         self._end_round()
         return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, draft_probs=draft_probs,
                          children_sampled=self.sample_chain, level_sizes=spec.level_sizes)
+
+
+class _LookupChain:
+    """The prompt-lookup chain of one round, grown inside a beam tree (see ``TreeDrafter.lookup``):
+    at each level its candidate takes the level's last slot (the beam's weakest pair)."""
+
+    def __init__(self, lookup, b: int, device):
+        self.lookup, self.path = lookup, torch.zeros(b, 1, 0, dtype=torch.long, device=device)
+        self.node = torch.zeros(b, dtype=torch.long, device=device)  # its node's index within the level
+        self.alive = torch.ones(b, dtype=torch.bool, device=device)
+
+    def extend(self, local_parent, new_tokens, cum, logprobs) -> None:
+        """Overwrites the last pair of the level (in place) where the chain has a candidate."""
+        scores = self.lookup._lookup(self.path)[:, 0]  # [B, V]
+        best, token = scores.max(-1)
+        self.alive = self.alive & (best > -1e4)
+        rows = torch.arange(token.shape[0], device=token.device)
+        parent_cum = cum.new_zeros(token.shape) if self.path.shape[-1] == 0 else self.cum
+        chain_cum = parent_cum + logprobs[rows, self.node, token]
+        last = new_tokens.shape[1] - 1
+        new_tokens[:, last] = torch.where(self.alive, token, new_tokens[:, last])
+        local_parent[:, last] = torch.where(self.alive, self.node, local_parent[:, last])
+        cum[:, last] = torch.where(self.alive, chain_cum, cum[:, last])
+        self.cum, self.node = chain_cum, torch.full_like(self.node, last)
+        self.path = torch.cat([self.path, token[:, None, None]], -1)
 
 
 class StreamingSelfSpec(TreeDrafter):
@@ -269,8 +307,10 @@ class LongSpecProposer(TreeDrafter):
 
     graphable = True
 
-    def __init__(self, draft):
-        self.draft = draft
+    def __init__(self, draft, lookup: Optional["PromptLookup"] = None):
+        """``lookup``: merge a prompt-lookup chain into the draft's beam tree (the hybrid
+        proposer; see :class:`TreeDrafter`)."""
+        self.draft, self.lookup = draft, lookup
 
     def begin(self, target, cache, tree, config, rng):
         if target is not self.draft.target:
@@ -293,13 +333,19 @@ class LongSpecProposer(TreeDrafter):
             k, v = self.draft.window_kv(ids, index)
             self.ring.rows(row, row + 1).write(k, v, index, torch.full_like(index, -1), torch.ones_like(index, dtype=torch.bool))
         self.reread_count[row] = 0
+        if self.lookup is not None:
+            self.lookup.add(row, prompt, first_token)
 
     def accepted(self, emitted, counts):
         self.reread.copy_(emitted)  # accepted drafts, then the bonus (the next root)
         self.reread_count.copy_(counts - 1)
+        if self.lookup is not None:
+            self.lookup.accepted(emitted, counts)
 
     def state_tensors(self):
-        return [self.reread, self.reread_count, self.ring.k, self.ring.v, self.ring.slot_index, self.ring.slot_node]
+        lookup = self.lookup.state_tensors() if self.lookup is not None else []
+        return [self.reread, self.reread_count, self.ring.k, self.ring.v, self.ring.slot_index, self.ring.slot_node,
+                *lookup]
 
     @torch.inference_mode()
     def _root_logits(self, root):
