@@ -15,7 +15,6 @@ import asyncio
 import json
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time

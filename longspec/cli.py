@@ -32,6 +32,15 @@ def _device_and_dtype(args):
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def _set_threads(args) -> None:
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
 def _prompt_text(args) -> str:
     if args.prompt is not None:
         text = args.prompt
@@ -64,17 +73,12 @@ class TextStreamer:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from . import GenerationConfig, Generator, load_target
     from .convert import DEFAULT_NAME, default_model_dir
     from .decoding.engine import cache_need
 
     # everything that can be checked without the model first
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
     device, dtype = _device_and_dtype(args)
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -171,12 +175,7 @@ def make_proposer(args, name, target):
 
 def cmd_serve(args) -> int:
     """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
-    import torch
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
     device, dtype = _device_and_dtype(args)
     name, tree = proposer_choice(args)
     if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0:

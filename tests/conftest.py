@@ -18,8 +18,6 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU machines
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -68,8 +68,7 @@ def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
 def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tree):
     """20000 rows in one graph-captured batch (LongSpec draft, beam: point-mass rule; chain:
     residual rule); chi-square of the first two tokens against the exact warped target."""
-    from scipy import stats
-    from test_speculative import exact_two_token_distribution
+    from test_speculative import assert_two_token_distribution
 
     _, path = tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)
     target = load_target(path, dtype=torch.float32, device="cuda")
@@ -79,15 +78,7 @@ def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tr
     config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     out = Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate([prompt] * n, config)
     assert out.stats["cuda_graphs"]
-    counts = torch.zeros(8, 8)
-    for seq in out.sequences:
-        counts[seq[0], seq[1]] += 1
-    expected = exact_two_token_distribution(cpu_target, prompt, config).flatten() * n
-    keep = expected > 0
-    assert counts.flatten()[~keep].sum() == 0
-    big = expected[keep] >= 5
-    obs, exp = counts.flatten()[keep][big], expected[keep][big]
-    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    assert_two_token_distribution(cpu_target, prompt, config, out.sequences)
 
 
 @pytest.mark.parametrize("spec", [None, "4,16,16,16,16"])

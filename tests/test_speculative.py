@@ -142,6 +142,22 @@ def exact_two_token_distribution(target, prompt, config) -> torch.Tensor:
     return joint
 
 
+def assert_two_token_distribution(target, prompt, config, sequences) -> None:
+    """Chi-square of the first two tokens of ``sequences`` against the exact warped target
+    distribution after ``prompt`` (and no token the warped target gives probability 0)."""
+    v = target.config.vocab_size
+    counts = torch.zeros(v, v)
+    for seq in sequences:
+        counts[seq[0], seq[1]] += 1
+    expected = exact_two_token_distribution(target, prompt, config).flatten() * len(sequences)
+    keep = expected > 0
+    assert counts.flatten()[~keep].sum() == 0, "sampled a token the warped target gives probability 0"
+    big = expected[keep] >= 5
+    obs, exp = counts.flatten()[keep][big], expected[keep][big]
+    p_value = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p_value > 1e-3, p_value
+
+
 @pytest.mark.parametrize("proposer,tree", [
     ("streaming", "chain:3"),  # children drawn from the draft: residual rule
     ("streaming", "2,3"),  # deterministic beam children: point-mass rule
@@ -155,16 +171,7 @@ def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree
     config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     draft = StreamingSelfSpec(window=2, sinks=1) if proposer == "streaming" else RandomDraft(seed=4)
     out = Generator(target, proposer=draft, tree=TreeSpec.parse(tree)).generate([prompt] * n, config)
-    counts = torch.zeros(8, 8)
-    for seq in out.sequences:
-        counts[seq[0], seq[1]] += 1
-    expected = exact_two_token_distribution(target, prompt, config).flatten() * n
-    keep = expected > 0
-    assert counts.flatten()[~keep].sum() == 0, "sampled a token the warped target gives probability 0"
-    big = expected[keep] >= 5
-    obs, exp = counts.flatten()[keep][big], expected[keep][big]
-    p_value = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert p_value > 1e-3, p_value
+    assert_two_token_distribution(target, prompt, config, out.sequences)
 
 
 def test_bad_tree_and_room_errors(targets):
@@ -322,13 +329,5 @@ def test_engine_with_per_row_sampling(small_vocab_target, tree):
     while engine.has_active:
         engine.step()
     assert seqs[0].tokens == greedy and seqs[-1].tokens == greedy
-    counts = torch.zeros(8, 8)
-    for s in seqs[1:-1]:
-        counts[s.tokens[0], s.tokens[1]] += 1
     config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9)
-    expected = exact_two_token_distribution(target, prompt, config).flatten() * n
-    keep = expected > 0
-    assert counts.flatten()[~keep].sum() == 0
-    big = expected[keep] >= 5
-    obs, exp = counts.flatten()[keep][big], expected[keep][big]
-    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs[1:-1]])

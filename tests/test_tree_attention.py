@@ -9,23 +9,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
+from test_attention_reference import random_parents_mask  # noqa: E402
 from longspec.attention.triton_kernels import plan, tree_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
-
-
-def random_tree_masks(b, m, gen):
-    masks = torch.zeros(b, m, m, dtype=torch.bool)
-    for r in range(b):
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, m)]
-        for i in range(m):
-            j = i
-            while j >= 0:
-                masks[r, i, j] = True
-                j = parents[j]
-    return masks
 
 
 def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0):
@@ -37,7 +26,7 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     k = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
     v = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
     lens = torch.tensor(lengths)
-    masks = random_tree_masks(b, n_tree, gen)[:, pending:]  # the last M rows over P + M tree tokens
+    masks = random_parents_mask(b, n_tree, gen)[:, pending:]  # the last M rows over P + M tree tokens
     if broadcast:
         masks = masks[:1]
     rows = torch.arange(b)[:, None]

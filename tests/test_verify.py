@@ -428,7 +428,6 @@ def test_duplicate_siblings_stay_lossless():
     spec = TreeSpec.from_paths([[0], [1], [0, 0], [1, 0]])
 
     def make(ctx2, gen):
-        b = ctx2.shape[0]
         q = qtab[ctx2[:, 0], ctx2[:, 1]]
         top = q.topk(3, -1).indices
         tokens = torch.stack([ctx2[:, 1], top[:, 0], top[:, 0], top[:, 1], top[:, 2]], 1)

@@ -22,7 +22,7 @@ import torch
 from ..cache import DraftCache, KVCache
 from ..config import GenerationConfig
 from .sampling import sample, warp_probs
-from .tree import DraftTree, TreeSpec, beam_select, static_level_tokens, topk_children
+from .tree import DraftTree, TreeSpec, beam_select, topk_children
 
 
 class Proposer:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..attention import attend_masked
 from ..cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
-from ..config import ModelConfig, RopeConfig
+from ..config import ModelConfig
 from .rope import apply_rotary
 from .target import MLP, Projections, RMSNorm, TargetModel
 
