@@ -204,6 +204,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    """``longspec draft-vocab``: a copy of a draft that scores only the most frequent tokens."""
+    from . import load_draft, load_target, save_draft
+    from .training import frequent_tokens, load_tokenizer
+
+    if args.size < 1:
+        raise UsageError(f"--size must be >= 1, got {args.size}")
+    target = load_target(args.target)
+    draft = load_draft(args.draft, target)
+    ids = frequent_tokens(args.data, load_tokenizer(args.target), args.size, target.config.vocab_size)
+    draft.limit_vocab(ids)
+    save_draft(draft, args.out)
+    print(f"wrote {args.out}: the draft scores {draft.config.draft_vocab} of {target.config.vocab_size} tokens")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from .convert import convert_gguf
     from .models.checkpoint import resolve_dtype
@@ -289,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     srv.set_defaults(func=cmd_serve)
+
+    dv = sub.add_parser("draft-vocab", help="reduce a draft's vocabulary to the most frequent tokens of some data",
+                        description="Writes a copy of a LongSpec draft that scores only the --size most frequent "
+                                    "tokens of --data (its training data) when drafting; verification still "
+                                    "covers the whole vocabulary, so the output does not change.")
+    dv.add_argument("--target", required=True, help="HF-format target model directory")
+    dv.add_argument("--draft", required=True, help="draft directory")
+    dv.add_argument("--data", required=True, nargs="+", help="text / JSONL files or source trees (the training data)")
+    dv.add_argument("--size", type=int, default=8192, help="tokens kept (default: 8192)")
+    dv.add_argument("--out", required=True, help="output draft directory")
+    dv.set_defaults(func=cmd_draft_vocab)
 
     conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
     conv.add_argument("--gguf", required=True, help="input .gguf file")

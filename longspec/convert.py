@@ -57,6 +57,8 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .models.checkpoint import default_mode
+
     say("dequantising the weights")
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
     say("reading the tokenizer")
@@ -70,6 +72,7 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    os.chmod(tmp, default_mode(directory=True))
     say("writing safetensors")
     try:
         config.save_pretrained(tmp)

@@ -282,3 +282,15 @@ def test_cache_bad_size(target):
         target.new_cache(1, 0)
     with pytest.raises(ValueError, match="batch_size >= 1"):
         target.new_cache(0, 8)
+
+
+def test_saved_files_are_readable_like_ordinary_files(tmp_path):
+    """Atomic writes go through temporary files; the result still gets the umask's permissions."""
+    import os
+    import stat
+
+    from longspec.models.checkpoint import default_mode, write_atomic
+
+    target = tmp_path / "f.txt"
+    write_atomic(target, lambda f: open(f, "w").write("x"))
+    assert stat.S_IMODE(os.stat(target).st_mode) == default_mode() and target.read_text() == "x"

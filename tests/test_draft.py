@@ -213,3 +213,45 @@ def test_hybrid_needs_a_beam_tree(targets):
     with pytest.raises(ValueError, match="beam trees"):
         Generator(target, proposer=LongSpecProposer(noisy_draft(target), lookup=PromptLookup()),
                   tree="chain:3").generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))
+
+
+def test_reduced_draft_vocabulary(targets, tmp_path):
+    """A draft that scores only some tokens: its logits are -inf elsewhere (only those head rows
+    are computed), greedy output is unchanged, training still scores everything, and the choice
+    survives save/load."""
+    target = targets["llama"]
+    draft = noisy_draft(target, window=6)
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    full = draft.logits(hidden, reduced=True)
+    keep = torch.tensor([3, 7, 11, 50, 100, 159])
+    draft.limit_vocab(keep)
+    reduced = draft.logits(hidden, reduced=True)
+    assert torch.allclose(reduced[..., keep], full[..., keep], atol=1e-5)
+    others = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    others[keep] = False
+    assert torch.isinf(reduced[..., others]).all() and torch.equal(draft.logits(hidden), full)
+    prompts = prompts_for(2, seed=3)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    expected = Generator(target).generate(prompts, config).sequences
+    for tree in ("4,16,16,16,16", "chain:3"):
+        assert Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config).sequences \
+            == expected
+    save_draft(draft, tmp_path / "small")
+    loaded = load_draft(tmp_path / "small", target)
+    assert loaded.config.draft_vocab == 6 and torch.equal(loaded.vocab_subset, keep)
+    with pytest.raises(ValueError, match="token ids in"):
+        draft.limit_vocab([1, 1000])
+
+
+def test_frequent_tokens_of_data(tmp_path):
+    from longspec.training import frequent_tokens
+
+    class Chars:
+        bos_token_id = eos_token_id = None
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) % 50 for c in text]
+
+    (tmp_path / "a.txt").write_text("bbbbb aaaa c")
+    top = frequent_tokens([tmp_path / "a.txt"], Chars(), 3, vocab_size=50).tolist()
+    assert top == [ord("b") % 50, ord("a") % 50, ord(" ") % 50]

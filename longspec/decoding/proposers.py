@@ -359,7 +359,7 @@ class LongSpecProposer(TreeDrafter):
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
                                          *self.target_kv, cross_limit=index)
         self.root_index = lengths.clone()
-        return self.draft.logits(hidden[torch.arange(b, device=device), count])
+        return self.draft.logits(hidden[torch.arange(b, device=device), count], reduced=True)
 
     @torch.inference_mode()
     def _level_logits(self, tokens, positions, mask, tree_tokens):
@@ -369,7 +369,7 @@ class LongSpecProposer(TreeDrafter):
         cross_limit = self.cache.lengths[:, None].expand_as(tokens)
         hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, *self.target_kv,
                                          cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node)
-        return self.draft.logits(hidden)
+        return self.draft.logits(hidden, reduced=True)
 
     def _end_round(self):
         self.ring.drop_pending()

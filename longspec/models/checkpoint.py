@@ -3,6 +3,8 @@ shards listed in ``model.safetensors.index.json``). Only safetensors are read (n
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Union
 
@@ -140,8 +142,6 @@ def save_draft(draft, path: Union[str, Path]) -> Path:
     """Writes ``config.json`` + ``model.safetensors`` (draft weights only; the target's shared
     embedding / norm / LM head are not copied) into ``path``, atomically."""
     import dataclasses
-    import os
-    import tempfile
 
     from safetensors.torch import save_file
 
@@ -149,17 +149,30 @@ def save_draft(draft, path: Union[str, Path]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     config = {"format": DRAFT_FORMAT, **dataclasses.asdict(draft.config)}
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    for name, write in (("model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"})),
-                        ("config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    write_atomic(path / "model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"}))
+    write_atomic(path / "config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))
     return path
+
+
+def default_mode(directory: bool = False) -> int:
+    """The permissions a new file (or directory) gets under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
+def write_atomic(path: Path, write) -> None:
+    """Calls ``write(tmp_path)`` on a temporary file next to ``path``, then renames it over ``path``
+    (with the permissions an ordinary new file would have)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, default_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _published_name(key: str):

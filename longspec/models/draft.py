@@ -50,6 +50,9 @@ class DraftConfig:
     # the target's final RMSNorm before the shared LM head: ours are trained with it; the published
     # LongSpec drafts apply the LM head to the block's output directly (their code does)
     head_norm: bool = True
+    # > 0: the draft scores only this many tokens (the most frequent of its training data, kept in
+    # the ``vocab_subset`` buffer; FR-Spec style); verification still covers the full vocabulary
+    draft_vocab: int = 0
 
     @classmethod
     def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
@@ -131,11 +134,36 @@ class LongSpecDraft(nn.Module):
         self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=False)
         object.__setattr__(self, "target", target)  # shared, not a submodule
+        if config.draft_vocab:
+            self.register_buffer("vocab_subset", torch.zeros(config.draft_vocab, dtype=torch.long))
+        self._head_rows = None  # (subset, weight rows) cache
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft hidden [..., H] -> float32 logits through the target's LM head (after its final
-        norm when ``config.head_norm``, as our drafts are trained; published drafts have none)."""
-        return self.target.logits(self.target.final_norm(hidden) if self.config.head_norm else hidden)
+    def limit_vocab(self, token_ids) -> None:
+        """Scores only ``token_ids`` when drafting (e.g. :func:`frequent_tokens` of the training
+        data). The output stays exact: the target verifies over its whole vocabulary."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary needs token ids in [0, {self.config.vocab_size})")
+        device = self.target.lm_head.weight.device
+        if "vocab_subset" in self._buffers:
+            del self._buffers["vocab_subset"]
+        self.register_buffer("vocab_subset", ids.to(device))
+        self.config.draft_vocab, self._head_rows = ids.numel(), None
+
+    def logits(self, hidden: torch.Tensor, reduced: bool = False) -> torch.Tensor:
+        """Draft hidden [..., H] -> float32 logits [..., V] through the target's LM head (after its
+        final norm when ``config.head_norm``, as our drafts are trained; published drafts have
+        none). ``reduced`` (drafting) with a reduced vocabulary: only those rows of the head are
+        computed, the other tokens get -inf; training always scores the whole vocabulary."""
+        h = self.target.final_norm(hidden) if self.config.head_norm else hidden
+        if not (reduced and self.config.draft_vocab):
+            return self.target.logits(h)
+        subset = self.vocab_subset
+        if self._head_rows is None or self._head_rows[0] is not subset:
+            self._head_rows = (subset, self.target.lm_head.weight.detach()[subset].clone())
+        scores = F.linear(h, self._head_rows[1]).float()
+        full = torch.full((*h.shape[:-1], self.config.vocab_size), float("-inf"), device=h.device)
+        return full.scatter(-1, subset.expand(*h.shape[:-1], -1), scores)
 
     def _qkv(self, x, positions):
         cos, sin = (c.to(x.dtype) for c in self.target.rotary(positions))

@@ -25,24 +25,12 @@ from typing import Optional
 
 import torch
 
-from ..models.checkpoint import load_state, save_draft
+from ..models.checkpoint import default_mode, load_state, save_draft, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-
-
-def write_atomic(path: Path, write) -> None:
-    """Calls ``write(tmp_path)`` on a temporary file next to ``path``, then renames it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def latest_checkpoint(out) -> Optional[Path]:
@@ -65,6 +53,7 @@ def save_checkpoint(out, step: int, draft, state: dict, keep: int = 2) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    os.chmod(tmp, default_mode(directory=True))
     try:
         save_draft(draft, tmp)
         torch.save(state, tmp / STATE_FILE)

@@ -204,6 +204,19 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
     return stream
 
 
+def frequent_tokens(paths, tokenizer, k: int, vocab_size: int, max_file_bytes: int = 1 << 20) -> torch.Tensor:
+    """The ``k`` most frequent token ids (long [k], most frequent first) of the documents under
+    ``paths`` (text, JSONL or source trees, as for training): a draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in paths:
+        docs = list(iter_documents(path, max_file_bytes=max_file_bytes))
+        if docs:
+            counts += torch.bincount(tokenize_documents(docs, tokenizer, vocab_size), minlength=vocab_size)
+    if int(counts.sum()) == 0:
+        raise ValueError(f"no text found under {list(map(str, paths))}")
+    return counts.argsort(descending=True)[:k]
+
+
 def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Cuts a token stream [N] into [N // seq_len, seq_len] chunks (the remainder is dropped)."""
     n = stream.numel() // seq_len
