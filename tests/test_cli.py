@@ -84,3 +84,16 @@ def test_readme_python_example_runs():
                          timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "same tokens as plain decoding: True" in run.stdout
+
+
+def test_help_is_plain_and_names_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "serve (an OpenAI-compatible server)" in top
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fragment in ("(default: 128)", "(default: 1, off)", "(default: 0, off)", "(default: none)",
+                     "default: chain:5 for pld, 4,16,16,16,16 otherwise", "shipped for the default model"):
+        assert fragment in text, fragment

@@ -51,6 +51,8 @@ CASES = [  # lengths, M, Hq, Hkv, D
     ([17, 0, 40], 3, 8, 2, 16),
     ([130, 3], 16, 4, 4, 16),
     ([300], 69, 2, 1, 16),
+    ([4096], 16, 8, 1, 64),  # a long prefix over many splits, GQA 8
+    ([5, 1, 0], 128, 8, 8, 128),  # a big tree, head_dim 128
 ]
 
 
@@ -64,6 +66,18 @@ def test_broadcast_mask_pending_tokens_and_spare_capacity():
     """A [1, M, P+M] mask over P pending tree tokens, a cache larger than the rows need."""
     check([20, 45], 4, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=200, broadcast=True,
           pending=3)
+
+
+def test_rows_that_see_nothing_get_zeros():
+    """A tree row that sees no key at all (empty mask, empty prefix): zero output, no NaN."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 8, 16, generator=gen)
+    mask = torch.ones(2, 3, 3, dtype=torch.bool).tril()
+    mask[1, 2] = False
+    device = "cuda" if ON_GPU else "cpu"
+    out = tree_attention(q.to(device), k.to(device), k.to(device), torch.tensor([4, 0], device=device),
+                         mask.to(device)).cpu()
+    assert torch.isfinite(out).all() and out[1, :, 2].abs().max() == 0 and out[0].abs().max() > 0
 
 
 def test_plan_covers_the_capacity():
