@@ -162,6 +162,8 @@ def assert_two_token_distribution(target, prompt, config, sequences) -> None:
     ("streaming", "chain:3"),  # children drawn from the draft: residual rule
     ("streaming", "2,3"),  # deterministic beam children: point-mass rule
     ("random", "chain:2"),
+    ("streaming", "[[0],[1],[2],[0,0],[1,0]]"),  # siblings drawn without replacement (Gumbel-top-k)
+    ("random", "[[0],[1],[0,0],[0,1]]"),
 ])
 def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree):
     """20000 independent rows in one batch; chi-square of the first two tokens against the exact
@@ -331,3 +333,14 @@ def test_engine_with_per_row_sampling(small_vocab_target, tree):
     assert seqs[0].tokens == greedy and seqs[-1].tokens == greedy
     config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9)
     assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs[1:-1]])
+
+
+def test_siblings_beyond_the_draft_support_are_never_tried(small_vocab_target):
+    """top-p 0.5 leaves the draft one or two tokens, fewer than the three siblings the tree asks
+    for: the extra draws are not real draws and must not be accepted (the residual is sampled)."""
+    target, n = small_vocab_target, 20000
+    prompt = [1, 5, 2, 7, 3, 0, 6]
+    config = GenerationConfig(max_new_tokens=2, temperature=1.0, top_p=0.5, seed=11, ignore_eos=True)
+    out = Generator(target, proposer=RandomDraft(seed=2), tree="[[0],[1],[2],[0,0],[1,0]]").generate(
+        [prompt] * n, config)
+    assert_two_token_distribution(target, prompt, config, out.sequences)

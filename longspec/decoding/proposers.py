@@ -21,7 +21,7 @@ import torch
 
 from ..cache import DraftCache, KVCache
 from ..config import GenerationConfig
-from .sampling import sample, warp_probs
+from .sampling import uniform, warp_probs
 from .tree import DraftTree, TreeSpec, beam_select, topk_children
 
 
@@ -71,7 +71,9 @@ class TreeDrafter(Proposer):
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng
-        self.sample_chain = not config.greedy and tree.kind == "chain"
+        # under sampling, the children of chain and static trees are drawn from the draft's warped
+        # distribution without replacement (Gumbel-top-k) and verified by the residual rule
+        self.sample_children = not config.greedy and tree.is_static
         device = cache.lengths.device
         self.depths = tree.depths.to(device)
         self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
@@ -101,19 +103,25 @@ class TreeDrafter(Proposer):
         parents = torch.full((b, n), -1, dtype=torch.long, device=device)
         mask = torch.zeros(b, n, n, dtype=torch.bool, device=device)
         tokens[:, 0], mask[:, 0, 0] = root, True
-        draft_probs = None
+        draft_probs, valid = None, None
         level_logits = self._root_logits(root)[:, None]  # [B, 1, V]
         cum = torch.zeros(b, 1, device=device)
         chain = _LookupChain(self.lookup, b, device) if self.lookup is not None else None
         for depth in range(1, spec.depth + 1):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
-            if self.sample_chain:
-                q = warp_probs(level_logits[:, 0], self.config.temperature, self.config.top_k, self.config.top_p)
+            if self.sample_children:
+                c = self.config
+                q = warp_probs(level_logits, c.temperature, c.top_k, c.top_p)  # [B, n_prev, V]
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
-                draft_probs[:, prev.start] = q
-                new_tokens = sample(q, self.rng)[:, None]
-                local_parent = torch.zeros(b, 1, dtype=torch.long, device=device)
+                    valid = torch.ones(b, n, dtype=torch.bool, device=device)
+                draft_probs[:, prev] = q
+                gumbel = -torch.log(-torch.log(uniform(q.shape, self.rng, device).clamp(min=1e-20)))
+                keys, top = (q.log() + gumbel).topk(spec.max_children, dim=-1)  # draws without replacement
+                local_parent, rank = self.static_levels[depth]
+                new_tokens = top[:, local_parent, rank]
+                valid[:, cur] = keys[:, local_parent, rank] > float("-inf")
+                local_parent = local_parent.expand(b, -1)
             elif spec.is_static:
                 top, _ = topk_children(level_logits, spec.max_children)
                 local_parent, rank = self.static_levels[depth]
@@ -133,7 +141,8 @@ class TreeDrafter(Proposer):
                                                   mask[:, cur, :cur.stop], tokens[:, :cur.stop])
         self._end_round()
         return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, draft_probs=draft_probs,
-                         children_sampled=self.sample_chain, level_sizes=spec.level_sizes)
+                         children_sampled=self.sample_children, without_replacement=self.sample_children,
+                         level_sizes=spec.level_sizes, valid=valid)
 
 
 class _LookupChain:

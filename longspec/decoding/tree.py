@@ -375,6 +375,8 @@ class DraftTree:
         without_replacement: siblings were drawn from ``q`` without replacement.
         level_sizes: number of nodes at depth ``1..D`` when known on the host (from the
             ``TreeSpec``); then ``depth`` and ``level_width`` need no device sync.
+        valid: optional ``[B, N]`` bool: sampled children that are real draws (siblings drawn
+            without replacement beyond the support of ``q`` are not, and are never tried).
     """
 
     tokens: torch.Tensor
@@ -385,6 +387,7 @@ class DraftTree:
     children_sampled: bool = False
     without_replacement: bool = False
     level_sizes: Optional[tuple] = None
+    valid: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:

@@ -222,6 +222,8 @@ def verify_sampling(
         for k in range(width):
             node = children[:, k]
             trying = active & ~moved & (node < N)
+            if tree.valid is not None:
+                trying = trying & tree.valid.gather(1, node.clamp(max=N - 1).unsqueeze(1)).squeeze(1)
             x = tree.tokens.gather(1, node.clamp(max=N - 1).unsqueeze(1)).squeeze(1)
             px = p.gather(1, x.unsqueeze(1)).squeeze(1)
             qx = q.gather(1, x.unsqueeze(1)).squeeze(1)
