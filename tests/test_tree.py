@@ -10,7 +10,6 @@ from longspec.decoding.tree import (
     ancestor_mask_from_parents,
     beam_select,
     depths_from_parents,
-    static_level_tokens,
     topk_children,
 )
 
@@ -228,7 +227,7 @@ def test_beam_select_matches_brute_force():
         beam_select(parent_lp, child_lp, P * V + 1)
 
 
-def test_topk_children_and_static_level_tokens():
+def test_topk_children_and_static_level_index():
     spec = TreeSpec.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     gen = torch.Generator().manual_seed(3)
     B, V = 2, 10
@@ -238,7 +237,8 @@ def test_topk_children_and_static_level_tokens():
         prev = spec.level_slice(d - 1)
         top, lp = topk_children(logits[:, prev], spec.max_children)
         assert torch.all(lp[..., :-1] >= lp[..., 1:])
-        tokens[:, spec.level_slice(d)] = static_level_tokens(spec, d, top)
+        parent, rank = spec.level_index(d)
+        tokens[:, spec.level_slice(d)] = top[:, parent, rank]
     order = logits.argsort(-1, descending=True)
     for i in range(1, spec.num_nodes):  # node i = rank child_rank[i] of its parent's draft
         par, rank = int(spec.parents[i]), int(spec.child_rank[i])

@@ -6,7 +6,6 @@ from .tree import (
     ancestor_mask_from_parents,
     beam_select,
     depths_from_parents,
-    static_level_tokens,
     topk_children,
 )
 from .verify import VerifyResult, verify_greedy, verify_sampling, verify_tree
@@ -20,7 +19,6 @@ __all__ = [
     "check_sampling_args",
     "depths_from_parents",
     "sample",
-    "static_level_tokens",
     "topk_children",
     "verify_tree",
     "verify_greedy",

@@ -84,8 +84,7 @@ class TreeDrafter(Proposer):
         self.static_levels = {}
         if tree.is_static:
             for d in range(1, tree.depth + 1):
-                cur, prev = tree.level_slice(d), tree.level_slice(d - 1)
-                self.static_levels[d] = ((tree.parents[cur] - prev.start).to(device), tree.child_rank[cur].to(device))
+                self.static_levels[d] = tuple(t.to(device) for t in tree.level_index(d))
 
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

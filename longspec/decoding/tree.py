@@ -29,7 +29,6 @@ __all__ = [
     "depths_from_parents",
     "beam_select",
     "topk_children",
-    "static_level_tokens",
 ]
 
 
@@ -289,6 +288,14 @@ class TreeSpec:
         index.update({p: i + 1 for i, p in enumerate(self.paths)})
         return torch.tensor([-1] + [index[p[:-1]] for p in self.paths], dtype=torch.long)
 
+    def level_index(self, depth: int) -> tuple:
+        """Where the depth-``depth`` nodes of a static tree come from: ``(parent, rank)`` [n_d] long
+        CPU tensors, the parent's index within depth ``depth - 1`` and the child's rank among that
+        parent's draft top-k (``tokens[level] = topk[:, parent, rank]``)."""
+        self._require_static("level_index")
+        cur, prev = self.level_slice(depth), self.level_slice(depth - 1)
+        return self.parents[cur] - prev.start, self.child_rank[cur]
+
     @cached_property
     def child_rank(self) -> torch.Tensor:
         """``[N]`` long rank of each node among its parent's draft top-k, ``-1`` for the root."""
@@ -494,23 +501,3 @@ def topk_children(logits: torch.Tensor, k: int):
     """
     logprobs, tokens = torch.topk(logits.float().log_softmax(-1), k, dim=-1)
     return tokens, logprobs
-
-
-def static_level_tokens(spec: TreeSpec, depth: int, topk_tokens: torch.Tensor) -> torch.Tensor:
-    """Tokens of the depth-``depth`` nodes of a static tree, given the top-k of their parents.
-
-    Args:
-        spec: a static ``TreeSpec``.
-        depth: level ``d >= 1`` to fill.
-        topk_tokens: ``[B, n_{d-1}, k]`` top-k child tokens of the depth-``d-1`` nodes (in node
-            order), ``k >= spec.max_children``.
-    Returns:
-        ``[B, n_d]`` long tokens for the nodes in ``spec.level_slice(depth)``.
-    """
-    spec._require_static("static_level_tokens")
-    if depth < 1:
-        raise ValueError("depth must be >= 1")
-    cur, prev = spec.level_slice(depth), spec.level_slice(depth - 1)
-    local_parent = (spec.parents[cur] - prev.start).to(topk_tokens.device)
-    rank = spec.child_rank[cur].to(topk_tokens.device)
-    return topk_tokens[:, local_parent, rank]
