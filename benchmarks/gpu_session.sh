@@ -2,9 +2,13 @@
 # Second device call of a GPU session (see README "Benchmarks"): reassembles the default model
 # (staged by ../shared/tools/stage-smollm2.sh; part 00 copied to /root/stage by the first call),
 # converts it, runs the GPU tests, trains the draft on real source code and runs the benchmarks.
-# STEPS selects what runs (default: convert steps bench tests); each step is limited to STEP_TIMEOUT s. The draft trains on numpy, scipy,
-# networkx and torch sources from the machine's site-packages; the benchmark prompts come from
-# transformers/generation, which the draft never saw.
+# STEPS selects what runs (default: convert steps bench tests), each limited to STEP_TIMEOUT s:
+#   convert   GGUF -> /root/stage/smol-hf            tests     pytest -m gpu tests/test_gpu.py
+#   steps     bench_steps.py (default model)          bench     bench_generate.py (vs transformers)
+#   train     draft training                          repro     the 7.9k Triton crash, localised
+#   attention bench_attention.py (8B shape, op)       steps8b   bench_steps.py --shape llama-8b --hf
+# The draft trains on numpy, scipy, networkx and torch sources from the machine's site-packages;
+# the benchmark prompts come from transformers/generation, which the draft never saw.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"convert steps bench tests"}

@@ -218,8 +218,10 @@ class Server:
             raise APIError(404, f"model {model!r} not found; this server has {self.model_name!r}", "model",
                            "model_not_found")
         ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        room = self.engine.room()
+        fits = max(1, self.engine.max_len - len(ids) + 2 - room)  # the most tokens the request can get
         max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                             int, 16 if not chat else 256, lo=1)
+                             int, fits if chat else 16, lo=1)  # OpenAI's defaults: the context / 16
         temperature = _number(body, "temperature", float, 1.0, lo=0.0, hi=100.0)
         top_p = _number(body, "top_p", float, 1.0, lo=0.0, hi=1.0)
         top_k = _number(body, "top_k", int, 0, lo=0)
@@ -232,7 +234,7 @@ class Server:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-        need = cache_need(len(ids), max_tokens, self.engine.room())
+        need = cache_need(len(ids), max_tokens, room)
         if need > self.engine.max_len:
             raise APIError(400, f"the prompt ({len(ids)} tokens) with max_tokens {max_tokens} needs {need} positions; "
                                 f"this server holds {self.engine.max_len} per request (--max-len)", "max_tokens",

@@ -127,6 +127,9 @@ def test_completion_and_chat(server, alone, tiny_dir):
     pieces = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                             temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in pieces) == chat.choices[0].message.content
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert whole.usage.prompt_tokens + whole.usage.completion_tokens <= 256  # default: what the context allows
+    assert whole.choices[0].finish_reason in ("length", "stop")
 
 
 def test_stop_strings_and_sampling_parameters(server):
