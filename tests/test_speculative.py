@@ -344,3 +344,22 @@ def test_siblings_beyond_the_draft_support_are_never_tried(small_vocab_target):
     out = Generator(target, proposer=RandomDraft(seed=2), tree="[[0],[1],[2],[0,0],[1,0]]").generate(
         [prompt] * n, config)
     assert_two_token_distribution(target, prompt, config, out.sequences)
+
+
+@pytest.mark.parametrize("proposer", ["pld", "streaming"])
+def test_idle_rows_survive_many_rounds(targets, proposer):
+    """A row that finished early keeps taking part in (masked) rounds while another one runs far
+    longer: nothing it holds may outgrow its buffers."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["llama"]
+    gen = torch.Generator().manual_seed(4)
+    short, long = (torch.randint(0, 160, (n,), generator=gen).tolist() for n in (40, 10))
+    draft = PromptLookup() if proposer == "pld" else StreamingSelfSpec(window=8, sinks=2)
+    engine = Engine(target, draft, TreeSpec.parse("chain:5"), max_batch=2, max_len=70)
+    seqs = [Sequence(short, 2), Sequence(long, 52)]
+    engine.add(seqs)
+    while engine.has_active:
+        engine.step()
+    alone = Generator(target).generate([long], GenerationConfig(max_new_tokens=52, ignore_eos=True)).sequences[0]
+    assert seqs[1].tokens == alone and engine.rounds > 30

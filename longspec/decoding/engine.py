@@ -116,7 +116,10 @@ class Engine:
             state += proposer.state_tensors()
         if cuda_graphs is None:
             cuda_graphs = proposer is None or proposer.graphable
-        self.runner = PhaseRunner(phases, state, self.uniforms, device, cuda_graphs)
+        # one runner (and set of graphs) per kind of round: greedy, or with sampled rows
+        self._runner_args = (phases, state, self.uniforms, device, cuda_graphs)
+        self.runners: dict = {}
+        self.greedy_round = self.config.greedy
         self.rounds = 0
 
     # ---- sequences ------------------------------------------------------------------------
@@ -164,7 +167,7 @@ class Engine:
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         logits = self.target.prefill(ids.to(device), lens.to(device), rows)
-        first = self._next_token(logits, slice(row0, row0 + n))
+        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
         for i, (s, t) in enumerate(zip(seqs, first.tolist())):
             s.row = row0 + i
@@ -196,10 +199,16 @@ class Engine:
         if streamer is not None and kept:
             streamer(s.row, kept)
 
-    def _next_token(self, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """logits [n, V] of batch rows ``rows`` -> their next tokens [n]."""
+    def _all_greedy(self, seqs: list) -> bool:
+        """Whether these sequences all decode greedily (the engine's setting, or each one's)."""
+        if isinstance(self.config, RowSampling):
+            return all(s.temperature == 0 for s in seqs)
+        return self.config.greedy
+
+    def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
+        """logits [n, V] of batch rows ``rows`` -> their next tokens [n] (``greedy``: every row is)."""
         c = self.config
-        if c.greedy:
+        if greedy:
             return logits.argmax(-1)
         if isinstance(c, RowSampling):
             probs = warp_probs(logits, c.temperature[rows], c.top_k[rows], c.top_p[rows])
@@ -210,7 +219,7 @@ class Engine:
     # ---- the round --------------------------------------------------------------------------
     def _decode_phase(self) -> None:
         logits = self.target.decode(self.root, self.cache, n_keys=self.step_keys, advance=self.active)
-        self.root.copy_(self._next_token(logits))
+        self.root.copy_(self._next_token(logits, self.greedy_round))
         self.out_tokens[:, 0] = self.root
 
     def _propose_phase(self) -> None:
@@ -220,7 +229,10 @@ class Engine:
         c, tree, cache = self.config, self.draft_tree, self.cache
         positions = cache.lengths[:, None] + tree.depths
         logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.step_keys)
-        result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
+        if self.greedy_round:
+            result = verify_tree(tree, logits)
+        else:
+            result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
         cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * self.active)
         emitted, counts = result.emitted()
         self.proposer.accepted(emitted, counts)
@@ -228,13 +240,29 @@ class Engine:
         self.out_counts.copy_(counts)
         self.root.copy_(result.bonus_token)
 
+    @property
+    def runner(self) -> PhaseRunner:
+        """The runner of the current kind of round (created, and its graphs captured, on first use)."""
+        if self.greedy_round not in self.runners:
+            self.runners[self.greedy_round] = PhaseRunner(*self._runner_args)
+        return self.runners[self.greedy_round]
+
+    def phase_times(self) -> list:
+        """Seconds spent in each phase, over every kind of round."""
+        return [sum(r.times[i] for r in self.runners.values()) for i in range(len(self._runner_args[0]))]
+
     @torch.inference_mode()
     def step(self, streamer: Optional[Streamer] = None) -> None:
-        """Advances every active sequence by one round; finished ones leave the batch."""
-        self.runner.run_round()
+        """Advances every active sequence by one round; finished ones leave the batch. A round in
+        which every row decodes greedily skips the sampling work (its own captured graphs)."""
+        self.greedy_round = self._all_greedy([s for s in self.rows if s is not None])
+        if self.proposer is not None and hasattr(self.proposer, "sample_children"):
+            self.proposer.sample_children = not self.greedy_round and self.tree.is_static
+        runner = self.runner
+        runner.run_round()
         self.rounds += 1
         out = torch.cat([self.out_tokens, self.out_counts[:, None]], 1).tolist()  # the round's one sync
-        self.runner.collect_times()
+        runner.collect_times()
         for s in self.rows:
             if s is None:
                 continue
@@ -248,11 +276,6 @@ class Engine:
             if s.done:
                 self._release(s)
 
-    def timing(self) -> dict:
-        t = self.runner.times
-        if self.proposer is None:
-            return {"decode_step_s": t[0]}
-        return {"draft_s": t[0], "verify_s": t[1]}
 
 
 class _Clock:
@@ -348,7 +371,7 @@ class Generator:
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
         clock = _Clock(self.target.device)
-        times_before = list(engine.runner.times)
+        times_before = engine.phase_times()
         t0 = clock()
         engine.add(seqs, streamer)
         t_prefill = clock()
@@ -361,9 +384,10 @@ class Generator:
         decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
         stats = dict(prompt_tokens=sum(map(len, prompts)), new_tokens=n_new, prefill_s=t_prefill - t0,
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
-                     tokens_per_s=decoded / max(t_end - t_prefill, 1e-9), capture_s=engine.runner.capture_s,
-                     cuda_graphs=engine.runner.graphs is not None)
-        phase_s = [a - b for a, b in zip(engine.runner.times, times_before)]
+                     tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
+                     capture_s=sum(r.capture_s for r in engine.runners.values()),
+                     cuda_graphs=any(r.graphs is not None for r in engine.runners.values()))
+        phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
         if self.proposer is not None:
             hist = [0] * (self.tree.depth + 1)
             for s in seqs:

@@ -259,7 +259,8 @@ class PromptLookup(TreeDrafter):
         pos = self.hist_len[:, None] + cols
         pos = torch.where((cols < counts[:, None]) & (pos < self.capacity), pos, self.capacity)
         self.hist.scatter_(1, pos, emitted)
-        self.hist_len += counts
+        # rows that are not decoding still take part in rounds: keep their length bounded
+        self.hist_len.copy_((self.hist_len + counts).clamp(max=self.capacity))
 
     def state_tensors(self):
         return [self.hist, self.hist_len]

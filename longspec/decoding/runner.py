@@ -67,7 +67,7 @@ class PhaseRunner:
             for t, s in zip(self.state, saved):
                 t.copy_(s)
 
-        self.uniforms.refill()  # sizing run: how many random numbers a round takes
+        self.uniforms.eager()  # sizing run: how many random numbers a round takes
         for phase in self.phases:
             phase()
         self.uniforms.make_static(self.uniforms.used)
@@ -92,7 +92,7 @@ class PhaseRunner:
         except RuntimeError as err:  # an op that cannot be captured: stay correct, run eagerly
             warnings.warn(f"CUDA-graph capture failed, this engine runs eagerly: {err}")
             graphs, self.cuda_graphs = None, False
-            self.uniforms.buffer = None
+            self.uniforms.eager()
         restore()
         torch.cuda.synchronize(self.device)
         self.graphs = graphs

@@ -140,6 +140,7 @@ class Uniforms:
     def __init__(self, generator: Optional[torch.Generator], device):
         self.generator, self.device = generator, torch.device(device)
         self.buffer: Optional[torch.Tensor] = None
+        self._retired: list = []
         self.used = 0
 
     def __call__(self, shape) -> torch.Tensor:
@@ -150,7 +151,19 @@ class Uniforms:
         return self.buffer[start:start + n].view(shape)
 
     def make_static(self, count: int) -> None:
-        self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
+        """Switches to a buffer of at least ``count`` numbers. A larger one replaces it; the old
+        ones stay alive, since graphs captured earlier read them."""
+        if self.buffer is None or self.buffer.numel() < count:
+            if self.buffer is not None:
+                self._retired.append(self.buffer)
+            self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
+        self.used = 0
+
+    def eager(self) -> None:
+        """Back to drawing fresh numbers on request (for a sizing run before a capture)."""
+        if self.buffer is not None:
+            self._retired.append(self.buffer)
+        self.buffer = None
         self.used = 0
 
     def refill(self) -> None:
