@@ -78,3 +78,82 @@ def test_torchrun_two_processes_match_one(tiny_model_factory, tmp_path, capsys):
     assert sorted(p.name for p in (ddp_out / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
     assert torch.load(ddp_out / "checkpoints" / "step-00000006" / "trainer_state.pt", weights_only=True)[
         "world_size"] == 2
+
+
+def torchrun(args, tmp_path, extra_env=None, timeout=300, wait=True):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "longspec.cli", *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_failing_rank_stops_the_job_with_its_message(tiny_model_factory, tmp_path):
+    """A data error on rank 1 only: the job ends (no hang), non-zero, naming the error."""
+    _, target = tiny_model_factory("ddp-llama", "llama", max_position_embeddings=256, seed=5)
+    save_char_tokenizer(target)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", docs=30)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import longspec.training.trainer as t\n"
+        "    def broken(*args, **kwargs):\n"
+        "        raise ValueError('corrupt shard on rank 1')\n"
+        "    t.build_data = broken\n")
+    proc = torchrun([*common_args(target, corpus, tmp_path / "out"), "--batch-size", "1"], tmp_path,
+                    {"PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}, timeout=240)
+    assert proc.returncode != 0
+    assert "corrupt shard on rank 1" in proc.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_path):
+    """A 2-process run killed (SIGKILL to the whole job) once its step-3 checkpoint exists — cut
+    back to that checkpoint if it was quicker than the kill — resumed with 2 processes ends where
+    an uninterrupted run ends; resumed with 1 process (same global batch) it follows the same data
+    and ends within rounding of it."""
+    import signal
+    import time
+
+    _, target = tiny_model_factory("ddp-llama", "llama", max_position_embeddings=256, seed=5)
+    save_char_tokenizer(target)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", docs=30)
+    per_rank = ["--batch-size", "1", "--grad-accum", "2"]
+    full = torchrun([*common_args(target, corpus, tmp_path / "full"), *per_rank], tmp_path)
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    proc = torchrun([*common_args(target, corpus, killed), *per_rank, "--save-every", "3"], tmp_path, wait=False)
+    deadline = time.time() + 240
+    while not (killed / "checkpoints" / "step-00000003").exists() and time.time() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    import shutil
+
+    shutil.rmtree(killed / "checkpoints" / "step-00000006", ignore_errors=True)  # as if killed before step 6
+    (killed / "model.safetensors").unlink(missing_ok=True)
+    single = tmp_path / "single"
+    shutil.copytree(killed, single)
+    resumed = torchrun([*common_args(target, corpus, killed), *per_rank, "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert main(common_args(target, corpus, single) + ["--batch-size", "2", "--grad-accum", "2", "--resume"]) == 0
+
+    reference = load_file(tmp_path / "full" / "model.safetensors")
+    flat = lambda d: torch.cat([d[k].flatten() for k in sorted(d)])  # noqa: E731
+    two = load_file(killed / "model.safetensors")
+    assert float((flat(two) - flat(reference)).norm()) <= 1e-6 * float(flat(reference).norm())
+    one = load_file(single / "model.safetensors")
+    assert float((flat(one) - flat(reference)).norm()) <= 1e-5 * float(flat(reference).norm())
+    steps = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6
