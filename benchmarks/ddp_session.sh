@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 11 on nvidia-h200-x2 (second call of a session, after part 00 of the default model was
+# copied to /root/stage as for gpu_session.sh): trains the default pair's draft on 1 GPU and on 2
+# GPUs (torchrun, NCCL) with the same data, seed and global batch, kills the 2-GPU run after its
+# first checkpoint and resumes it on 2 GPUs and on 1 GPU, then plots the held-out loss curves and
+# prints tokens/s. Results under $OUT (metrics_*.jsonl, curves.png, ddp.log).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STEPS=${STEPS:-300}; EVERY=${EVERY:-50}; BATCH=${BATCH:-16}
+STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
+export PYTHONPATH=/tmp/site:$PWD
+SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+ARGS="train --target /root/stage/smol-hf --data $SITE/numpy $SITE/scipy $SITE/networkx --seq-len 2048 --steps $STEPS
+      --lr 1e-3 --warmup 20 --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 10 --no-progress
+      --device cuda --dtype bfloat16 --seed 3"
+run1() { python3 -m longspec.cli $ARGS --out "$1" --batch-size $BATCH "${@:2}"; }
+run2() { torchrun --standalone --nproc_per_node 2 -m longspec.cli $ARGS --out "$1" --batch-size $((BATCH / 2)) "${@:2}"; }
+{
+  echo "== 1 GPU"; run1 /root/one
+  echo "== 2 GPUs"; run2 /root/two
+  echo "== 2 GPUs, killed after the first checkpoint"; run2 /root/killed & pid=$!
+  while [ ! -d /root/killed/checkpoints/step-$(printf %08d $EVERY) ] && kill -0 $pid 2>/dev/null; do sleep 1; done
+  pkill -9 -f "out /root/killed" ; wait $pid
+  cp -r /root/killed /root/killed1
+  echo "== resumed on 2 GPUs"; run2 /root/killed --resume
+  echo "== resumed on 1 GPU"; run1 /root/killed1 --resume
+} 2>&1 | tee "$OUT/ddp.log"
+for name in one two killed killed1; do cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl"; done
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {n: [json.loads(l) for l in (out / f"metrics_{n}.jsonl").read_text().splitlines()]
+        for n in ("one", "two", "killed", "killed1")}
+for name, rows in runs.items():
+    speed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    evals = [(r["step"], round(r["eval_loss"], 4)) for r in rows if "eval_loss" in r]
+    print(name, "median tokens/s", sorted(speed)[len(speed) // 2] if speed else None, "eval", evals)
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for name, rows in runs.items():
+        pts = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        plt.plot(*zip(*pts), marker="o", label=name)
+    plt.xlabel("step"); plt.ylabel("held-out loss"); plt.legend(); plt.savefig(out / "curves.png", dpi=120)
+except ImportError:
+    print("matplotlib missing: no plot")
+PY
