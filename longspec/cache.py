@@ -38,24 +38,16 @@ class KVCache:
         self.max_len = max_len
         self.pending = 0
 
-    @classmethod
-    def _view(cls, parent: "KVCache", rows: slice) -> "KVCache":
-        view = cls.__new__(cls)
-        view.k, view.v, view.lengths = parent.k[:, rows], parent.v[:, rows], parent.lengths[rows]
-        view.max_len, view.pending = parent.max_len, 0
-        return view
-
     def rows(self, start: int, stop: int) -> "KVCache":
         """A cache over batch rows ``start..stop-1`` sharing this one's storage (and lengths)."""
-        return KVCache._view(self, slice(start, stop))
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
+        view.max_len, view.pending = self.max_len, 0
+        return view
 
     @property
     def batch_size(self) -> int:
         return self.k.shape[1]
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
 
     @property
     def nbytes(self) -> int:

@@ -75,7 +75,7 @@ class TextStreamer:
 def cmd_generate(args) -> int:
     from . import GenerationConfig, Generator, load_target
     from .convert import DEFAULT_NAME, default_model_dir
-    from .decoding.engine import cache_need
+    from .decoding.engine import cache_need, round_slots
 
     # everything that can be checked without the model first
     _set_threads(args)
@@ -101,11 +101,11 @@ def cmd_generate(args) -> int:
         ids = tokenizer(ids, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text).input_ids
-    round_slots = 1 if tree is None else tree.num_nodes
-    need, limit = cache_need(len(ids), args.max_new_tokens, round_slots), target.config.max_position_embeddings
+    slots = round_slots(tree)
+    need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
     if need > limit:
         raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
-                         + (f" and the tree ({round_slots} nodes)" if tree is not None else "")
+                         + (f" and the tree ({slots} nodes)" if tree is not None else "")
                          + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
                          "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
     proposer = make_proposer(args, name, target)

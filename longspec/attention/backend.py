@@ -8,7 +8,7 @@ go, their tree mask, how many cache slots to attend over); every layer then call
 * ``sdpa``: PyTorch's fused ``scaled_dot_product_attention`` with one key mask per step;
 * ``matmul``: two batched matrix products and a float32 softmax, GQA heads packed into one
   product (no repeated K/V): few launches, good for short query blocks over a long cache;
-* ``triton``: the hybrid tree-attention kernels (``tree_attention.py``): split-KV over the
+* ``triton``: the hybrid tree-attention kernels (``triton_kernels.py``): split-KV over the
   prefix, masked tree part, LSE merge; reads only each row's own length of the cache.
 
 ``n_keys`` is a Python int: given by the caller (the cache capacity, so a step's shapes never
@@ -95,11 +95,9 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
         return masked_attention(q, k, v, meta.key_mask)
     if meta.impl == "matmul":
         return matmul_attention(q, k, v, bias=meta.key_bias)
-    n_tree = meta.pending + q.shape[2]
-    rows = torch.arange(q.shape[0], device=q.device)[:, None]
-    tree_slots = meta.lengths[:, None] + torch.arange(n_tree, device=q.device)[None, :]
-    k_tree = k_layer.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
-    v_tree = v_layer.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
+    tree_slots = meta.lengths[:, None] + torch.arange(meta.pending + q.shape[2], device=q.device)[None, :]
+    k_tree = k_layer.transpose(1, 2)[meta.rows, tree_slots].transpose(1, 2)
+    v_tree = v_layer.transpose(1, 2)[meta.rows, tree_slots].transpose(1, 2)
     return reference.hybrid_attention(q, k, v, meta.lengths, k_tree, v_tree, meta.tree_mask)
 
 
@@ -110,12 +108,11 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     ``may_be_empty``: rows that see no key get a zero output. Returns o [B, Hq, M, D]."""
     if impl == "reference":
         return reference.dense_attention(q, k, v, mask)[0]
-    if impl == "sdpa":
-        return masked_attention(q, k, v, mask, may_be_empty)
+    fused = masked_attention if impl == "sdpa" else matmul_attention
     if not may_be_empty:
-        return matmul_attention(q, k, v, mask)
-    empty = ~mask.any(-1)  # [B, M]
-    o = matmul_attention(q, k, v, mask | empty[..., None])
+        return fused(q, k, v, mask)
+    empty = ~mask.any(-1)  # [B, M]: such rows attend to everything, then get zeros (no host sync)
+    o = fused(q, k, v, mask | empty[..., None])
     return o.masked_fill(empty[:, None, :, None], 0.0)
 
 

@@ -1,6 +1,6 @@
 """Fast attention through PyTorch's fused ``scaled_dot_product_attention`` (flash / memory-
-efficient kernels on GPU), with the reference's semantics: a query row with no visible key gets a
-zero output instead of NaN. ``dense_attention`` in ``reference.py`` is its oracle."""
+efficient kernels on GPU), with the reference's semantics (rows that see no key are handled by
+``backend.attend_masked``). ``dense_attention`` in ``reference.py`` is its oracle."""
 from __future__ import annotations
 
 import torch
@@ -12,20 +12,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     may_be_empty: bool = False) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, M, D]; k, v [B, Hkv, S, D] (GQA: Hq a multiple of Hkv); mask [B, M, S] bool
-    (true = visible). ``may_be_empty``: some rows may see no key (handled without a host sync).
+    (true = visible; every row must see a key: ``attend_masked`` handles rows that see none).
     Returns o [B, Hq, M, D] in q's dtype."""
-    if may_be_empty:
-        empty = ~mask.any(-1)  # [B, M]
-        mask = mask | empty[..., None]
     with sdpa_kernel(_BACKENDS):
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
-                                           enable_gqa=q.shape[1] != k.shape[1])
-    if may_be_empty:
-        o = o.masked_fill(empty[:, None, :, None], 0.0)
-    return o
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

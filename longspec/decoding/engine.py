@@ -69,6 +69,11 @@ class Sequence:
         return kept
 
 
+def round_slots(tree: Optional[TreeSpec]) -> int:
+    """Cache slots one round writes: the decode token (no tree), or every tree node."""
+    return 1 if tree is None else tree.num_nodes
+
+
 def cache_need(prompt_len: int, max_new_tokens: int, round_slots: int) -> int:
     """Cache slots a sequence can use: its prompt, and while it still needs tokens, the committed
     ones plus what one round writes (``round_slots``: 1 for a decode step, the tree's nodes for
@@ -125,7 +130,7 @@ class Engine:
     # ---- sequences ------------------------------------------------------------------------
     def room(self) -> int:
         """Cache slots a round writes (the decode token, or the whole tree)."""
-        return 1 if self.proposer is None else self.tree.num_nodes
+        return round_slots(self.tree if self.proposer is not None else None)
 
     def free_rows(self) -> list:
         return [r for r, s in enumerate(self.rows) if s is None]
@@ -313,10 +318,6 @@ class Generator:
         self._engine: Optional[Engine] = None
         self._engine_key = None
 
-    def round_slots(self) -> int:
-        """Cache slots one round writes: the decode token, or every tree node."""
-        return 1 if self.proposer is None else int(self.tree.num_nodes)
-
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
         if len(prompts) == 0:
             raise ValueError("no prompts given")
@@ -331,9 +332,9 @@ class Generator:
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         longest = max(map(len, prompts))
-        need = cache_need(longest, config.max_new_tokens, self.round_slots())
+        need = cache_need(longest, config.max_new_tokens, round_slots(self.tree))
         if need > self.max_len:
-            tree = f" and {self.round_slots()} tree slots" if self.proposer is not None else ""
+            tree = f" and {round_slots(self.tree)} tree slots" if self.proposer is not None else ""
             raise ValueError(
                 f"prompt of {longest} tokens with max_new_tokens {config.max_new_tokens}{tree} needs {need} "
                 f"positions, over the maximum length {self.max_len} (the model's context; shorten the prompt, "
@@ -367,7 +368,7 @@ class Generator:
         sampling: the same distribution). Finished rows leave the batch."""
         config = config or GenerationConfig()
         prompts, need = self._prepare(prompts, config)
-        engine = self.engine(len(prompts), max(need, self.round_slots()), config)
+        engine = self.engine(len(prompts), max(need, round_slots(self.tree)), config)
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
         clock = _Clock(self.target.device)
