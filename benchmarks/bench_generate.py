@@ -135,7 +135,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--methods", default="ar,pld,longspec,longspec-chain,hybrid")
     p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
-    p.add_argument("--attention", default="matmul", help="attention implementations of our steps, comma-separated")
+    p.add_argument("--attention", default="matmul", help="attention implementations of our steps, comma-separated; a +compile suffix (triton+compile) "
+                   "runs the steps through torch.compile")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -156,20 +157,23 @@ def main(argv=None):
     for n in map(int, args.lengths.split(",")):
         prompt = code_prompt(tokenizer, Path(args.prompt_dir), n)
         results = []
-        for name in filter(None, args.hf.split(",")):
-            seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
-            results.append((f"hf-{name}", None, seq, res))
         impls = args.attention.split(",")
-        for impl in impls:
-            target.attention_impl = impl
+        for impl in impls:  # ours first: a crash of ours is not blamed on transformers' compiled graphs
+            target.attention_impl, _, extra = impl.partition("+")  # e.g. "triton+compile"
+            target.compile_steps = extra == "compile"
             for name, (proposer, tree) in methods(args, target).items():
                 seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
-        reference = next(seq for name, _, seq, _ in results if name == "ar")
+                print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}", flush=True)
+        for name in filter(None, args.hf.split(",")):
+            seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
+            results.append((f"hf-{name}", None, seq, res))
+        # greedy output of each method against autoregressive decoding with the same attention
+        reference = {r.get("attention"): seq for name, _, seq, r in results if name.split("@")[0] == "ar"}
         base = next((r["ms_per_token"] for name, _, _, r in results if name == "hf-static"), None)
         for name, tree, seq, res in results:
-            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == reference,
+            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == reference.get(res.get("attention", impls[0])),
                        speedup_vs_hf_static=(base / res["ms_per_token"]) if base else None)
             rows.append(res)
             print(f"{n:>6} {name:<15} {res['tree'] or '-':<14} tau {res['tau'] or 1.0:5.2f} "

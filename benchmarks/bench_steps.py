@@ -54,7 +54,25 @@ def time_graph(fn, replays: int = 50) -> float:
     return statistics.median(times)
 
 
-SHAPES = {"llama-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+def kernel_profile(fn, top: int = 12) -> tuple:
+    """(kernels launched by one eager call of ``fn``, a table of the ``top`` kernels by time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    return len(kernels), table
+
+
+SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          vocab_size=49152, max_position_embeddings=8192 + 1024, rms_norm_eps=1e-5,
+                          rope_theta=100000.0, tie_word_embeddings=True),
+          "llama-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                            intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
                            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)}
@@ -138,20 +156,33 @@ def main(argv=None):
     p.add_argument("--trees", default="16,32,69,128", help="verify tree sizes (tokens incl. the root)")
     p.add_argument("--attention", default="triton,matmul,sdpa")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--compile", default="off", help="off, on or off,on: layers and round glue via torch.compile")
+    p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
+                   "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
+    p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if bool(args.target) == bool(args.shape):
         raise SystemExit("give --target DIR or --shape NAME")
     target = (load_target(args.target, dtype=args.dtype, device="cuda") if args.target
               else random_target(args.shape, getattr(torch, args.dtype)))
-    draft = load_draft(args.draft, target) if args.draft else None
+    if args.draft:
+        draft = load_draft(args.draft, target)
+    elif args.random_draft:
+        from longspec.models.draft import DraftConfig, init_draft
+        draft = init_draft(DraftConfig.for_target(target), target)
+        draft.limit_vocab(torch.randperm(target.config.vocab_size)[:8192])
+        draft.fuse_projections()
+    else:
+        draft = None
     bw = copy_bandwidth()
     unique = {t.data_ptr(): t for t in target.state_dict().values()}  # tied weights once
     weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     c = target.config
     rows = []
-    for impl in args.attention.split(","):
-        target.attention_impl = impl
+    for impl, compiled in ((i, mode) for mode in args.compile.split(",") for i in args.attention.split(",")):
+        target.attention_impl, target.compile_steps = impl, compiled == "on"
+        label = impl + ("+compile" if target.compile_steps else "")
         for ctx in map(int, args.contexts.split(",")):
             max_m = max(map(int, args.trees.split(",")))
             cache = target.new_cache(1, -(-(ctx + max_m) // 64) * 64)
@@ -169,25 +200,43 @@ def main(argv=None):
                     cache.discard()
 
                 t = time_graph(step)
-                rows.append(dict(attention=impl, context=ctx, step="decode" if m == 1 else f"verify M={m}",
+                rows.append(dict(attention=label, context=ctx, step="decode" if m == 1 else f"verify M={m}",
                                  ms=t * 1e3, floor_ms=floor * 1e3, x_floor=t / floor))
+                if args.profile and m in (1, 69):
+                    n, table = kernel_profile(step)
+                    print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
             if draft is not None:
                 tree = TreeSpec.parse("4,16,16,16,16")
-                engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=ctx + 256,
-                                config=GenerationConfig(max_new_tokens=64), cuda_graphs=False)
-                engine.add([Sequence(ids[0].tolist(), 64)])
-                t = time_graph(lambda: (engine.proposer.propose(engine.root), None)[1])
-                rows.append(dict(attention=impl, context=ctx, step="propose 4,16,16,16,16 (5 levels)", ms=t * 1e3,
-                                 floor_ms=float("nan"), x_floor=float("nan")))
-            if args.hf and impl == args.attention.split(",")[0]:
+                engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=ctx + 512,
+                                config=GenerationConfig(max_new_tokens=400), cuda_graphs=False)
+                engine.add([Sequence(ids[0].tolist(), 400)])
+
+                def propose():
+                    with torch.inference_mode():
+                        engine._propose_phase()
+                        engine.proposer._end_round()
+
+                def full_round():  # propose, verify, accept, commit (replays advance the cache)
+                    with torch.inference_mode():
+                        engine._propose_phase()
+                        engine._verify_phase()
+
+                for name, fn in (("propose 4,16,16,16,16 (5 levels)", propose), ("round 4,16,16,16,16", full_round)):
+                    t = time_graph(fn, replays=40)
+                    rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
+                                     floor_ms=float("nan"), x_floor=float("nan")))
+                    if args.profile:
+                        n, table = kernel_profile(fn)
+                        print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
+            if args.hf and label == args.attention.split(",")[0]:
                 t = hf_decode_step(target, ids)
-                rows.append(dict(attention="transformers sdpa", context=ctx, step="decode", ms=t * 1e3,
+                rows.append(dict(attention="transformers", context=ctx, step="decode", ms=t * 1e3,
                                  floor_ms=floor * 1e3, x_floor=t / floor))
-            del cache
+            cache = engine = None  # free the memory before the next context
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
-    print(f"{'attention':<9} {'context':>7} {'step':<34} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    print(f"{'attention':<16} {'context':>7} {'step':<34} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['attention']:<9} {r['context']:>7} {r['step']:<34} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<34} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
               f"{r['x_floor']:8.2f}")
     print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "copy_tb_s": bw / 1e12,
                       "weight_mib": weight_bytes / 2**20, "results": rows}))

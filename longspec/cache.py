@@ -13,6 +13,15 @@ import torch
 from .config import ModelConfig
 
 
+@torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's cache
+def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+          slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes k_new, v_new [B, Hkv, M, D] into one layer of a :class:`KVCache` (k_layer, v_layer
+    [B, Hkv, S, D]) at ``slots`` [B, M] (from ``KVCache.new_slots``); rows = ``arange(B)[:, None]``."""
+    k_layer.transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
+    v_layer.transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
+
+
 class KVCache:
     """Keys and values of every target layer for a batch of sequences.
 
@@ -64,16 +73,6 @@ class KVCache:
         """[B, count] slots of ``count`` new tokens written after the pending ones."""
         offsets = torch.arange(self.pending, self.pending + count, device=self.lengths.device)
         return self.lengths[:, None] + offsets[None, :]
-
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
-              rows: Optional[torch.Tensor] = None) -> None:
-        """Stores k_new, v_new [B, Hkv, M, D] of ``layer`` at ``slots`` [B, M] (from ``new_slots``;
-        the caller adds M to ``pending`` once every layer has written). ``rows``: ``arange(B)[:, None]``
-        if the caller has it."""
-        if rows is None:
-            rows = torch.arange(self.batch_size, device=slots.device)[:, None]
-        self.k[layer].transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
-        self.v[layer].transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
 
     def advance(self, n: torch.Tensor) -> None:
         """Commits the first ``n[b]`` pending tokens of each row (n [B] long)."""

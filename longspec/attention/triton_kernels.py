@@ -127,6 +127,7 @@ def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64) -> tuple:
     return -(-capacity // chunk), chunk
 
 
+@torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                    tree_mask: torch.Tensor) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus

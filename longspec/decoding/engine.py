@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence as Seq, Union
 import torch
 
 from ..config import GenerationConfig
-from ..models.target import TargetModel
+from ..models.target import TargetModel, compile_step
 from .runner import PhaseRunner
 from .sampling import RowSampling, Uniforms, sample, warp_probs
 from .tree import TreeSpec
@@ -119,6 +119,10 @@ class Engine:
             proposer.engine = self  # its state now belongs to this engine
             phases = [self._propose_phase, self._verify_phase]
             state += proposer.state_tensors()
+        # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
+        compiled = target.compile_steps and (proposer is None or proposer.graphable)
+        self._propose = proposer and (compile_step(proposer.propose) if compiled else proposer.propose)
+        self._accept = compile_step(self._accept_round) if compiled else self._accept_round
         if cuda_graphs is None:
             cuda_graphs = proposer is None or proposer.graphable
         # one runner (and set of graphs) per kind of round: greedy, or with sampled rows
@@ -228,12 +232,18 @@ class Engine:
         self.out_tokens[:, 0] = self.root
 
     def _propose_phase(self) -> None:
-        self.draft_tree = self.proposer.propose(self.root)
+        self.draft_tree = self._propose(self.root)
 
     def _verify_phase(self) -> None:
-        c, tree, cache = self.config, self.draft_tree, self.cache
+        tree, cache = self.draft_tree, self.cache
         positions = cache.lengths[:, None] + tree.depths
         logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.step_keys)
+        self._accept(tree, logits)
+
+    def _accept_round(self, tree, logits: torch.Tensor) -> None:
+        """Verifies the tree against the target's logits [B, N, V], commits the accepted K/V and
+        sets the round's outputs and the next roots."""
+        c, cache = self.config, self.cache
         if self.greedy_round:
             result = verify_tree(tree, logits)
         else:

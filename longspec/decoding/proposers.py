@@ -272,7 +272,7 @@ class PromptLookup(TreeDrafter):
 
     def _level_logits(self, tokens, positions, mask, tree_tokens):
         depths = self.depths[:mask.shape[-1]]
-        depth = int(self.spec.depths[mask.shape[-1] - 1])  # the new nodes' depth (the spec's CPU tensor: no sync)
+        depth = self.spec.node_depth(mask.shape[-1] - 1)  # the new nodes' depth
         path = torch.stack([((mask & (depths == k)) * tree_tokens[:, None, :]).sum(-1) for k in range(1, depth + 1)],
                            -1)  # [B, n, depth]: each node's path below the root
         return self._lookup(path)
@@ -356,7 +356,6 @@ class LongSpecProposer(TreeDrafter):
         return [self.reread, self.reread_count, self.ring.k, self.ring.v, self.ring.slot_index, self.ring.slot_node,
                 *lookup]
 
-    @torch.inference_mode()
     def _root_logits(self, root):
         b, device, lengths = root.shape[0], root.device, self.cache.lengths
         count = self.reread_count
@@ -370,7 +369,6 @@ class LongSpecProposer(TreeDrafter):
         self.root_index = lengths.clone()
         return self.draft.logits(hidden[torch.arange(b, device=device), count], reduced=True)
 
-    @torch.inference_mode()
     def _level_logits(self, tokens, positions, mask, tree_tokens):
         n_prev = mask.shape[-1] - tokens.shape[1]
         node = torch.arange(n_prev, mask.shape[-1], device=tokens.device)[None, :].expand_as(tokens)

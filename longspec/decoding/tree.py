@@ -239,6 +239,10 @@ class TreeSpec:
             return max(self.widths)
         return 1 + max(p[-1] for p in self.paths)
 
+    def node_depth(self, node: int) -> int:
+        """The depth of node number ``node`` (a Python int: no tensor read)."""
+        return next(d for d in range(self.depth + 1) if node < self.level_slice(d).stop)
+
     def level_slice(self, depth: int) -> slice:
         """Node indices at ``depth`` (0 = root) as a slice."""
         if not 0 <= depth <= self.depth:
@@ -489,9 +493,13 @@ def beam_select(parent_logprobs: torch.Tensor, child_logprobs: torch.Tensor, wid
         raise ValueError(f"parent_logprobs must be {(B, P)}, got {tuple(parent_logprobs.shape)}")
     if not 0 < width <= P * V:
         raise ValueError(f"beam width must be in [1, {P * V}] ({P} parents x {V} tokens), got {width}")
-    scores = (parent_logprobs.unsqueeze(-1) + child_logprobs).reshape(B, P * V)
+    # each winning pair is among its parent's ``width`` best children: select per parent first
+    # (one small top-k per row), then among the P * k survivors (far cheaper than over P * V)
+    k = min(width, V)
+    child_top, child_token = torch.topk(child_logprobs, k, dim=-1)  # [B, P, k]
+    scores = (parent_logprobs.unsqueeze(-1) + child_top).reshape(B, P * k)
     cum, flat = torch.topk(scores, width, dim=-1, sorted=True)
-    return flat // V, flat % V, cum
+    return flat // k, child_token.reshape(B, P * k).gather(1, flat), cum
 
 
 def topk_children(logits: torch.Tensor, k: int):

@@ -12,6 +12,7 @@ checkpoints load without renaming. Three forward modes share one code path:
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention import AttentionMeta, attend
-from ..cache import KVCache
+from ..cache import KVCache, store_kv
 from ..config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -56,10 +57,18 @@ def fused_linear(x: torch.Tensor, linears: list, fused: Optional[tuple]):
     """``[m(x) for m in linears]`` in one product when ``fused`` (from :func:`fuse_linears`) still
     holds the layers' parameters and no gradient is needed: then one tensor [..., sum of outputs]
     is returned, else a list."""
-    w = linears[0].weight
-    if fused is None or fused[0].data_ptr() != w.data_ptr() or (torch.is_grad_enabled() and w.requires_grad):
+    if not fusion_intact(linears, fused) or (torch.is_grad_enabled() and linears[0].weight.requires_grad):
         return [m(x) for m in linears]
     return F.linear(x, fused[0], fused[1])
+
+
+def fusion_intact(linears: list, fused: Optional[tuple]) -> bool:
+    """Whether ``fused`` still holds the layers' parameters (not after ``model.to(...)`` or a
+    load that replaced them). Not checked inside ``torch.compile`` (where reading a data pointer
+    breaks the graph): the compiled path checks the whole model first (``TargetModel.fused``)."""
+    if fused is None:
+        return False
+    return torch.compiler.is_compiling() or fused[0].data_ptr() == linears[0].weight.data_ptr()
 
 
 class MLP(nn.Module):
@@ -123,11 +132,12 @@ class Attention(Projections):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, meta: AttentionMeta):
-        """x [B, T, H]; cos/sin [B, T, D]; ``meta``: what the new tokens see -> [B, T, H]."""
+    def forward(self, x, cos, sin, k_layer, v_layer, meta: AttentionMeta):
+        """x [B, T, H]; cos/sin [B, T, D]; k_layer, v_layer [B, Hkv, S, D]: this layer's cache;
+        ``meta``: what the new tokens see -> [B, T, H]."""
         q, k, v = self.rotated_qkv(x, cos, sin, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
-        cache.write(layer, k, v, meta.slots, meta.rows)
-        o = attend(q, k, v, cache.k[layer], cache.v[layer], meta)
+        store_kv(k_layer, v_layer, k, v, meta.slots, meta.rows)
+        o = attend(q, k, v, k_layer, v_layer, meta)
         b, _, t, _ = o.shape
         return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
 
@@ -140,9 +150,40 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache, layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, meta)
+    def forward(self, x, cos, sin, k_layer, v_layer, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_layer, v_layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def run_layer(layer: DecoderLayer, x, cos, sin, k_layer, v_layer, meta):
+    """One decoder layer (see :meth:`DecoderLayer.forward`); a plain function so that one compiled
+    version serves every layer (:func:`compiled_layer`)."""
+    return layer(x, cos, sin, k_layer, v_layer, meta)
+
+
+_COMPILED: dict = {}
+
+
+def compile_step(fn):
+    """``torch.compile`` as fixed-shape steps use it: static shapes, Inductor (the environment
+    variable ``LONGSPEC_COMPILE_BACKEND`` picks another backend, e.g. ``aot_eager`` in CPU tests).
+    Each new shape compiles once (seconds); the recompilation limit is raised for the few shapes
+    an engine uses (decode, verify, each draft level, each batch size)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=False, backend=os.environ.get("LONGSPEC_COMPILE_BACKEND", "inductor"),
+                         mode=os.environ.get("LONGSPEC_COMPILE_MODE"))
+
+
+def compiled_layer():
+    """``run_layer`` through :func:`compile_step`: Inductor fuses the norms, RoPE, the cache write,
+    the attention's softmax and SwiGLU into a few kernels (matrix products stay cuBLAS); one
+    compiled version per step shape serves every layer of every model."""
+    if "layer" not in _COMPILED:
+        _COMPILED["layer"] = compile_step(run_layer)
+    return _COMPILED["layer"]
 
 
 class DecoderStack(nn.Module):
@@ -170,6 +211,8 @@ class TargetModel(nn.Module):
         # attention of fixed-shape steps: "sdpa", "matmul" (load_target's default on CUDA), "triton" or
         # "reference" (the oracle)
         self.attention_impl = "sdpa"
+        # fixed-shape steps run each layer through torch.compile (load_target's default on CUDA)
+        self.compile_steps = False
 
     @property
     def device(self) -> torch.device:
@@ -185,6 +228,13 @@ class TargetModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    @property
+    def fused(self) -> bool:
+        """Whether every layer's fused projections still hold its parameters."""
+        return all(fusion_intact([a.q_proj, a.k_proj, a.v_proj], a._fused) and
+                   fusion_intact([m.gate_proj, m.up_proj], m._fused)
+                   for a, m in ((layer.self_attn, layer.mlp) for layer in self.model.layers))
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
@@ -220,8 +270,9 @@ class TargetModel(nn.Module):
         meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
         cos, sin = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
+        run = compiled_layer() if self.compile_steps and n_keys is not None and self.fused else run_layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, meta)
+            x = run(layer, x, cos, sin, cache.k[i], cache.v[i], meta)
         cache.pending += input_ids.shape[1]
         return self.final_norm(x)
 
