@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.engine import Generator  # noqa: E402
+from longspec.decoding.proposers import PromptLookup  # noqa: E402
 
 
 def main():
@@ -20,6 +21,9 @@ def main():
     p.add_argument("--length", type=int, default=7900)
     p.add_argument("--attention", default="triton")
     p.add_argument("--eager", action="store_true")
+    p.add_argument("--new", type=int, default=16, help="tokens to generate")
+    p.add_argument("--compile", action="store_true", help="compiled steps")
+    p.add_argument("--pld", action="store_true", help="prompt-lookup speculative decoding")
     p.add_argument("--dir", default="/tmp/smol-random")
     args = p.parse_args()
     if not (Path(args.dir) / "config.json").exists():
@@ -29,10 +33,11 @@ def main():
                                        rope_theta=100000.0, tie_word_embeddings=True)
         transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(args.dir)
     target = load_target(args.dir, dtype=torch.bfloat16, device="cuda")
-    target.attention_impl = args.attention
-    prompt = torch.randint(0, 49152, (args.length,)).tolist()
-    out = Generator(target, cuda_graphs=not args.eager).generate([prompt], GenerationConfig(max_new_tokens=16,
-                                                                                            ignore_eos=True))
+    target.attention_impl, target.compile_steps = args.attention, args.compile
+    prompt = torch.randint(0, 49152, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
+    proposer = PromptLookup() if args.pld else None
+    gen = Generator(target, proposer, tree="chain:5" if args.pld else None, cuda_graphs=not args.eager)
+    out = gen.generate([prompt], GenerationConfig(max_new_tokens=args.new, ignore_eos=True))
     torch.cuda.synchronize()
     print("OK", args, out.sequences[0][:8])
 
