@@ -24,6 +24,8 @@ def main():
     p.add_argument("--new", type=int, default=16, help="tokens to generate")
     p.add_argument("--compile", action="store_true", help="compiled steps")
     p.add_argument("--pld", action="store_true", help="prompt-lookup speculative decoding")
+    p.add_argument("--generators", type=int, default=1, help="fresh generators, one after the other")
+    p.add_argument("--calls", type=int, default=1, help="generate calls per generator")
     p.add_argument("--dir", default="/tmp/smol-random")
     args = p.parse_args()
     if not (Path(args.dir) / "config.json").exists():
@@ -36,8 +38,13 @@ def main():
     target.attention_impl, target.compile_steps = args.attention, args.compile
     prompt = torch.randint(0, 49152, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     proposer = PromptLookup() if args.pld else None
-    gen = Generator(target, proposer, tree="chain:5" if args.pld else None, cuda_graphs=not args.eager)
-    out = gen.generate([prompt], GenerationConfig(max_new_tokens=args.new, ignore_eos=True))
+    for i in range(args.generators):  # as bench_generate: calls on one generator, then a fresh one
+        gen = Generator(target, proposer, tree="chain:5" if args.pld else None, cuda_graphs=not args.eager)
+        for _ in range(args.calls):
+            out = gen.generate([prompt], GenerationConfig(max_new_tokens=args.new, ignore_eos=True))
+            torch.cuda.synchronize()
+        print("generator", i, "done", out.stats.get("tau"), flush=True)
+        del gen
     torch.cuda.synchronize()
     print("OK", args, out.sequences[0][:8])
 
