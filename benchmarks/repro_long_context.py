@@ -25,6 +25,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="compiled steps")
     p.add_argument("--pld", action="store_true", help="prompt-lookup speculative decoding")
     p.add_argument("--generators", type=int, default=1, help="fresh generators, one after the other")
+    p.add_argument("--gc", action="store_true", help="collect garbage after each generator")
     p.add_argument("--calls", type=int, default=1, help="generate calls per generator")
     p.add_argument("--dir", default="/tmp/smol-random")
     args = p.parse_args()
@@ -45,6 +46,20 @@ def main():
             torch.cuda.synchronize()
         print("generator", i, "done", out.stats.get("tau"), flush=True)
         del gen
+        if args.gc:
+            import gc
+            gc.collect()
+    if args.attention == "triton":  # does the kernel take scratch memory at launch (unsafe in graphs)?
+        from longspec.attention import triton_kernels as tk
+        for kernel in (tk._partial_kernel, tk._merge_kernel):
+            try:
+                for cache in kernel.device_caches.values():
+                    for compiled in cache[0].values():
+                        md = compiled.metadata
+                        print(kernel.fn.__name__, "global_scratch", getattr(md, "global_scratch_size", None),
+                              "profile_scratch", getattr(md, "profile_scratch_size", None), "shared", md.shared)
+            except Exception as err:  # internals differ between Triton versions
+                print("kernel metadata unavailable:", repr(err))
     torch.cuda.synchronize()
     print("OK", args, out.sequences[0][:8])
 

@@ -64,6 +64,30 @@ def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
             assert agree >= 0.5 * sum(map(len, expected))
 
 
+@pytest.mark.parametrize("impl", ["matmul", "triton"])
+def test_compiled_steps_equal_uncompiled(model, impl):
+    """torch.compile'd layers, proposal and accept glue (float32): the same tokens as the uncompiled
+    engine and as autoregressive decoding, for decode, a beam tree, a chain and prompt lookup."""
+    _, path = model
+    target = load_target(path, dtype=torch.float32, device="cuda")
+    assert target.compile_steps  # the CUDA default
+    target.attention_impl = impl
+    prompts = [torch.randint(0, 160, (n,)).tolist() for n in (20, 45, 31)]
+    config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    cases = [(None, None), (LongSpecProposer(draft), "4,16,16,16,16"), (LongSpecProposer(draft), "chain:5"),
+             (PromptLookup(), "chain:4")]
+    expected = None
+    for proposer, tree in cases:
+        outs = []
+        for compiled in (False, True):
+            target.compile_steps = compiled
+            outs.append(Generator(target, proposer=proposer, tree=tree).generate(prompts, config).sequences)
+        assert outs[1] == outs[0], (tree, "compiled != uncompiled")
+        expected = expected or outs[0]
+        assert outs[0] == expected, tree
+
+
 @pytest.mark.parametrize("tree", ["2,3", "chain:2"])
 def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tree):
     """20000 rows in one graph-captured batch (LongSpec draft, beam: point-mass rule; chain:

@@ -130,6 +130,7 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
         # measured faster than masked SDPA for decode/verify steps; "triton" is faster still but
         # crashed once in a 7.9k-token generation on the H200 (see README, Status)
         model.attention_impl = "matmul"
+        model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
     return model.eval().requires_grad_(False)
 
 
