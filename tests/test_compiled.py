@@ -1,0 +1,81 @@
+"""Compiled steps (``TargetModel.compile_steps``, the CUDA default) against the uncompiled ones on
+the CPU, through Dynamo + AOTAutograd without Inductor's C++ code generation (``aot_eager``):
+what the tracing may change (graph breaks around the in-place cache writes and the Triton
+kernels, the proposal and accept glue traced whole, guards across layers and engines) must not
+change a logit or a token. The GPU tests run the same engine with Inductor."""
+import pytest
+import torch
+
+from longspec import GenerationConfig, load_target
+from longspec.decoding.engine import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.models import target as target_module
+from longspec.models.draft import DraftConfig, init_draft
+
+
+@pytest.fixture
+def compiled_backend(monkeypatch):
+    import torch._dynamo
+
+    monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(target_module, "_COMPILED", {})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    return tiny_model_factory("compiled", "llama", num_hidden_layers=3, max_position_embeddings=256, seed=3)
+
+
+@pytest.mark.parametrize("impl", ["matmul", "sdpa", "triton"])
+def test_compiled_layers_match_uncompiled(tiny, compiled_backend, impl):
+    """Fixed-shape decode and verify steps (n_keys given) with compiled layers: same logits and
+    the same cache contents; one compiled graph serves all layers (no recompilation per layer)."""
+    import torch._dynamo
+
+    target = load_target(tiny[1])
+    target.attention_impl = impl
+    results = []
+    for compiled in (False, True):
+        target.compile_steps = compiled
+        gen = torch.Generator().manual_seed(0)
+        cache = target.new_cache(2, 128)
+        target.prefill(torch.randint(0, 160, (2, 40), generator=gen), torch.tensor([40, 33]), cache)
+        first = target.decode(torch.tensor([3, 5]), cache, n_keys=128)
+        mask = torch.ones(7, 7, dtype=torch.bool).tril()[None]
+        positions = cache.lengths[:, None] + torch.arange(7)
+        tree = target.verify(torch.randint(0, 160, (2, 7), generator=gen), positions, mask, cache, n_keys=128)
+        cache.discard()
+        again = target.decode(torch.tensor([4, 6]), cache, n_keys=128)
+        results.append((first, tree, again, cache.k.clone(), cache.v.clone(), cache.lengths.clone()))
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] > 0  # something was compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # at most 4 pieces (split at the cache write and the Triton kernel, with their resume frames)
+    # per step shape (decode, verify): not per layer, which would triple it here
+    assert graphs <= 4 * 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_engine_same_tokens(tiny, compiled_backend, temperature):
+    """Compiled proposal and accept glue: the same tokens (greedy, and sampling with a seed) for
+    decode, prompt lookup, the LongSpec draft and the hybrid, on rows of different lengths."""
+    target = load_target(tiny[1])
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    draft.limit_vocab(range(0, 160, 2))
+    draft.fuse_projections()
+    prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 20)]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=5)
+    for make in (lambda: None, PromptLookup, lambda: LongSpecProposer(draft),
+                 lambda: LongSpecProposer(draft, PromptLookup())):
+        outs = []
+        for compiled in (False, True):
+            target.compile_steps = compiled
+            proposer = make()
+            outs.append(Generator(target, proposer, tree="3,3,3" if proposer else None).generate(prompts, config))
+        assert outs[1].sequences == outs[0].sequences, type(proposer).__name__
