@@ -48,7 +48,7 @@ def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
     return ids[:n_tokens]
 
 
-def methods(args, target):
+def methods(args, target, prompt):
     out = {"ar": (None, None),
            "pld": (PromptLookup(), TreeSpec.parse(args.pld_tree)),
            "streaming": (StreamingSelfSpec(window=args.window), TreeSpec.parse(args.tree))}
@@ -57,6 +57,12 @@ def methods(args, target):
         out["longspec"] = (LongSpecProposer(draft), TreeSpec.parse(args.tree))
         out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree))
         out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.tree))
+    if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
+        from longspec.decoding.auto import pick
+        name, tree, chosen, note = pick(target, prompt, load_draft(args.draft, target) if args.draft else None)
+        print(f"  auto: {name} {tree or ''} ({note})", flush=True)
+        out["auto"] = (None if name == "none" else PromptLookup() if name == "pld"
+                       else LongSpecProposer(chosen, lookup=PromptLookup()), tree)
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
@@ -133,14 +139,18 @@ def main(argv=None):
     p.add_argument("--chain-tree", default="chain:5")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--methods", default="ar,pld,longspec,longspec-chain,hybrid")
+    p.add_argument("--methods", default="ar,pld,longspec,longspec-chain,hybrid",
+                   help="ar, pld, streaming, longspec, longspec-chain, hybrid, auto (--proposer auto), or all")
     p.add_argument("--hf", default="dynamic,static,pld", help="transformers baselines (empty: none)")
     p.add_argument("--attention", default="matmul", help="attention implementations of our steps, comma-separated; a +compile suffix (triton+compile) "
                    "runs the steps through torch.compile")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,7 +171,7 @@ def main(argv=None):
         for impl in impls:  # ours first: a crash of ours is not blamed on transformers' compiled graphs
             target.attention_impl, _, extra = impl.partition("+")  # e.g. "triton+compile"
             target.compile_steps = extra == "compile"
-            for name, (proposer, tree) in methods(args, target).items():
+            for name, (proposer, tree) in methods(args, target, prompt).items():
                 seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
@@ -171,14 +181,16 @@ def main(argv=None):
             results.append((f"hf-{name}", None, seq, res))
         # greedy output of each method against autoregressive decoding with the same attention
         reference = {r.get("attention"): seq for name, _, seq, r in results if name.split("@")[0] == "ar"}
-        base = next((r["ms_per_token"] for name, _, _, r in results if name == "hf-static"), None)
+        # the strongest transformers baseline run: the compiled static cache, else the default cache
+        base_name = next((n for n in ("hf-static", "hf-dynamic") if any(name == n for name, *_ in results)), None)
+        base = next((r["ms_per_token"] for name, _, _, r in results if name == base_name), None)
         for name, tree, seq, res in results:
             res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == reference.get(res.get("attention", impls[0])),
-                       speedup_vs_hf_static=(base / res["ms_per_token"]) if base else None)
+                       speedup_vs_hf=(base / res["ms_per_token"]) if base else None, hf_baseline=base_name)
             rows.append(res)
             print(f"{n:>6} {name:<15} {res['tree'] or '-':<14} tau {res['tau'] or 1.0:5.2f} "
-                  f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf_static'] or float('nan')):5.2f} "
-                  f"vs hf-static  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
+                  f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf'] or float('nan')):5.2f} "
+                  f"vs {base_name}  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     weights = sum(t.numel() * t.element_size() for t in target.state_dict().values()) / 2**20
     print(f"peak = device memory a generation allocates beyond the loaded weights ({weights:.0f} MiB)")

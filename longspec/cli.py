@@ -87,6 +87,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
     text = _prompt_text(args)
     name, tree = proposer_choice(args)
+    draft = None
 
     from transformers import AutoTokenizer
 
@@ -101,6 +102,9 @@ def cmd_generate(args) -> int:
         ids = tokenizer(ids, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text).input_ids
+    note = ""
+    if name == "auto":
+        name, tree, draft, note = resolve_auto(args, target, ids)
     slots = round_slots(tree)
     need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
     if need > limit:
@@ -108,12 +112,12 @@ def cmd_generate(args) -> int:
                          + (f" and the tree ({slots} nodes)" if tree is not None else "")
                          + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
                          "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
-    proposer = make_proposer(args, name, target)
+    proposer = make_proposer(args, name, target, draft)
     if not args.json:
         about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
                  "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
-        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{f' tree {tree}' if tree else ''}]",
-              file=sys.stderr)
+        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{f' tree {tree}' if tree else ''}"
+              f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
     out = Generator(target, proposer=proposer, tree=tree).generate([ids], config, streamer=streamer)
     streamer.out.write("\n")
@@ -121,6 +125,7 @@ def cmd_generate(args) -> int:
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
     if args.json:
         print(json.dumps({"text": tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
+                          "proposer": name, "tree": str(tree) if tree else None, "auto": note or None,
                           "stats": stats}))
     else:
         tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
@@ -135,8 +140,13 @@ def proposer_choice(args):
     from .decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
-    if args.draft and name not in ("longspec", "hybrid"):
-        raise UsageError(f"--draft is for --proposer longspec or hybrid, not {name}")
+    if args.draft and name not in ("longspec", "hybrid", "auto"):
+        raise UsageError(f"--draft is for --proposer longspec, hybrid or auto, not {name}")
+    if name == "auto":
+        if args.tree:
+            raise UsageError("--tree needs a proposer (--proposer pld | streaming | longspec | hybrid): "
+                             "--proposer auto chooses its tree itself")
+        return name, None
     if name == "none":
         if args.tree:
             raise UsageError("--tree needs a proposer (--proposer pld | streaming | longspec)")
@@ -156,8 +166,20 @@ def default_tree(proposer: str) -> str:
     return "chain:5" if proposer == "pld" else "4,16,16,16,16"
 
 
-def make_proposer(args, name, target):
-    """The proposer object for ``name`` (loads the draft for longspec), or None."""
+def resolve_auto(args, target, ids: list) -> tuple:
+    """``--proposer auto``: (proposer name, tree, loaded draft or None, why), see
+    :func:`longspec.decoding.auto.pick`; the draft is --draft, or the one shipped for the
+    default model."""
+    from .convert import DEFAULT_DRAFT
+    from .decoding.auto import pick
+    from .models.checkpoint import load_draft
+
+    draft_dir = args.draft or (DEFAULT_DRAFT if not args.target else None)
+    return pick(target, ids, load_draft(draft_dir, target) if draft_dir else None)
+
+
+def make_proposer(args, name, target, draft=None):
+    """The proposer object for ``name`` (loads the draft for longspec / hybrid unless given), or None."""
     from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
 
     if name == "none":
@@ -169,7 +191,7 @@ def make_proposer(args, name, target):
     from .convert import DEFAULT_DRAFT
     from .models.checkpoint import load_draft
 
-    draft = load_draft(args.draft or DEFAULT_DRAFT, target)
+    draft = draft or load_draft(args.draft or DEFAULT_DRAFT, target)
     return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
 
 
@@ -269,8 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
-    gen.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec", "hybrid"], default="none",
-                     help="draft strategy: none (plain decoding, the default), pld (prompt lookup), streaming "
+    gen.add_argument("--proposer", choices=["auto", "none", "pld", "streaming", "longspec", "hybrid"],
+                     default="auto",
+                     help="draft strategy: auto (the default: the hybrid with the tree a measured cost model "
+                          "picks for this device where a draft exists, else pld), none (plain decoding), "
+                          "pld (prompt lookup), streaming "
                           "(the target over a StreamingLLM cache, MagicDec), longspec (the LongSpec draft: "
                           "shipped for the default model, --draft DIR for other targets), hybrid (the LongSpec "
                           "draft's beam tree with a prompt-lookup chain merged in)")

@@ -66,8 +66,30 @@ def test_first_run_announces_conversion_and_model(tmp_path):
     lines = run.stderr.splitlines()
     assert lines[0].startswith("[longspec: converting the default model (SmolLM2-135M-Instruct) once into")
     assert any("converted in" in line for line in lines)
-    assert any("a small demo model" in line and "proposer none" in line for line in lines)
+    assert any("a small demo model" in line and "(auto: cost model" in line for line in lines)  # --proposer auto
     assert "Loading weights" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_auto_proposer_on_the_default_model(tmp_path):
+    """The default `generate` (--proposer auto) measures its step costs once per device (cached
+    under LONGSPEC_HOME), picks a setting by the cost model and says which; greedy output is the
+    same as plain decoding."""
+    import json
+
+    needs_default_model()
+    prompt = "def add(a, b):\n    return a + b\n\n" * 12 + "def add(a, b):\n"
+    home = {"LONGSPEC_HOME": str(tmp_path)}
+    runs = [run_cli("generate", "--prompt", prompt, "--max-new-tokens", "16", "--threads", "1", "--json",
+                    *extra, env=home) for extra in ([], [], ["--proposer", "none"])]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
+    assert auto["proposer"] in ("none", "pld", "hybrid") and auto["auto"].startswith("cost model")
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    (entry,) = costs.values()  # one device / model / context bucket
+    assert {"1", "2", "11", "69"} <= set(entry["target_ms"]) and "hybrid 4,16,16,16,16" in entry["draft_ms"]
+    assert again["proposer"] == auto["proposer"] and again["tree"] == auto["tree"]  # from the cache
+    assert auto["token_ids"] == plain["token_ids"] == again["token_ids"]
 
 
 def test_context_error_names_the_options():

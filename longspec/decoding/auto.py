@@ -1,0 +1,273 @@
+"""``--proposer auto``: the speculative setting with the most expected tokens per second on the
+device at hand, from a measured cost model.
+
+* **Costs** (measured, cached per device): the target's step time for M tokens verified at once,
+  ``target_ms[M]``, and the proposer's time to draft each candidate tree, ``draft_ms[tree]``, at a
+  context of the prompt's length (rounded up to a power of two). On CUDA each is a CUDA graph
+  replay (as the engine runs it); on a CPU a median of eager calls. Cached in
+  ``<longspec home>/costs.json`` under the device, threads, model and dtype, so only the first
+  run on a machine pays the measurement (a few seconds).
+* **Acceptance** (measured once per draft, stored in its config as ``acceptance``): ``a[d][k]``,
+  the fraction of held-out positions where the true token at tree depth d+1 is among the draft's
+  k best (teacher forcing at the lag that depth queries); :func:`measure_acceptance`.
+* **Model**: a beam tree of widths w_1..w_D emits ``1 + sum_d prod_{j<=d} a[j][w_j]`` tokens per
+  round (each level independently holding the right token with its top-w rate); plain decoding
+  emits 1 per target step. The choice maximises tokens / (draft + verify time). The prompt-lookup
+  chain merged into the hybrid's tree only adds to this estimate, so it is left out of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from .tree import TreeSpec
+
+CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", "4,16,16,16,16")
+ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
+
+
+def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
+                    lookup: Sequence[float] = ()) -> float:
+    """Tokens a round of ``tree`` emits on average: 1 + sum over depths of the probability that
+    every level so far holds the right token. Level d holds it from the draft's top w_d
+    (``acceptance`` rows: depth 1.., columns ``ACCEPTANCE_WIDTHS``, interpolated; deeper levels
+    reuse the last row) or, independently, from the lookup chain (``lookup[d-1]``: its hit rate at
+    depth d given a right path so far), which takes one of the level's slots when both are given."""
+    total, alive = 1.0, 1.0
+    for depth, width in enumerate(tree.widths):
+        hit_lookup = lookup[min(depth, len(lookup) - 1)] if lookup else 0.0
+        draft_width = width - 1 if lookup and width > 1 else width
+        hit_draft = _at_width(acceptance[min(depth, len(acceptance) - 1)], draft_width) if acceptance else 0.0
+        alive *= 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)
+        total += alive
+    return total
+
+
+def lookup_acceptance(token_ids: Sequence[int], depths: int = 6, max_ngram: int = 3, tail: int = 1024) -> list:
+    """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
+    the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
+    prediction for position s is what followed the most recent earlier occurrence of the longest
+    (up to ``max_ngram``) suffix of ``token_ids[:s]``, as :class:`PromptLookup` ranks first;
+    measured over the last ``tail`` positions."""
+    ids = list(token_ids)
+    last = [dict() for _ in range(max_ngram + 1)]  # n -> {n-gram: position that followed it}
+    hit = []
+    for s in range(len(ids)):
+        guess = None
+        for n in range(min(max_ngram, s), 0, -1):
+            follower = last[n].get(tuple(ids[s - n:s]))
+            if follower is not None:
+                guess = ids[follower]
+                break
+        if s >= len(ids) - tail:
+            hit.append(guess == ids[s])
+        for n in range(1, min(max_ngram, s) + 1):
+            last[n][tuple(ids[s - n:s])] = s
+    q, runs = [], list(range(len(hit)))  # starts whose chain is right so far
+    for d in range(depths):
+        ok = [t for t in runs if t + d < len(hit) and hit[t + d]]
+        valid = [t for t in runs if t + d < len(hit)]
+        q.append(round(len(ok) / len(valid), 4) if valid else 0.0)
+        runs = ok
+    return q
+
+
+def _at_width(row: Sequence[float], width: int) -> float:
+    for (w0, a0), (w1, a1) in zip(zip(ACCEPTANCE_WIDTHS, row), zip(ACCEPTANCE_WIDTHS[1:], row[1:])):
+        if width <= w1:
+            return a0 + (a1 - a0) * (min(max(width, w0), w1) - w0) / (w1 - w0)
+    return row[-1]
+
+
+@torch.inference_mode()
+def measure_acceptance(draft, target, token_ids: Sequence[int], depths: int = 6, chunk: int = 2048) -> list:
+    """``a[d][k]`` for d = 1..``depths`` and k in ``ACCEPTANCE_WIDTHS``: teacher-forced top-k hit
+    rates of ``draft`` on ``token_ids`` (held-out text; chunks of ``chunk`` tokens), each depth at
+    the lag its tree nodes query (depth d: lag d), over the reduced draft vocabulary if any."""
+    hits = torch.zeros(depths, len(ACCEPTANCE_WIDTHS))
+    counts = torch.zeros(depths, 1)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=target.device)
+    widths = torch.tensor(ACCEPTANCE_WIDTHS, device=ids.device)
+    for start in range(0, ids.numel() - 1, chunk):
+        piece = ids[start:start + chunk + 1]
+        if piece.numel() < depths + 2:
+            break
+        inputs, nxt = piece[None, :-1], piece[1:]
+        cache = target.new_cache(1, inputs.shape[1])
+        target.prefill(inputs, torch.tensor([inputs.shape[1]]), cache)
+        k, v = (x[:, :, :inputs.shape[1]] for x in target.last_layer_kv(cache))
+        positions = torch.arange(inputs.shape[1], device=ids.device)[None]
+        for d in range(depths):
+            logits = draft.logits(draft.forward_train(inputs, positions, k, v, lag=d + 1), reduced=True)[0]
+            true = logits.gather(1, nxt[:, None])
+            ranks = (logits > true).sum(1).masked_fill(true[:, 0] == float("-inf"), logits.shape[1])
+            ranks = ranks[d + 1:]  # the true token's rank (never drafted: outside the draft vocabulary)
+            hits[d] += (ranks[:, None] < widths[None, :]).sum(0).float().cpu()
+            counts[d] += ranks.numel()
+    if counts.min() == 0:
+        raise ValueError(f"measure_acceptance needs at least {depths + 2} tokens")
+    return [[round(float(x), 4) for x in row] for row in hits / counts]
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn``: CUDA-graph replays on CUDA (as the engine runs steps), eager
+    calls elsewhere."""
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(target, candidates: dict, context: int, repeats: int = 5) -> dict:
+    """``{"target_ms": {M: ms}, "draft_ms": {label: ms}}`` at ``context`` cached tokens (random
+    ids: step time does not depend on them): the target's step for M = 1 and each candidate's
+    node count, and each candidate's proposal (``candidates`` as for :func:`choose`)."""
+    from ..config import GenerationConfig
+    from .sampling import Uniforms
+
+    device, vocab = target.device, target.config.vocab_size
+    biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
+    cache = target.new_cache(1, -(-(context + biggest) // 64) * 64)
+    prompt = torch.randint(0, vocab, (1, context), device=device)
+    target.prefill(prompt, torch.tensor([context], device=device), cache)
+    n_keys = cache.max_len if device.type == "cuda" else None
+    out = {"target_ms": {}, "draft_ms": {}}
+    for m in sorted({1} | {tree.num_nodes for tree, _, _ in candidates.values()}):
+        tokens = torch.randint(0, vocab, (1, m), device=device)
+        positions = cache.lengths[:, None] + torch.arange(m, device=device)
+        mask = torch.ones(m, m, dtype=torch.bool, device=device).tril()[None]
+
+        def step():
+            target.verify(tokens, positions, mask, cache, n_keys=n_keys)
+            cache.discard()
+
+        out["target_ms"][str(m)] = 1e3 * _time(step, device, repeats)
+    root = prompt[:, -1]
+    for label, (tree, make_proposer, _) in candidates.items():
+        proposer = make_proposer()
+        proposer.begin(target, cache, tree, GenerationConfig(), Uniforms(None, device))
+        proposer.add(0, prompt[0, :-1].tolist(), int(root[0]))
+
+        def propose():
+            proposer.propose(root)
+            proposer._end_round()
+
+        out["draft_ms"][label] = 1e3 * _time(propose, device, repeats)
+    return out
+
+
+def device_key(target) -> str:
+    """What step costs depend on: the device (and CPU threads), the model and its dtype."""
+    device = target.device
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"cpu x{torch.get_num_threads()} threads")
+    model = os.path.basename(str(target.path or "model").rstrip("/"))
+    return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl}"
+
+
+def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None) -> tuple:
+    """``candidates``: {label: (tree, make_proposer, tokens per round)}. Returns (the label with
+    the most expected tokens per second, or None when plain decoding is fastest; its predicted
+    speed-up over plain decoding; the costs used). Costs are measured at the prompt's length
+    rounded up to a power of two, once per device / model / dtype (cached in ``costs_file``,
+    default ``<longspec home>/costs.json``)."""
+    biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
+    context = 1 << max(7, math.ceil(math.log2(max(prompt_len, 1))))
+    context = max(1, min(context, target.config.max_position_embeddings - biggest))
+    key = f"{device_key(target)} | {context}"
+    cached = _read_costs(costs_file)
+    costs = cached.get(key, {"target_ms": {}, "draft_ms": {}})
+    missing = {label: c for label, c in candidates.items() if label not in costs["draft_ms"]}
+    if missing:
+        fresh = measure_costs(target, missing, context)
+        costs["target_ms"].update(fresh["target_ms"])
+        costs["draft_ms"].update(fresh["draft_ms"])
+        cached[key] = costs
+        _write_costs(costs_file, cached)
+    plain = 1.0 / costs["target_ms"]["1"]
+    best, best_rate = None, plain
+    for label, (tree, _, tokens) in candidates.items():
+        rate = tokens / (costs["draft_ms"][label] + costs["target_ms"][str(tree.num_nodes)])
+        if rate > best_rate:
+            best, best_rate = label, rate
+    return best, best_rate / plain, costs
+
+
+def _costs_path(costs_file: Optional[str]) -> str:
+    from ..convert import home_dir
+
+    return costs_file or str(home_dir() / "costs.json")
+
+
+def _read_costs(costs_file: Optional[str]) -> dict:
+    try:
+        with open(_costs_path(costs_file)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no cache yet, or an unreadable one: measure again
+
+
+def _write_costs(costs_file: Optional[str], data: dict) -> None:
+    path = _costs_path(costs_file)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:
+    """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
+    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of 1-6
+    tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
+    ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
+    from .engine import DEFAULT_TREE
+    from .proposers import LongSpecProposer, PromptLookup
+
+    if draft is not None and not draft.config.acceptance:
+        return "hybrid", TreeSpec.parse(DEFAULT_TREE), draft, "the draft has no acceptance table: default tree"
+    hits = lookup_acceptance(ids)
+    candidates = {}
+    for n in range(1, 7):
+        tree = TreeSpec.chain(n)
+        candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
+    for shape in CANDIDATE_TREES if draft is not None else ():
+        tree = TreeSpec.parse(shape)
+        candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
+                                        expected_tokens(tree, draft.config.acceptance, hits))
+    label, gain, _ = choose(target, candidates, len(ids), costs_file)
+    if label is None:
+        return "none", None, None, "cost model: plain decoding is fastest here"
+    name = label.split()[0]
+    return (name, candidates[label][0], draft if name == "hybrid" else None,
+            f"cost model: {gain:.2f}x plain decoding predicted")

@@ -1,0 +1,104 @@
+"""The cost model behind ``--proposer auto`` (``longspec/decoding/auto.py``): expected tokens per
+round by hand, prompt lookup's hit rates on texts with known answers, the draft's acceptance table,
+and the choice from costs (measured once, then read from the cache)."""
+import json
+
+import pytest
+import torch
+
+from longspec import load_target
+from longspec.decoding import auto
+from longspec.decoding.auto import (ACCEPTANCE_WIDTHS, device_key, expected_tokens, lookup_acceptance,
+                                    measure_acceptance, pick)
+from longspec.decoding.tree import TreeSpec
+from longspec.models.draft import DraftConfig, init_draft
+
+ROW = [0.5, 0.6, 0.65, 0.7, 0.8, 0.9]  # top-1, 2, 3, 4, 8, 16
+assert len(ROW) == len(ACCEPTANCE_WIDTHS)
+
+
+def test_expected_tokens_by_hand():
+    deeper = [0.4, 0.5, 0.55, 0.6, 0.7, 0.8]
+    beam = TreeSpec.parse("2,2")
+    assert expected_tokens(beam, [ROW, deeper]) == pytest.approx(1 + 0.6 + 0.6 * 0.5)
+    # the lookup chain takes one slot per level: draft top-1 there, combined independently
+    level1, level2 = 1 - 0.5 * 0.5, 1 - 0.6 * 0.5
+    assert expected_tokens(beam, [ROW, deeper], [0.5, 0.5]) == pytest.approx(1 + level1 + level1 * level2)
+    assert expected_tokens(TreeSpec.chain(2), lookup=[0.3, 0.6]) == pytest.approx(1 + 0.3 + 0.3 * 0.6)
+    # widths between measured columns interpolate; deeper levels reuse the last row
+    assert expected_tokens(TreeSpec.parse("6"), [ROW]) == pytest.approx(1 + 0.75)
+    assert expected_tokens(TreeSpec.parse("1,1,1"), [ROW]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_lookup_acceptance_on_known_texts():
+    periodic = [1, 2, 3, 4, 5] * 60
+    assert lookup_acceptance(periodic, depths=3, tail=200) == [1.0, 1.0, 1.0]
+    rng = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 100000, (600,), generator=rng).tolist()  # no repeats: no match, no hit
+    assert lookup_acceptance(noise, depths=2, tail=500)[0] == 0.0
+    half = [7, 8] * 100 + torch.randint(1000, 100000, (200,), generator=rng).tolist()
+    q = lookup_acceptance(half, depths=1, tail=400)[0]
+    assert 0.45 < q < 0.55
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    _, path = tiny_model_factory("auto", "llama", num_hidden_layers=2, max_position_embeddings=256, seed=4)
+    target = load_target(path)
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    return target, draft
+
+
+def test_measure_acceptance_table(tiny):
+    target, draft = tiny
+    ids = torch.randint(0, 160, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = measure_acceptance(draft, target, ids, depths=3, chunk=128)
+    assert len(table) == 3 and all(len(row) == len(ACCEPTANCE_WIDTHS) for row in table)
+    for row in table:
+        assert all(0.0 <= a <= b <= 1.0 for a, b in zip(row, row[1:])), row
+    # a draft that can only name tokens the text never uses never hits
+    draft.limit_vocab([150, 151])
+    text = torch.randint(0, 100, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert measure_acceptance(draft, target, text, depths=2, chunk=128) == [[0.0] * len(ACCEPTANCE_WIDTHS)] * 2
+    draft.config.draft_vocab = 0
+
+
+def fake_costs(target, path, prompt_len, target_ms, draft_ms):
+    context = 1 << max(7, (prompt_len - 1).bit_length())
+    context = min(context, target.config.max_position_embeddings - 69)
+    path.write_text(json.dumps({f"{device_key(target)} | {context}": {"target_ms": target_ms, "draft_ms": draft_ms}}))
+
+
+def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    ids = list(range(40))  # no repeats: prompt lookup never hits
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    costs = tmp_path / "costs.json"
+    labels = [f"pld chain:{n}" for n in range(1, 7)] + [f"hybrid {t}" for t in auto.CANDIDATE_TREES]
+    sizes = {"1", "2", "3", "4", "5", "6", "7", "11", "13", "21", "37", "69"}
+    # verifying is as cheap as decoding: the deepest, widest tree pays most
+    fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
+    name, tree, chosen, why = pick(target, ids, draft, costs_file=str(costs))
+    assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16", draft) and why.startswith("cost model")
+    # verifying costs grow with the tokens: plain decoding wins
+    fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
+    assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("none", None, None)
+    # no draft: only lookup chains compete
+    fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
+    assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(6))
+
+
+def test_costs_are_measured_once(tiny, tmp_path):
+    target, draft = tiny
+    draft.config.acceptance = [ROW]
+    costs = tmp_path / "costs.json"
+    choice = pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))
+    (entry,) = json.loads(costs.read_text()).values()
+    assert set(entry["target_ms"]) >= {"1", "69"} and len(entry["draft_ms"]) == 6 + len(auto.CANDIDATE_TREES)
+    assert all(ms > 0 for ms in [*entry["target_ms"].values(), *entry["draft_ms"].values()])
+    before = costs.read_text()
+    assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[:2] == choice[:2]
+    assert costs.read_text() == before
+    costs.write_text("not json")  # a damaged cache is measured again, not an error
+    assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[0] in ("none", "pld", "hybrid")
