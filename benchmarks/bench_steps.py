@@ -78,8 +78,8 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
                            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)}
 
 
-def random_target(shape: str, dtype):
-    """A target of a known shape with random weights (N(0, 0.02)), on the GPU."""
+def random_target(shape: str, dtype, device: str = "cuda"):
+    """A target of a known shape with random weights (N(0, 0.02)), on ``device``."""
     from longspec.config import ModelConfig
     from longspec.models.rope import RotaryEmbedding
     from longspec.models.target import TargetModel
@@ -87,11 +87,11 @@ def random_target(shape: str, dtype):
     config = ModelConfig.from_hf(SHAPES[shape])
     with torch.device("meta"):
         model = TargetModel(config)
-    model = model.to_empty(device="cuda").to(dtype)
+    model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to("cuda")
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
     model.fuse_projections()
     return model.eval().requires_grad_(False)
 

@@ -7,6 +7,7 @@
 #   steps     bench_steps.py (default model)          bench     bench_generate.py (vs transformers)
 #   train     draft training                          repro     the 7.9k Triton crash, localised
 #   attention bench_attention.py (8B shape, op)       steps8b   bench_steps.py --shape llama-8b --hf
+#   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
 # The draft trains on numpy, scipy, networkx and torch sources from the machine's site-packages;
 # the benchmark prompts come from transformers/generation, which the draft never saw.
 set -euo pipefail
@@ -44,7 +45,12 @@ PY
            ;;
     bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
-             --attention ${BENCH_ATTENTION:-matmul,triton} 2>&1 | tee "$OUT/bench.log" || true ;;
+             --attention ${BENCH_ATTENTION:-matmul+compile,triton+compile} --methods ${METHODS:-ar,pld,longspec,hybrid,auto} \
+             --hf ${HF:-dynamic,static,pld} 2>&1 | tee "$OUT/bench.log" || true ;;
+    trainbench) timeout $T python3 benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --batch ${TRAIN_BATCH:-8,16,32} \
+             --chunk 4096,0 2>&1 | tee "$OUT/train_bench.log" || true ;;
+    stepsrand) timeout $T python3 benchmarks/bench_steps.py --shape smollm2 --random-draft --contexts ${CONTEXTS:-2048,8192} \
+             --trees 16,69 --attention ${ATTENTION:-matmul,triton} --compile on,off 2>&1 | tee "$OUT/steps_rand.log" || true ;;
     repro) for cfg in "7900 triton --eager" "7900 triton" "4100 triton" "7900 matmul"; do set -- $cfg
              echo "== repro $cfg"; CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/repro_long_context.py \
                --length $1 --attention $2 ${3:-} 2>&1 | grep -E "OK|Error|File \"/work" | tail -4; done \

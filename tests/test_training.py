@@ -12,8 +12,8 @@ from longspec import load_target
 from longspec.cli import main
 from longspec.models.checkpoint import load_draft
 from longspec.training import (DataConfig, Document, TrainConfig, anchor_offset_positions, build_data,
-                               iter_documents, loss_sums, lr_at, offset_range, sample_chunks, sample_lag,
-                               split_documents, target_forward, train)
+                               head_loss_sums, iter_documents, loss_sums, lr_at, offset_range, sample_chunks,
+                               sample_lag, split_documents, target_forward, train)
 from longspec.training.checkpoints import latest_checkpoint
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n#=_/()0123456789:"
@@ -229,6 +229,27 @@ def test_loss_alignment():
         assert s.count == 2 * (10 - 1 - lag) and int(s.correct) == s.count and float(s.ce) < 1e-6
     s = loss_sums(torch.zeros(2, 10, 7), ids, 2, target_logits=perfect, distill_weight=0.5)
     assert float(s.kl) > 0 and float(s.objective) == pytest.approx(0.5 * float(s.ce) + 0.5 * float(s.kl))
+
+
+@pytest.mark.parametrize("distill", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_head_loss_matches_full_logits(distill, chunk):
+    """The chunked LM-head loss (never more than ``chunk`` rows of logits) gives the reference's
+    sums and the same gradient with respect to the draft's hidden states."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 11, (2, 12), generator=gen)
+    target_hidden = torch.randn(2, 12, 8, generator=gen, dtype=torch.float64) if distill else None
+    lag, w = 2, 0.3
+    ref = loss_sums(hidden @ weight.T, ids, lag, None if target_hidden is None else target_hidden @ weight.T, w)
+    (ref_grad,) = torch.autograd.grad(ref.objective, hidden)
+    ours = head_loss_sums(hidden, weight, ids, lag, target_hidden, w, chunk=chunk)
+    (our_grad,) = torch.autograd.grad(2.5 * ours.objective, hidden)
+    for a, b in ((ours.objective, ref.objective), (ours.ce, ref.ce), (ours.kl, ref.kl)):
+        assert float(a) == pytest.approx(float(b), rel=1e-5, abs=1e-6)
+    assert int(ours.correct) == int(ref.correct) and ours.count == ref.count
+    torch.testing.assert_close(our_grad, 2.5 * ref_grad, atol=1e-5, rtol=1e-4)  # logits in float32
 
 
 # ------------------------------------------------------------------------------------- trainer

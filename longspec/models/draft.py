@@ -153,12 +153,17 @@ class LongSpecDraft(nn.Module):
         self.register_buffer("vocab_subset", ids.to(device))
         self.config.draft_vocab, self._head_rows = ids.numel(), None
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the shared LM head is applied to: the target's final norm of ``hidden`` when
+        ``config.head_norm``, else ``hidden`` itself."""
+        return self.target.final_norm(hidden) if self.config.head_norm else hidden
+
     def logits(self, hidden: torch.Tensor, reduced: bool = False) -> torch.Tensor:
         """Draft hidden [..., H] -> float32 logits [..., V] through the target's LM head (after its
         final norm when ``config.head_norm``, as our drafts are trained; published drafts have
         none). ``reduced`` (drafting) with a reduced vocabulary: only those rows of the head are
         computed, the other tokens get -inf; training always scores the whole vocabulary."""
-        h = self.target.final_norm(hidden) if self.config.head_norm else hidden
+        h = self.head_input(hidden)
         if not (reduced and self.config.draft_vocab):
             return self.target.logits(h)
         subset = self.vocab_subset

@@ -21,16 +21,18 @@ from torch import nn
 @dataclass
 class TargetOutputs:
     """Last-layer K/V [B, Hkv, T, D] (rotated, as the target caches them) and, for
-    distillation, the target's next-token logits [B, T, V] (float32)."""
+    distillation, the target's next-token logits [B, T, V] (float32) or its LM-head input [B, T, H]
+    (``hidden``: what the chunked loss takes)."""
 
     k: torch.Tensor
     v: torch.Tensor
     logits: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
 def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, want_logits: bool = False,
-                   cache=None) -> TargetOutputs:
+                   cache=None, want_hidden: bool = False) -> TargetOutputs:
     """Runs the frozen target over input_ids, positions [B, T] (causal) on a fresh cache (or
     ``cache``, a KV cache of B rows and at least T slots to reuse; reset first) and returns its
     last layer's K/V. Under ``no_grad``, not ``inference_mode``: the K/V are saved for the
@@ -44,7 +46,7 @@ def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, wan
     hidden = target.forward_hidden(input_ids, positions, cache, causal)
     k, v = cache.k[-1][:, :, :t].clone(), cache.v[-1][:, :, :t].clone()
     cache.discard()
-    return TargetOutputs(k, v, target.logits(hidden) if want_logits else None)
+    return TargetOutputs(k, v, target.logits(hidden) if want_logits else None, hidden if want_hidden else None)
 
 
 @dataclass
@@ -86,16 +88,73 @@ def loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, lag: int, target_lo
     return LossSums(objective, ce, kl, correct, labels.numel())
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Summed (1 - w) * CE + w * KL(target || draft) of the LM head ``weight`` [V, H] applied to
+    h [N, H] (and to the target's h_target [N, H] for the KL), a ``chunk`` of rows at a time: the
+    [N, V] logits are never held at once. The gradient with respect to h is computed in the same
+    pass (softmax(z) - (1 - w) * onehot - w * p, times the head) and kept for backward; the head
+    is frozen. Returns (objective, ce, kl, correct); only the objective is differentiable."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, h_target, distill_weight: float, chunk: int):
+        grad = torch.empty_like(h)
+        sums = torch.zeros(3, dtype=torch.float64, device=h.device)  # ce, kl, correct
+        w = distill_weight if h_target is not None else 0.0
+        for start in range(0, h.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            z = F.linear(h[rows].to(weight.dtype), weight).float()
+            log_q = F.log_softmax(z, -1)
+            y = labels[rows, None]
+            sums[0] -= log_q.gather(1, y).sum().double()
+            sums[2] += (z.argmax(-1) == y[:, 0]).sum()
+            g = log_q.exp()
+            g.scatter_add_(1, y, torch.full_like(y, -(1.0 - w), dtype=g.dtype))
+            if h_target is not None:
+                log_p = F.log_softmax(F.linear(h_target[rows].to(weight.dtype), weight).float(), -1)
+                p = log_p.exp()
+                sums[1] += (p * (log_p - log_q)).sum().double()
+                g.sub_(w * p)
+            grad[rows] = (g.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad)
+        ce, kl, correct = sums[0], sums[1], sums[2]
+        objective = (1.0 - w) * ce + w * kl
+        return objective.float(), ce.float(), kl.float(), correct.long()
+
+    @staticmethod
+    def backward(ctx, grad_objective, *unused):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_objective.to(grad.dtype), None, None, None, None, None
+
+
+def head_loss_sums(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, lag: int,
+                   target_hidden: Optional[torch.Tensor] = None, distill_weight: float = 1.0,
+                   chunk: int = 4096) -> LossSums:
+    """:func:`loss_sums` of ``logits = hidden @ weight.T`` without materialising them: hidden
+    [B, T, H] (the draft's head input), weight [V, H] (the frozen LM head), target_hidden [B, T, H]
+    (the target's head input, for distillation). ``chunk`` rows of logits exist at a time."""
+    t = input_ids.shape[1]
+    h = hidden[:, lag:t - 1].flatten(0, 1)
+    labels = input_ids[:, lag + 1:].flatten()
+    h_target = None if target_hidden is None else target_hidden[:, lag:t - 1].flatten(0, 1)
+    objective, ce, kl, correct = _ChunkedHeadLoss.apply(h, weight.detach(), labels, h_target, distill_weight,
+                                                        chunk)
+    return LossSums(objective, ce, kl, correct, labels.numel())
+
+
 class DraftLoss(nn.Module):
     """The draft's training step as one module (what DDP wraps: gradient synchronisation is
     hooked on ``forward``). ``forward(input_ids, positions, target_k, target_v, lag,
     target_logits)`` -> :class:`LossSums`."""
 
-    def __init__(self, draft, distill_weight: float = 1.0):
+    def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096):
         super().__init__()
         self.draft = draft
         self.distill_weight = distill_weight
+        self.chunk = chunk
 
-    def forward(self, input_ids, positions, target_k, target_v, lag: int, target_logits=None) -> LossSums:
+    def forward(self, input_ids, positions, target_k, target_v, lag: int, target_hidden=None) -> LossSums:
+        """``target_hidden`` [B, T, H]: the target's LM-head input (for distillation). The loss over
+        the big vocabulary runs in chunks (:func:`head_loss_sums`)."""
         hidden = self.draft.forward_train(input_ids, positions, target_k, target_v, lag=lag)
-        return loss_sums(self.draft.logits(hidden), input_ids, lag, target_logits, self.distill_weight)
+        return head_loss_sums(self.draft.head_input(hidden), self.draft.target.lm_head.weight, input_ids, lag,
+                              target_hidden, self.distill_weight, self.chunk)

@@ -173,9 +173,9 @@ class Trainer:
         b, t = ids.shape
         if self.cache is None or self.cache.batch_size != b or self.cache.max_len != t:
             self.cache = self.target.new_cache(b, t)
-        tgt = target_forward(self.target, ids, positions, want_logits=self.config.distill, cache=self.cache)
+        tgt = target_forward(self.target, ids, positions, want_hidden=self.config.distill, cache=self.cache)
         with self._autocast():
-            return model(ids, positions, tgt.k, tgt.v, lag, tgt.logits)
+            return model(ids, positions, tgt.k, tgt.v, lag, tgt.hidden)
 
     def train_step(self) -> dict:
         """One optimizer step over a global batch. Returns the step's global metrics."""

@@ -1,0 +1,87 @@
+"""Training throughput of the draft trainer: tokens/s of ``Trainer.train_step`` on a random-weight
+target of a known shape (step time does not depend on the weights' values) with random token
+chunks, for several micro-batch sizes and loss chunk sizes, with the peak memory. Prints a table
+and one JSON line last.
+
+    python benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --batch 8,16,32 --chunk 4096,0
+
+``--chunk 0`` computes the LM-head loss of a whole micro-batch at once (the [tokens, vocab]
+logits materialised, as before the chunked loss); other values bound the rows of logits alive
+at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_steps import SHAPES, random_target  # noqa: E402
+from longspec.training.data import PackedData  # noqa: E402
+from longspec.training.distributed import DistEnv  # noqa: E402
+from longspec.training.trainer import TrainConfig, Trainer  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", default="8,16,32", help="micro-batch sizes")
+    p.add_argument("--chunk", default="4096,0", help="loss chunk rows (0: whole micro-batch)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps after 3 warm-up steps")
+    p.add_argument("--distill", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    target = random_target(args.shape, torch.bfloat16 if cuda else torch.float32, args.device)
+    vocab = target.config.vocab_size
+    rows = []
+    for batch in map(int, args.batch.split(",")):
+        for chunk in map(int, args.chunk.split(",")):
+            data = PackedData(torch.randint(0, vocab, (max(64, 4 * batch), args.seq_len)),
+                              torch.randint(0, vocab, (4, args.seq_len)), 1, 1)
+            with tempfile.TemporaryDirectory() as out:
+                config = TrainConfig(target="random", data=[], out=out, seq_len=args.seq_len, batch_size=batch,
+                                     steps=args.steps + 3, distill=args.distill, progress=False)
+                config.validate()
+                trainer = Trainer(config, DistEnv(device=torch.device(args.device)), target, data)
+                trainer.loss.chunk = chunk or batch * args.seq_len
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    times = []
+                    for i in range(args.steps + 3):
+                        sync()
+                        t = time.perf_counter()
+                        trainer.train_step()
+                        sync()
+                        if i >= 3:
+                            times.append(time.perf_counter() - t)
+                    sec = statistics.median(times)
+                    row = dict(batch=batch, chunk=chunk, seq_len=args.seq_len, step_s=sec,
+                               tokens_per_s=batch * args.seq_len / sec,
+                               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+                except torch.OutOfMemoryError:
+                    row = dict(batch=batch, chunk=chunk, seq_len=args.seq_len, step_s=float("nan"),
+                               tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
+                rows.append(row)
+                print(f"batch {batch:3} chunk {chunk:6}: {row['tokens_per_s'] / 1e3:8.1f} k tokens/s, "
+                      f"step {row['step_s'] * 1e3:7.1f} ms, peak {row['peak_gib']:.1f} GiB", flush=True)
+                del trainer
+                if cuda:
+                    torch.cuda.empty_cache()
+    print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape, "distill": args.distill,
+                      "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
