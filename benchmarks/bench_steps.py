@@ -28,30 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.engine import Engine, Sequence  # noqa: E402
 from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
+from longspec.decoding.runner import time_graph  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
-
-
-def time_graph(fn, replays: int = 50) -> float:
-    """Median seconds of one replay of ``fn`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    return statistics.median(times)
 
 
 def kernel_profile(fn, top: int = 12) -> tuple:

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .runner import time_graph
 from .tree import TreeSpec
 
 CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", "4,16,16,16,16")
@@ -119,24 +120,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn``: CUDA-graph replays on CUDA (as the engine runs steps), eager
     calls elsewhere."""
     if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-            fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+        return time_graph(fn, repeats, device)
     fn()
     times = []
     for _ in range(repeats):
