@@ -195,6 +195,32 @@ def make_proposer(args, name, target, draft=None):
     return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
 
 
+def cmd_self_distill(args) -> int:
+    """``longspec self-distill``: chat requests about documents answered by the target (JSONL)."""
+    from . import load_target
+    from .convert import default_model_dir
+    from .training.selfdistill import TASKS, self_distill
+
+    _set_threads(args)
+    device, dtype = _device_and_dtype(args)
+    tasks = args.tasks.split(",")
+    if any(t not in TASKS for t in tasks) or args.max_doc_tokens < 1 or args.max_new_tokens < 1 or args.batch < 1:
+        raise UsageError(f"--tasks must name some of {','.join(TASKS)}; --max-doc-tokens, --max-new-tokens and "
+                         "--batch must be >= 1")
+    from transformers import AutoTokenizer
+
+    target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    target = load_target(target_dir, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    try:
+        n = self_distill(target, tokenizer, args.docs, args.out, tasks, args.max_doc_tokens, args.max_new_tokens,
+                         args.batch, args.temperature, args.top_p, args.seed, limit=args.limit)
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    print(f"[longspec: {n} conversations written to {args.out}]", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
     _set_threads(args)
@@ -311,6 +337,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     gen.set_defaults(func=cmd_generate)
+
+    sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "
+                                             "training data for --distill)")
+    sd.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    sd.add_argument("--docs", nargs="+", required=True, help="files / directories of .md .rst .txt .py documents "
+                                                             "(not the Python standard library)")
+    sd.add_argument("--out", required=True, help="the JSONL file to write")
+    sd.add_argument("--tasks", default="summarise,explain,continue,question", help="requests, one per document "
+                                                                                   "in turn (default: all four)")
+    sd.add_argument("--max-doc-tokens", type=int, default=3072, help="document tokens per request (default: 3072)")
+    sd.add_argument("--max-new-tokens", type=int, default=256, help="answer tokens at most (default: 256)")
+    sd.add_argument("--batch", type=int, default=8, help="requests answered together (default: 8)")
+    sd.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    sd.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default: 0.95)")
+    sd.add_argument("--seed", type=int, default=0, help="sampling and document-order seed (default: 0)")
+    sd.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
+    sd.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    sd.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    sd.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    sd.set_defaults(func=cmd_self_distill)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
     srv.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")

@@ -32,6 +32,14 @@ def test_argument_errors_come_before_loading(capsys, args, message):
     assert message in err and "checkpoint directory not found" not in err, err
 
 
+def test_self_distill_argument_errors_come_before_loading(capsys):
+    base = ["self-distill", "--target", MISSING, "--docs", "d", "--out", "o.jsonl"]
+    assert main([*base, "--tasks", "summarise,poetry"]) == 2
+    assert "--tasks must name some of summarise,explain,continue,question" in capsys.readouterr().err
+    assert main([*base, "--batch", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
 def test_prompt_errors(capsys, tmp_path):
     assert main(["generate", "--target", MISSING, "--prompt", ""]) == 2
     assert "the prompt is empty" in capsys.readouterr().err

@@ -4,6 +4,7 @@ target (held-out loss falls, distillation, bit-exact resume after an interruptio
 that load with ``load_draft``, the CLI)."""
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,3 +376,50 @@ def test_lag_range_follows_the_tree_depth(tmp_path):
     config = TrainConfig(out=str(tmp_path), tree="chain:3", max_lag=7)
     config.validate()
     assert config.max_lag == 7
+
+
+# ----------------------------------------------------------------------------- self-distillation
+
+class ChatStubTokenizer:
+    """Characters of ALPHABET as ids 2.. (no chat template: the plain User/Assistant format)."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[2 + ALPHABET.index(ch) for ch in text.lower() if ch in ALPHABET])
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(ALPHABET[i - 2] for i in ids if 2 <= i < 2 + len(ALPHABET))
+
+
+def test_self_distill_writes_the_targets_answers(target, tmp_path):
+    import sysconfig
+
+    from longspec.training.selfdistill import self_distill
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    rng = random.Random(0)
+    for name in ("a.md", "sub/b.rst", "c.py"):
+        (docs / name).write_text(grammar_text(rng, 80))  # > 2000 characters
+    (docs / "short.md").write_text("too short")
+    (docs / "data.bin").write_bytes(b"\0" * 3000)
+    args = dict(tasks=["summarise", "explain"], max_doc_tokens=30, max_new_tokens=5, batch_size=2, seed=3)
+    out = tmp_path / "chats.jsonl"
+    assert self_distill(target, ChatStubTokenizer(), [docs], out, **args) == 3
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["name"] for r in records) == ["docs/a.md", "docs/c.py", "docs/sub/b.rst"]
+    assert [r["task"] for r in records] == ["summarise", "explain", "summarise"]
+    for r in records:
+        assert r["text"].startswith("user: " + r["task"]) and "\nassistant:" in r["text"]
+        assert r["answer_tokens"] == 5 and 30 < r["prompt_tokens"] < 200
+    again = tmp_path / "again.jsonl"
+    self_distill(target, ChatStubTokenizer(), [docs], again, **args)
+    assert again.read_text() == out.read_text()  # seeded: the same answers
+    stdlib = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    with pytest.raises(ValueError, match="standard library"):
+        self_distill(target, ChatStubTokenizer(), [stdlib], out, **args)
+    with pytest.raises(ValueError, match="standard library"):
+        list(iter_documents(stdlib))

@@ -134,12 +134,27 @@ def _tree_documents(root: Path, max_file_bytes: int) -> Iterator[Document]:
             yield doc
 
 
+def check_not_stdlib(path) -> None:
+    """Raises ValueError for a path inside the Python standard library (installed packages under
+    site-packages are fine): it is kept out of training to evaluate drafts on text they never saw."""
+    import sysconfig
+
+    resolved = Path(path).resolve()
+    paths = sysconfig.get_paths()
+    packages = [Path(paths[k]).resolve() for k in ("purelib", "platlib")]
+    if resolved.is_relative_to(Path(paths["stdlib"]).resolve()) and not any(
+            resolved.is_relative_to(p) for p in packages):
+        raise ValueError(f"{path} is in the Python standard library, which is kept out of training "
+                         "(drafts are evaluated on it); use installed packages (site-packages) or your own text")
+
+
 def iter_documents(path, text_field: str = "text", max_file_bytes: int = 1 << 20) -> Iterator[Document]:
     """The documents of one data path (see the module docstring). Raises FileNotFoundError for
-    a missing path and ValueError when it holds no usable text."""
+    a missing path and ValueError when it holds no usable text or lies in the standard library."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data path not found: {path}")
+    check_not_stdlib(path)
     if path.is_dir():
         docs = _tree_documents(path, max_file_bytes)
         why = "no readable text files (binary, undecodable, empty or larger than max_file_bytes are skipped)"
