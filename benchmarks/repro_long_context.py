@@ -3,6 +3,12 @@ given prompt length with a given attention implementation, eager or with CUDA gr
 non-zero on failure. Used to localise a CUDA illegal-memory-access seen at 7.9k tokens.
 
     CUDA_LAUNCH_BLOCKING=1 python benchmarks/repro_long_context.py --length 7900 --attention triton --eager
+
+Found so far (H200, benchmarks/results/repro_triton_graphs_h200.log): with ``--new 128 --calls 2
+--generators 2 --attention triton --pld`` the second generator's graph replay fails (illegal
+memory access); ``--eager``, ``--attention matmul``, a single generator and 2k prompts pass.
+``--sync-phases`` names the failing phase; ``--eager-first 1`` tells whether it needs an earlier
+capture; ``--max-len`` whether it follows the cache capacity.
 """
 import argparse
 import sys
@@ -27,6 +33,10 @@ def main():
     p.add_argument("--generators", type=int, default=1, help="fresh generators, one after the other")
     p.add_argument("--gc", action="store_true", help="collect garbage after each generator")
     p.add_argument("--calls", type=int, default=1, help="generate calls per generator")
+    p.add_argument("--eager-first", type=int, default=0, help="the first N generators run eagerly (no graphs)")
+    p.add_argument("--sync-phases", action="store_true",
+                   help="synchronise after every phase of every round and name the one that fails")
+    p.add_argument("--max-len", type=int, default=None, help="the generators' cache limit (default: the model's)")
     p.add_argument("--dir", default="/tmp/smol-random")
     args = p.parse_args()
     if not (Path(args.dir) / "config.json").exists():
@@ -39,8 +49,29 @@ def main():
     target.attention_impl, target.compile_steps = args.attention, args.compile
     prompt = torch.randint(0, 49152, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     proposer = PromptLookup() if args.pld else None
+    where = {"generator": 0, "round": 0}
+    if args.sync_phases:
+        from longspec.decoding import runner as runner_module
+
+        def run_round(self):
+            if self.cuda_graphs and self.graphs is None:
+                self._capture()
+            self.uniforms.refill()
+            for i, phase in enumerate(self.phases):
+                self.graphs[i].replay() if self.graphs else phase()
+                try:
+                    torch.cuda.synchronize()
+                except Exception as err:
+                    print(f"FAILED in phase {i} ({phase.__name__}, {'graph' if self.graphs else 'eager'}) of "
+                          f"round {where['round']} of generator {where['generator']}: {err}", flush=True)
+                    raise SystemExit(1)
+            where["round"] += 1
+
+        runner_module.PhaseRunner.run_round = run_round
     for i in range(args.generators):  # as bench_generate: calls on one generator, then a fresh one
-        gen = Generator(target, proposer, tree="chain:5" if args.pld else None, cuda_graphs=not args.eager)
+        where.update(generator=i, round=0)
+        gen = Generator(target, proposer, tree="chain:5" if args.pld else None, max_len=args.max_len,
+                        cuda_graphs=not args.eager and i >= args.eager_first)
         for _ in range(args.calls):
             out = gen.generate([prompt], GenerationConfig(max_new_tokens=args.new, ignore_eos=True))
             torch.cuda.synchronize()
