@@ -79,3 +79,28 @@ def test_compiled_engine_same_tokens(tiny, compiled_backend, temperature):
             proposer = make()
             outs.append(Generator(target, proposer, tree="3,3,3" if proposer else None).generate(prompts, config))
         assert outs[1].sequences == outs[0].sequences, type(proposer).__name__
+
+
+def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
+    """Where compilation fails (no Triton for Inductor, a compiler bug), every step still runs,
+    once, uncompiled: the same tokens."""
+    import torch._dynamo
+    from torch._dynamo import register_backend
+
+    @register_backend
+    def longspec_test_failing(gm, example_inputs):
+        raise RuntimeError("this machine has no compiler")
+
+    monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "longspec_test_failing")
+    monkeypatch.setattr(target_module, "_COMPILED", {})
+    torch._dynamo.reset()
+    target = load_target(tiny[1])
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    prompts = [list(range(5, 45)), list(range(60, 80))]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    outs = []
+    for compiled in (False, True):
+        target.compile_steps = compiled
+        outs.append(Generator(target, LongSpecProposer(draft, PromptLookup()), tree="3,3").generate(prompts, config))
+    assert outs[1].sequences == outs[0].sequences
+    torch._dynamo.reset()

@@ -168,13 +168,33 @@ def compile_step(fn):
     """``torch.compile`` as fixed-shape steps use it: static shapes, Inductor (the environment
     variable ``LONGSPEC_COMPILE_BACKEND`` picks another backend, e.g. ``aot_eager`` in CPU tests).
     Each new shape compiles once (seconds); the recompilation limit is raised for the few shapes
-    an engine uses (decode, verify, each draft level, each batch size)."""
+    an engine uses (decode, verify, each draft level, each batch size). Where compilation is not
+    possible (no Triton for Inductor, an unsupported Python, a compiler error) the step runs
+    uncompiled, with a warning: the same results, slower."""
     import torch._dynamo
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=False, backend=os.environ.get("LONGSPEC_COMPILE_BACKEND", "inductor"),
-                         mode=os.environ.get("LONGSPEC_COMPILE_MODE"))
+    try:
+        compiled = torch.compile(fn, dynamic=False, backend=os.environ.get("LONGSPEC_COMPILE_BACKEND", "inductor"),
+                                 mode=os.environ.get("LONGSPEC_COMPILE_MODE"))
+    except RuntimeError as err:  # e.g. Dynamo does not support this Python version
+        _compile_failed(err)
+        return fn
+
+    def step(*args, **kwargs):
+        # a frame that fails to compile runs eagerly (Dynamo's own fallback: nothing runs twice)
+        with torch._dynamo.config.patch(suppress_errors=True):
+            return compiled(*args, **kwargs)
+
+    return step
+
+
+def _compile_failed(err: Exception) -> None:
+    import warnings
+
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    warnings.warn(f"torch.compile is not available here, steps run uncompiled ({first_line})", stacklevel=3)
 
 
 def compiled_layer():
