@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 10's ablations on one GPU (second call of a session, the default model staged as for
+# gpu_session.sh): four drafts for the default model with the same data, seed and steps — the
+# recipe (anchor-offset positions + noisy lags), without anchor offsets, without noisy lags, and
+# with distillation — then benchmarks/ablations.py compares them on held-out packages (acceptance
+# per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
+# Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-400}; EVERY=${EVERY:-50}; BATCH=${BATCH:-16}
+STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
+export PYTHONPATH=/tmp/site:$PWD
+SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+DATA="$SITE/numpy $SITE/scipy $SITE/networkx"
+HELDOUT=""; for p in requests click rich httpx starlette pydantic jinja2 yaml urllib3 setuptools; do
+  [ -d "$SITE/$p" ] && HELDOUT="$HELDOUT $SITE/$p"; done
+train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /root/stage/smol-hf --data $DATA \
+  --out "/root/abl/$1" --seq-len 2048 --batch-size $BATCH --steps $STEPS --lr 1e-3 --warmup 20 \
+  --eval-every $EVERY --save-every $STEPS --eval-chunks 32 --log-every 25 --no-progress --device cuda \
+  --dtype bfloat16 --seed 5 "${@:2}"; }
+{
+  for run in "base" "no-anchor --no-anchor-offset" "no-noise --no-noise" "distill --distill"; do
+    set -- $run; echo "== $1"; train "$@" 2>&1 | tail -3
+    cp "/root/abl/$1/metrics.jsonl" "$OUT/metrics_$1.jsonl" 2>/dev/null
+  done
+  python3 benchmarks/ablations.py --target /root/stage/smol-hf --heldout $HELDOUT --vocab 8192 --vocab-data $DATA \
+    --runs base=/root/abl/base no-anchor=/root/abl/no-anchor no-noise=/root/abl/no-noise distill=/root/abl/distill \
+    --out "$OUT"
+} 2>&1 | tee "$OUT/ablations.log"

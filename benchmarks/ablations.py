@@ -1,0 +1,112 @@
+"""Issue 10's ablations, summarised: drafts trained with and without anchor-offset positions,
+noisy lags and distillation (by ``benchmarks/ablation_session.sh``), plus the reduced draft
+vocabulary, compared on held-out text by their acceptance (teacher-forced top-k hit rates per
+tree depth, ``longspec.decoding.auto.measure_acceptance``) and the tokens per round those predict
+for the default beam tree and a chain; held-out loss curves plotted (PNG). Prints a table and
+one JSON line last.
+
+    python benchmarks/ablations.py --target DIR --runs base=DIR no-anchor=DIR no-noise=DIR distill=DIR \
+        --heldout SITE/requests SITE/click --vocab-data SITE/numpy SITE/networkx --out results/
+
+Held-out loss is comparable between runs of the same lag setting only (without noise the
+evaluation uses lag 1); the acceptance table is comparable across all of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_acceptance import source_tokens  # noqa: E402
+from longspec import load_target  # noqa: E402
+from longspec.decoding.auto import expected_tokens, measure_acceptance  # noqa: E402
+from longspec.decoding.tree import TreeSpec  # noqa: E402
+from longspec.models.checkpoint import load_draft  # noqa: E402
+from longspec.training.data import frequent_tokens  # noqa: E402
+
+
+def eval_curve(run_dir: Path) -> list:
+    """(step, eval_loss) rows of a run's metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+
+
+def steps_to(curve: list, loss: float):
+    """First step whose held-out loss is at most ``loss`` (None if never)."""
+    return next((step for step, value in curve if value <= loss), None)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--runs", nargs="+", required=True, help="name=DRAFT_DIR (the first is the baseline)")
+    p.add_argument("--heldout", nargs="+", required=True, help="held-out source directories")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=8192, help="also the baseline with this reduced draft vocabulary "
+                   "(0: not), taken from --vocab-data")
+    p.add_argument("--vocab-data", nargs="*", default=[], help="the training data (for the reduced vocabulary)")
+    p.add_argument("--out", default=".")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(args.target, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    ids = source_tokens(tokenizer, args.heldout, args.tokens)
+    runs = dict(item.split("=", 1) for item in args.runs)
+    beam, chain = TreeSpec.parse("4,16,16,16,16"), TreeSpec.chain(5)
+    rows, curves = [], {}
+    for name, run_dir in runs.items():
+        curves[name] = eval_curve(Path(run_dir))
+        first = name == next(iter(runs))
+        variants = [(name, None)] + ([(f"{name}, vocab {args.vocab}", args.vocab)] if first and args.vocab and
+                                     args.vocab_data else [])
+        for label, vocab in variants:
+            draft = load_draft(run_dir, target).float()
+            if vocab:  # the most frequent tokens of the training data, as `longspec draft-vocab` picks them
+                draft.limit_vocab(frequent_tokens(args.vocab_data, tokenizer, vocab, target.config.vocab_size))
+            table = measure_acceptance(draft, target, ids, depths=5)
+            rows.append(dict(run=label, final_eval_loss=curves[name][-1][1] if curves[name] else None,
+                             top1_depth1=table[0][0], top1_depth5=table[4][0], top4_depth1=table[0][3],
+                             tokens_beam=expected_tokens(beam, table), tokens_chain5=expected_tokens(chain, table),
+                             acceptance=table))
+    base_name, base_curve = next(iter(curves.items()))
+    if "no-anchor" in curves and base_curve:  # the paper: 3.93x fewer steps with anchor offsets
+        target_loss = curves["no-anchor"][-1][1]
+        fast, slow = steps_to(base_curve, target_loss), curves["no-anchor"][-1][0]
+        print(f"steps to the no-anchor run's final held-out loss {target_loss:.3f}: baseline {fast}, "
+              f"no-anchor {slow}" + (f" ({slow / fast:.2f}x fewer with anchor offsets)" if fast else ""))
+    print(f"{'run':<22} {'eval loss':>9} {'top1@1':>7} {'top1@5':>7} {'top4@1':>7} {'beam tok':>8} {'chain tok':>9}")
+    for r in rows:
+        loss = f"{r['final_eval_loss']:9.3f}" if r["final_eval_loss"] is not None else f"{'-':>9}"
+        print(f"{r['run']:<22} {loss} {r['top1_depth1']:7.3f} {r['top1_depth5']:7.3f} {r['top4_depth1']:7.3f} "
+              f"{r['tokens_beam']:8.2f} {r['tokens_chain5']:9.2f}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        for name, curve in curves.items():
+            if curve:
+                plt.plot(*zip(*curve), marker="o", label=name)
+        plt.xlabel("step")
+        plt.ylabel("held-out loss")
+        plt.yscale("log")
+        plt.legend()
+        plt.savefig(Path(args.out) / "ablations.png", dpi=120)
+        print("plot:", Path(args.out) / "ablations.png")
+    except ImportError:
+        print("matplotlib missing: no plot")
+    print(json.dumps({"heldout": args.heldout, "tokens": len(ids), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
