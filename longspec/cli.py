@@ -191,7 +191,8 @@ def make_proposer(args, name, target, draft=None):
     from .convert import DEFAULT_DRAFT
     from .models.checkpoint import load_draft
 
-    draft = draft or load_draft(args.draft or DEFAULT_DRAFT, target)
+    if draft is None:
+        draft = load_draft(args.draft or DEFAULT_DRAFT, target)
     return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
 
 

@@ -10,10 +10,13 @@ device at hand, from a measured cost model.
 * **Acceptance** (measured once per draft, stored in its config as ``acceptance``): ``a[d][k]``,
   the fraction of held-out positions where the true token at tree depth d+1 is among the draft's
   k best (teacher forcing at the lag that depth queries); :func:`measure_acceptance`.
-* **Model**: a beam tree of widths w_1..w_D emits ``1 + sum_d prod_{j<=d} a[j][w_j]`` tokens per
-  round (each level independently holding the right token with its top-w rate); plain decoding
-  emits 1 per target step. The choice maximises tokens / (draft + verify time). The prompt-lookup
-  chain merged into the hybrid's tree only adds to this estimate, so it is left out of it.
+* **Lookup**: prompt lookup's hit rate per chain depth, measured on the prompt itself
+  (:func:`lookup_acceptance`).
+* **Model**: a tree of widths w_1..w_D emits ``1 + sum_d prod_{j<=d} h_j`` tokens per round, where
+  level j holds the right token with probability h_j: from the draft's top-w_j (one slot fewer
+  when the hybrid's lookup chain takes one) or, independently, from the lookup chain
+  (:func:`expected_tokens`); plain decoding emits 1 per target step. The choice maximises tokens /
+  (draft + verify time).
 """
 from __future__ import annotations
 
@@ -233,12 +236,13 @@ def _read_costs(costs_file: Optional[str]) -> dict:
 
 
 def _write_costs(costs_file: Optional[str], data: dict) -> None:
-    path = _costs_path(costs_file)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    from pathlib import Path
+
+    from ..models.checkpoint import write_atomic
+
+    path = Path(_costs_path(costs_file))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
 
 
 def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:

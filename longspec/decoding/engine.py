@@ -121,7 +121,7 @@ class Engine:
             state += proposer.state_tensors()
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
         compiled = target.compile_steps and (proposer is None or proposer.graphable)
-        self._propose = proposer and (compile_step(proposer.propose) if compiled else proposer.propose)
+        self._propose = None if proposer is None else compile_step(proposer.propose) if compiled else proposer.propose
         self._accept = compile_step(self._accept_round) if compiled else self._accept_round
         if cuda_graphs is None:
             cuda_graphs = proposer is None or proposer.graphable

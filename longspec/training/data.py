@@ -97,7 +97,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
                 yield Document(f"{path.name}:{line_no}", text)
 
 
-def _tree_files(root: Path) -> list:
+def tree_files(root: Path) -> list:
     """Files under ``root`` (sorted relative paths), skipping hidden entries and junk dirs."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -129,7 +129,7 @@ def _tree_documents(root: Path, max_file_bytes: int) -> Iterator[Document]:
         yield doc
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
                       and p.name not in SKIP_DIRS):
-        doc = project_document(f"{root.name}/{sub.name}", sub, _tree_files(sub), max_file_bytes)
+        doc = project_document(f"{root.name}/{sub.name}", sub, tree_files(sub), max_file_bytes)
         if doc is not None:
             yield doc
 

@@ -21,18 +21,17 @@ from torch import nn
 @dataclass
 class TargetOutputs:
     """Last-layer K/V [B, Hkv, T, D] (rotated, as the target caches them) and, for
-    distillation, the target's next-token logits [B, T, V] (float32) or its LM-head input [B, T, H]
-    (``hidden``: what the chunked loss takes)."""
+    distillation, the target's LM-head input [B, T, H] (its final-norm hidden states: the chunked
+    loss computes the logits from them)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    logits: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
-def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, want_logits: bool = False,
-                   cache=None, want_hidden: bool = False) -> TargetOutputs:
+def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, want_hidden: bool = False,
+                   cache=None) -> TargetOutputs:
     """Runs the frozen target over input_ids, positions [B, T] (causal) on a fresh cache (or
     ``cache``, a KV cache of B rows and at least T slots to reuse; reset first) and returns its
     last layer's K/V. Under ``no_grad``, not ``inference_mode``: the K/V are saved for the
@@ -46,7 +45,7 @@ def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, wan
     hidden = target.forward_hidden(input_ids, positions, cache, causal)
     k, v = cache.k[-1][:, :, :t].clone(), cache.v[-1][:, :, :t].clone()
     cache.discard()
-    return TargetOutputs(k, v, target.logits(hidden) if want_logits else None, hidden if want_hidden else None)
+    return TargetOutputs(k, v, hidden if want_hidden else None)
 
 
 @dataclass
@@ -70,7 +69,8 @@ class LossSums:
 
 def loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, lag: int, target_logits: Optional[torch.Tensor] = None,
               distill_weight: float = 1.0) -> LossSums:
-    """logits [B, T, V] of the draft, input_ids [B, T]; predictions from positions ``lag..T-2``.
+    """The reference loss over materialised logits (training uses :func:`head_loss_sums`):
+    logits [B, T, V] of the draft, input_ids [B, T]; predictions from positions ``lag..T-2``.
     With ``target_logits`` [B, T, V] the objective is ``(1 - w) * CE + w * KL`` (w =
     ``distill_weight``), else CE."""
     t = input_ids.shape[1]
@@ -144,7 +144,7 @@ def head_loss_sums(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.
 class DraftLoss(nn.Module):
     """The draft's training step as one module (what DDP wraps: gradient synchronisation is
     hooked on ``forward``). ``forward(input_ids, positions, target_k, target_v, lag,
-    target_logits)`` -> :class:`LossSums`."""
+    target_hidden)`` -> :class:`LossSums`."""
 
     def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096):
         super().__init__()

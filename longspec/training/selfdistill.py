@@ -14,12 +14,11 @@ distribution on every token (KL), not only its samples:
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .data import SKIP_DIRS, check_not_stdlib, read_text_file
+from .data import check_not_stdlib, read_text_file, tree_files
 
 DOC_SUFFIXES = (".md", ".rst", ".txt", ".py")
 TASKS = {
@@ -33,17 +32,14 @@ TASKS = {
 
 def find_documents(paths: Sequence, min_chars: int = 2000, max_file_bytes: int = 1 << 20) -> list:
     """(name, text) of every readable file with a ``DOC_SUFFIXES`` suffix under ``paths`` (files
-    or directories, sorted; hidden and junk directories skipped) with at least ``min_chars``
+    or directories: their files as a training source tree lists them) with at least ``min_chars``
     characters. Raises for missing paths and paths in the standard library."""
     docs = []
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"document path not found: {path}")
         check_not_stdlib(path)
-        files = [path] if path.is_file() else []
-        for dirpath, dirnames, filenames in os.walk(path) if path.is_dir() else ():
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
-            files += [Path(dirpath, f) for f in sorted(filenames) if f.lower().endswith(DOC_SUFFIXES)]
+        files = [f for f in tree_files(path) if f.name.lower().endswith(DOC_SUFFIXES)] if path.is_dir() else [path]
         for file in files:
             text = read_text_file(file, max_file_bytes)
             if text is not None and len(text) >= min_chars:
