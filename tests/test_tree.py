@@ -4,14 +4,8 @@ import itertools
 import pytest
 import torch
 
-from longspec.decoding.tree import (
-    DraftTree,
-    TreeSpec,
-    ancestor_mask_from_parents,
-    beam_select,
-    depths_from_parents,
-    topk_children,
-)
+from longspec.decoding.proposers import beam_select, topk_children
+from longspec.decoding.tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
 
 
 def random_parents(B, widths, gen):

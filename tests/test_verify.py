@@ -11,7 +11,8 @@ from scipy.stats import chi2
 
 import longspec.decoding.verify as verify_mod
 from longspec.decoding.sampling import warp_probs
-from longspec.decoding.tree import DraftTree, TreeSpec, beam_select
+from longspec.decoding.proposers import beam_select
+from longspec.decoding.tree import DraftTree, TreeSpec
 from longspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
 
 V = 8

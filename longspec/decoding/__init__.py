@@ -1,13 +1,7 @@
 """Speculative decoding: tree shapes, sampling and lossless verification."""
 from .sampling import check_sampling_args, sample, warp_logits, warp_probs
-from .tree import (
-    DraftTree,
-    TreeSpec,
-    ancestor_mask_from_parents,
-    beam_select,
-    depths_from_parents,
-    topk_children,
-)
+from .proposers import beam_select, topk_children
+from .tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
 from .verify import VerifyResult, verify_greedy, verify_sampling, verify_tree
 
 __all__ = [

@@ -27,8 +27,6 @@ __all__ = [
     "DraftTree",
     "ancestor_mask_from_parents",
     "depths_from_parents",
-    "beam_select",
-    "topk_children",
 ]
 
 
@@ -469,43 +467,3 @@ class DraftTree:
             raise ValueError("mask is not the ancestor-or-self mask of parents")
         if not torch.equal(self.depths, self.mask.sum(-1) - 1):
             raise ValueError("depths do not match parents")
-
-
-# --------------------------------------------------------------------------------------------
-# Drafting helpers (pure functions used by proposers)
-# --------------------------------------------------------------------------------------------
-
-
-def beam_select(parent_logprobs: torch.Tensor, child_logprobs: torch.Tensor, width: int):
-    """Pick the ``width`` best (parent, token) pairs by cumulative log-probability.
-
-    Args:
-        parent_logprobs: ``[B, P]`` cumulative draft log-probability of each current-level node.
-        child_logprobs: ``[B, P, V]`` draft log-probabilities of each node's children.
-        width: number of pairs to keep (``<= P * V``).
-    Returns:
-        ``parent_idx [B, width]`` (index into the P parents), ``token [B, width]``,
-        ``cum_logprob [B, width]`` — sorted by descending ``cum_logprob``, so siblings appear in
-        descending draft probability as the verifier expects.
-    """
-    B, P, V = child_logprobs.shape
-    if tuple(parent_logprobs.shape) != (B, P):
-        raise ValueError(f"parent_logprobs must be {(B, P)}, got {tuple(parent_logprobs.shape)}")
-    if not 0 < width <= P * V:
-        raise ValueError(f"beam width must be in [1, {P * V}] ({P} parents x {V} tokens), got {width}")
-    # each winning pair is among its parent's ``width`` best children: select per parent first
-    # (one small top-k per row), then among the P * k survivors (far cheaper than over P * V)
-    k = min(width, V)
-    child_top, child_token = torch.topk(child_logprobs, k, dim=-1)  # [B, P, k]
-    scores = (parent_logprobs.unsqueeze(-1) + child_top).reshape(B, P * k)
-    cum, flat = torch.topk(scores, width, dim=-1, sorted=True)
-    return flat // k, child_token.reshape(B, P * k).gather(1, flat), cum
-
-
-def topk_children(logits: torch.Tensor, k: int):
-    """Top-``k`` children of each node from draft ``logits [B, M, V]``.
-
-    Returns ``tokens [B, M, k]`` and their ``logprobs [B, M, k]``, in descending probability.
-    """
-    logprobs, tokens = torch.topk(logits.float().log_softmax(-1), k, dim=-1)
-    return tokens, logprobs
