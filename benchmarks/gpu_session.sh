@@ -52,13 +52,14 @@ PY
     stepsrand) timeout $T python3 benchmarks/bench_steps.py --shape smollm2 --random-draft --contexts ${CONTEXTS:-2048,8192} \
              --trees 16,69 --attention ${ATTENTION:-matmul,triton} --compile on,off 2>&1 | tee "$OUT/steps_rand.log" || true ;;
     repro) base="--length 7900 --new 128 --calls 2 --attention triton --pld --sync-phases"
-           for cfg in "--generators 2" "--generators 2 --eager-first 1" "--generators 2 --length 3900 --max-len 4096" \
-                       "--generators 2 --compile"; do
-             echo "== repro $base $cfg"; timeout 120 python3 benchmarks/repro_long_context.py $base $cfg 2>&1 \
+           for cfg in "--generators 2" "--generators 2 --fresh-proposer --gc" "--generators 2 --eager-first 1" \
+                       "--generators 2 --length 3900"; do
+             echo "== repro $base $cfg"; timeout 100 python3 benchmarks/repro_long_context.py $base $cfg 2>&1 \
                | grep -E "OK|FAILED|Error|generator" | tail -4; done | tee "$OUT/repro.log"
-           if command -v compute-sanitizer >/dev/null; then
-             timeout 400 compute-sanitizer --tool memcheck --print-limit 5 python3 benchmarks/repro_long_context.py \
-               --length 7900 --new 32 --calls 1 --generators 2 --attention triton --pld 2>&1 | tail -40 > "$OUT/sanitizer.log"
+           san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+           if [ -n "$san" ]; then
+             timeout ${SANITIZER_TIMEOUT:-240} "$san" --tool memcheck --print-limit 5 python3 benchmarks/repro_long_context.py \
+               --length 7900 --new 128 --calls 2 --generators 2 --attention triton --pld 2>&1 | tail -60 > "$OUT/sanitizer.log"
            else echo "no compute-sanitizer on this machine" | tee "$OUT/sanitizer.log"; fi ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
     steps8b) timeout $T python3 benchmarks/bench_steps.py --shape llama-8b --contexts ${CONTEXTS_8B:-8192,32768,131072} \

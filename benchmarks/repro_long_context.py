@@ -32,6 +32,8 @@ def main():
     p.add_argument("--pld", action="store_true", help="prompt-lookup speculative decoding")
     p.add_argument("--generators", type=int, default=1, help="fresh generators, one after the other")
     p.add_argument("--gc", action="store_true", help="collect garbage after each generator")
+    p.add_argument("--fresh-proposer", action="store_true",
+                   help="a new proposer per generator (else one shared, as bench_generate does)")
     p.add_argument("--calls", type=int, default=1, help="generate calls per generator")
     p.add_argument("--eager-first", type=int, default=0, help="the first N generators run eagerly (no graphs)")
     p.add_argument("--sync-phases", action="store_true",
@@ -48,7 +50,8 @@ def main():
     target = load_target(args.dir, dtype=torch.bfloat16, device="cuda")
     target.attention_impl, target.compile_steps = args.attention, args.compile
     prompt = torch.randint(0, 49152, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
-    proposer = PromptLookup() if args.pld else None
+    make_proposer = (lambda: PromptLookup()) if args.pld else (lambda: None)
+    proposer = make_proposer()
     where = {"generator": 0, "round": 0}
     if args.sync_phases:
         from longspec.decoding import runner as runner_module
@@ -70,6 +73,8 @@ def main():
         runner_module.PhaseRunner.run_round = run_round
     for i in range(args.generators):  # as bench_generate: calls on one generator, then a fresh one
         where.update(generator=i, round=0)
+        if args.fresh_proposer:
+            proposer = make_proposer()
         gen = Generator(target, proposer, tree="chain:5" if args.pld else None, max_len=args.max_len,
                         cuda_graphs=not args.eager and i >= args.eager_first)
         for _ in range(args.calls):
@@ -77,6 +82,8 @@ def main():
             torch.cuda.synchronize()
         print("generator", i, "done", out.stats.get("tau"), flush=True)
         del gen
+        if args.fresh_proposer:
+            proposer = None
         if args.gc:
             import gc
             gc.collect()

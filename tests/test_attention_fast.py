@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from longspec import load_target
-from longspec.attention import attend_masked, triton_kernels, dense_attention, matmul_attention
+from longspec.attention import attend_masked, causal_attention, triton_kernels, dense_attention, matmul_attention
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
@@ -71,3 +71,30 @@ def test_model_fast_path_equals_reference_path(tiny_model_factory, family):
         for ours, ref in zip(outputs[impl], outputs["reference"]):
             assert torch.allclose(ours, ref, atol=1e-4)
     assert torch.allclose(outputs["sdpa"][1], outputs["sdpa"][2], atol=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_causal_attention_after_a_cached_prefix(hq, hkv):
+    """A prefill chunk of M queries after S - M cached tokens: query i sees keys 0..S-M+i."""
+    gen = torch.Generator().manual_seed(hq)
+    b, m, s, d = 2, 5, 13, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for h, n in ((hq, m), (hkv, s), (hkv, s)))
+    mask = (torch.arange(s)[None, :] <= s - m + torch.arange(m)[:, None]).expand(b, -1, -1)
+    assert torch.allclose(causal_attention(q, k, v), dense_attention(q, k, v, mask)[0], atol=1e-5)
+    assert torch.allclose(causal_attention(q, k[:, :, :m], v[:, :, :m]),
+                          dense_attention(q, k[:, :, :m], v[:, :, :m], mask[:, :, -m:])[0], atol=1e-5)
+
+
+def test_prefill_chunks_take_the_unmasked_causal_path_when_rows_are_even(tiny_model_factory):
+    """Chunks after the first use lower-right causal attention (no [B, M, S] mask) when every row
+    has the same cached length; ragged rows fall back to the key mask."""
+    from longspec.attention import AttentionMeta
+    _, path = tiny_model_factory("fast-causal", "llama", max_position_embeddings=64, seed=2)
+    cache = load_target(path).new_cache(2, 64)
+    causal = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+    cache.lengths[:] = 9
+    even = AttentionMeta.build(cache, causal, 4, "sdpa", causal=True)
+    assert even.causal and even.key_mask is None and even.n_keys == 13
+    cache.lengths[1] = 5
+    ragged = AttentionMeta.build(cache, causal, 4, "sdpa", causal=True)
+    assert not ragged.causal and ragged.key_mask is not None

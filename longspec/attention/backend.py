@@ -34,7 +34,9 @@ class AttentionMeta:
     (``0..lengths[b]-1``) plus the pending and new tokens their ``tree_mask`` [B or 1, M, P+M]
     allows (P tokens already pending in the cache). ``slots`` [B, M]: where their K/V are
     written. ``key_mask`` [B, M, n_keys] spells that out over cache slots for the fused kernels.
-    ``causal``: nothing is cached yet and the mask is causal (a plain causal kernel suffices)."""
+    ``causal``: the mask is causal, nothing is pending and every row has the same number of cached
+    tokens (a prefill chunk): query i sees slots ``0..n_keys - M + i``, the lower-right causal
+    form, which a flash kernel computes without a mask (no [B, M, n_keys] transient)."""
 
     impl: str
     lengths: torch.Tensor
@@ -60,10 +62,11 @@ class AttentionMeta:
             raise ValueError(f"tree mask must be [B or 1, {n_new}, {n_tree}] (pending {cache.pending} + new "
                              f"{n_new}), got {tuple(tree_mask.shape)}")
         if n_keys is None:
-            used = int(cache.lengths.max())
+            fewest, used = cache.lengths.aminmax()
+            fewest, used = int(fewest), int(used)
             cache.check_room(n_new, longest=used)
             n_keys = used + n_tree
-            causal = causal and impl != "reference" and used == 0 and cache.pending == 0
+            causal = causal and impl != "reference" and fewest == used and cache.pending == 0
         else:
             causal = False
         meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
@@ -87,7 +90,7 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
     """q [B, Hq, M, D]; k_new, v_new [B, Hkv, M, D] (already written to the cache);
     k_layer, v_layer [B, Hkv, S, D]: one layer of the cache. Returns o [B, Hq, M, D]."""
     if meta.causal:
-        return causal_attention(q, k_new, v_new)
+        return causal_attention(q, k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys])
     if meta.impl == "triton":
         return tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_int8)
     k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]

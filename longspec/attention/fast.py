@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 # cuDNN's fused attention builds a new plan for every new key length (about 5 ms of CPU per call
 # when the cache grows by a token each step, measured on an H200): decoding uses the others.
@@ -22,6 +23,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention among M tokens (no cache): q [B, Hq, M, D], k, v [B, Hkv, M, D]."""
+    """Causal attention of the last M of S tokens: q [B, Hq, M, D], k, v [B, Hkv, S, D] (S >= M);
+    query i sees keys ``0..S - M + i`` (lower-right causal: a prefill chunk after S - M cached
+    tokens). PyTorch's ``causal_lower_right`` bias runs it on the flash kernel where it can, so no
+    [M, S] mask or score matrix is materialised."""
+    m, s = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if m == s:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, s), enable_gqa=gqa)

@@ -282,7 +282,7 @@ class TargetModel(nn.Module):
         """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
         (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
-        says that ``tree_mask`` is the plain causal mask (lets a first chunk use a causal kernel).
+        says that ``tree_mask`` is the plain causal mask (lets a prefill chunk use a causal kernel).
         ``n_keys``: cache slots to attend over, fixed by the caller (no host sync, no room
         check: see :class:`~longspec.attention.AttentionMeta`); such fixed-shape steps use
         ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference."""
