@@ -14,6 +14,7 @@ equals our autoregressive output token for token. Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -80,22 +81,30 @@ def peak_mib(fn):
 
 
 def run_ours(target, proposer, tree, prompt, config, repeats):
+    gc.collect()  # the previous method's engine (a reference cycle) must not count here
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     gen = Generator(target, proposer=proposer, tree=tree)
     t0 = time.perf_counter()
-    first = gen.generate([prompt], config)  # first call: engine, CUDA-graph capture
+    # the first call on a fresh generator: engine, compilation, CUDA-graph capture, caches
+    first, peak = peak_mib(lambda: gen.generate([prompt], config))
     first_call_s = time.perf_counter() - t0
     times, out = [], first
     for _ in range(repeats):
         out = gen.generate([prompt], config)
         times.append(out.stats["decode_s"])
-    del gen  # memory of a first call on a fresh generator: caches, capture, activations
-    _, peak = peak_mib(lambda: Generator(target, proposer=proposer, tree=tree).generate([prompt], config))
     decode_s = statistics.median(times)
     n = out.stats["new_tokens"] - 1
+    engine = gen._engine
+    state, resident = engine.cache.nbytes, 0  # what the method must hold: the KV cache, the draft's state
+    if getattr(proposer, "ring", None) is not None:
+        state += proposer.ring.nbytes
+        resident = sum(t.numel() * t.element_size() for t in proposer.draft.parameters())  # loaded before
     return out.sequences[0], {"ms_per_token": 1e3 * decode_s / n, "tau": out.stats.get("tau", 1.0),
                               "draft_s": out.stats.get("draft_s", 0.0), "verify_s": out.stats.get("verify_s", 0.0),
-                              "peak_mib": peak, "steps": out.stats["steps"], "first_call_s": first_call_s,
-                              "capture_s": first.stats["capture_s"], "cuda_graphs": out.stats["cuda_graphs"]}
+                              "peak_mib": peak, "state_mib": state / 2**20, "draft_mib": resident / 2**20, "steps": out.stats["steps"],
+                              "first_call_s": first_call_s, "capture_s": first.stats["capture_s"],
+                              "cuda_graphs": out.stats["cuda_graphs"]}
 
 
 def run_hf(model, prompt, max_new, repeats, **kwargs):
@@ -175,7 +184,9 @@ def main(argv=None):
                 seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
-                print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}", flush=True)
+                print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}, "
+                      f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB "
+                      f"(KV + draft state {res['state_mib']:.0f} MiB)", flush=True)
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
             results.append((f"hf-{name}", None, seq, res))
@@ -193,7 +204,13 @@ def main(argv=None):
                   f"vs {base_name}  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     weights = sum(t.numel() * t.element_size() for t in target.state_dict().values()) / 2**20
-    print(f"peak = device memory a generation allocates beyond the loaded weights ({weights:.0f} MiB)")
+    print(f"peak = device memory a generation allocates beyond the loaded weights ({weights:.0f} MiB); "
+          "memory ratio = (weights + draft + peak) / (weights + draft + KV cache + draft state)")
+    for r in rows:
+        if "state_mib" in r and r["peak_mib"] == r["peak_mib"]:
+            held = weights + r["draft_mib"]
+            r["memory_ratio"] = (held + r["peak_mib"]) / (held + r["state_mib"])
+            print(f"{r['context']:>6} {r['method']:<15} memory ratio {r['memory_ratio']:.2f}  first call {r['first_call_s']:.1f} s")
     print(json.dumps({"device": device_name, "dtype": args.dtype, "attention": args.attention, "weights_mib": weights,
                       "max_new_tokens": args.max_new_tokens, "results": rows}))
 
