@@ -12,6 +12,7 @@ between rounds without reallocating anything: a finished row is only masked.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq, Union
 
@@ -116,7 +117,7 @@ class Engine:
             phases = [self._decode_phase]
         else:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
-            proposer.engine = self  # its state now belongs to this engine
+            proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
             phases = [self._propose_phase, self._verify_phase]
             state += proposer.state_tensors()
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
@@ -355,7 +356,8 @@ class Generator:
         """An engine for ``batch`` rows of ``need`` slots (the kept one when it fits exactly)."""
         sampling = (config.temperature, config.top_k, config.top_p)
         key = (batch, need, sampling)
-        taken = self.proposer is not None and getattr(self.proposer, "engine", None) is not self._engine
+        owner = getattr(self.proposer, "engine", None)
+        taken = self.proposer is not None and (owner is None or owner() is not self._engine)
         if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
             self._engine = None  # free the old caches first
             self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs)
