@@ -65,7 +65,7 @@ def main():
                 try:
                     torch.cuda.synchronize()
                 except Exception as err:
-                    print(f"FAILED in phase {i} ({phase.__name__}, {'graph' if self.graphs else 'eager'}) of "
+                    print(f"FAILED in phase {i} ({getattr(phase, 'func', phase).__name__}, {'graph' if self.graphs else 'eager'}) of "
                           f"round {where['round']} of generator {where['generator']}: {err}", flush=True)
                     raise SystemExit(1)
             where["round"] += 1

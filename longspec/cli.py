@@ -246,6 +246,10 @@ def cmd_serve(args) -> int:
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     server = build_server(target, tokenizer, model_name, make_proposer(args, name, target), tree,
                           max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue)
+    if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
+        seconds = server.engine.warm_up()
+        print(f"[longspec: batch buckets {server.engine.buckets} compiled and captured in {seconds:.1f} s]",
+              file=sys.stderr, flush=True)
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}, {args.max_batch} rows of {args.max_len} tokens)]",
           file=sys.stderr, flush=True)
@@ -375,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
+                     help="compile and capture every batch bucket's greedy rounds before serving, so no request "
+                          "waits for it (default: auto = on CUDA)")
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     srv.set_defaults(func=cmd_serve)
 

@@ -127,3 +127,32 @@ def test_one_host_sync_per_round(model, spec):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) <= rounds, [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize("proposer", ["none", "pld", "hybrid"])
+def test_batch_buckets_with_graphs_equal_alone(model, proposer):
+    """A serving engine (4 rows, buckets 1/2/4) with requests joining and leaving: each bucket's
+    rounds are captured on first use, and every greedy output equals the request run alone."""
+    _, path = model
+    target = load_target(path, dtype=torch.float32, device="cuda")
+    draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=3)
+    make = {"none": lambda: None, "pld": PromptLookup, "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}
+    tree = None if proposer == "none" else TreeSpec.parse("2,3,3")
+    prompts = [torch.randint(0, 160, (n,)).tolist() for n in (25, 60, 33, 41, 19)]
+    budgets = [9, 30, 12, 20, 7]
+    alone = [Generator(target, make[proposer](), tree).generate(
+        [p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0] for p, n in zip(prompts, budgets)]
+    engine = Engine(target, make[proposer](), tree, max_batch=4, max_len=128)
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    engine.add(seqs[:1])
+    engine.step()
+    engine.add(seqs[1:2])
+    engine.step()
+    waiting = seqs[2:]
+    while engine.has_active or waiting:
+        if waiting and engine.free_rows():
+            engine.add([waiting.pop(0)])
+        engine.step()
+    assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 4}
+    assert all(r.graphs is not None for r in engine.runners.values())

@@ -215,27 +215,38 @@ def test_proposer_shared_by_two_generators(targets):
         assert gen.generate(prompts, config).sequences == expected
 
 
-@pytest.mark.parametrize("proposer", ["none", "streaming", "pld"])
+@pytest.mark.parametrize("proposer", ["none", "streaming", "pld", "hybrid"])
 def test_sequences_join_and_leave_between_rounds(targets, proposer):
     """Engine.step with requests added while others run, in rows freed by finished ones: each
-    output equals the request generated alone."""
+    output equals the request generated alone. Rounds run over the smallest batch bucket that
+    holds the active rows (1, 2 or 3 here), and every bucket is used."""
     from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.models.draft import DraftConfig, init_draft
 
     target = targets["qwen3"]
     prompts = prompts_for(3, seed=21) + prompts_for(2, seed=22)
     budgets = [5, 14, 9, 12, 7]
     alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0]
              for p, n in zip(prompts, budgets)]
-    draft = {"none": None, "streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
+    if proposer == "hybrid":
+        draft = LongSpecProposer(init_draft(DraftConfig.for_target(target, window=8), target, seed=2), PromptLookup())
+    else:
+        draft = {"none": None, "streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
     engine = Engine(target, draft, None if draft is None else TreeSpec.parse("2,3,3"), max_batch=3, max_len=96)
+    assert engine.buckets == [1, 2, 3]
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
-    engine.add(seqs[:2])
+    engine.add(seqs[:1])
+    engine.step()  # one sequence in row 0: bucket 1
+    engine.add(seqs[1:2])
+    engine.step()  # rows 0 and 1: bucket 2
     waiting = seqs[2:]
     while engine.has_active or waiting:
         if waiting and engine.free_rows():
             engine.add([waiting.pop(0)])
         engine.step()
     assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 3}
 
 
 def test_room_is_exactly_what_a_round_writes(tiny_model_factory):
@@ -363,3 +374,24 @@ def test_idle_rows_survive_many_rounds(targets, proposer):
         engine.step()
     alone = Generator(target).generate([long], GenerationConfig(max_new_tokens=52, ignore_eos=True)).sequences[0]
     assert seqs[1].tokens == alone and engine.rounds > 30
+
+
+def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
+    """Engine.warm_up on an empty engine creates each bucket's runner; the tokens generated
+    afterwards are those of a fresh engine."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["llama"]
+    prompt, config = prompts_for(1, seed=5)[0], GenerationConfig(max_new_tokens=9, ignore_eos=True)
+    expected = Generator(target, PromptLookup(), "2,2").generate([prompt], config).sequences[0]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=5, max_len=64)
+    engine.warm_up(sampled=True)
+    assert set(engine.runners) == {(g, n) for g in (True, False) for n in (1, 2, 4, 5)}
+    seq = Sequence(prompt, 9)
+    engine.add([seq])
+    while engine.has_active:
+        engine.step()
+    assert seq.tokens == expected
+    engine.add([Sequence(prompt, 20)])
+    with pytest.raises(RuntimeError, match="empty engine"):
+        engine.warm_up()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional, Sequence as Seq, Union
 
 import torch
 
+from ..cache import KVCache
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from .runner import PhaseRunner
@@ -93,13 +95,17 @@ class Engine:
     the proposer allows it) captures each phase of a round on first use."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
-                 max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None):
+                 max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
+                 buckets: Optional[Seq[int]] = None):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
         self.max_len = -(-max_len // 64) * 64 if device.type == "cuda" else max_len  # aligned key masks
         if proposer is not None and self.max_len < tree.num_nodes:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
+        self.buckets = sorted(set(batch_buckets(max_batch) if buckets is None else buckets) | {max_batch})
+        if self.buckets[0] < 1 or self.buckets[-1] > max_batch:
+            raise ValueError(f"batch buckets must lie in 1..{max_batch}, got {buckets}")
         self.cache = target.new_cache(max_batch, self.max_len)
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
@@ -112,22 +118,15 @@ class Engine:
         self.active = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.out_tokens = torch.zeros(max_batch, width, dtype=torch.long, device=device)
         self.out_counts = torch.ones(max_batch, dtype=torch.long, device=device)
-        state = [self.root, self.cache.lengths, self.out_tokens, self.out_counts]
-        if proposer is None:
-            phases = [self._decode_phase]
-        else:
+        if proposer is not None:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
             proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
-            phases = [self._propose_phase, self._verify_phase]
-            state += proposer.state_tensors()
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
-        compiled = target.compile_steps and (proposer is None or proposer.graphable)
-        self._propose = None if proposer is None else compile_step(proposer.propose) if compiled else proposer.propose
-        self._accept = compile_step(self._accept_round) if compiled else self._accept_round
-        if cuda_graphs is None:
-            cuda_graphs = proposer is None or proposer.graphable
-        # one runner (and set of graphs) per kind of round: greedy, or with sampled rows
-        self._runner_args = (phases, state, self.uniforms, device, cuda_graphs)
+        self._compiled = target.compile_steps and (proposer is None or proposer.graphable)
+        self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round
+        self.cuda_graphs = proposer is None or proposer.graphable if cuda_graphs is None else cuda_graphs
+        self._views: dict = {}
+        # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket
         self.runners: dict = {}
         self.greedy_round = self.config.greedy
         self.rounds = 0
@@ -227,57 +226,106 @@ class Engine:
         return sample(probs, self.uniforms)
 
     # ---- the round --------------------------------------------------------------------------
-    def _decode_phase(self) -> None:
-        logits = self.target.decode(self.root, self.cache, n_keys=self.step_keys, advance=self.active)
-        self.root.copy_(self._next_token(logits, self.greedy_round))
-        self.out_tokens[:, 0] = self.root
+    def view(self, n: int) -> "RoundRows":
+        """The round's state over batch rows ``0..n-1`` (a bucket): views of the engine's storage."""
+        if n not in self._views:
+            full = n == len(self.rows)
+            cache = self.cache if full else self.cache.rows(0, n)
+            proposer = None
+            if self.proposer is not None:
+                proposer = self.proposer if full else self.proposer.rows(n, cache)
+            propose = None if proposer is None else compile_step(proposer.propose) if self._compiled else proposer.propose
+            self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n],
+                                       self.out_counts[:n], proposer, propose)
+        return self._views[n]
 
-    def _propose_phase(self) -> None:
-        self.draft_tree = self._propose(self.root)
+    def _config(self, n: int):
+        """The sampling settings of rows ``0..n-1``."""
+        return self.config.rows(n) if isinstance(self.config, RowSampling) else self.config
 
-    def _verify_phase(self) -> None:
-        tree, cache = self.draft_tree, self.cache
+    def _decode_phase(self, v: "RoundRows") -> None:
+        logits = self.target.decode(v.root, v.cache, n_keys=self.step_keys, advance=v.active)
+        v.root.copy_(self._next_token(logits, self.greedy_round, slice(0, v.n)))
+        v.out_tokens[:, 0] = v.root
+
+    def _propose_phase(self, v: "RoundRows") -> None:
+        v.draft_tree = v.propose(v.root)
+
+    def _verify_phase(self, v: "RoundRows") -> None:
+        tree, cache = v.draft_tree, v.cache
         positions = cache.lengths[:, None] + tree.depths
         logits = self.target.verify(tree.tokens, positions, tree.mask, cache, n_keys=self.step_keys)
-        self._accept(tree, logits)
+        self._accept(v, tree, logits)
 
-    def _accept_round(self, tree, logits: torch.Tensor) -> None:
-        """Verifies the tree against the target's logits [B, N, V], commits the accepted K/V and
+    def _accept_round(self, v: "RoundRows", tree, logits: torch.Tensor) -> None:
+        """Verifies the tree against the target's logits [n, N, V], commits the accepted K/V and
         sets the round's outputs and the next roots."""
-        c, cache = self.config, self.cache
         if self.greedy_round:
             result = verify_tree(tree, logits)
         else:
+            c = self._config(v.n)
             result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
-        cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * self.active)
+        v.cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * v.active)
         emitted, counts = result.emitted()
-        self.proposer.accepted(emitted, counts)
-        self.out_tokens.copy_(emitted)
-        self.out_counts.copy_(counts)
-        self.root.copy_(result.bonus_token)
+        v.proposer.accepted(emitted, counts)
+        v.out_tokens.copy_(emitted)
+        v.out_counts.copy_(counts)
+        v.root.copy_(result.bonus_token)
 
-    @property
-    def runner(self) -> PhaseRunner:
-        """The runner of the current kind of round (created, and its graphs captured, on first use)."""
-        if self.greedy_round not in self.runners:
-            self.runners[self.greedy_round] = PhaseRunner(*self._runner_args)
-        return self.runners[self.greedy_round]
+    def runner(self, n: int) -> PhaseRunner:
+        """The runner of the current kind of round over bucket ``n`` (created, and its graphs
+        captured, on first use)."""
+        key = (self.greedy_round, n)
+        if key not in self.runners:
+            v = self.view(n)
+            state = [v.root, v.cache.lengths, v.out_tokens, v.out_counts]
+            if self.proposer is None:
+                phases = [partial(self._decode_phase, v)]
+            else:
+                phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
+                state += v.proposer.state_tensors()
+            self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
+        return self.runners[key]
 
     def phase_times(self) -> list:
         """Seconds spent in each phase, over every kind of round."""
-        return [sum(r.times[i] for r in self.runners.values()) for i in range(len(self._runner_args[0]))]
+        return [sum(r.times[i] for r in self.runners.values()) for i in range(1 if self.proposer is None else 2)]
+
+    @torch.inference_mode()
+    def warm_up(self, sampled: bool = False) -> float:
+        """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
+        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round. Call
+        with no sequences in the engine. Returns the seconds it took."""
+        if self.has_active:
+            raise RuntimeError("warm_up needs an empty engine")
+        t0, kind = time.perf_counter(), self.greedy_round
+        for self.greedy_round in (True, False) if sampled else (True,):
+            for n in self.buckets:
+                self.runner(n).prepare()
+        self.greedy_round = kind
+        return time.perf_counter() - t0
+
+    def bucket(self) -> int:
+        """The smallest bucket that holds every active row."""
+        top = 1 + max(s.row for s in self.rows if s is not None)
+        return next(b for b in self.buckets if b >= top)
 
     @torch.inference_mode()
     def step(self, streamer: Optional[Streamer] = None) -> None:
-        """Advances every active sequence by one round; finished ones leave the batch. A round in
+        """Advances every active sequence by one round; finished ones leave the batch. The round
+        computes only the rows of the smallest bucket holding every active sequence; a round in
         which every row decodes greedily skips the sampling work (its own captured graphs)."""
+        if not self.has_active:
+            return
         self.greedy_round = self._all_greedy([s for s in self.rows if s is not None])
-        if self.proposer is not None and hasattr(self.proposer, "sample_children"):
-            self.proposer.sample_children = not self.greedy_round and self.tree.is_static
-        runner = self.runner
+        n = self.bucket()
+        v = self.view(n)
+        if v.proposer is not None and hasattr(v.proposer, "sample_children"):
+            v.proposer.sample_children = not self.greedy_round and self.tree.is_static
+        runner = self.runner(n)
         runner.run_round()
         self.rounds += 1
-        out = torch.cat([self.out_tokens, self.out_counts[:, None]], 1).tolist()  # the round's one sync
+        out = torch.cat([v.out_tokens, v.out_counts[:, None]], 1).tolist()  # the round's one sync
         runner.collect_times()
         for s in self.rows:
             if s is None:
@@ -292,6 +340,27 @@ class Engine:
             if s.done:
                 self._release(s)
 
+
+def batch_buckets(max_batch: int) -> list:
+    """Batch sizes a round may run at: powers of two below ``max_batch``, and ``max_batch``."""
+    return [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
+
+
+@dataclass
+class RoundRows:
+    """Batch rows ``0..n-1`` of an engine, as one round over that bucket sees them: views that
+    share the engine's storage (``proposer``: its proposer over the same rows, ``propose`` its
+    possibly compiled ``propose``)."""
+
+    n: int
+    cache: KVCache
+    root: torch.Tensor
+    active: torch.Tensor
+    out_tokens: torch.Tensor
+    out_counts: torch.Tensor
+    proposer: object = None
+    propose: Optional[Callable] = None
+    draft_tree: object = None
 
 
 class _Clock:
@@ -360,7 +429,9 @@ class Generator:
         taken = self.proposer is not None and (owner is None or owner() is not self._engine)
         if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
             self._engine = None  # free the old caches first
-            self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs)
+            # one bucket: rows that finish early stay in the batch (no second capture / compile)
+            self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs,
+                                  buckets=[batch])
             self._engine_key = key
         engine = self._engine
         engine.config = config

@@ -15,13 +15,14 @@ nodes:
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
 
 from ..cache import DraftCache, KVCache
 from ..config import GenerationConfig
-from .sampling import uniform, warp_probs
+from .sampling import RowSampling, uniform, warp_probs
 from .tree import DraftTree, TreeSpec
 
 
@@ -86,6 +87,11 @@ class Proposer:
     def state_tensors(self) -> list:
         return []
 
+    def rows(self, n: int, cache: KVCache) -> "Proposer":
+        """This proposer over batch rows ``0..n-1`` only (``cache``: the target cache's view over
+        them), sharing its state: what an engine runs for a smaller batch bucket."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run on a part of its batch")
+
 
 class TreeDrafter(Proposer):
     """Grows a draft tree level by level from a next-token distribution.
@@ -120,6 +126,14 @@ class TreeDrafter(Proposer):
         if tree.is_static:
             for d in range(1, tree.depth + 1):
                 self.static_levels[d] = tuple(t.to(device) for t in tree.level_index(d))
+
+    def rows(self, n, cache):
+        view = copy.copy(self)
+        view.cache = cache
+        view.config = self.config.rows(n) if isinstance(self.config, RowSampling) else self.config
+        if self.lookup is not None:
+            view.lookup = self.lookup.rows(n, cache)
+        return view
 
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -222,6 +236,11 @@ class StreamingSelfSpec(TreeDrafter):
         self.view = KVCache(target.config, cache.batch_size, self.sinks + self.window + tree.num_nodes,
                             target.dtype, target.device)
 
+    def rows(self, n, cache):
+        view = super().rows(n, cache)
+        view.view = self.view.rows(0, n)
+        return view
+
     def _refresh(self) -> None:
         """Copies sink + recent slots of every row from the target cache into the view."""
         lengths, span = self.cache.lengths, self.sinks + self.window
@@ -277,6 +296,11 @@ class PromptLookup(TreeDrafter):
         device = cache.lengths.device
         self.hist = torch.full((cache.batch_size, self.capacity + 1), -1, dtype=torch.long, device=device)  # + scratch
         self.hist_len = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
+
+    def rows(self, n, cache):
+        view = super().rows(n, cache)
+        view.hist, view.hist_len = self.hist[:n], self.hist_len[:n]
+        return view
 
     @property
     def history(self) -> list:
@@ -364,6 +388,11 @@ class LongSpecProposer(TreeDrafter):
         self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
         self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)
         self.reread_count = torch.zeros(b, dtype=torch.long, device=device)  # accepted drafts, root excluded
+
+    def rows(self, n, cache):
+        view = super().rows(n, cache)
+        view.ring, view.reread, view.reread_count = self.ring.rows(0, n), self.reread[:n], self.reread_count[:n]
+        return view
 
     def add(self, row, prompt, first_token):
         """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a

@@ -27,6 +27,7 @@ class PhaseRunner:
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: Optional[list] = None
+        self.random: Optional[torch.Tensor] = None  # the static random numbers its graphs read
         self.capture_s = 0.0  # time spent capturing (first round)
         self.times = [0.0] * len(self.phases)  # seconds per phase, summed over rounds
         self._events: list = []
@@ -34,8 +35,8 @@ class PhaseRunner:
     def run_round(self) -> None:
         """Runs every phase once (capturing the graphs first if they are due). Nothing here waits
         for the device; ``collect_times`` must be called after the caller has synchronised."""
-        if self.cuda_graphs and self.graphs is None:
-            self._capture()
+        self.prepare()
+        self.uniforms.buffer = self.random  # this runner's own buffer (None: eager draws)
         self.uniforms.refill()
         if self.device.type == "cuda":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.phases) + 1)]
@@ -51,6 +52,12 @@ class PhaseRunner:
                 now = time.perf_counter()
                 self.times[i] += now - t
                 t = now
+
+    def prepare(self) -> None:
+        """Captures the phases' graphs if they are due (eager runs first: compilation happens
+        there). The state is put back afterwards."""
+        if self.cuda_graphs and self.graphs is None:
+            self._capture()
 
     def collect_times(self) -> None:
         """Adds the device time of the rounds run since the last call (their events are done)."""
@@ -95,7 +102,7 @@ class PhaseRunner:
             self.uniforms.eager()
         restore()
         torch.cuda.synchronize(self.device)
-        self.graphs = graphs
+        self.graphs, self.random = graphs, self.uniforms.buffer
         self.capture_s = time.perf_counter() - t0
 
 

@@ -126,6 +126,10 @@ class RowSampling:
         return cls(torch.zeros(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device),
                    torch.ones(batch, device=device))
 
+    def rows(self, n: int) -> "RowSampling":
+        """The settings of rows ``0..n-1`` (views: later ``set_row`` calls show through)."""
+        return RowSampling(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed)
+
     def set_row(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
         check_sampling_args(temperature, top_k, top_p)
         self.temperature[row], self.top_k[row], self.top_p[row] = temperature, top_k or 0, top_p or 1.0
@@ -135,12 +139,12 @@ class Uniforms:
     """The uniform random numbers of a round, drawn from ``generator``. Eager (the default) each
     request draws fresh numbers. For CUDA graphs, ``make_static(count)`` turns it into views of
     one buffer that ``refill`` redraws before every replay, so a captured round consumes new
-    numbers each time while its kernels stay the same; ``used`` counts what a round asked for."""
+    numbers each time while its kernels stay the same; ``used`` counts what a round asked for.
+    Each set of captured graphs keeps (and puts back before replaying) the buffer it reads."""
 
     def __init__(self, generator: Optional[torch.Generator], device):
         self.generator, self.device = generator, torch.device(device)
         self.buffer: Optional[torch.Tensor] = None
-        self._retired: list = []
         self.used = 0
 
     def __call__(self, shape) -> torch.Tensor:
@@ -151,18 +155,13 @@ class Uniforms:
         return self.buffer[start:start + n].view(shape)
 
     def make_static(self, count: int) -> None:
-        """Switches to a buffer of at least ``count`` numbers. A larger one replaces it; the old
-        ones stay alive, since graphs captured earlier read them."""
+        """Switches to a buffer of at least ``count`` numbers (a new one if the current is smaller)."""
         if self.buffer is None or self.buffer.numel() < count:
-            if self.buffer is not None:
-                self._retired.append(self.buffer)
             self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
         self.used = 0
 
     def eager(self) -> None:
         """Back to drawing fresh numbers on request (for a sizing run before a capture)."""
-        if self.buffer is not None:
-            self._retired.append(self.buffer)
         self.buffer = None
         self.used = 0
 
