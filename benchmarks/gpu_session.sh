@@ -8,6 +8,7 @@
 #   train     draft training                          repro     the 7.9k Triton crash, localised
 #   attention bench_attention.py (8B shape, op)       steps8b   bench_steps.py --shape llama-8b --hf
 #   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
+#   serve     bench_serve.py (needs the wheels in .whl/serve, carried: see README "Benchmarks")
 # The draft trains on numpy, scipy, networkx and torch sources from the machine's site-packages;
 # the benchmark prompts come from transformers/generation, which the draft never saw.
 set -euo pipefail
@@ -61,6 +62,11 @@ PY
              timeout ${SANITIZER_TIMEOUT:-240} "$san" --tool memcheck --print-limit 5 python3 benchmarks/repro_long_context.py \
                --length 7900 --new 128 --calls 2 --generators 2 --attention triton --pld 2>&1 | tail -60 > "$OUT/sanitizer.log"
            else echo "no compute-sanitizer on this machine" | tee "$OUT/sanitizer.log"; fi ;;
+    serve) for w in .whl/serve/*.whl; do m=$(basename "$w" | cut -d- -f1)  # only what the machine lacks
+             python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"; done
+           timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
+             --prompt-dir "$SITE/transformers/generation" --concurrency ${CONCURRENCY:-1,4,16,64} \
+             --servers "${SERVERS:-none;longspec}" 2>&1 | tee "$OUT/serve.log" || true ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
     steps8b) timeout $T python3 benchmarks/bench_steps.py --shape llama-8b --contexts ${CONTEXTS_8B:-8192,32768,131072} \
              --trees 16,69,128 --attention triton,matmul --hf 2>&1 | tee "$OUT/steps_8b.log" || true ;;
