@@ -133,6 +133,8 @@ def test_one_host_sync_per_round(model, spec):
 def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     """A serving engine (4 rows, buckets 1/2/4) with requests joining and leaving: each bucket's
     rounds are captured on first use, and every greedy output equals the request run alone."""
+    from test_speculative import run_joining
+
     _, path = model
     target = load_target(path, dtype=torch.float32, device="cuda")
     draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=3)
@@ -144,15 +146,7 @@ def test_batch_buckets_with_graphs_equal_alone(model, proposer):
         [p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0] for p, n in zip(prompts, budgets)]
     engine = Engine(target, make[proposer](), tree, max_batch=4, max_len=128)
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
-    engine.add(seqs[:1])
-    engine.step()
-    engine.add(seqs[1:2])
-    engine.step()
-    waiting = seqs[2:]
-    while engine.has_active or waiting:
-        if waiting and engine.free_rows():
-            engine.add([waiting.pop(0)])
-        engine.step()
+    run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
     assert {n for _, n in engine.runners} == {1, 2, 4}
     assert all(r.graphs is not None for r in engine.runners.values())

@@ -236,17 +236,23 @@ def test_sequences_join_and_leave_between_rounds(targets, proposer):
     engine = Engine(target, draft, None if draft is None else TreeSpec.parse("2,3,3"), max_batch=3, max_len=96)
     assert engine.buckets == [1, 2, 3]
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 3}
+
+
+def run_joining(engine, seqs: list) -> None:
+    """Runs ``seqs`` on ``engine``: one alone (bucket 1), then two (bucket 2), then the others as
+    rows free up."""
     engine.add(seqs[:1])
-    engine.step()  # one sequence in row 0: bucket 1
+    engine.step()
     engine.add(seqs[1:2])
-    engine.step()  # rows 0 and 1: bucket 2
+    engine.step()
     waiting = seqs[2:]
     while engine.has_active or waiting:
         if waiting and engine.free_rows():
             engine.add([waiting.pop(0)])
         engine.step()
-    assert [s.tokens for s in seqs] == alone
-    assert {n for _, n in engine.runners} == {1, 2, 3}
 
 
 def test_room_is_exactly_what_a_round_writes(tiny_model_factory):
