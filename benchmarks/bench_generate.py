@@ -203,7 +203,8 @@ def main(argv=None):
                   f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf'] or float('nan')):5.2f} "
                   f"vs {base_name}  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    weights = sum(t.numel() * t.element_size() for t in target.state_dict().values()) / 2**20
+    # each storage once (the LM head may be the embedding: tied)
+    weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in target.state_dict().values()}.values()) / 2**20
     print(f"peak = device memory a generation allocates beyond the loaded weights ({weights:.0f} MiB); "
           "memory ratio = (weights + draft + peak) / (weights + draft + KV cache + draft state)")
     for r in rows:

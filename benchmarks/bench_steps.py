@@ -189,16 +189,17 @@ def main(argv=None):
                 engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=ctx + 512,
                                 config=GenerationConfig(max_new_tokens=400), cuda_graphs=False)
                 engine.add([Sequence(ids[0].tolist(), 400)])
+                rows_view = engine.view(1)
 
                 def propose():
                     with torch.inference_mode():
-                        engine._propose_phase()
+                        engine._propose_phase(rows_view)
                         engine.proposer._end_round()
 
                 def full_round():  # propose, verify, accept, commit (replays advance the cache)
                     with torch.inference_mode():
-                        engine._propose_phase()
-                        engine._verify_phase()
+                        engine._propose_phase(rows_view)
+                        engine._verify_phase(rows_view)
 
                 for name, fn in (("propose 4,16,16,16,16 (5 levels)", propose), ("round 4,16,16,16,16", full_round)):
                     t = time_graph(fn, replays=40)
