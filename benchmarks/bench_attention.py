@@ -8,10 +8,15 @@ reference (except flash, which computes another function) and timed with CUDA ev
 matmul rate), both measured here. Prints a table and one JSON line last.
 
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
+
+``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: query
+tile, key block, warps, pipeline stages, split-KV programs) per shape instead, and prints the
+fastest few (each checked against the reference).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec.attention import matmul_attention, reference  # noqa: E402
-from longspec.attention.triton_kernels import tree_attention  # noqa: E402
+from longspec.attention.triton_kernels import KernelConfig, tree_attention  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -47,6 +52,36 @@ def machine_rates() -> tuple:
     return 2 * x.numel() / copy, 2 * 8192**3 / mm
 
 
+def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: float) -> float:
+    """max(bytes / bandwidth, FLOPs / matmul rate) of tree attention: K/V read once, QK and PV."""
+    return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
+
+
+def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
+    """Times every launch configuration of the grid on one shape; prints the fastest five."""
+    import itertools
+
+    h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
+    floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
+    results = []
+    for bq, bn, warps, stages, programs in itertools.product((0, 64), (32, 64, 128), (4, 8), (0, 2, 3, 4),
+                                                           (132, 264, 528)):
+        config = KernelConfig(block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, programs=programs)
+        try:
+            out = tree_attention(q, k, v, lengths, tree, config)
+            err = float((out.double() - ref).norm() / ref.norm())
+            t = timed(lambda: tree_attention(q, k, v, lengths, tree, config), repeats)
+        except Exception as e:  # noqa: BLE001 - a config the compiler rejects (shared memory, registers)
+            print(f"S={s} M={m} {config}: {type(e).__name__}", flush=True)
+            continue
+        results.append(dict(context=s, m=m, impl="triton-sweep", config=dataclasses.asdict(config), us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor, rel_err=err))
+    results.sort(key=lambda r: r["us"])
+    for r in results[:5]:
+        print(f"S={s:>6} M={m:>3} {r['us']:9.1f} us  x{r['x_floor']:5.2f} floor  err {r['rel_err']:.1e}  {r['config']}",
+              flush=True)
+    return results[:5]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="8192,32768,131072")
@@ -55,6 +90,7 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
@@ -78,6 +114,9 @@ def main(argv=None):
                                              k[:, :, s:].double(), v[:, :, s:].double(), tree)
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
+            if args.sweep:
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate))
+                continue
             impls = {
                 "triton": lambda: tree_attention(q, k, v, lengths, tree),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
@@ -85,7 +124,7 @@ def main(argv=None):
                 "matmul": lambda: matmul_attention(q, k, v, dense),
                 "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
             }
-            floor = max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
+            floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
             for name, fn in impls.items():
                 try:
                     out = fn()

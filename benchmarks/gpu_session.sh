@@ -9,6 +9,7 @@
 #   attention bench_attention.py (8B shape, op)       steps8b   bench_steps.py --shape llama-8b --hf
 #   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
 #   serve     bench_serve.py (needs the wheels in .whl/serve, carried: see README "Benchmarks")
+#   sweep     bench_attention.py --sweep (the kernel's launch parameters per shape)
 # The draft trains on numpy, scipy, networkx and torch sources from the machine's site-packages;
 # the benchmark prompts come from transformers/generation, which the draft never saw.
 set -euo pipefail
@@ -46,7 +47,7 @@ PY
            ;;
     bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
-             --attention ${BENCH_ATTENTION:-matmul+compile,triton+compile} --methods ${METHODS:-ar,pld,longspec,hybrid,auto} \
+             --attention ${BENCH_ATTENTION:-triton+compile,matmul+compile} --methods ${METHODS:-ar,pld,longspec,hybrid,auto} \
              --hf ${HF:-dynamic,static,pld} 2>&1 | tee "$OUT/bench.log" || true ;;
     trainbench) timeout $T python3 benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --batch ${TRAIN_BATCH:-8,16,32} \
              --chunk 4096,0 2>&1 | tee "$OUT/train_bench.log" || true ;;
@@ -68,6 +69,8 @@ PY
              --prompt-dir "$SITE/transformers/generation" --concurrency ${CONCURRENCY:-1,4,16,64} \
              --servers "${SERVERS:-none;longspec}" 2>&1 | tee "$OUT/serve.log" || true ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
+    sweep) timeout $T python3 benchmarks/bench_attention.py --sweep --contexts ${SWEEP_CONTEXTS:-32768,131072} --trees ${SWEEP_TREES:-1,64,69} \
+             --repeats 20 2>&1 | tee "$OUT/attention_sweep.log" || true ;;
     steps8b) timeout $T python3 benchmarks/bench_steps.py --shape llama-8b --contexts ${CONTEXTS_8B:-8192,32768,131072} \
              --trees 16,69,128 --attention triton,matmul --hf 2>&1 | tee "$OUT/steps_8b.log" || true ;;
   esac

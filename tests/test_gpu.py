@@ -24,9 +24,17 @@ def model(tiny_model_factory):
     return tiny_model_factory("gpu-llama", "llama", max_position_embeddings=512, seed=7)
 
 
+def cuda_target(path, dtype, compiled: bool = False):
+    """The target on CUDA with uncompiled steps (compilation has its own test below; compiling
+    every shape of every test would make this file take many minutes)."""
+    target = load_target(path, dtype=dtype, device="cuda")
+    target.compile_steps = compiled
+    return target
+
+
 def test_cuda_parity_float32(model):
     hf, path = model
-    target = load_target(path, dtype=torch.float32, device="cuda")
+    target = cuda_target(path, torch.float32)
     ids = torch.randint(0, 160, (1, 100))
     cache = target.new_cache(1, 128)
     ours = target.prefill(ids.cuda(), torch.tensor([100]), cache, chunk_size=32, all_logits=True)
@@ -44,7 +52,7 @@ def proposers(target):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
     _, path = model
-    target = load_target(path, dtype=dtype, device="cuda")
+    target = cuda_target(path, dtype)
     target.attention_impl = impl
     prompts = [torch.randint(0, 160, (n,)).tolist() for n in (20, 45, 31)]
     config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
@@ -70,7 +78,7 @@ def test_compiled_steps_equal_uncompiled(model, impl):
     engine and as autoregressive decoding, for decode, a beam tree, a chain and prompt lookup."""
     _, path = model
     target = load_target(path, dtype=torch.float32, device="cuda")
-    assert target.compile_steps  # the CUDA default
+    assert target.compile_steps and target.attention_impl == "triton"  # the CUDA defaults
     target.attention_impl = impl
     prompts = [torch.randint(0, 160, (n,)).tolist() for n in (20, 45, 31)]
     config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
@@ -95,7 +103,7 @@ def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tr
     from test_speculative import assert_two_token_distribution
 
     _, path = tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)
-    target = load_target(path, dtype=torch.float32, device="cuda")
+    target = cuda_target(path, torch.float32)
     cpu_target = load_target(path)
     draft = init_draft(DraftConfig.for_target(target, window=4), target, seed=1)
     prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000
@@ -108,7 +116,7 @@ def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tr
 @pytest.mark.parametrize("spec", [None, "4,16,16,16,16"])
 def test_one_host_sync_per_round(model, spec):
     _, path = model
-    target = load_target(path, dtype=torch.bfloat16, device="cuda")
+    target = cuda_target(path, torch.bfloat16, compiled=True)  # the default steps: compiled
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     proposer = None if spec is None else LongSpecProposer(draft)
     engine = Engine(target, proposer, TreeSpec.parse(spec) if spec else None, max_batch=2, max_len=256,
@@ -136,7 +144,7 @@ def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     from test_speculative import run_joining
 
     _, path = model
-    target = load_target(path, dtype=torch.float32, device="cuda")
+    target = cuda_target(path, torch.float32)
     draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=3)
     make = {"none": lambda: None, "pld": PromptLookup, "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}
     tree = None if proposer == "none" else TreeSpec.parse("2,3,3")

@@ -10,14 +10,14 @@ import torch
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
-from longspec.attention.triton_kernels import plan, tree_attention  # noqa: E402
+from longspec.attention.triton_kernels import KernelConfig, plan, tree_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
 
-def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0):
+def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None):
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     n_tree = pending + m
@@ -35,7 +35,7 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     v_tree = v.transpose(1, 2)[rows, slots].transpose(1, 2)
     ref = reference.hybrid_attention(q.double(), k.double(), v.double(), lens, k_tree.double(), v_tree.double(),
                                      masks)
-    ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device))
+    ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config)
     assert ours.shape == (b, hq, m, d) and ours.dtype == dtype
     ours = ours.double().cpu()
     assert torch.isfinite(ours).all()
@@ -80,6 +80,13 @@ def test_rows_that_see_nothing_get_zeros():
     assert torch.isfinite(out).all() and out[1, :, 2].abs().max() == 0 and out[0].abs().max() > 0
 
 
+@pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
+                                    KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1)])
+def test_other_launch_configs_compute_the_same(config):
+    """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
+    check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
+
+
 def test_plan_covers_the_capacity():
     for cap in (64, 1000, 8192, 131072):
         for rows in (1, 16, 207):
@@ -94,6 +101,8 @@ def test_bad_inputs_are_clear_errors():
         tree_attention(q, k, k, torch.tensor([2]), torch.ones(1, 3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="dtypes"):
         tree_attention(q.half(), k, k, torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="kernel config"):
+        tree_attention(q, k, k, torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.bool), KernelConfig(block_n=48))
     with pytest.raises(ValueError, match="head_dim"):
         tree_attention(q[..., :12], k[..., :12], k[..., :12], torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.bool))
 

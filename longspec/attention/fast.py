@@ -17,9 +17,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """q [B, Hq, M, D]; k, v [B, Hkv, S, D] (GQA: Hq a multiple of Hkv); mask [B, M, S] bool
     (true = visible; every row must see a key: ``attend_masked`` handles rows that see none).
     Returns o [B, Hq, M, D] in q's dtype."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda:  # the memory-efficient kernel (flash takes no mask) has no GQA: without
+        # the repeated K/V, SDPA would fall back to its math path (a [B, Hq, M, S] float32 matrix)
+        g = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False
     with sdpa_kernel(_BACKENDS):
-        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

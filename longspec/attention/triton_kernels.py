@@ -13,6 +13,8 @@ under ``TRITON_INTERPRET=1`` (float16 / float32 there)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -35,7 +37,7 @@ if triton is not None:
     def _partial_kernel(Q, K, V, LEN, TM, OP, LP,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
-                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, qk_scale,
+                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         pid, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -46,7 +48,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_D)
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        length = tl.load(LEN + b).to(tl.int32)
+        length = tl.minimum(tl.load(LEN + b).to(tl.int32), CAP)  # never read past the cache
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
@@ -68,7 +70,7 @@ if triton is not None:
                 n_ok = n < hi
             else:
                 j = n - length
-                n_ok = j < N_TREE
+                n_ok = (j < N_TREE) & (n < CAP)
                 tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
                              mask=row_ok[:, None] & n_ok[None, :], other=0)
                 visible = tm != 0
@@ -116,12 +118,24 @@ if triton is not None:
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
-def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64) -> tuple:
-    """(n_splits, chunk) for a cache of ``capacity`` slots: about two programs per multiprocessor
-    of an H100/H200 class GPU, chunks of at least 128 keys (512 when a tile holds many rows,
-    which keeps the partial results small)."""
-    tiles = -(-rows // 128)
-    want = max(1, -(-264 // (batch_kv * tiles)))
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
+    rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
+    plan aims for (about two per multiprocessor of an H100/H200)."""
+
+    block_q: int = 0
+    block_n: int = 64
+    num_warps: int = 0  # 0: 4 for tiles of <= 64 rows, else 8
+    num_stages: int = 0  # 0: Triton's default
+    programs: int = 264
+
+
+def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64, block_q: int = 128, programs: int = 264) -> tuple:
+    """(n_splits, chunk) for a cache of ``capacity`` slots: about ``programs`` programs, chunks of
+    at least 128 keys (512 when a tile holds many rows, which keeps the partial results small)."""
+    tiles = -(-rows // block_q)
+    want = max(1, -(-programs // (batch_kv * tiles)))
     chunk = max(-(-capacity // want), 128 if rows <= 16 else 512)
     chunk = -(-chunk // block_n) * block_n
     return -(-capacity // chunk), chunk
@@ -129,7 +143,7 @@ def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64) -> tuple:
 
 @torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                   tree_mask: torch.Tensor) -> torch.Tensor:
+                   tree_mask: torch.Tensor, config: Optional[KernelConfig] = None) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
     the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
 
@@ -153,8 +167,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     g, n_tree = hq // hkv, tree_mask.shape[2]
     tm = tree_mask.to(torch.int8)
     rows = g * m
-    block_q = max(16, min(128, triton.next_power_of_2(rows)))
-    n_splits, chunk = plan(cap, rows, b * hkv)
+    c = config or KernelConfig()
+    if any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n)) or c.block_n == 0 or c.programs < 1:
+        raise ValueError(f"tree_attention: bad kernel config {c} (block sizes: powers of two >= 16)")
+    block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
+    n_splits, chunk = plan(cap, rows, b * hkv, c.block_n, block_q, c.programs)
     parts = n_splits + 1
     o_part = torch.empty(b, hkv, parts, rows, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hkv, parts, rows, dtype=torch.float32, device=q.device)
@@ -166,9 +183,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         tm.stride(0) if tm.shape[0] > 1 else 0, tm.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        hkv, m, g, n_tree, chunk, n_splits, LOG2E / math.sqrt(d),
-        BLOCK_Q=block_q, BLOCK_N=64, HEAD_D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_q <= 64 else 8)
+        hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
+        BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     block_r = max(16, min(64, triton.next_power_of_2(rows)))
     _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](

@@ -127,9 +127,9 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     model.path = str(path)
     model.fuse_projections()
     if torch.device(device).type == "cuda":
-        # measured faster than masked SDPA for decode/verify steps; "triton" is faster still but
-        # crashed once in a 7.9k-token generation on the H200 (see README, Status)
-        model.attention_impl = "matmul"
+        # the hybrid tree-attention kernels; matmul (GQA-stacked products) where Triton is missing
+        from ..attention import triton_kernels
+        model.attention_impl = "triton" if triton_kernels.available() else "matmul"
         model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
     return model.eval().requires_grad_(False)
 

@@ -228,7 +228,7 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.path: Optional[str] = None  # checkpoint directory (for the tokenizer)
-        # attention of fixed-shape steps: "sdpa", "matmul" (load_target's default on CUDA), "triton" or
+        # attention of fixed-shape steps: "sdpa", "matmul", "triton" (load_target's default on CUDA) or
         # "reference" (the oracle)
         self.attention_impl = "sdpa"
         # fixed-shape steps run each layer through torch.compile (load_target's default on CUDA)
