@@ -28,7 +28,7 @@ SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 for step in $STEPS; do
   case $step in
     convert) [ -f /root/stage/smol-hf/config.json ] || python3 -m longspec.cli convert --gguf /root/stage/smol.gguf --out /root/stage/smol-hf ;;
-    tests) timeout $T python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
+    tests) timeout $T python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
     steps) timeout $T python3 benchmarks/bench_steps.py --target /root/stage/smol-hf ${DRAFT:+--draft $DRAFT} \
              --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-triton,matmul,sdpa} 2>&1 | tee "$OUT/steps.log" || true ;;
     train) timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \

@@ -401,3 +401,21 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     engine.add([Sequence(prompt, 20)])
     with pytest.raises(RuntimeError, match="empty engine"):
         engine.warm_up()
+
+
+def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
+    """A request joining with sampling after rounds used a static random buffer (as captured
+    CUDA-graph rounds do) draws its first token from fresh numbers, not past that buffer's end."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.sampling import RowSampling
+
+    target = targets["llama"]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=2, max_len=64,
+                    config=RowSampling.zeros(2, "cpu"))
+    engine.uniforms.make_static(3)
+    engine.uniforms.used = 3  # a round consumed the whole static buffer
+    seq = Sequence(prompts_for(1, seed=3)[0], 4, temperature=1.0)
+    engine.add([seq])
+    while engine.has_active:
+        engine.step()
+    assert len(seq.tokens) == 4

@@ -176,6 +176,7 @@ class Engine:
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         logits = self.target.prefill(ids.to(device), lens.to(device), rows)
+        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
         for i, (s, t) in enumerate(zip(seqs, first.tolist())):
