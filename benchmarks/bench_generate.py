@@ -97,7 +97,7 @@ def run_ours(target, proposer, tree, prompt, config, repeats):
     n = out.stats["new_tokens"] - 1
     state, resident = gen._engine.cache.nbytes, 0  # what the method must hold: the KV cache, the draft's state
     if getattr(proposer, "ring", None) is not None:
-        state += proposer.ring.nbytes
+        state += proposer.ring.nbytes + proposer.draft.head_copy_nbytes
         resident = sum(t.numel() * t.element_size() for t in proposer.draft.parameters())  # loaded before
     gen = None
     gc.collect()

@@ -18,6 +18,19 @@ import torch
 from .sampling import Uniforms
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for every warm-up and capture: cuBLAS keeps a workspace (tens
+    of MiB on Hopper) for each stream it runs on, so a new stream per capture would hold a new
+    workspace each time."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return _CAPTURE_STREAMS[key]
+
+
 class PhaseRunner:
     """``phases``: the round's functions in order; ``uniforms``: the round's random numbers."""
 
@@ -79,7 +92,7 @@ class PhaseRunner:
             phase()
         self.uniforms.make_static(self.uniforms.used)
         restore()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
             self.uniforms.refill()
@@ -93,7 +106,7 @@ class PhaseRunner:
         try:
             for phase in self.phases:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     phase()
                 graphs.append(graph)
         except RuntimeError as err:  # an op that cannot be captured: stay correct, run eagerly
@@ -111,14 +124,14 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     side stream first; CUDA events per replay)."""
     import statistics
 
-    stream = torch.cuda.Stream(device)
+    stream = capture_stream(device if device is not None else torch.device("cuda"))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         fn()
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     times = []
     for _ in range(replays):

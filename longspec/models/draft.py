@@ -158,6 +158,11 @@ class LongSpecDraft(nn.Module):
         ``config.head_norm``, else ``hidden`` itself."""
         return self.target.final_norm(hidden) if self.config.head_norm else hidden
 
+    @property
+    def head_copy_nbytes(self) -> int:
+        """Bytes of the reduced vocabulary's head rows, copied on first use (0 before / without)."""
+        return 0 if self._head_rows is None else self._head_rows[1].nbytes
+
     def logits(self, hidden: torch.Tensor, reduced: bool = False) -> torch.Tensor:
         """Draft hidden [..., H] -> float32 logits [..., V] through the target's LM head (after its
         final norm when ``config.head_norm``, as our drafts are trained; published drafts have
