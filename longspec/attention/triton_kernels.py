@@ -93,25 +93,25 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                      HKV, M, G, N_PARTS, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+                      HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
         pid, tile = tl.program_id(0), tl.program_id(1)
         b, h = pid // HKV, pid % HKV
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
         d = tl.arange(0, HEAD_D)
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_R], tl.float32)
+        lp = LP + b * sl_b + h * sl_h
+        parts = tl.arange(0, PARTS_P2)
+        every = tl.load(lp + parts[:, None] * sl_s + rows[None, :], mask=(parts < N_PARTS)[:, None] & row_ok[None, :],
+                        other=float("-inf"))  # [PARTS_P2, BLOCK_R]: all the parts' LSEs at once
+        m = tl.max(every, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp2(every - m_safe[None, :]), 0)
         acc = tl.zeros([BLOCK_R, HEAD_D], tl.float32)
-        for part in range(0, N_PARTS):
-            lse = tl.load(LP + b * sl_b + h * sl_h + part * sl_s + rows, mask=row_ok, other=float("-inf"))
+        for part in range(0, N_PARTS):  # independent loads: only the sum is carried
+            w = tl.exp2(tl.load(lp + part * sl_s + rows, mask=row_ok, other=float("-inf")) - m_safe)
             o = tl.load(OP + b * so_b + h * so_h + part * so_s + rows[:, None] * so_r + d[None, :],
                         mask=row_ok[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, w = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            total = total * alpha + w
-            m = m_new
+            acc += o * w[:, None]
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         g, i = rows // M, rows % M
         tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
@@ -129,6 +129,7 @@ class KernelConfig:
     num_warps: int = 0  # 0: 4 for tiles of <= 64 rows, else 8
     num_stages: int = 0  # 0: Triton's default
     programs: int = 264
+    merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
 
 
 def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64, block_q: int = 128, programs: int = 264) -> tuple:
@@ -168,7 +169,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     tm = tree_mask.to(torch.int8)
     rows = g * m
     c = config or KernelConfig()
-    if any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n)) or c.block_n == 0 or c.programs < 1:
+    if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
+            or c.programs < 1):
         raise ValueError(f"tree_attention: bad kernel config {c} (block sizes: powers of two >= 16)")
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
     n_splits, chunk = plan(cap, rows, b * hkv, c.block_n, block_q, c.programs)
@@ -187,9 +189,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
-    block_r = max(16, min(64, triton.next_power_of_2(rows)))
-    _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](
+    _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
         o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hkv, m, g, parts, BLOCK_R=block_r, HEAD_D=d)
+        hkv, m, g, parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK_R=c.merge_rows, HEAD_D=d)
     return out.transpose(1, 2)
