@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD
 SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 ARGS="train --target /root/stage/smol-hf --data $SITE/numpy $SITE/scipy $SITE/networkx --seq-len 2048 --steps $STEPS
       --lr 1e-3 --warmup 20 --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 10 --no-progress
-      --device cuda --dtype bfloat16 --seed 3"
+      --device cuda --dtype bfloat16 --seed 3 --data-cache /root/stage/tokens"
 run1() { python3 -m longspec.cli $ARGS --out "$1" --batch-size $BATCH "${@:2}"; }
 run2() { torchrun --standalone --nproc_per_node 2 -m longspec.cli $ARGS --out "$1" --batch-size $((BATCH / 2)) "${@:2}"; }
 {

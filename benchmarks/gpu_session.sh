@@ -35,7 +35,7 @@ for step in $STEPS; do
              --data "$SITE/numpy" "$SITE/scipy" "$SITE/networkx" "$SITE/torch" --out /root/stage/draft \
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
              --window 512 ${MAX_LAG:+--max-lag $MAX_LAG} --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
-             --device cuda --dtype bfloat16 --no-progress 2>&1 | tee "$OUT/train.log" || true
+             --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} 2>&1 | tee "$OUT/train.log" || true
            cp /root/stage/draft/metrics.jsonl "$OUT/" || true
            python3 - "$OUT/smollm2-draft" <<'PY'
 import sys, torch

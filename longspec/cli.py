@@ -296,7 +296,8 @@ def cmd_train(args) -> int:
         distill=args.distill, distill_weight=args.distill_weight, text_field=args.text_field,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
         save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
-        device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, progress=not args.no_progress)
+        device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
+        progress=not args.no_progress)
     result = train(config)
     last = result.history[-1] if result.history else {}
     if os.environ.get("RANK", "0") == "0":
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--text-field", default="text", help="text field of JSONL records")
     tr.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
     tr.add_argument("--eval-fraction", type=float, default=0.05, help="share of documents held out")
+    tr.add_argument("--data-cache", default=None,
+                    help="directory keeping the tokenised data, keyed by the documents, settings and tokenizer: "
+                         "later runs on the same data skip tokenising")
     tr.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
     tr.add_argument("--eval-chunks", type=int, default=64, help="held-out chunks per evaluation (0: all)")
     tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")

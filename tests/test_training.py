@@ -171,6 +171,35 @@ def test_split_is_by_document_and_stable(tmp_path):
     assert set(data.train.unique().tolist()).isdisjoint(held_ids - {0, 1})
 
 
+def test_data_cache_skips_tokenising_and_follows_the_text(tmp_path):
+    """A second build on the same documents reads the cache (the tokenizer is not called) and gets
+    the same chunks; a changed document, seq_len or tokenizer misses it."""
+    class Counting(CharTokenizer):
+        calls = 0
+
+        def encode(self, text, add_special_tokens=False):
+            Counting.calls += 1
+            return super().encode(text)
+
+    rng = random.Random(0)
+    for i in range(4):
+        (tmp_path / "src" / f"m{i}.py").parent.mkdir(exist_ok=True)
+        (tmp_path / "src" / f"m{i}.py").write_text(grammar_text(rng, 30))
+    config, cache = DataConfig([str(tmp_path / "src")], seq_len=16, eval_fraction=0.3), str(tmp_path / "cache")
+    first = build_data(config, Counting(), 64, 160, cache_dir=cache)
+    calls = Counting.calls
+    again = build_data(config, Counting(), 64, 160, cache_dir=cache)
+    assert Counting.calls == calls and torch.equal(again.train, first.train) and torch.equal(again.eval, first.eval)
+    assert again.train.dtype == torch.long and again.train_documents == first.train_documents
+    (tmp_path / "src" / "m0.py").write_text(grammar_text(rng, 31))
+    build_data(config, Counting(), 64, 160, cache_dir=cache)
+    assert Counting.calls > calls
+    calls = Counting.calls
+    build_data(DataConfig([str(tmp_path / "src")], seq_len=8, eval_fraction=0.3), Counting(), 64, 160, cache_dir=cache)
+    assert Counting.calls > calls
+    assert len(list(Path(cache).glob("tokens-*.pt"))) == 3
+
+
 def test_data_errors(tmp_path):
     tok = CharTokenizer()
     empty = tmp_path / "empty.txt"

@@ -262,18 +262,53 @@ def check_seq_len(seq_len: int, max_position_embeddings: int) -> None:
         raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What identifies a tokenizer's output: its class, special ids and (Hugging Face fast
+    tokenizers) its whole serialised definition."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        definition = backend.to_str()
+    elif hasattr(tokenizer, "get_vocab"):  # slow tokenizers: their vocabulary
+        definition = json.dumps(sorted(tokenizer.get_vocab().items()))
+    else:
+        definition = type(tokenizer).__qualname__
+    return json.dumps([type(tokenizer).__name__, getattr(tokenizer, "bos_token_id", None),
+                       getattr(tokenizer, "eos_token_id", None), hashlib.sha256(definition.encode()).hexdigest()])
+
+
+def data_key(docs: Sequence[Document], config: DataConfig, tokenizer) -> str:
+    """sha256 over the documents (names and texts), the cutting settings and the tokenizer."""
+    h = hashlib.sha256(json.dumps([config.seq_len, config.eval_fraction, tokenizer_fingerprint(tokenizer)]).encode())
+    for doc in docs:
+        h.update(doc.name.encode("utf-8", "surrogatepass") + b"\0" + doc.text.encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()
+
+
 def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
-               vocab_size: Optional[int] = None) -> PackedData:
+               vocab_size: Optional[int] = None, cache_dir: Optional[str] = None,
+               write_cache: bool = True) -> PackedData:
     """Reads every path, splits by document, tokenises and packs both sides. Raises ValueError
     for a path without usable text, ``seq_len`` above ``max_position_embeddings``, or a training
-    side shorter than one chunk."""
+    side shorter than one chunk. ``cache_dir``: the packed tokens are kept there (int32), keyed by
+    :func:`data_key`, and read back instead of tokenising again (``write_cache``: this process
+    writes a missing entry; under DDP only rank 0 does)."""
     check_seq_len(config.seq_len, max_position_embeddings)
     if not config.paths:
         raise ValueError("no data paths given")
     docs = [d for p in config.paths for d in iter_documents(p, config.text_field, config.max_file_bytes)]
     train_docs, eval_docs = split_documents(docs, config.eval_fraction)
-    train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
-    held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
+    cached = None if cache_dir is None else Path(cache_dir) / f"tokens-{data_key(docs, config, tokenizer)}.pt"
+    if cached is not None and cached.is_file():
+        saved = torch.load(cached, map_location="cpu", weights_only=True)
+        train, held = saved["train"].long(), saved["eval"].long()
+    else:
+        train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
+        held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
+        if cached is not None and write_cache:
+            from ..models.checkpoint import write_atomic
+
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cached, lambda f: torch.save({"train": train.int(), "eval": held.int()}, f))
     if train.shape[0] == 0:
         raise ValueError(f"the training documents of {', '.join(map(str, config.paths))} hold fewer than "
                          f"--seq-len {config.seq_len} tokens")
