@@ -153,6 +153,9 @@ def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     alone = [Generator(target, make[proposer](), tree).generate(
         [p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0] for p, n in zip(prompts, budgets)]
     engine = Engine(target, make[proposer](), tree, max_batch=4, max_len=128)
+    if proposer == "hybrid":
+        engine.warm_up()  # every bucket captured up front, on idle rows (as the server does)
+        assert {n for _, n in engine.runners} == {1, 2, 4}
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
