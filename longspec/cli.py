@@ -229,6 +229,14 @@ def cmd_serve(args) -> int:
     name, tree = proposer_choice(args)
     if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0:
         raise UsageError("--max-batch must be >= 1, --max-len >= 2 and --max-queue >= 0")
+    buckets = None
+    if args.buckets:
+        try:
+            buckets = sorted({int(b) for b in args.buckets.split(",")})
+        except ValueError:
+            raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
+        if buckets[0] < 1 or buckets[-1] > args.max_batch:
+            raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -245,7 +253,7 @@ def cmd_serve(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     server = build_server(target, tokenizer, model_name, make_proposer(args, name, target), tree,
-                          max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue)
+                          max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, buckets=buckets)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
         seconds = server.engine.warm_up()
         print(f"[longspec: batch buckets {server.engine.buckets} compiled and captured in {seconds:.1f} s]",
@@ -380,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    srv.add_argument("--buckets", default=None,
+                     help="batch sizes a round runs at, comma-separated (default: powers of two up to --max-batch; "
+                          "--max-batch is always one); fewer buckets, shorter warm-up, more idle rows computed")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

@@ -40,6 +40,14 @@ def test_self_distill_argument_errors_come_before_loading(capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
+def test_serve_bucket_errors_come_before_loading(capsys):
+    base = ["serve", "--target", MISSING, "--max-batch", "4"]
+    assert main([*base, "--buckets", "2,9"]) == 2
+    assert "--buckets must lie in 1..--max-batch (4)" in capsys.readouterr().err
+    assert main([*base, "--buckets", "two"]) == 2
+    assert "comma-separated batch sizes" in capsys.readouterr().err
+
+
 def test_prompt_errors(capsys, tmp_path):
     assert main(["generate", "--target", MISSING, "--prompt", ""]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
