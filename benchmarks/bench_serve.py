@@ -93,7 +93,8 @@ def main(argv=None):
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", default="none;longspec", help="';'-separated proposer arguments of each server")
-    p.add_argument("--serve-args", default="", help="extra arguments of every server (e.g. --device cuda)")
+    p.add_argument("--serve-args", default="", help="extra arguments of every server (e.g. --buckets 1,4,16,64)")
+    p.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to come up")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
@@ -109,12 +110,17 @@ def main(argv=None):
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
+            started, deadline = time.perf_counter(), time.perf_counter() + args.startup_timeout
+            while True:  # the server answers once it has loaded and warmed up every bucket
                 try:
                     if httpx.get(url + "/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
-                    time.sleep(0.5)
+                    pass
+                if proc.poll() is not None or time.perf_counter() > deadline:
+                    raise SystemExit(f"server {server!r} did not come up (exit code {proc.poll()})")
+                time.sleep(0.5)
+            print(f"{server:<40} ready after {time.perf_counter() - started:.1f} s (load + warm-up)", flush=True)
             prompts = code_prompts(Path(args.prompt_dir), 4, args.prompt_chars)
             asyncio.run(run_level(url, prompts[:2], 2, 8))  # warm-up: graph capture, caches
             for c in levels:

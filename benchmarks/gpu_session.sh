@@ -67,7 +67,8 @@ PY
              python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"; done
            timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
              --prompt-dir "$SITE/transformers/generation" --concurrency ${CONCURRENCY:-1,4,16,64} \
-             --servers "${SERVERS:-none;longspec}" 2>&1 | tee "$OUT/serve.log" || true ;;
+             --servers "${SERVERS:-none;longspec}" --serve-args "${SERVE_ARGS:---buckets 1,4,16,64}" 2>&1 \
+             | tee "$OUT/serve.log" || true ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
     sweep) timeout $T python3 benchmarks/bench_attention.py --sweep --contexts ${SWEEP_CONTEXTS:-32768,131072} --trees ${SWEEP_TREES:-1,64,69} \
              --repeats 20 2>&1 | tee "$OUT/attention_sweep.log" || true ;;
