@@ -28,6 +28,10 @@ def test_expected_tokens_by_hand():
     # widths between measured columns interpolate; deeper levels reuse the last row
     assert expected_tokens(TreeSpec.parse("6"), [ROW]) == pytest.approx(1 + 0.75)
     assert expected_tokens(TreeSpec.parse("1,1,1"), [ROW]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    # a level of one node holds the lookup's candidate or the draft's: the better rate
+    level1 = 1 - 0.5 * 0.1
+    assert expected_tokens(TreeSpec.parse("2,1,1"), [ROW], [0.9, 0.8, 0.3]) == pytest.approx(
+        1 + level1 + level1 * 0.8 + level1 * 0.8 * 0.5)
 
 
 def test_lookup_acceptance_on_known_texts():
@@ -75,18 +79,18 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     ids = list(range(40))  # no repeats: prompt lookup never hits
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
-    labels = [f"pld chain:{n}" for n in range(1, 7)] + [f"hybrid {t}" for t in auto.CANDIDATE_TREES]
-    sizes = {"1", "2", "3", "4", "5", "6", "7", "11", "13", "21", "37", "69"}
+    labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.CANDIDATE_TREES]
+    sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
     # verifying is as cheap as decoding: the deepest, widest tree pays most
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
     name, tree, chosen, why = pick(target, ids, draft, costs_file=str(costs))
-    assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16", draft) and why.startswith("cost model")
+    assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16,1,1,1,1,1", draft) and why.startswith("cost model")
     # verifying costs grow with the tokens: plain decoding wins
     fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
     assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("none", None, None)
     # no draft: only lookup chains compete
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
-    assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(6))
+    assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(10))
 
 
 def test_costs_are_measured_once(tiny, tmp_path):
@@ -95,7 +99,7 @@ def test_costs_are_measured_once(tiny, tmp_path):
     costs = tmp_path / "costs.json"
     choice = pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))
     (entry,) = json.loads(costs.read_text()).values()
-    assert set(entry["target_ms"]) >= {"1", "69"} and len(entry["draft_ms"]) == 6 + len(auto.CANDIDATE_TREES)
+    assert set(entry["target_ms"]) >= {"1", "69"} and len(entry["draft_ms"]) == len(auto.LOOKUP_CHAINS) + len(auto.CANDIDATE_TREES)
     assert all(ms > 0 for ms in [*entry["target_ms"].values(), *entry["draft_ms"].values()])
     before = costs.read_text()
     assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[:2] == choice[:2]

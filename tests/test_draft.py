@@ -187,11 +187,12 @@ def repetitive_prompts(batch, seed):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("tree", ["3,4,4", "4,16,16,16,16"])
+@pytest.mark.parametrize("tree", ["3,4,4", "4,16,16,16,16", "3,4,1,1,1,1"])
 @pytest.mark.parametrize("name", ["llama", "qwen2-mha"])
 def test_hybrid_lookup_and_draft_is_lossless_and_accepts_more(targets, name, tree, batch):
     """The prompt-lookup chain merged into the draft's beam tree: greedy output equals plain
-    decoding, and on repetitive text it accepts more than the (random) draft alone."""
+    decoding, and on repetitive text it accepts more than the (random) draft alone (levels of
+    one node, "1,1,1,1", are the lookup chain's alone when it has a candidate)."""
     from longspec import PromptLookup
 
     target = targets[name]
@@ -210,9 +211,10 @@ def test_hybrid_needs_a_beam_tree(targets):
     from longspec import PromptLookup
 
     target = targets["llama"]
-    with pytest.raises(ValueError, match="beam trees"):
-        Generator(target, proposer=LongSpecProposer(noisy_draft(target), lookup=PromptLookup()),
-                  tree="chain:3").generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))
+    for tree in ("chain:3", "1,4,4"):
+        with pytest.raises(ValueError, match="beam trees"):
+            Generator(target, proposer=LongSpecProposer(noisy_draft(target), lookup=PromptLookup()),
+                      tree=tree).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))
 
 
 def test_reduced_draft_vocabulary(targets, tmp_path):

@@ -32,7 +32,11 @@ import torch
 from .runner import time_graph
 from .tree import TreeSpec
 
-CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", "4,16,16,16,16")
+# hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
+# (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
+CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", "4,16,16,16,16",
+                   "4,4,4,4,4,1,1,1,1,1", "4,16,16,16,16,1,1,1,1,1")
+LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 
 
@@ -42,18 +46,22 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
     every level so far holds the right token. Level d holds it from the draft's top w_d
     (``acceptance`` rows: depth 1.., columns ``ACCEPTANCE_WIDTHS``, interpolated; deeper levels
     reuse the last row) or, independently, from the lookup chain (``lookup[d-1]``: its hit rate at
-    depth d given a right path so far), which takes one of the level's slots when both are given."""
+    depth d given a right path so far), which takes one of the level's slots when both are given
+    (a level of one slot holds either: the better of the two rates is assumed)."""
     total, alive = 1.0, 1.0
     for depth, width in enumerate(tree.widths):
         hit_lookup = lookup[min(depth, len(lookup) - 1)] if lookup else 0.0
         draft_width = width - 1 if lookup and width > 1 else width
         hit_draft = _at_width(acceptance[min(depth, len(acceptance) - 1)], draft_width) if acceptance else 0.0
-        alive *= 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)
+        if width == 1 and lookup:
+            alive *= max(hit_draft, hit_lookup)
+        else:
+            alive *= 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)
         total += alive
     return total
 
 
-def lookup_acceptance(token_ids: Sequence[int], depths: int = 6, max_ngram: int = 3, tail: int = 1024) -> list:
+def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024) -> list:
     """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
     the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
     prediction for position s is what followed the most recent earlier occurrence of the longest
@@ -247,8 +255,8 @@ def _write_costs(costs_file: Optional[str], data: dict) -> None:
 
 def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:
     """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
-    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of 1-6
-    tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
+    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
+    ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
     ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
     from .engine import DEFAULT_TREE
     from .proposers import LongSpecProposer, PromptLookup
@@ -257,7 +265,7 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
         return "hybrid", TreeSpec.parse(DEFAULT_TREE), draft, "the draft has no acceptance table: default tree"
     hits = lookup_acceptance(ids)
     candidates = {}
-    for n in range(1, 7):
+    for n in LOOKUP_CHAINS:
         tree = TreeSpec.chain(n)
         candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
     for shape in CANDIDATE_TREES if draft is not None else ():

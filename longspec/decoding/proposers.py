@@ -119,8 +119,8 @@ class TreeDrafter(Proposer):
         self.depths = tree.depths.to(device)
         self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
         if self.lookup is not None:
-            if tree.kind != "beam" or min(tree.widths) < 2:
-                raise ValueError(f"prompt lookup merges into beam trees of widths >= 2, not {tree}")
+            if tree.kind != "beam" or tree.widths[0] < 2:
+                raise ValueError(f"prompt lookup merges into beam trees whose first level has >= 2 nodes, not {tree}")
             self.lookup.begin(target, cache, tree, config, rng)
         self.static_levels = {}
         if tree.is_static:
