@@ -57,7 +57,7 @@ def methods(args, target, prompt):
         draft = load_draft(args.draft, target)
         out["longspec"] = (LongSpecProposer(draft), TreeSpec.parse(args.tree))
         out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree))
-        out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.tree))
+        out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.hybrid_tree))
     if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
         from longspec.decoding.auto import pick
         name, tree, chosen, note = pick(target, prompt, load_draft(args.draft, target) if args.draft else None)
@@ -148,6 +148,7 @@ def main(argv=None):
     p.add_argument("--lengths", default="2048,4096,7900")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="4,16,16,16,16")
+    p.add_argument("--hybrid-tree", default="4,16,16,16,16,1,1,1,1,1", help="tree of the hybrid (draft + lookup)")
     p.add_argument("--chain-tree", default="chain:5")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--window", type=int, default=512)

@@ -163,7 +163,9 @@ def proposer_choice(args):
 
 
 def default_tree(proposer: str) -> str:
-    return "chain:5" if proposer == "pld" else "4,16,16,16,16"
+    """pld: a 5-token chain; longspec: the paper's beam tree; hybrid: that tree plus five levels
+    of one node, which the lookup chain fills when the text repeats (README: choosing the proposer)."""
+    return {"pld": "chain:5", "hybrid": "4,16,16,16,16,1,1,1,1,1"}.get(proposer, "4,16,16,16,16")
 
 
 def resolve_auto(args, target, ids: list) -> tuple:
@@ -341,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "draft's beam tree with a prompt-lookup chain merged in)")
     gen.add_argument("--tree", default=None,
                      help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' or static paths "
-                          "'[[0],[1],[0,0]]' (default: chain:5 for pld, 4,16,16,16,16 otherwise)")
+                          "'[[0],[1],[0,0]]' (default: chain:5 for pld, 4,16,16,16,16,1,1,1,1,1 for hybrid, "
+                          "4,16,16,16,16 otherwise)")
     gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec; "
                                                    "the default model has a shipped draft)")
     gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")
