@@ -176,6 +176,21 @@ def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree
     assert_two_token_distribution(target, prompt, config, out.sequences)
 
 
+def test_sampling_with_a_lookup_tail_matches_target_distribution(small_vocab_target):
+    """The hybrid with levels of one node (filled by the lookup chain on a repetitive prompt)
+    under sampling: the same chi-square test against the exact warped target."""
+    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target, n = small_vocab_target, 20000
+    prompt = [1, 5, 2, 1, 5, 2, 1, 5, 2, 1]
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=321, ignore_eos=True)
+    draft = init_draft(DraftConfig.for_target(target, window=4), target, seed=5)
+    out = Generator(target, LongSpecProposer(draft, PromptLookup()), "2,1,1").generate([prompt] * n, config)
+    assert out.stats["tau"] > 1.0
+    assert_two_token_distribution(target, prompt, config, out.sequences)
+
+
 def test_bad_tree_and_room_errors(targets):
     target = targets["llama"]
     with pytest.raises(ValueError, match="width"):
