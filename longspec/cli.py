@@ -165,7 +165,9 @@ def proposer_choice(args):
 def default_tree(proposer: str) -> str:
     """pld: a 5-token chain; longspec: the paper's beam tree; hybrid: that tree plus five levels
     of one node, which the lookup chain fills when the text repeats (README: choosing the proposer)."""
-    return {"pld": "chain:5", "hybrid": "4,16,16,16,16,1,1,1,1,1"}.get(proposer, "4,16,16,16,16")
+    from .decoding.engine import DEFAULT_TREE, HYBRID_TREE
+
+    return {"pld": "chain:5", "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
 
 
 def resolve_auto(args, target, ids: list) -> tuple:
@@ -258,7 +260,8 @@ def cmd_serve(args) -> int:
                           max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, buckets=buckets)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
         seconds = server.engine.warm_up()
-        print(f"[longspec: batch buckets {server.engine.buckets} compiled and captured in {seconds:.1f} s]",
+        done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
+        print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
               file=sys.stderr, flush=True)
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}, {args.max_batch} rows of {args.max_len} tokens)]",

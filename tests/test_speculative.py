@@ -418,6 +418,32 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
         engine.warm_up()
 
 
+def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
+    """Each runner is prepared (captured, on CUDA) with the proposer drafting for its kind of
+    round: greedy rounds never draw children from the draft distribution; and a proposer that
+    cannot run on part of the batch gets one bucket."""
+    from longspec.decoding import runner as runner_module
+    from longspec.decoding.engine import Engine
+    from longspec.decoding.proposers import Proposer
+    from longspec.decoding.sampling import RowSampling
+
+    seen = {}
+    monkeypatch.setattr(runner_module.PhaseRunner, "prepare",
+                        lambda self: seen.setdefault(id(self), self.phases[0].args[0].proposer.sample_children))
+    target = targets["llama"]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("chain:3"), max_batch=2, max_len=64,
+                    config=RowSampling.zeros(2, "cpu"))
+    engine.warm_up(sampled=True)
+    assert {key: seen[id(r)] for key, r in engine.runners.items()} == {
+        (True, 1): False, (True, 2): False, (False, 1): True, (False, 2): True}
+
+    class Whole(Proposer):  # no rows(): not narrowable
+        def begin(self, target, cache, tree, config, rng):
+            pass
+
+    assert Engine(target, Whole(), TreeSpec.parse("chain:2"), max_batch=4, max_len=64).buckets == [4]
+
+
 def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
     """A request joining with sampling after rounds used a static random buffer (as captured
     CUDA-graph rounds do) draws its first token from fresh numbers, not past that buffer's end."""

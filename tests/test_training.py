@@ -198,6 +198,8 @@ def test_data_cache_skips_tokenising_and_follows_the_text(tmp_path):
     build_data(DataConfig([str(tmp_path / "src")], seq_len=8, eval_fraction=0.3), Counting(), 64, 160, cache_dir=cache)
     assert Counting.calls > calls
     assert len(list(Path(cache).glob("tokens-*.pt"))) == 3
+    with pytest.raises(ValueError, match="cached data .* holds token id"):  # a cache hit is checked too
+        build_data(config, Counting(), 64, 10, cache_dir=cache)
 
 
 def test_data_errors(tmp_path):

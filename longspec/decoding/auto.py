@@ -258,11 +258,11 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
     ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
     ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
-    from .engine import DEFAULT_TREE
+    from .engine import HYBRID_TREE
     from .proposers import LongSpecProposer, PromptLookup
 
     if draft is not None and not draft.config.acceptance:
-        return "hybrid", TreeSpec.parse(DEFAULT_TREE), draft, "the draft has no acceptance table: default tree"
+        return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
     hits = lookup_acceptance(ids)
     candidates = {}
     for n in LOOKUP_CHAINS:

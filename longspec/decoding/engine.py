@@ -11,6 +11,7 @@ between rounds without reallocating anything: a finished row is only masked.
 :class:`Generator` is the public API: ``generate`` is a thin loop over an engine."""
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .tree import TreeSpec
 from .verify import verify_tree
 
 DEFAULT_TREE = "4,16,16,16,16"
+HYBRID_TREE = DEFAULT_TREE + ",1,1,1,1,1"  # the lookup chain alone past the beam (hybrid proposer)
 
 Prompts = Union[Seq[int], Seq[Seq[int]]]
 Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
@@ -103,6 +105,8 @@ class Engine:
         self.max_len = -(-max_len // 64) * 64 if device.type == "cuda" else max_len  # aligned key masks
         if proposer is not None and self.max_len < tree.num_nodes:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
+        if proposer is not None and not proposer.narrowable:
+            buckets = [max_batch]  # a proposer that cannot run on part of the batch: one bucket
         self.buckets = sorted(set(batch_buckets(max_batch) if buckets is None else buckets) | {max_batch})
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch:
             raise ValueError(f"batch buckets must lie in 1..{max_batch}, got {buckets}")
@@ -302,9 +306,17 @@ class Engine:
         t0, kind = time.perf_counter(), self.greedy_round
         for self.greedy_round in (True, False) if sampled else (True,):
             for n in self.buckets:
-                self.runner(n).prepare()
+                self._round(n)[1].prepare()
         self.greedy_round = kind
         return time.perf_counter() - t0
+
+    def _round(self, n: int) -> tuple:
+        """(view, runner) of bucket ``n`` for the current kind of round, the proposer told which
+        kind it drafts for (captured graphs keep what it was told at capture)."""
+        v = self.view(n)
+        if v.proposer is not None and hasattr(v.proposer, "sample_children"):
+            v.proposer.sample_children = not self.greedy_round and self.tree.is_static
+        return v, self.runner(n)
 
     def bucket(self) -> int:
         """The smallest bucket that holds every active row."""
@@ -319,11 +331,7 @@ class Engine:
         if not self.has_active:
             return
         self.greedy_round = self._all_greedy([s for s in self.rows if s is not None])
-        n = self.bucket()
-        v = self.view(n)
-        if v.proposer is not None and hasattr(v.proposer, "sample_children"):
-            v.proposer.sample_children = not self.greedy_round and self.tree.is_static
-        runner = self.runner(n)
+        v, runner = self._round(self.bucket())
         runner.run_round()
         self.rounds += 1
         out = torch.cat([v.out_tokens, v.out_counts[:, None]], 1).tolist()  # the round's one sync
@@ -429,7 +437,8 @@ class Generator:
         owner = getattr(self.proposer, "engine", None)
         taken = self.proposer is not None and (owner is None or owner() is not self._engine)
         if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
-            self._engine = None  # free the old caches first
+            self._engine = None  # free the old caches first (the engine refers to itself: collect it)
+            gc.collect()
             # one bucket: rows that finish early stay in the batch (no second capture / compile)
             self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs,
                                   buckets=[batch])

@@ -67,6 +67,7 @@ class Proposer:
     them in a CUDA graph; ``state_tensors`` then lists what a warm-up run must not change."""
 
     graphable = False
+    narrowable = False  # implements rows(): an engine may run it on part of its batch
 
     def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
         """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
@@ -109,6 +110,7 @@ class TreeDrafter(Proposer):
     the draft's tree: the HOWL idea inside one verification), when it has one."""
 
     lookup: Optional["PromptLookup"] = None
+    narrowable = True
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng

@@ -129,7 +129,9 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     if torch.device(device).type == "cuda":
         # the hybrid tree-attention kernels; matmul (GQA-stacked products) where Triton is missing
         from ..attention import triton_kernels
-        model.attention_impl = "triton" if triton_kernels.available() else "matmul"
+        d = config.head_dim
+        fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
+        model.attention_impl = "triton" if fits else "matmul"
         model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
     return model.eval().requires_grad_(False)
 

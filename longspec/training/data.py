@@ -301,6 +301,10 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
     if cached is not None and cached.is_file():
         saved = torch.load(cached, map_location="cpu", weights_only=True)
         train, held = saved["train"].long(), saved["eval"].long()
+        top = max((int(t.max()) for t in (train, held) if t.numel()), default=-1)
+        if vocab_size is not None and top >= vocab_size:
+            raise ValueError(f"the cached data in {cached} holds token id {top}, but the target's vocabulary has "
+                             f"{vocab_size} entries: wrong tokenizer for this target?")
     else:
         train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
         held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
