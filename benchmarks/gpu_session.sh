@@ -10,8 +10,8 @@
 #   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
 #   serve     bench_serve.py (needs the wheels in .whl/serve, carried: see README "Benchmarks")
 #   sweep     bench_attention.py --sweep (the kernel's launch parameters per shape)
-# The draft trains on numpy, scipy, networkx and torch sources from the machine's site-packages;
-# the benchmark prompts come from transformers/generation, which the draft never saw.
+# The draft trains on the machine's site-packages except transformers, httpx, starlette and rich
+# (evaluation: benchmark prompts, the acceptance table, tau tables) and the standard library.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"convert steps bench tests"}
@@ -31,8 +31,10 @@ for step in $STEPS; do
     tests) timeout $T python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
     steps) timeout $T python3 benchmarks/bench_steps.py --target /root/stage/smol-hf ${DRAFT:+--draft $DRAFT} \
              --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-triton,matmul,sdpa} 2>&1 | tee "$OUT/steps.log" || true ;;
-    train) timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
-             --data "$SITE/numpy" "$SITE/scipy" "$SITE/networkx" "$SITE/torch" --out /root/stage/draft \
+    train) # every installed package except those kept for evaluation (and the stdlib, which train refuses)
+           timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
+             --data ${TRAIN_DATA:-$SITE} --exclude ${EXCLUDE:-transformers httpx starlette rich} '*.dist-info' \
+             --out /root/stage/draft \
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
              --window 512 ${MAX_LAG:+--max-lag $MAX_LAG} --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
              --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} 2>&1 | tee "$OUT/train.log" || true

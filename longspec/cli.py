@@ -310,6 +310,7 @@ def cmd_train(args) -> int:
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
         save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
+        exclude=args.exclude,
         progress=not args.no_progress)
     result = train(config)
     last = result.history[-1] if result.history else {}
@@ -448,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--text-field", default="text", help="text field of JSONL records")
     tr.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
     tr.add_argument("--eval-fraction", type=float, default=0.05, help="share of documents held out")
+    tr.add_argument("--exclude", nargs="+", default=[], metavar="PATTERN",
+                    help="glob patterns of top-level entries of source-tree --data to leave out (e.g. the packages "
+                         "you evaluate on: --data SITE --exclude transformers 'rich*')")
     tr.add_argument("--data-cache", default=None,
                     help="directory keeping the tokenised data, keyed by the documents, settings and tokenizer: "
                          "later runs on the same data skip tokenising")

@@ -144,6 +144,9 @@ def test_text_jsonl_and_source_tree_documents(tmp_path):
     assert docs[0].text == "# ==== README.txt ====\ntop level\n"
     assert docs[1].text == "# ==== a.py ====\nA = 1\n# ==== pkg/b.py ====\nB = 2\n"  # one long document
     assert docs[2].text == "# ==== main.c ====\nint main() {}\n"
+    # --exclude: top-level entries matching a pattern are left out (packages kept for evaluation)
+    assert [d.name for d in iter_documents(root, max_file_bytes=1000, exclude=("al*", "README.txt"))] == [
+        "repos/beta"]
 
 
 def test_split_is_by_document_and_stable(tmp_path):

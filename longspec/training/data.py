@@ -17,6 +17,7 @@ JSONL line, ``dir/project`` for a project), so the held-out split (``sha256(name
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -48,6 +49,7 @@ class DataConfig:
     text_field: str = "text"
     eval_fraction: float = 0.05
     max_file_bytes: int = 1 << 20  # files of a source tree above this size are skipped
+    exclude: Sequence[str] = ()  # glob patterns of top-level entries of source trees to leave out
 
 
 @dataclass
@@ -122,13 +124,15 @@ def project_document(name: str, root: Path, files: Sequence[Path], max_file_byte
     return Document(name, "".join(parts)) if parts else None
 
 
-def _tree_documents(root: Path, max_file_bytes: int) -> Iterator[Document]:
-    loose = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+def _tree_documents(root: Path, max_file_bytes: int, exclude: Sequence[str] = ()) -> Iterator[Document]:
+    def kept(p: Path) -> bool:
+        return not p.name.startswith(".") and not any(fnmatch.fnmatch(p.name, pattern) for pattern in exclude)
+
+    loose = sorted(p for p in root.iterdir() if p.is_file() and kept(p))
     doc = project_document(root.name, root, loose, max_file_bytes)
     if doc is not None:
         yield doc
-    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-                      and p.name not in SKIP_DIRS):
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and kept(p) and p.name not in SKIP_DIRS):
         doc = project_document(f"{root.name}/{sub.name}", sub, tree_files(sub), max_file_bytes)
         if doc is not None:
             yield doc
@@ -148,15 +152,18 @@ def check_not_stdlib(path) -> None:
                          "(drafts are evaluated on it); use installed packages (site-packages) or your own text")
 
 
-def iter_documents(path, text_field: str = "text", max_file_bytes: int = 1 << 20) -> Iterator[Document]:
-    """The documents of one data path (see the module docstring). Raises FileNotFoundError for
-    a missing path and ValueError when it holds no usable text or lies in the standard library."""
+def iter_documents(path, text_field: str = "text", max_file_bytes: int = 1 << 20,
+                   exclude: Sequence[str] = ()) -> Iterator[Document]:
+    """The documents of one data path (see the module docstring). ``exclude``: glob patterns of
+    entries of a source tree's top level to leave out (e.g. the packages kept for evaluation).
+    Raises FileNotFoundError for a missing path and ValueError when it holds no usable text or
+    lies in the standard library."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data path not found: {path}")
     check_not_stdlib(path)
     if path.is_dir():
-        docs = _tree_documents(path, max_file_bytes)
+        docs = _tree_documents(path, max_file_bytes, exclude)
         why = "no readable text files (binary, undecodable, empty or larger than max_file_bytes are skipped)"
     elif path.name.lower().endswith(JSONL_SUFFIXES):
         docs = _jsonl_documents(path, text_field)
@@ -295,7 +302,7 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
     check_seq_len(config.seq_len, max_position_embeddings)
     if not config.paths:
         raise ValueError("no data paths given")
-    docs = [d for p in config.paths for d in iter_documents(p, config.text_field, config.max_file_bytes)]
+    docs = [d for p in config.paths for d in iter_documents(p, config.text_field, config.max_file_bytes, config.exclude)]
     train_docs, eval_docs = split_documents(docs, config.eval_fraction)
     cached = None if cache_dir is None else Path(cache_dir) / f"tokens-{data_key(docs, config, tokenizer)}.pt"
     if cached is not None and cached.is_file():

@@ -75,6 +75,7 @@ class TrainConfig:
     tokenizer: Optional[str] = None  # default: the target directory
     max_file_bytes: int = 1 << 20  # files of a source tree above this are skipped
     data_cache: Optional[str] = None  # directory keeping tokenised data for later runs
+    exclude: list = field(default_factory=list)  # glob patterns of source-tree entries left out
     progress: bool = True  # tqdm bar on rank 0
 
     def validate(self) -> None:
@@ -329,7 +330,7 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
     if tokenizer is None:
         tokenizer = load_tokenizer(config.tokenizer or config.target)
     data = build_data(DataConfig(config.data, config.seq_len, config.text_field, config.eval_fraction,
-                                 config.max_file_bytes), tokenizer, target.config.max_position_embeddings,
+                                 config.max_file_bytes, tuple(config.exclude)), tokenizer, target.config.max_position_embeddings,
                       target.config.vocab_size, cache_dir=config.data_cache, write_cache=env.is_main)
     checkpoint = latest_checkpoint(out)
     if checkpoint is not None and not config.resume:
