@@ -444,6 +444,24 @@ def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
     assert Engine(target, Whole(), TreeSpec.parse("chain:2"), max_batch=4, max_len=64).buckets == [4]
 
 
+def test_a_replaced_engine_is_freed_at_once(targets):
+    """A generator that needs a new engine releases the old one (its caches) without waiting for
+    a garbage collection: the engine holds no reference cycle once closed."""
+    import gc
+    import weakref
+
+    target = targets["llama"]
+    gen = Generator(target, PromptLookup(), "2,2")
+    gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
+    old = weakref.ref(gen._engine)
+    gc.disable()
+    try:
+        gen.generate([prompts_for(1, seed=2)[0]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
+        assert old() is None
+    finally:
+        gc.enable()
+
+
 def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
     """A request joining with sampling after rounds used a static random buffer (as captured
     CUDA-graph rounds do) draws its first token from fresh numbers, not past that buffer's end."""

@@ -11,7 +11,6 @@ between rounds without reallocating anything: a finished row is only masked.
 :class:`Generator` is the public API: ``generate`` is a thin loop over an engine."""
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -296,6 +295,14 @@ class Engine:
         """Seconds spent in each phase, over every kind of round."""
         return [sum(r.times[i] for r in self.runners.values()) for i in range(1 if self.proposer is None else 2)]
 
+    def close(self) -> None:
+        """Drops the captured graphs and the references the engine holds to itself (its runners'
+        phases, its compiled accept step), so that releasing the engine frees its caches at once
+        rather than at the next garbage collection. The engine cannot run afterwards."""
+        self.runners.clear()
+        self._views.clear()
+        self._accept = None
+
     @torch.inference_mode()
     def warm_up(self, sampled: bool = False) -> float:
         """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
@@ -437,8 +444,9 @@ class Generator:
         owner = getattr(self.proposer, "engine", None)
         taken = self.proposer is not None and (owner is None or owner() is not self._engine)
         if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
-            self._engine = None  # free the old caches first (the engine refers to itself: collect it)
-            gc.collect()
+            if self._engine is not None:  # free the old caches first
+                self._engine.close()
+            self._engine = None
             # one bucket: rows that finish early stay in the batch (no second capture / compile)
             self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs,
                                   buckets=[batch])
