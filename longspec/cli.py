@@ -165,7 +165,7 @@ def proposer_choice(args):
 def default_tree(proposer: str) -> str:
     """pld: a 5-token chain; longspec: the paper's beam tree; hybrid: that tree plus five levels
     of one node, which the lookup chain fills when the text repeats (README: choosing the proposer)."""
-    from .decoding.engine import DEFAULT_TREE, HYBRID_TREE
+    from .decoding.sequence import DEFAULT_TREE, HYBRID_TREE
 
     return {"pld": "chain:5", "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
 

@@ -258,7 +258,7 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
     ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
     ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
-    from .engine import HYBRID_TREE
+    from .sequence import HYBRID_TREE
     from .proposers import LongSpecProposer, PromptLookup
 
     if draft is not None and not draft.config.acceptance:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence as Seq, Union
+from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
@@ -24,68 +24,9 @@ from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from .runner import PhaseRunner
 from .sampling import RowSampling, Uniforms, sample, warp_probs
+from .sequence import DEFAULT_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
 from .verify import verify_tree
-
-DEFAULT_TREE = "4,16,16,16,16"
-HYBRID_TREE = DEFAULT_TREE + ",1,1,1,1,1"  # the lookup chain alone past the beam (hybrid proposer)
-
-Prompts = Union[Seq[int], Seq[Seq[int]]]
-Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
-
-
-@dataclass
-class GenerationOutput:
-    sequences: list  # one list of generated token ids (new tokens only) per prompt
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class Sequence:
-    """One request: its prompt, stopping rule and what it generated so far."""
-
-    prompt: list
-    max_new_tokens: int
-    eos: frozenset = frozenset()
-    tokens: list = field(default_factory=list)
-    done: bool = False
-    row: int = -1
-    accepted_hist: list = field(default_factory=list)  # rounds by number of accepted draft tokens
-    temperature: float = 0.0  # this sequence's sampling, used by engines with per-row settings
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def tau(self) -> float:
-        """Tokens per round: accepted draft tokens + 1, averaged over this sequence's rounds."""
-        rounds = sum(self.accepted_hist)
-        return sum((n + 1) * c for n, c in enumerate(self.accepted_hist)) / rounds if rounds else 1.0
-
-    def extend(self, new: list) -> list:
-        """Appends ``new`` up to the first EOS or the token budget; returns what was kept."""
-        kept = []
-        for t in new:
-            kept.append(t)
-            if t in self.eos or len(self.tokens) + len(kept) >= self.max_new_tokens:
-                self.done = True
-                break
-        self.tokens.extend(kept)
-        return kept
-
-
-def round_slots(tree: Optional[TreeSpec]) -> int:
-    """Cache slots one round writes: the decode token (no tree), or every tree node."""
-    return 1 if tree is None else tree.num_nodes
-
-
-def cache_need(prompt_len: int, max_new_tokens: int, round_slots: int) -> int:
-    """Cache slots a sequence can use: its prompt, and while it still needs tokens, the committed
-    ones plus what one round writes (``round_slots``: 1 for a decode step, the tree's nodes for
-    a speculative round). The last token is emitted, never written; ``max_new_tokens = 1`` needs
-    no round at all."""
-    if max_new_tokens <= 1:
-        return prompt_len
-    return prompt_len + max_new_tokens - 2 + round_slots
 
 
 class Engine:
