@@ -64,8 +64,8 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
     floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
     results = []
-    for bq, bn, warps, stages, programs, merge in itertools.product((0, 64), (32, 64, 128), (4, 8), (0, 2, 3, 4),
-                                                                  (132, 264, 528), (16, 64)):
+    for bq, bn, warps, stages, programs, merge in itertools.product((0, 64), (32, 64, 128), (4, 8), (0, 3, 4),
+                                                                  (132, 264, 528), (16,)):
         config = KernelConfig(block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, programs=programs,
                               merge_rows=merge)
         try:
