@@ -114,6 +114,35 @@ def test_a_failing_rank_stops_the_job_with_its_message(tiny_model_factory, tmp_p
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def kill_processes_mentioning(text: str, timeout: float = 30.0) -> None:
+    """SIGKILLs every process whose command line contains ``text`` and waits until none is left
+    (Linux /proc), so nothing writes to a killed run's directory any more."""
+    import signal
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                alive.append(int(entry.name))
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"processes mentioning {text} survived SIGKILL")
+
+
 def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_path):
     """A 2-process run killed (SIGKILL to the whole job) once its step-3 checkpoint exists — cut
     back to that checkpoint if it was quicker than the kill — resumed with 2 processes ends where
@@ -139,6 +168,7 @@ def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_pa
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    kill_processes_mentioning(str(killed))  # workers outside the launcher's group die too
     import shutil
 
     shutil.rmtree(killed / "checkpoints" / "step-00000006", ignore_errors=True)  # as if killed before step 6
