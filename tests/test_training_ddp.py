@@ -114,37 +114,63 @@ def test_a_failing_rank_stops_the_job_with_its_message(tiny_model_factory, tmp_p
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def kill_processes_mentioning(text: str, timeout: float = 30.0) -> None:
-    """SIGKILLs every process whose command line contains ``text`` and waits until none is left
-    (Linux /proc), so nothing writes to a killed run's directory any more."""
-    import signal
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        alive = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
+def processes_mentioning(text: str) -> list:
+    """PIDs of the processes whose command line contains ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
             if text in cmdline:
-                alive.append(int(entry.name))
-        if not alive:
-            return
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+                found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(text: str, timeout: float = 20.0) -> None:
+    """Waits until no process mentions ``text``; fails if one outlives ``timeout``: a killed run
+    must leave nothing writing to its directory."""
+    import time
+
+    deadline = time.time() + timeout
+    while processes_mentioning(text):
+        assert time.time() < deadline, f"processes of the killed run survive: {processes_mentioning(text)}"
         time.sleep(0.05)
-    raise AssertionError(f"processes mentioning {text} survived SIGKILL")
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """torchrun starts each worker in a session of its own: a launcher killed with SIGKILL (not
+    its workers) must not leave them running (and writing checkpoints): they die with it."""
+    import signal
+    import time
+
+    script = tmp_path / "idle_worker.py"
+    script.write_text("import time\nfrom longspec.training import distributed\n"
+                      "env = distributed.setup('cpu')\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    try:
+        ready, deadline = 0, time.time() + 120
+        while ready < 2 and time.time() < deadline:
+            line = proc.stdout.readline()
+            ready += line.strip().endswith("ready")
+        assert ready == 2, "the workers did not start"
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only
+        proc.wait()
+        wait_until_gone(str(script))
+    finally:
+        for pid in processes_mentioning(str(script)):  # whatever survived a failure
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_path):
-    """A 2-process run killed (SIGKILL to the whole job) once its step-3 checkpoint exists — cut
+    """A 2-process run killed (SIGKILL to the launcher's group; its workers die with it) once its
+    step-3 checkpoint exists — cut
     back to that checkpoint if it was quicker than the kill — resumed with 2 processes ends where
     an uninterrupted run ends; resumed with 1 process (same global batch) it follows the same data
     and ends within rounding of it."""
@@ -168,7 +194,7 @@ def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_pa
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    kill_processes_mentioning(str(killed))  # workers outside the launcher's group die too
+    wait_until_gone(str(killed))  # torchrun's workers (sessions of their own) die with it
     import shutil
 
     shutil.rmtree(killed / "checkpoints" / "step-00000006", ignore_errors=True)  # as if killed before step 6

@@ -5,6 +5,7 @@ torchrun sets (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), initialises the defaul
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,6 +68,8 @@ def setup(device: Optional[str] = None) -> DistEnv:
         if dev.index is None:
             dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
         torch.cuda.set_device(dev)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     owns = False
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
@@ -74,3 +77,21 @@ def setup(device: Optional[str] = None) -> DistEnv:
     if world > 1 and dist.get_world_size() != world:
         raise ValueError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
     return DistEnv(rank, world, local_rank, dev, owns)
+
+
+def die_with_parent() -> None:
+    """Linux: this process is killed when its parent dies. torchrun starts each worker in a session
+    of its own, so a launcher killed with SIGKILL (by hand or by a job scheduler) would otherwise
+    leave its workers training on and writing checkpoints into the run's directory."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no libc prctl: nothing to do
+        return
+    if os.getppid() == 1:  # the parent already died before the request took effect
+        os._exit(1)
+
