@@ -146,20 +146,20 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     import time
 
     script = tmp_path / "idle_worker.py"
-    script.write_text("import time\nfrom longspec.training import distributed\n"
-                      "env = distributed.setup('cpu')\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    script.write_text("import sys, time\nfrom pathlib import Path\nfrom longspec.training import distributed\n"
+                      "env = distributed.setup('cpu')\n(Path(sys.argv[1]) / f'ready-{env.rank}').touch()\n"
+                      "time.sleep(600)\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+                             str(script), str(tmp_path)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        ready, deadline = 0, time.time() + 120
-        while ready < 2 and time.time() < deadline:
-            line = proc.stdout.readline()
-            ready += line.strip().endswith("ready")
-        assert ready == 2, "the workers did not start"
+        deadline = time.time() + 180
+        while len(list(tmp_path.glob("ready-*"))) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("ready-*"))) == 2, "the workers did not start"
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only
         proc.wait()
         wait_until_gone(str(script))
