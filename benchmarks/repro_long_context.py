@@ -52,25 +52,28 @@ def main():
     prompt = torch.randint(0, 49152, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     make_proposer = (lambda: PromptLookup()) if args.pld else (lambda: None)
     proposer = make_proposer()
-    where = {"generator": 0, "round": 0}
-    if args.sync_phases:
-        from longspec.decoding import runner as runner_module
+    where = {"generator": 0, "round": 0, "phase": 0}
+    if args.sync_phases:  # synchronise after every graph replay and name the one that fails
+        from longspec.decoding.runner import PhaseRunner
 
-        def run_round(self):
-            if self.cuda_graphs and self.graphs is None:
-                self._capture()
-            self.uniforms.refill()
-            for i, phase in enumerate(self.phases):
-                self.graphs[i].replay() if self.graphs else phase()
-                try:
-                    torch.cuda.synchronize()
-                except Exception as err:
-                    print(f"FAILED in phase {i} ({getattr(phase, 'func', phase).__name__}, {'graph' if self.graphs else 'eager'}) of "
-                          f"round {where['round']} of generator {where['generator']}: {err}", flush=True)
-                    raise SystemExit(1)
+        replay, run_round = torch.cuda.CUDAGraph.replay, PhaseRunner.run_round
+
+        def checked_replay(graph):
+            replay(graph)
+            try:
+                torch.cuda.synchronize()
+            except Exception as err:
+                print(f"FAILED in phase {where['phase']} (graph) of round {where['round']} of generator "
+                      f"{where['generator']}: {err}", flush=True)
+                raise SystemExit(1)
+            where["phase"] += 1
+
+        def counted_round(self):
+            where["phase"] = 0
+            run_round(self)
             where["round"] += 1
 
-        runner_module.PhaseRunner.run_round = run_round
+        torch.cuda.CUDAGraph.replay, PhaseRunner.run_round = checked_replay, counted_round
     for i in range(args.generators):  # as bench_generate: calls on one generator, then a fresh one
         where.update(generator=i, round=0)
         if args.fresh_proposer:

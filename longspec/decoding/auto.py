@@ -30,12 +30,13 @@ from typing import Optional, Sequence
 import torch
 
 from .runner import time_graph
+from .sequence import DEFAULT_TREE, HYBRID_TREE
 from .tree import TreeSpec
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
 # (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
-CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", "4,16,16,16,16",
-                   "4,4,4,4,4,1,1,1,1,1", "4,16,16,16,16,1,1,1,1,1")
+CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DEFAULT_TREE,
+                   "4,4,4,4,4,1,1,1,1,1", HYBRID_TREE)
 LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 
@@ -258,7 +259,6 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
     ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
     ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
-    from .sequence import HYBRID_TREE
     from .proposers import LongSpecProposer, PromptLookup
 
     if draft is not None and not draft.config.acceptance:

@@ -23,7 +23,7 @@ from ..cache import KVCache
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from .runner import PhaseRunner
-from .sampling import RowSampling, Uniforms, sample, warp_probs
+from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
 from .sequence import DEFAULT_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
 from .verify import verify_tree
@@ -184,10 +184,6 @@ class Engine:
                                        self.out_counts[:n], proposer, propose)
         return self._views[n]
 
-    def _config(self, n: int):
-        """The sampling settings of rows ``0..n-1``."""
-        return self.config.rows(n) if isinstance(self.config, RowSampling) else self.config
-
     def _decode_phase(self, v: "RoundRows") -> None:
         logits = self.target.decode(v.root, v.cache, n_keys=self.step_keys, advance=v.active)
         v.root.copy_(self._next_token(logits, self.greedy_round, slice(0, v.n)))
@@ -208,7 +204,7 @@ class Engine:
         if self.greedy_round:
             result = verify_tree(tree, logits)
         else:
-            c = self._config(v.n)
+            c = config_rows(self.config, v.n)
             result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
         v.cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * v.active)
         emitted, counts = result.emitted()

@@ -22,7 +22,7 @@ import torch
 
 from ..cache import DraftCache, KVCache
 from ..config import GenerationConfig
-from .sampling import RowSampling, uniform, warp_probs
+from .sampling import config_rows, uniform, warp_probs
 from .tree import DraftTree, TreeSpec
 
 
@@ -132,7 +132,7 @@ class TreeDrafter(Proposer):
     def rows(self, n, cache):
         view = copy.copy(self)
         view.cache = cache
-        view.config = self.config.rows(n) if isinstance(self.config, RowSampling) else self.config
+        view.config = config_rows(self.config, n)
         if self.lookup is not None:
             view.lookup = self.lookup.rows(n, cache)
         return view

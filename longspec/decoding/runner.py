@@ -25,7 +25,8 @@ def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """One side stream per device for every warm-up and capture: cuBLAS keeps a workspace (tens
     of MiB on Hopper) for each stream it runs on, so a new stream per capture would hold a new
     workspace each time."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
     return _CAPTURE_STREAMS[key]

@@ -135,6 +135,12 @@ class RowSampling:
         self.temperature[row], self.top_k[row], self.top_p[row] = temperature, top_k or 0, top_p or 1.0
 
 
+def config_rows(config, n: int):
+    """The sampling settings of batch rows ``0..n-1``: a :class:`RowSampling`'s views of them, or
+    a ``GenerationConfig`` (shared by every row) as it is."""
+    return config.rows(n) if isinstance(config, RowSampling) else config
+
+
 class Uniforms:
     """The uniform random numbers of a round, drawn from ``generator``. Eager (the default) each
     request draws fresh numbers. For CUDA graphs, ``make_static(count)`` turns it into views of
@@ -155,9 +161,8 @@ class Uniforms:
         return self.buffer[start:start + n].view(shape)
 
     def make_static(self, count: int) -> None:
-        """Switches to a buffer of at least ``count`` numbers (a new one if the current is smaller)."""
-        if self.buffer is None or self.buffer.numel() < count:
-            self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
+        """Switches to a new buffer of ``count`` numbers (the one a capture's graphs will read)."""
+        self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
         self.used = 0
 
     def eager(self) -> None:

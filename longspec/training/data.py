@@ -220,10 +220,16 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
         pieces.append(torch.tensor(([bos] if bos is not None else []) + ids + ([eos] if eos is not None else []),
                                    dtype=torch.long))
     stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    if vocab_size is not None and stream.numel() and int(stream.max()) >= vocab_size:
-        raise ValueError(f"the tokenizer produced token id {int(stream.max())}, but the target's vocabulary has "
-                         f"{vocab_size} entries: wrong tokenizer for this target?")
+    check_token_ids(stream, vocab_size, "the tokenizer produced")
     return stream
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: Optional[int], source: str) -> None:
+    """Raises ValueError when ``ids`` hold a token id outside a vocabulary of ``vocab_size``
+    (``source`` says where they came from)."""
+    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{source} token id {int(ids.max())}, but the target's vocabulary has {vocab_size} entries: "
+                         "wrong tokenizer for this target?")
 
 
 def frequent_tokens(paths, tokenizer, k: int, vocab_size: int, max_file_bytes: int = 1 << 20) -> torch.Tensor:
@@ -308,10 +314,8 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
     if cached is not None and cached.is_file():
         saved = torch.load(cached, map_location="cpu", weights_only=True)
         train, held = saved["train"].long(), saved["eval"].long()
-        top = max((int(t.max()) for t in (train, held) if t.numel()), default=-1)
-        if vocab_size is not None and top >= vocab_size:
-            raise ValueError(f"the cached data in {cached} holds token id {top}, but the target's vocabulary has "
-                             f"{vocab_size} entries: wrong tokenizer for this target?")
+        for ids in (train, held):
+            check_token_ids(ids, vocab_size, f"the cached data in {cached} holds")
     else:
         train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
         held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
