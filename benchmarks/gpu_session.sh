@@ -65,9 +65,11 @@ PY
              timeout ${SANITIZER_TIMEOUT:-240} "$san" --tool memcheck --print-limit 5 python3 benchmarks/repro_long_context.py \
                --length 7900 --new 128 --calls 2 --generators 2 --attention triton --pld 2>&1 | tail -60 > "$OUT/sanitizer.log" || true
            fi ;;
-    serve) for w in .whl/serve/*.whl; do m=$(basename "$w" | cut -d- -f1)  # only what the machine lacks
-             python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"; done
-           timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
+    serve) # the carried set as a whole, ahead of the machine's own packages (a newer FastAPI may
+           # need a newer pydantic / typing_extensions than the machine has)
+           python3 -m pip install -q --no-index --no-deps --target /tmp/serve .whl/serve/*.whl 2>&1 | grep -v WARNING || true
+           PYTHONPATH=/tmp/serve:$PYTHONPATH python3 -c "import fastapi, uvicorn; print('fastapi', fastapi.__version__)" || true
+           PYTHONPATH=/tmp/serve:$PYTHONPATH timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
              --prompt-dir "$SITE/transformers/generation" --concurrency ${CONCURRENCY:-1,4,16,64} \
              --servers "${SERVERS:-none;longspec}" --serve-args "${SERVE_ARGS:---buckets 1,4,16,64}" 2>&1 \
              | tee "$OUT/serve.log" || true ;;

@@ -161,3 +161,43 @@ def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     assert [s.tokens for s in seqs] == alone
     assert {n for _, n in engine.runners} == {1, 2, 4}
     assert all(r.graphs is not None for r in engine.runners.values())
+
+
+def test_capture_survives_a_dead_graph_collected_during_it():
+    """A dead object (a reference cycle) holding a CUDA graph, collected by Python while another
+    graph is captured, resets its graph mid-capture, which invalidates the capture (seen as a
+    failed capture and an illegal memory access on the H200). Captures collect garbage first and
+    pause the collector; the phase below collects only while capturing, where an automatic
+    collection could strike."""
+    import gc
+
+    from longspec.decoding.runner import PhaseRunner
+    from longspec.decoding.sampling import Uniforms
+
+    class Holder:
+        pass
+
+    def make_dead_cycle():
+        holder = Holder()
+        holder.me = holder
+        holder.x = torch.zeros(4, device="cuda")
+        holder.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(holder.graph):
+            holder.x.add_(1)
+
+    y = torch.zeros(4, device="cuda")
+
+    def phase():
+        if torch.cuda.is_current_stream_capturing():
+            gc.collect()
+        y.add_(1)
+
+    make_dead_cycle()
+    runner = PhaseRunner([phase], [y], Uniforms(None, "cuda"), torch.device("cuda"), cuda_graphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner.run_round()
+        runner.run_round()
+    torch.cuda.synchronize()
+    assert runner.graphs is not None
+    assert y.tolist() == [2.0] * 4  # the two rounds (the capture's warm-up runs were undone)

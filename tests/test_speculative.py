@@ -478,3 +478,32 @@ def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
     while engine.has_active:
         engine.step()
     assert len(seq.tokens) == 4
+
+
+def test_collector_paused_collects_first_and_pauses():
+    """Captures run inside ``collector_paused``: dead reference cycles are collected before the
+    block (so a dead engine's CUDA graphs are never reset mid-capture) and the automatic
+    collector stays off inside it, on again after (also after an error)."""
+    import gc
+
+    from longspec.decoding.runner import collector_paused
+
+    collected = []
+
+    class Cycle:
+        def __del__(self):
+            collected.append(1)
+
+    def make_dead_cycle():
+        c = Cycle()
+        c.me = c
+
+    assert gc.isenabled()
+    make_dead_cycle()
+    with collector_paused():
+        assert collected == [1]
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        raise KeyError("boom")
+    assert gc.isenabled()

@@ -9,6 +9,8 @@ tensors to put back afterwards (caches are only written past the committed token
 not part of it)."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -30,6 +32,24 @@ def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
     return _CAPTURE_STREAMS[key]
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Collects garbage once, then pauses Python's cyclic collector until the block ends. A dead
+    engine (a reference cycle) still holding CUDA graphs, collected in the middle of a capture,
+    resets its graphs there; that is not permitted while a stream captures and invalidates the
+    capture (seen on the H200 after ``torch.compile`` had run in the process: a failed capture,
+    and an illegal memory access in a later replay). PyTorch no longer collects before a
+    capture, so every capture here runs inside this block."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PhaseRunner:
@@ -105,11 +125,12 @@ class PhaseRunner:
         graphs = []
         self.uniforms.refill()
         try:
-            for phase in self.phases:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    phase()
-                graphs.append(graph)
+            with collector_paused():
+                for phase in self.phases:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        phase()
+                    graphs.append(graph)
         except RuntimeError as err:  # an op that cannot be captured: stay correct, run eagerly
             warnings.warn(f"CUDA-graph capture failed, this engine runs eagerly: {err}")
             graphs, self.cuda_graphs = None, False
@@ -132,7 +153,7 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with collector_paused(), torch.cuda.graph(graph, stream=stream):
         fn()
     times = []
     for _ in range(replays):
