@@ -67,6 +67,7 @@ PY
            fi ;;
     serve) # the carried set as a whole, ahead of the machine's own packages (a newer FastAPI may
            # need a newer pydantic / typing_extensions than the machine has)
+           export PYDANTIC_DISABLE_PLUGINS=__all__  # the carried pydantic found a plugin there needing opentelemetry
            python3 -m pip install -q --no-index --no-deps --target /tmp/serve .whl/serve/*.whl 2>&1 | grep -v WARNING || true
            PYTHONPATH=/tmp/serve:$PYTHONPATH python3 -c "import fastapi, uvicorn; print('fastapi', fastapi.__version__)" || true
            PYTHONPATH=/tmp/serve:$PYTHONPATH timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \

@@ -244,8 +244,9 @@ def cmd_serve(args) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn
-    except ImportError:
-        raise UsageError("longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]'") from None
+    except ImportError as err:
+        raise UsageError(f"longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]' "
+                         f"(importing them failed: {err})") from None
     from transformers import AutoTokenizer
 
     from . import load_target
