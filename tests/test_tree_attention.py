@@ -80,6 +80,19 @@ def test_rows_that_see_nothing_get_zeros():
     assert torch.isfinite(out).all() and out[1, :, 2].abs().max() == 0 and out[0].abs().max() > 0
 
 
+def test_lengths_outside_the_cache_never_read_outside_it():
+    """A row length below 0 or past the capacity (a caller's bug) is clamped on the device: the
+    kernel reads only cache slots, as if the length were 0 or the capacity."""
+    gen = torch.Generator().manual_seed(2)
+    device = "cuda" if ON_GPU else "cpu"
+    q, k, v = (torch.randn(2, 4, 3, 16, generator=gen).to(device),
+               torch.randn(2, 2, 8, 16, generator=gen).to(device), torch.randn(2, 2, 8, 16, generator=gen).to(device))
+    mask = torch.ones(1, 3, 3, dtype=torch.bool, device=device).tril()
+    bad = tree_attention(q, k, v, torch.tensor([-3, 1000], device=device), mask)
+    clamped = tree_attention(q, k, v, torch.tensor([0, 8], device=device), mask)
+    assert torch.isfinite(bad).all() and torch.equal(bad, clamped)
+
+
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64)])
 def test_other_launch_configs_compute_the_same(config):

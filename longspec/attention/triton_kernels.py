@@ -48,7 +48,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_D)
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        length = tl.minimum(tl.load(LEN + b).to(tl.int32), CAP)  # never read past the cache
+        length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
