@@ -10,6 +10,8 @@
 #   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
 #   serve     bench_serve.py (needs the wheels in .whl/serve, carried: see README "Benchmarks")
 #   sweep     bench_attention.py --sweep (the kernel's launch parameters per shape)
+# WRAP prefixes the bench step's command (e.g. WRAP="compute-sanitizer --tool memcheck --print-limit 5",
+# or set CUDA_LAUNCH_BLOCKING=1), to localise the illegal memory access of README "Status".
 # The draft trains on the machine's site-packages except transformers, httpx, starlette and rich
 # (evaluation: benchmark prompts, the acceptance table, tau tables) and the standard library.
 set -euo pipefail
@@ -47,7 +49,7 @@ save_draft(load_draft("/root/stage/draft", target), sys.argv[1])  # bf16 copy to
 print("exported", sys.argv[1])
 PY
            ;;
-    bench) timeout $T python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
+    bench) timeout $T ${WRAP:-} python3 benchmarks/bench_generate.py --target /root/stage/smol-hf --prompt-dir "$SITE/transformers/generation" \
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
              --attention ${BENCH_ATTENTION:-triton+compile,matmul+compile} --methods ${METHODS:-ar,pld,longspec,hybrid,auto} \
              --hf ${HF:-dynamic,static,pld} 2>&1 | tee "$OUT/bench.log" || true ;;
