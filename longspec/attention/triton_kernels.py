@@ -34,6 +34,17 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+        """One key block of the online softmax: scores s [BLOCK_Q, BLOCK_N] (log2 units, -inf
+        where hidden), values v [BLOCK_N, HEAD_D] -> the updated running max, sum and output."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+    @triton.jit
     def _partial_kernel(Q, K, V, LEN, TM, OP, LP,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
@@ -56,35 +67,30 @@ if triton is not None:
         if split < N_SPLITS:  # a chunk of the cached prefix: every key visible
             lo = split * CHUNK
             hi = tl.minimum(lo + CHUNK, length)
-            n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-            first = lo
+            n_full = tl.maximum(hi - lo, 0) // BLOCK_N
+            for blk in range(0, n_full):  # whole blocks: no masks in the hot loop
+                n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
+                v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
+                s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
+            n = lo + n_full * BLOCK_N + tl.arange(0, BLOCK_N)  # the partial last block (maybe empty)
+            n_ok = n < hi
+            k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.where(n_ok[None, :], tl.dot(q, k, input_precision=PRECISION) * qk_scale, float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
         else:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
-            hi = length + N_TREE
-            n_blocks = tl.cdiv(N_TREE, BLOCK_N)
-            first = length
-        for blk in range(0, n_blocks):
-            start = first + blk * BLOCK_N
-            n = start + tl.arange(0, BLOCK_N)
-            if split < N_SPLITS:
-                visible = (n < hi)[None, :] & row_ok[:, None]
-                n_ok = n < hi
-            else:
-                j = n - length
+            for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
+                j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
                 tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
                              mask=row_ok[:, None] & n_ok[None, :], other=0)
-                visible = tm != 0
-            k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
-            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+                k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION) * qk_scale, float("-inf"))
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o,
