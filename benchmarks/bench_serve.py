@@ -6,7 +6,7 @@ and inter-token latency (p50 / p99, from the arrival times of the streamed chunk
 and one JSON line last.
 
     python benchmarks/bench_serve.py --target DIR [--draft DIR] --prompt-dir SRC \\
-        --concurrency 1,4,16,64 --servers "none;longspec --tree 4,16,16,16,16"
+        --concurrency 1,4,16,64 --servers "none;hybrid;pld"
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def main(argv=None):
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--servers", default="none;longspec", help="';'-separated proposer arguments of each server")
+    p.add_argument("--servers", default="none;hybrid;pld", help="';'-separated proposer arguments of each server")
     p.add_argument("--serve-args", default="", help="extra arguments of every server (e.g. --buckets 1,4,16,64)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds a server may take to come up")
     args = p.parse_args(argv)
@@ -106,7 +106,7 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "longspec.cli", "serve", "--port", str(port), "--max-batch", str(max(levels)),
                "--max-len", "4096", "--proposer", *proposer, *shlex.split(args.serve_args)]
         cmd += ["--target", args.target] if args.target else []
-        cmd += ["--draft", args.draft] if args.draft and proposer[0] == "longspec" else []
+        cmd += ["--draft", args.draft] if args.draft and proposer[0] in ("longspec", "hybrid") else []
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:

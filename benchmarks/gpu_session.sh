@@ -74,7 +74,7 @@ PY
            PYTHONPATH=/tmp/serve:$PYTHONPATH python3 -c "import fastapi, uvicorn; print('fastapi', fastapi.__version__)" || true
            PYTHONPATH=/tmp/serve:$PYTHONPATH timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
              --prompt-dir "$SITE/transformers/generation" --concurrency ${CONCURRENCY:-1,4,16,64} \
-             --servers "${SERVERS:-none;longspec}" --serve-args "${SERVE_ARGS:---buckets 1,4,16,64}" 2>&1 \
+             --servers "${SERVERS:-none;hybrid;pld}" --serve-args "${SERVE_ARGS:---buckets 1,4,16,64}" 2>&1 \
              | tee "$OUT/serve.log" || true ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
     sweep) timeout $T python3 benchmarks/bench_attention.py --sweep --contexts ${SWEEP_CONTEXTS:-32768,131072} --trees ${SWEEP_TREES:-1,64,69} \
