@@ -201,3 +201,35 @@ def test_capture_survives_a_dead_graph_collected_during_it():
     torch.cuda.synchronize()
     assert runner.graphs is not None
     assert y.tolist() == [2.0] * 4  # the two rounds (the capture's warm-up runs were undone)
+
+
+def test_live_capture_streams_are_distinct():
+    """No two live owners of graphs (engines, measurements) capture on the same raw stream, even
+    though PyTorch hands out side streams round-robin from a pool of 32."""
+    from longspec.decoding.runner import capture_stream
+
+    held = [capture_stream(torch.device("cuda")) for _ in range(40)]
+    assert len({s.cuda_stream for s in held}) == 40
+
+
+def test_a_destroyed_graph_does_not_break_a_live_one():
+    """Destroying a graph frees the cuBLAS workspace of its capture stream; an engine's graphs
+    captured earlier on a shared stream then replayed into freed memory (an illegal memory access
+    after ``empty_cache``). Each owner now captures on a stream of its own. Last in this file: a
+    failure here poisons the CUDA context."""
+    from longspec.decoding.runner import PhaseRunner, time_graph
+    from longspec.decoding.sampling import Uniforms
+
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)  # skinny: cuBLAS splits K (workspace)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(8, 4096, device="cuda", dtype=torch.bfloat16)
+    live = PhaseRunner([lambda: out.copy_(x @ w)], [], Uniforms(None, "cuda"), torch.device("cuda"), cuda_graphs=True)
+    live.run_round()
+    for _ in range(3):  # other graphs captured and destroyed (as auto's cost measurement does)
+        time_graph(lambda: x @ w, 2)
+    torch.cuda.empty_cache()
+    out.zero_()
+    live.run_round()
+    torch.cuda.synchronize()
+    assert live.graphs is not None
+    torch.testing.assert_close(out, x @ w)

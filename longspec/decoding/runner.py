@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
+import weakref
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -20,46 +22,61 @@ import torch
 from .sampling import Uniforms
 
 
-_CAPTURE_STREAMS: dict = {}
+_LIVE_STREAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # raw handle -> stream
 
 
 def capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device for every warm-up and capture: cuBLAS keeps a workspace (tens
-    of MiB on Hopper) for each stream it runs on, so a new stream per capture would hold a new
-    workspace each time."""
-    index = torch.device(device).index
-    key = torch.cuda.current_device() if index is None else index
-    if key not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
-    return _CAPTURE_STREAMS[key]
+    """A side stream for the warm-ups and captures of graphs that live and die together (one
+    engine's, or one measurement's), different from every other such stream still alive.
+    Destroying a graph makes PyTorch free the cuBLAS workspace of the stream it was captured on
+    (``CUDAGraph::reset`` -> ``clearCublasWorkspacesForStream``) while other graphs captured on
+    that stream may still point into it, and their next replay reads freed memory. PyTorch hands
+    out its side streams round-robin from a pool of 32, so a fresh ``torch.cuda.Stream`` can be
+    one in use: those are skipped. (cuBLAS keeps a workspace, tens of MiB on Hopper, per stream:
+    one stream per engine, not per capture.)"""
+    for _ in range(4 * 32):
+        stream = torch.cuda.Stream(torch.device(device))
+        if stream.cuda_stream not in _LIVE_STREAMS:
+            _LIVE_STREAMS[stream.cuda_stream] = stream
+            return stream
+    raise RuntimeError("every CUDA side stream of this device is held by a live engine: close some engines "
+                       "(Engine.close, or drop their generators)")
 
 
 @contextlib.contextmanager
 def collector_paused():
-    """Collects garbage once, then pauses Python's cyclic collector until the block ends. A dead
-    engine (a reference cycle) still holding CUDA graphs, collected in the middle of a capture,
-    resets its graphs there; that is not permitted while a stream captures and invalidates the
-    capture (seen on the H200 after ``torch.compile`` had run in the process: a failed capture,
-    and an illegal memory access in a later replay). PyTorch no longer collects before a
+    """Collects garbage once, then pauses Python's cyclic collector (and Dynamo's collection
+    after each compilation) until the block ends. A dead engine (a reference cycle) still holding
+    CUDA graphs, collected in the middle of a capture, resets its graphs there; that is not
+    permitted while a stream captures and invalidates the capture (seen on the H200: a failed
+    capture that left the CUDA generator in capture mode). PyTorch no longer collects before a
     capture, so every capture here runs inside this block."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
+    dynamo = sys.modules.get("torch._dynamo")
+    no_gc_after_compile = (dynamo.config.patch(run_gc_after_compile=False)
+                           if dynamo is not None and hasattr(dynamo.config, "run_gc_after_compile")
+                           else contextlib.nullcontext())
     try:
-        yield
+        with no_gc_after_compile:
+            yield
     finally:
         if enabled:
             gc.enable()
 
 
 class PhaseRunner:
-    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers."""
+    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers;
+    ``stream``: where warm-ups and captures run (shared by the runners of one engine, see
+    :func:`capture_stream`; default: a stream of its own)."""
 
     def __init__(self, phases: Sequence[Callable[[], None]], state: Sequence[torch.Tensor], uniforms: Uniforms,
-                 device: torch.device, cuda_graphs: bool):
+                 device: torch.device, cuda_graphs: bool, stream: Optional["torch.cuda.Stream"] = None):
         self.phases, self.state, self.uniforms = list(phases), list(state), uniforms
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.stream = stream
         self.graphs: Optional[list] = None
         self.random: Optional[torch.Tensor] = None  # the static random numbers its graphs read
         self.capture_s = 0.0  # time spent capturing (first round)
@@ -113,7 +130,9 @@ class PhaseRunner:
             phase()
         self.uniforms.make_static(self.uniforms.used)
         restore()
-        stream = capture_stream(self.device)
+        if self.stream is None:
+            self.stream = capture_stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
             self.uniforms.refill()
@@ -146,7 +165,7 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     side stream first; CUDA events per replay)."""
     import statistics
 
-    stream = capture_stream(device if device is not None else torch.device("cuda"))
+    stream = capture_stream(device if device is not None else torch.device("cuda"))  # this graph's alone
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         fn()
