@@ -38,14 +38,14 @@ def timed(fn, repeats: int, inner: int = 10) -> float:
     on the GPU (the first sweep, timed eagerly, saw a constant ~80-120 us on every shape), and
     in the engine every step runs as a graph replay. Falls back to eager calls where a capture
     fails."""
-    from longspec.decoding.runner import collector_paused
+    from longspec.decoding.runner import capture_stream, collector_paused
 
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
-        stream = torch.cuda.Stream()
+        stream = capture_stream(torch.device("cuda"))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()
