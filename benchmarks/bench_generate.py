@@ -194,6 +194,7 @@ def main(argv=None):
                 print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}, "
                       f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB "
                       f"(KV + draft state {res['state_mib']:.0f} MiB)", flush=True)
+            proposer = tree = None  # the last one would keep its engine's cache and buffers alive
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
             results.append((f"hf-{name}", None, seq, res))
