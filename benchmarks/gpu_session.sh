@@ -33,7 +33,12 @@ for step in $STEPS; do
     tests) timeout $T python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true ;;
     steps) timeout $T python3 benchmarks/bench_steps.py --target /root/stage/smol-hf ${DRAFT:+--draft $DRAFT} \
              --contexts ${CONTEXTS:-2048,8192} --attention ${ATTENTION:-triton,matmul,sdpa} 2>&1 | tee "$OUT/steps.log" || true ;;
-    train) # every installed package except those kept for evaluation (and the stdlib, which train refuses)
+    train) # every installed package except those kept for evaluation (and the stdlib, which train refuses).
+           # A run spans sessions: RESUME=1 with the parts of the last session's checkpoint carried in .ckpt/
+           # (copied there from its $OUT/draft.tar.part.*), and this run's newest checkpoint goes back the same way.
+           if [ -n "${RESUME:-}" ] && ls .ckpt/draft.tar.part.* >/dev/null 2>&1; then
+             rm -rf /root/stage/draft && cat .ckpt/draft.tar.part.* | tar -x -C /root/stage && echo "restored $(cat /root/stage/draft/checkpoints/latest)"
+           fi
            timeout ${TRAIN_TIMEOUT:-330} python3 -m longspec.cli train --target /root/stage/smol-hf \
              --data ${TRAIN_DATA:-$SITE} --exclude ${EXCLUDE:-transformers httpx starlette rich} '*.dist-info' \
              --out /root/stage/draft \
@@ -41,6 +46,11 @@ for step in $STEPS; do
              --window 512 ${MAX_LAG:+--max-lag $MAX_LAG} --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
              --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} 2>&1 | tee "$OUT/train.log" || true
            cp /root/stage/draft/metrics.jsonl "$OUT/" || true
+           latest=$(cat /root/stage/draft/checkpoints/latest 2>/dev/null || true)
+           if [ -n "$latest" ]; then  # the newest checkpoint (weights, optimizer, data position), in <= 15 MiB parts
+             tar -C /root/stage -cf - draft/checkpoints/latest "draft/checkpoints/$latest" draft/metrics.jsonl \
+               | split -b 15m -d - "$OUT/draft.tar.part."
+           fi
            python3 - "$OUT/smollm2-draft" <<'PY'
 import sys, torch
 from longspec import load_target, load_draft, save_draft
