@@ -77,9 +77,8 @@ PY
              timeout ${SANITIZER_TIMEOUT:-240} "$san" --tool memcheck --print-limit 5 python3 benchmarks/repro_long_context.py \
                --length 7900 --new 128 --calls 2 --generators 2 --attention triton --pld 2>&1 | tail -60 > "$OUT/sanitizer.log" || true
            fi ;;
-    serve) # the carried set as a whole, ahead of the machine's own packages (a newer FastAPI may
-           # need a newer pydantic / typing_extensions than the machine has)
-           export PYDANTIC_DISABLE_PLUGINS=__all__  # the carried pydantic found a plugin there needing opentelemetry
+    serve) # the carried set (pip's resolved closure of fastapi + uvicorn) as a whole, ahead of the
+           # machine's own packages (a newer FastAPI needs a newer pydantic, and opentelemetry-api)
            python3 -m pip install -q --no-index --no-deps --target /tmp/serve .whl/serve/*.whl 2>&1 | grep -v WARNING || true
            PYTHONPATH=/tmp/serve:$PYTHONPATH python3 -c "import fastapi, uvicorn; print('fastapi', fastapi.__version__)" || true
            PYTHONPATH=/tmp/serve:$PYTHONPATH timeout $T python3 benchmarks/bench_serve.py --target /root/stage/smol-hf --draft ${DRAFT:-longspec/assets/smollm2-draft} \
