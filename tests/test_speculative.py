@@ -9,7 +9,7 @@ from scipy import stats
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.engine import Generator
-from longspec.decoding.proposers import PromptLookup, StreamingSelfSpec, TreeDrafter
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec, TreeDrafter
 from longspec.decoding.sampling import warp_probs
 from longspec.decoding.tree import TreeSpec
 
@@ -460,6 +460,39 @@ def test_a_replaced_engine_is_freed_at_once(targets):
         assert old() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["pld", "hybrid"])
+def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, monkeypatch):
+    """A proposer kept by the generator for its next engine no longer holds the old engine's KV
+    cache (and views of it) while the new one is allocated: peak memory stays one cache; nor once
+    the generator is gone."""
+    import gc
+    import weakref
+
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["llama"]
+    proposer = (PromptLookup() if kind == "pld" else
+                LongSpecProposer(init_draft(DraftConfig.for_target(target, window=16), target, seed=0), PromptLookup()))
+    gen = Generator(target, proposer, "2,2")
+    gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
+    old_cache = weakref.ref(gen._engine.cache.k)
+    alive_at_allocation = []
+    new_cache = target.new_cache
+
+    def recording_new_cache(*args, **kwargs):
+        alive_at_allocation.append(old_cache() is not None)
+        return new_cache(*args, **kwargs)
+
+    monkeypatch.setattr(target, "new_cache", recording_new_cache)
+    gen.generate([prompts_for(1, seed=2)[0]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    assert alive_at_allocation == [False]
+    # the generator dropped, the caller's proposer keeps nothing of its engine
+    last_cache = weakref.ref(gen._engine.cache.k)
+    del gen
+    gc.collect()
+    assert last_cache() is None and proposer.cache is None
 
 
 def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):

@@ -29,6 +29,14 @@ from .tree import TreeSpec
 from .verify import verify_tree
 
 
+def _release_if_orphaned(proposer) -> None:
+    """An engine is gone: its proposer, unless another engine has taken it since, forgets the
+    state sized for it (the KV cache it referenced, its buffers)."""
+    owner = getattr(proposer, "engine", None)
+    if owner is not None and owner() is None:
+        proposer.release()
+
+
 class Engine:
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
@@ -65,6 +73,7 @@ class Engine:
         if proposer is not None:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
             proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
+            weakref.finalize(self, _release_if_orphaned, proposer)  # a proposer kept by the caller frees it too
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
         self._compiled = target.compile_steps and (proposer is None or proposer.graphable)
         self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round
@@ -237,12 +246,17 @@ class Engine:
         return [sum(r.times[i] for r in self.runners.values()) for i in range(1 if self.proposer is None else 2)]
 
     def close(self) -> None:
-        """Drops the captured graphs and the references the engine holds to itself (its runners'
-        phases, its compiled accept step), so that releasing the engine frees its caches at once
-        rather than at the next garbage collection. The engine cannot run afterwards."""
+        """Drops the captured graphs, the references the engine holds to itself (its runners'
+        phases, its compiled accept step) and its proposer's state, so that releasing the engine
+        frees its caches at once rather than at the next garbage collection (or, through a
+        proposer kept for the next engine, only once that one has allocated its own). The engine
+        cannot run afterwards."""
         self.runners.clear()
         self._views.clear()
         self._accept = None
+        owner = getattr(self.proposer, "engine", None)
+        if owner is not None and owner() is self:  # its state belongs to this engine
+            self.proposer.release()
 
     @torch.inference_mode()
     def warm_up(self, sampled: bool = False) -> float:

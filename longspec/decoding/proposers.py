@@ -88,6 +88,13 @@ class Proposer:
     def state_tensors(self) -> list:
         return []
 
+    def release(self) -> None:
+        """Forgets the engine it was begun for (``Engine.close`` calls it): a proposer kept for a
+        next engine would otherwise hold the old KV cache, and buffers sized for it, while the new
+        one is allocated. ``begin`` binds the next engine's."""
+        self.cache = None
+        self.engine = None
+
     def rows(self, n: int, cache: KVCache) -> "Proposer":
         """This proposer over batch rows ``0..n-1`` only (``cache``: the target cache's view over
         them), sharing its state: what an engine runs for a smaller batch bucket."""
@@ -128,6 +135,12 @@ class TreeDrafter(Proposer):
         if tree.is_static:
             for d in range(1, tree.depth + 1):
                 self.static_levels[d] = tuple(t.to(device) for t in tree.level_index(d))
+
+    def release(self):
+        super().release()
+        self.rng = None
+        if self.lookup is not None:
+            self.lookup.release()
 
     def rows(self, n, cache):
         view = copy.copy(self)
@@ -243,6 +256,10 @@ class StreamingSelfSpec(TreeDrafter):
         view.view = self.view.rows(0, n)
         return view
 
+    def release(self):
+        super().release()
+        self.view = None
+
     def _refresh(self) -> None:
         """Copies sink + recent slots of every row from the target cache into the view."""
         lengths, span = self.cache.lengths, self.sinks + self.window
@@ -303,6 +320,10 @@ class PromptLookup(TreeDrafter):
         view = super().rows(n, cache)
         view.hist, view.hist_len = self.hist[:n], self.hist_len[:n]
         return view
+
+    def release(self):
+        super().release()
+        self.hist = self.hist_len = None
 
     @property
     def history(self) -> list:
@@ -395,6 +416,10 @@ class LongSpecProposer(TreeDrafter):
         view = super().rows(n, cache)
         view.ring, view.reread, view.reread_count = self.ring.rows(0, n), self.reread[:n], self.reread_count[:n]
         return view
+
+    def release(self):
+        super().release()
+        self.ring = self.reread = self.reread_count = self.target_kv = self.root_index = None
 
     def add(self, row, prompt, first_token):
         """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a
