@@ -192,8 +192,9 @@ def main(argv=None):
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
                 print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}, "
-                      f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB "
-                      f"(KV + draft state {res['state_mib']:.0f} MiB)", flush=True)
+                      f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB, a fresh generator's "
+                      f"+{res['warm_peak_mib']:.0f} MiB (KV + draft state {res['state_mib']:.0f} MiB, draft "
+                      f"{res['draft_mib']:.0f} MiB)", flush=True)  # printed now: a later crash keeps them
             proposer = tree = None  # the last one would keep its engine's cache and buffers alive
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
