@@ -32,40 +32,27 @@ from longspec.attention.triton_kernels import KernelConfig, tree_attention  # no
 
 
 def timed(fn, repeats: int, inner: int = 10) -> float:
-    """Median seconds of one call of ``fn`` on the device: ``inner`` calls captured in one CUDA
-    graph, timed with CUDA events per replay. Timing eager calls would measure the host: our
-    wrapper's checks and two Triton launches take longer on the CPU than a decode-sized kernel
-    on the GPU (the first sweep, timed eagerly, saw a constant ~80-120 us on every shape), and
-    in the engine every step runs as a graph replay. Falls back to eager calls where a capture
-    fails."""
-    from longspec.decoding.runner import capture_stream, collector_paused
+    """Median seconds of one call of ``fn`` on the device, as the engine runs it: ``inner`` calls
+    captured in one CUDA graph (``runner.time_graph``). Timing eager calls would measure the
+    host: our wrapper's checks and two Triton launches take longer on the CPU than a
+    decode-sized kernel on the GPU (the first sweep, timed eagerly, saw a constant ~80-120 us on
+    every shape). Falls back to eager calls where a capture fails."""
+    from longspec.decoding.runner import time_graph
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     try:
-        stream = capture_stream(torch.device("cuda"))
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        with collector_paused(), torch.cuda.graph(graph, stream=stream):
-            for _ in range(inner):
-                fn()
-        run, per_replay = graph.replay, inner
+        return time_graph(fn, repeats, torch.device("cuda"), inner=inner)
     except RuntimeError as err:
         print(f"  (not capturable, timed eagerly: {str(err).splitlines()[0]})", flush=True)
-        run, per_replay = fn, 1
-    run()
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1000 / per_replay)
+        times.append(a.elapsed_time(b) / 1000)
     return statistics.median(times)
 
 

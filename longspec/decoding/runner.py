@@ -160,9 +160,10 @@ class PhaseRunner:
         self.capture_s = time.perf_counter() - t0
 
 
-def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch.device] = None) -> float:
-    """Median seconds of one replay of ``fn`` captured in a CUDA graph (two warm-up calls on a
-    side stream first; CUDA events per replay)."""
+def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch.device] = None,
+               inner: int = 1) -> float:
+    """Median seconds of one call of ``fn``: ``inner`` calls captured in one CUDA graph (two
+    warm-up calls on a side stream first), CUDA events per replay, divided by ``inner``."""
     import statistics
 
     stream = capture_stream(device if device is not None else torch.device("cuda"))  # this graph's alone
@@ -173,7 +174,8 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with collector_paused(), torch.cuda.graph(graph, stream=stream):
-        fn()
+        for _ in range(inner):
+            fn()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -181,5 +183,5 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(times)
