@@ -29,11 +29,16 @@ from .tree import TreeSpec
 from .verify import verify_tree
 
 
+def owner_of(proposer) -> Optional["Engine"]:
+    """The live engine whose state ``proposer`` holds (the last to begin it), or None."""
+    ref = getattr(proposer, "engine", None)
+    return None if ref is None else ref()
+
+
 def _release_if_orphaned(proposer) -> None:
     """An engine is gone: its proposer, unless another engine has taken it since, forgets the
     state sized for it (the KV cache it referenced, its buffers)."""
-    owner = getattr(proposer, "engine", None)
-    if owner is not None and owner() is None:
+    if owner_of(proposer) is None:
         proposer.release()
 
 
@@ -254,8 +259,7 @@ class Engine:
         self.runners.clear()
         self._views.clear()
         self._accept = None
-        owner = getattr(self.proposer, "engine", None)
-        if owner is not None and owner() is self:  # its state belongs to this engine
+        if self.proposer is not None and owner_of(self.proposer) is self:  # its state belongs to this engine
             self.proposer.release()
 
     @torch.inference_mode()
@@ -396,8 +400,7 @@ class Generator:
         """An engine for ``batch`` rows of ``need`` slots (the kept one when it fits exactly)."""
         sampling = (config.temperature, config.top_k, config.top_p)
         key = (batch, need, sampling)
-        owner = getattr(self.proposer, "engine", None)
-        taken = self.proposer is not None and (owner is None or owner() is not self._engine)
+        taken = self.proposer is not None and owner_of(self.proposer) is not self._engine
         if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
             if self._engine is not None:  # free the old caches first
                 self._engine.close()
