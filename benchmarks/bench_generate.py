@@ -67,6 +67,23 @@ def methods(args, target, prompt):
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
+def first_difference(model32, prompt: list, ours: list, ref: list) -> dict:
+    """Where greedy ``ours`` first leaves ``ref`` (our autoregressive output): the token index, and
+    the logits there of transformers' float32 model on the prompt + the common prefix: the gap
+    between the two tokens and the size of one bfloat16 step (ulp) at the larger logit. A gap
+    within a few ulps means both tokens are the target's greedy choice up to bf16 rounding; a
+    large one would mean a wrong token (a bug)."""
+    i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    if i == min(len(ours), len(ref)):
+        return {"index": i, "note": "one output is a prefix of the other"}
+    with torch.no_grad():
+        row = model32(torch.tensor([prompt + ref[:i]], device=model32.device)).logits[0, -1].float()
+    top = max(row[ref[i]].item(), row[ours[i]].item())
+    ulp = 2.0 ** (torch.tensor(abs(top)).log2().floor().item() - 7)  # bf16: 8 significant bits
+    return {"index": i, "ar_token": ref[i], "our_token": ours[i], "gap": row[ref[i]].item() - row[ours[i]].item(),
+            "bf16_ulp": ulp, "fp32_choice": int(row.argmax())}
+
+
 def peak_mib(fn):
     """Runs fn; returns (its result, the peak device memory it allocated beyond what was already
     allocated, MiB): the caches and activations of one generation, not the weights."""
@@ -179,7 +196,7 @@ def main(argv=None):
     hf_kwargs = {"dynamic": {}, "static": {"cache_implementation": "static"},
                  "pld": {"prompt_lookup_num_tokens": 10}}
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    rows = []
+    rows, model32 = [], None  # model32: transformers in float32, loaded at a first difference
     for n in map(int, args.lengths.split(",")):
         prompt = code_prompt(tokenizer, Path(args.prompt_dir), n)
         results = []
@@ -205,12 +222,19 @@ def main(argv=None):
         base_name = next((n for n in ("hf-static", "hf-dynamic") if any(name == n for name, *_ in results)), None)
         base = next((r["ms_per_token"] for name, _, _, r in results if name == base_name), None)
         for name, tree, seq, res in results:
-            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == reference.get(res.get("attention", impls[0])),
+            ref = reference.get(res.get("attention", impls[0]))
+            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == ref,
                        speedup_vs_hf=(base / res["ms_per_token"]) if base else None, hf_baseline=base_name)
+            if ref is not None and seq != ref:
+                if model32 is None:
+                    model32 = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(args.device).eval()
+                res["first_difference"] = first_difference(model32, prompt, seq, ref)
             rows.append(res)
             print(f"{n:>6} {name:<15} {res['tree'] or '-':<14} tau {res['tau'] or 1.0:5.2f} "
                   f"{res['ms_per_token']:7.2f} ms/tok  x{(res['speedup_vs_hf'] or float('nan')):5.2f} "
                   f"vs {base_name}  +{res['peak_mib']:6.0f} MiB  same-as-AR {res['matches_ar']}", flush=True)
+            if "first_difference" in res:
+                print(f"{'':>6} {'':<15} first difference: {res['first_difference']}", flush=True)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     # each storage once (the LM head may be the embedding: tied)
     weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in target.state_dict().values()}.values()) / 2**20

@@ -22,7 +22,7 @@ import torch
 from ..cache import KVCache
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
-from .runner import PhaseRunner, capture_stream
+from .runner import PhaseRunner
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
 from .sequence import DEFAULT_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
@@ -84,7 +84,6 @@ class Engine:
         self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round
         self.cuda_graphs = proposer is None or proposer.graphable if cuda_graphs is None else cuda_graphs
         self._views: dict = {}
-        self._stream = None  # the side stream of this engine's captures (its graphs die together)
         # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket
         self.runners: dict = {}
         self.greedy_round = self.config.greedy
@@ -240,10 +239,7 @@ class Engine:
             else:
                 phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
                 state += v.proposer.state_tensors()
-            if self._stream is None and self.cuda_graphs and self.target.device.type == "cuda":
-                self._stream = capture_stream(self.target.device)  # all of this engine's captures
-            self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs,
-                                            self._stream)
+            self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
         return self.runners[key]
 
     def phase_times(self) -> list:

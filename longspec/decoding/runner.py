@@ -13,7 +13,6 @@ import contextlib
 import gc
 import sys
 import time
-import weakref
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -22,25 +21,19 @@ import torch
 from .sampling import Uniforms
 
 
-_LIVE_STREAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # raw handle -> stream
+_CAPTURE_STREAMS: dict = {}  # device -> the side stream every capture on it runs on
 
 
 def capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """A side stream for the warm-ups and captures of graphs that live and die together (one
-    engine's, or one measurement's), different from every other such stream still alive.
-    Destroying a graph makes PyTorch free the cuBLAS workspace of the stream it was captured on
-    (``CUDAGraph::reset`` -> ``clearCublasWorkspacesForStream``) while other graphs captured on
-    that stream may still point into it, and their next replay reads freed memory. PyTorch hands
-    out its side streams round-robin from a pool of 32, so a fresh ``torch.cuda.Stream`` can be
-    one in use: those are skipped. (cuBLAS keeps a workspace, tens of MiB on Hopper, per stream:
-    one stream per engine, not per capture.)"""
-    for _ in range(4 * 32):
-        stream = torch.cuda.Stream(torch.device(device))
-        if stream.cuda_stream not in _LIVE_STREAMS:
-            _LIVE_STREAMS[stream.cuda_stream] = stream
-            return stream
-    raise RuntimeError("every CUDA side stream of this device is held by a live engine: close some engines "
-                       "(Engine.close, or drop their generators)")
+    """The side stream that warm-ups and captures on ``device`` run on: one per device, shared
+    by every engine and measurement (cuBLAS keeps a workspace, tens of MiB on Hopper, per stream).
+    A stream per engine, taken from PyTorch's pool of side streams, was tried: on the H200 (torch
+    2.11) it made Python's collector segfault while freeing dead engines, in the GPU tests and
+    in bench_attention (benchmarks/results/gc_diag_h200.log); one shared stream did not."""
+    device = torch.device(device)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 
 @contextlib.contextmanager
@@ -67,16 +60,14 @@ def collector_paused():
 
 
 class PhaseRunner:
-    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers;
-    ``stream``: where warm-ups and captures run (shared by the runners of one engine, see
-    :func:`capture_stream`; default: a stream of its own)."""
+    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers.
+    Warm-ups and captures run on :func:`capture_stream`."""
 
     def __init__(self, phases: Sequence[Callable[[], None]], state: Sequence[torch.Tensor], uniforms: Uniforms,
-                 device: torch.device, cuda_graphs: bool, stream: Optional["torch.cuda.Stream"] = None):
+                 device: torch.device, cuda_graphs: bool):
         self.phases, self.state, self.uniforms = list(phases), list(state), uniforms
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
-        self.stream = stream
         self.graphs: Optional[list] = None
         self.random: Optional[torch.Tensor] = None  # the static random numbers its graphs read
         self.capture_s = 0.0  # time spent capturing (first round)
@@ -130,9 +121,7 @@ class PhaseRunner:
             phase()
         self.uniforms.make_static(self.uniforms.used)
         restore()
-        if self.stream is None:
-            self.stream = capture_stream(self.device)
-        stream = self.stream
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
             self.uniforms.refill()
@@ -166,7 +155,7 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     warm-up calls on a side stream first), CUDA events per replay, divided by ``inner``."""
     import statistics
 
-    stream = capture_stream(device if device is not None else torch.device("cuda"))  # this graph's alone
+    stream = capture_stream(device if device is not None else torch.device("cuda"))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         fn()
