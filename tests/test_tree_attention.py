@@ -94,6 +94,7 @@ def test_lengths_outside_the_cache_never_read_outside_it():
 
 
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16),
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
@@ -103,8 +104,25 @@ def test_other_launch_configs_compute_the_same(config):
 def test_plan_covers_the_capacity():
     for cap in (64, 1000, 8192, 131072):
         for rows in (1, 16, 207):
-            splits, chunk = plan(cap, rows, 3)
-            assert splits * chunk >= cap and chunk % 64 == 0 and splits >= 1
+            for min_chunk in (1, 128, 512):
+                splits, chunk = plan(cap, rows, 3, min_chunk=min_chunk)
+                assert splits * chunk >= cap and chunk % 64 == 0 and splits >= 1 and chunk >= min_chunk
+                assert (splits - 1) * chunk < cap  # no split starts past the capacity
+
+
+def test_tree_masks_of_any_layout_and_dtype_give_the_same_output():
+    """A bool mask is read in place (no copy per layer); a strided or int8 one is made contiguous."""
+    gen = torch.Generator().manual_seed(4)
+    device = "cuda" if ON_GPU else "cpu"
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=gen).to(device),
+               torch.randn(1, 2, 40, 16, generator=gen).to(device), torch.randn(1, 2, 40, 16, generator=gen).to(device))
+    mask = random_parents_mask(1, 5, gen).to(device)
+    wide = torch.zeros(1, 5, 10, dtype=torch.bool, device=device)
+    wide[..., ::2] = mask
+    lengths = torch.tensor([30], device=device)
+    want = tree_attention(q, k, v, lengths, mask)
+    for other in (wide[..., ::2], mask.to(torch.int8)):
+        assert torch.equal(tree_attention(q, k, v, lengths, other), want)
 
 
 def test_bad_inputs_are_clear_errors():

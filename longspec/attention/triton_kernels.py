@@ -136,14 +136,16 @@ class KernelConfig:
     num_stages: int = 0  # 0: Triton's default
     programs: int = 264
     merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
+    min_chunk: int = 128  # keys per split-KV program at least (short caches: fewer, longer programs)
 
 
-def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64, block_q: int = 128, programs: int = 264) -> tuple:
+def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64, block_q: int = 128, programs: int = 264,
+         min_chunk: int = 128) -> tuple:
     """(n_splits, chunk) for a cache of ``capacity`` slots: about ``programs`` programs, chunks of
-    at least 128 keys (512 when a tile holds many rows, which keeps the partial results small)."""
+    at least ``min_chunk`` keys, a multiple of ``block_n``."""
     tiles = -(-rows // block_q)
     want = max(1, -(-programs // (batch_kv * tiles)))
-    chunk = max(-(-capacity // want), 128 if rows <= 16 else 512)
+    chunk = max(-(-capacity // want), min_chunk)
     chunk = -(-chunk // block_n) * block_n
     return -(-capacity // chunk), chunk
 
@@ -172,14 +174,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("tree_attention: the head dimension must be contiguous")
     g, n_tree = hq // hkv, tree_mask.shape[2]
-    tm = tree_mask.to(torch.int8)
+    tm = tree_mask.view(torch.int8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.int8)  # bool: no copy
+    if tm.stride(2) != 1:
+        tm = tm.contiguous()
     rows = g * m
     c = config or KernelConfig()
     if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
-            or c.programs < 1):
+            or c.programs < 1 or c.min_chunk < 1):
         raise ValueError(f"tree_attention: bad kernel config {c} (block sizes: powers of two >= 16)")
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
-    n_splits, chunk = plan(cap, rows, b * hkv, c.block_n, block_q, c.programs)
+    n_splits, chunk = plan(cap, rows, b * hkv, c.block_n, block_q, c.programs, c.min_chunk)
     parts = n_splits + 1
     o_part = torch.empty(b, hkv, parts, rows, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hkv, parts, rows, dtype=torch.float32, device=q.device)
