@@ -12,6 +12,7 @@ at a time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ def main(argv=None):
     p.add_argument("--chunk", default="4096,0", help="loss chunk rows (0: whole micro-batch)")
     p.add_argument("--steps", type=int, default=12, help="timed steps after 3 warm-up steps")
     p.add_argument("--distill", action="store_true")
+    p.add_argument("--compile", default="off", help="off, on or off,on: the draft's forward through torch.compile")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -45,40 +47,42 @@ def main(argv=None):
     target = random_target(args.shape, torch.bfloat16 if cuda else torch.float32, args.device)
     vocab = target.config.vocab_size
     rows = []
-    for batch in map(int, args.batch.split(",")):
-        for chunk in map(int, args.chunk.split(",")):
-            data = PackedData(torch.randint(0, vocab, (max(64, 4 * batch), args.seq_len)),
-                              torch.randint(0, vocab, (4, args.seq_len)), 1, 1)
-            with tempfile.TemporaryDirectory() as out:
-                config = TrainConfig(target="random", data=[], out=out, seq_len=args.seq_len, batch_size=batch,
-                                     steps=args.steps + 3, distill=args.distill, progress=False)
-                config.validate()
-                trainer = Trainer(config, DistEnv(device=torch.device(args.device)), target, data)
-                trainer.loss.chunk = chunk or batch * args.seq_len
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                try:
-                    times = []
-                    for i in range(args.steps + 3):
-                        sync()
-                        t = time.perf_counter()
-                        trainer.train_step()
-                        sync()
-                        if i >= 3:
-                            times.append(time.perf_counter() - t)
-                    sec = statistics.median(times)
-                    row = dict(batch=batch, chunk=chunk, seq_len=args.seq_len, step_s=sec,
-                               tokens_per_s=batch * args.seq_len / sec,
-                               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
-                except torch.OutOfMemoryError:
-                    row = dict(batch=batch, chunk=chunk, seq_len=args.seq_len, step_s=float("nan"),
-                               tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
-                rows.append(row)
-                print(f"batch {batch:3} chunk {chunk:6}: {row['tokens_per_s'] / 1e3:8.1f} k tokens/s, "
-                      f"step {row['step_s'] * 1e3:7.1f} ms, peak {row['peak_gib']:.1f} GiB", flush=True)
-                del trainer
-                if cuda:
-                    torch.cuda.empty_cache()
+    for batch, chunk, compiled in itertools.product(map(int, args.batch.split(",")), map(int, args.chunk.split(",")),
+                                                    [c == "on" for c in args.compile.split(",")]):
+        data = PackedData(torch.randint(0, vocab, (max(64, 4 * batch), args.seq_len)),
+                          torch.randint(0, vocab, (4, args.seq_len)), 1, 1)
+        with tempfile.TemporaryDirectory() as out:
+            config = TrainConfig(target="random", data=[], out=out, seq_len=args.seq_len, batch_size=batch,
+                                 steps=args.steps + 40, distill=args.distill, progress=False, compile=compiled)
+            config.validate()
+            trainer = Trainer(config, DistEnv(device=torch.device(args.device)), target, data)
+            trainer.loss.chunk = chunk or batch * args.seq_len
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                times, lags, warm = [], set(), 0
+                while len(times) < args.steps:
+                    sync()
+                    t = time.perf_counter()
+                    lags.add(trainer.train_step()["lag"])
+                    sync()
+                    every_lag = len(lags) == (config.max_lag if config.noise else 1)  # each compiled once first
+                    if warm >= 3 and (every_lag or warm >= 40):
+                        times.append(time.perf_counter() - t)
+                    warm += 1
+                sec = statistics.median(times)
+                row = dict(batch=batch, chunk=chunk, compile=compiled, seq_len=args.seq_len, step_s=sec,
+                           tokens_per_s=batch * args.seq_len / sec,
+                           peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+            except torch.OutOfMemoryError:
+                row = dict(batch=batch, chunk=chunk, compile=compiled, seq_len=args.seq_len, step_s=float("nan"),
+                           tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
+            rows.append(row)
+            print(f"batch {batch:3} chunk {chunk:6} compile {'on ' if compiled else 'off'}: "
+                  f"{row['tokens_per_s'] / 1e3:8.1f} k tokens/s, step {row['step_s'] * 1e3:7.1f} ms, peak {row['peak_gib']:.1f} GiB", flush=True)
+            del trainer
+            if cuda:
+                torch.cuda.empty_cache()
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape, "distill": args.distill,
                       "results": rows}))
 

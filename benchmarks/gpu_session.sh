@@ -44,7 +44,8 @@ for step in $STEPS; do
              --out /root/stage/draft \
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
              --window 512 ${MAX_LAG:+--max-lag $MAX_LAG} --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
-             --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} 2>&1 | tee "$OUT/train.log" || true
+             --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} \
+             ${COMPILE_TRAIN:+--compile} 2>&1 | tee "$OUT/train.log" || true
            cp /root/stage/draft/metrics.jsonl "$OUT/" || true
            latest=$(cat /root/stage/draft/checkpoints/latest 2>/dev/null || true)
            if [ -n "$latest" ]; then  # the newest checkpoint (weights, optimizer, data position), in <= 15 MiB parts
@@ -63,8 +64,8 @@ PY
              ${DRAFT:+--draft $DRAFT} --lengths ${LENGTHS:-2048,7900} --max-new-tokens ${NEW:-128} --repeats ${REPEATS:-3} \
              --attention ${BENCH_ATTENTION:-triton+compile,matmul+compile} --methods ${METHODS:-ar,pld,longspec,hybrid,auto} \
              --hf ${HF:-dynamic,static,pld} 2>&1 | tee "$OUT/bench.log" || true ;;
-    trainbench) timeout $T python3 benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --batch ${TRAIN_BATCH:-8,16,32} \
-             --chunk 4096,0 2>&1 | tee "$OUT/train_bench.log" || true ;;
+    trainbench) timeout $T python3 benchmarks/bench_train.py --shape smollm2 --seq-len 2048 --batch ${TRAIN_BATCH:-16,32} \
+             --chunk 4096 --compile ${TRAIN_COMPILE:-off,on} 2>&1 | tee "$OUT/train_bench.log" || true ;;
     stepsrand) timeout $T python3 benchmarks/bench_steps.py --shape smollm2 --random-draft --contexts ${CONTEXTS:-2048,8192} \
              --trees ${TREES:-16,69} --attention ${ATTENTION:-matmul,triton} --compile ${COMPILE:-on,off} 2>&1 | tee "$OUT/steps_rand.log" || true ;;
     repro) # the command that crashed before (no per-phase syncs); /root/stage/triton_ok records a pass

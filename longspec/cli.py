@@ -311,7 +311,7 @@ def cmd_train(args) -> int:
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
         save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
-        exclude=args.exclude,
+        exclude=args.exclude, compile=args.compile,
         progress=not args.no_progress)
     result = train(config)
     last = result.history[-1] if result.history else {}
@@ -465,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
     tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--compile", action="store_true",
+                    help="run the draft's forward and backward through torch.compile (Inductor; GPU)")
     tr.set_defaults(func=cmd_train)
     return parser
 

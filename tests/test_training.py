@@ -457,3 +457,20 @@ def test_self_distill_writes_the_targets_answers(target, tmp_path):
         self_distill(target, ChatStubTokenizer(), [stdlib], out, **args)
     with pytest.raises(ValueError, match="standard library"):
         list(iter_documents(stdlib))
+
+
+def test_compiled_draft_forward_trains_the_same(target, corpus, tmp_path, monkeypatch):
+    """``--compile`` puts the draft's forward (and backward) through torch.compile (here the
+    aot_eager backend, as on a CPU without a compiler): the losses are those of eager training."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "aot_eager")
+    kw = dict(steps=4, eval_every=4)
+    eager = train(small_config(tmp_path / "eager", corpus, **kw), tokenizer=CharTokenizer(), target=target)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = train(small_config(tmp_path / "compiled", corpus, compile=True, **kw), tokenizer=CharTokenizer(),
+                     target=target)
+    assert counters["stats"]["unique_graphs"] > graphs
+    losses = lambda result: [row["loss"] for row in result.history if "loss" in row]  # noqa: E731
+    assert len(losses(eager)) == 4 and losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+    assert compiled.history[-1]["eval_loss"] == pytest.approx(eager.history[-1]["eval_loss"], rel=1e-4)

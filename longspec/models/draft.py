@@ -23,6 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention import attend_masked
+from ..attention.fast import masked_attention
 from ..cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig
 from .rope import apply_rotary
@@ -207,7 +208,7 @@ class LongSpecDraft(nn.Module):
         q, k, v, cos, sin = self._qkv(x, positions)
         idx = torch.arange(t, device=x.device)
         window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
+        o = masked_attention(q, k, v, window[None])  # on CUDA off SDPA's math path (masked + GQA)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
         cross = torch.zeros_like(cq)

@@ -77,6 +77,7 @@ class TrainConfig:
     data_cache: Optional[str] = None  # directory keeping tokenised data for later runs
     exclude: list = field(default_factory=list)  # glob patterns of source-tree entries left out
     progress: bool = True  # tqdm bar on rank 0
+    compile: bool = False  # the draft's forward (and its backward) through torch.compile
 
     def validate(self) -> None:
         if self.max_lag is None:
@@ -143,6 +144,10 @@ class Trainer:
         target.requires_grad_(False).eval()
         self.draft = init_draft(DraftConfig.for_target(target, window=config.window), target, seed=config.seed)
         self.draft.float().train()
+        if config.compile:  # one graph per lag and batch shape; the chunked vocabulary loss stays eager
+            from ..models.target import compile_step
+
+            self.draft.forward_train = compile_step(self.draft.forward_train)
         self.loss = DraftLoss(self.draft, config.distill_weight)
         self.model = self.loss
         if env.distributed:
