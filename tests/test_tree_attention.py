@@ -143,3 +143,30 @@ def test_bad_inputs_are_clear_errors():
 @pytest.mark.parametrize("lengths,m,hq,hkv,d", CASES + [([4096, 17, 1], 128, 32, 8, 128), ([32768], 64, 32, 8, 128)])
 def test_kernel_bfloat16_on_gpu(lengths, m, hq, hkv, d):
     check(lengths, m, hq, hkv, d, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("m", [1, 5, 69])
+@pytest.mark.parametrize("outside", [False, True])
+def test_store_kernel_writes_what_indexing_writes(m, outside):
+    """One launch writes K and V at per-row slots as ``cache.store_kv``'s indexed copies do
+    (V in another layout: a transposed view, as a qkv split gives); a slot outside the cache
+    (-1, or the capacity) is skipped, nothing else written."""
+    from longspec.attention.triton_kernels import store_fits, store_kv
+
+    gen = torch.Generator().manual_seed(m)
+    device = "cuda" if ON_GPU else "cpu"
+    b, hkv, s, d = 3, 2, 100, 16
+    k_cache, v_cache = (torch.randn(b, hkv, s, d, generator=gen).to(device) for _ in range(2))
+    k_new = torch.randn(b, hkv, m, d, generator=gen).to(device)
+    v_new = torch.randn(b, m, hkv, d, generator=gen).to(device).transpose(1, 2)
+    slots = torch.tensor([0, 7, s - m], device=device)[:, None] + torch.arange(m, device=device)[None, :]
+    if outside:
+        slots[0, 0], slots[2, -1] = -1, s
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for r in range(b):
+        for j in range(m):
+            if 0 <= slots[r, j] < s:
+                want_k[r, :, slots[r, j]], want_v[r, :, slots[r, j]] = k_new[r, :, j], v_new[r, :, j]
+    assert store_fits(k_cache, v_cache, k_new, v_new)
+    store_kv(k_cache, v_cache, k_new, v_new, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
