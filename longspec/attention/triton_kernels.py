@@ -234,7 +234,7 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     into k_layer, v_layer [B, Hkv, S, D] at ``slots`` [B, M]; a slot outside ``0..S-1`` is not
     written. The tensors must pass :func:`store_fits`."""
     b, hkv, m, d = k_new.shape
-    block_m = min(64, triton.next_power_of_2(m))
+    block_m = min(64, max(16, triton.next_power_of_2(m)))  # rows past M are masked
     _store_kv_kernel[(b * hkv, triton.cdiv(m, block_m))](
         k_layer, v_layer, k_new, v_new, slots, k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
