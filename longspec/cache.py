@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .attention import triton_kernels
 from .config import ModelConfig
 
 
@@ -19,12 +20,9 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     """Writes k_new, v_new [B, Hkv, M, D] into one layer of a :class:`KVCache` (k_layer, v_layer
     [B, Hkv, S, D]) at ``slots`` [B, M] (from ``KVCache.new_slots``); rows = ``arange(B)[:, None]``.
     On CUDA with Triton, one kernel writes both (two indexed copies otherwise)."""
-    if k_layer.is_cuda:
-        from .attention import triton_kernels
-
-        if triton_kernels.store_fits(k_layer, v_layer, k_new, v_new):
-            triton_kernels.store_kv(k_layer, v_layer, k_new, v_new, slots)
-            return
+    if k_layer.is_cuda and triton_kernels.store_fits(k_layer, v_layer, k_new, v_new):
+        triton_kernels.store_kv(k_layer, v_layer, k_new, v_new, slots)
+        return
     k_layer.transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
     v_layer.transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
 

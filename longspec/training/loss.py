@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.target import compile_step
+
 
 @dataclass
 class TargetOutputs:
@@ -144,17 +146,19 @@ def head_loss_sums(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.
 class DraftLoss(nn.Module):
     """The draft's training step as one module (what DDP wraps: gradient synchronisation is
     hooked on ``forward``). ``forward(input_ids, positions, target_k, target_v, lag,
-    target_hidden)`` -> :class:`LossSums`."""
+    target_hidden)`` -> :class:`LossSums`. ``compile``: the draft's forward (and backward) through
+    torch.compile, one graph per lag and batch shape; the chunked vocabulary loss stays eager."""
 
-    def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096):
+    def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096, compile: bool = False):
         super().__init__()
         self.draft = draft
         self.distill_weight = distill_weight
         self.chunk = chunk
+        self._forward_train = compile_step(draft.forward_train) if compile else draft.forward_train
 
     def forward(self, input_ids, positions, target_k, target_v, lag: int, target_hidden=None) -> LossSums:
         """``target_hidden`` [B, T, H]: the target's LM-head input (for distillation). The loss over
         the big vocabulary runs in chunks (:func:`head_loss_sums`)."""
-        hidden = self.draft.forward_train(input_ids, positions, target_k, target_v, lag=lag)
+        hidden = self._forward_train(input_ids, positions, target_k, target_v, lag=lag)
         return head_loss_sums(self.draft.head_input(hidden), self.draft.target.lm_head.weight, input_ids, lag,
                               target_hidden, self.distill_weight, self.chunk)

@@ -144,11 +144,7 @@ class Trainer:
         target.requires_grad_(False).eval()
         self.draft = init_draft(DraftConfig.for_target(target, window=config.window), target, seed=config.seed)
         self.draft.float().train()
-        if config.compile:  # one graph per lag and batch shape; the chunked vocabulary loss stays eager
-            from ..models.target import compile_step
-
-            self.draft.forward_train = compile_step(self.draft.forward_train)
-        self.loss = DraftLoss(self.draft, config.distill_weight)
+        self.loss = DraftLoss(self.draft, config.distill_weight, compile=config.compile)
         self.model = self.loss
         if env.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
