@@ -14,11 +14,12 @@ SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 ARGS="train --target /root/stage/smol-hf --data $SITE/numpy $SITE/scipy $SITE/networkx --seq-len 2048 --steps $STEPS
       --lr 1e-3 --warmup 20 --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 10 --no-progress
       --device cuda --dtype bfloat16 --seed 3 --data-cache /root/stage/tokens"
-run1() { python3 -m longspec.cli $ARGS --out "$1" --batch-size $BATCH "${@:2}"; }
-run2() { torchrun --standalone --nproc_per_node 2 -m longspec.cli $ARGS --out "$1" --batch-size $((BATCH / 2)) "${@:2}"; }
+run1() { timeout ${RUN_TIMEOUT:-170} python3 -m longspec.cli $ARGS --out "$1" --batch-size $BATCH "${@:2}"; }
+run2() { timeout ${RUN_TIMEOUT:-170} torchrun --standalone --nproc_per_node 2 -m longspec.cli $ARGS --out "$1" --batch-size $((BATCH / 2)) "${@:2}"; }
 {
   echo "== 1 GPU"; run1 /root/one
   echo "== 2 GPUs"; run2 /root/two
+  [ "${RESUME_TEST:-1}" = 1 ] || exit 0  # RESUME_TEST=0: throughput and curves only
   echo "== 2 GPUs, killed after the first checkpoint"; run2 /root/killed & pid=$!
   while [ ! -d /root/killed/checkpoints/step-$(printf %08d $EVERY) ] && kill -0 $pid 2>/dev/null; do sleep 1; done
   pkill -9 -f "out /root/killed" ; wait $pid
@@ -26,12 +27,12 @@ run2() { torchrun --standalone --nproc_per_node 2 -m longspec.cli $ARGS --out "$
   echo "== resumed on 2 GPUs"; run2 /root/killed --resume
   echo "== resumed on 1 GPU"; run1 /root/killed1 --resume
 } 2>&1 | tee "$OUT/ddp.log"
-for name in one two killed killed1; do cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl"; done
+for name in one two killed killed1; do cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl" || touch "$OUT/metrics_$name.jsonl"; done
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-runs = {n: [json.loads(l) for l in (out / f"metrics_{n}.jsonl").read_text().splitlines()]
+runs = {n: [json.loads(l) for l in (out / f"metrics_{n}.jsonl").read_text().splitlines() if l.strip()]
         for n in ("one", "two", "killed", "killed1")}
 for name, rows in runs.items():
     speed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
@@ -43,7 +44,8 @@ try:
     import matplotlib.pyplot as plt
     for name, rows in runs.items():
         pts = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        plt.plot(*zip(*pts), marker="o", label=name)
+        if pts:
+            plt.plot(*zip(*pts), marker="o", label=name)
     plt.xlabel("step"); plt.ylabel("held-out loss"); plt.legend(); plt.savefig(out / "curves.png", dpi=120)
 except ImportError:
     print("matplotlib missing: no plot")

@@ -335,6 +335,34 @@ def test_resume_is_bit_exact(target, corpus, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000010"]
 
 
+def test_metrics_are_read_in_windows_and_a_non_finite_loss_stops_before_the_next_checkpoint(
+        target, corpus, tmp_path, monkeypatch):
+    from longspec.training.trainer import Trainer
+
+    # logging every 5 steps gives the same rows as averaging the per-step rows of log_every=1
+    every = train(small_config(tmp_path / "every", corpus, steps=10), tokenizer=CharTokenizer(), target=target)
+    fives = train(small_config(tmp_path / "fives", corpus, steps=10, log_every=5), tokenizer=CharTokenizer(),
+                  target=target)
+    for row in fives.history:
+        steps = [r for r in every.history if row["step"] - 5 < r["step"] <= row["step"]]
+        for key in ("loss", "acc", "grad_norm"):
+            assert row[key] == pytest.approx(sum(r[key] for r in steps) / 5, rel=1e-9), key
+    step = Trainer.train_step
+
+    def poisoned(self):  # the draft's weights turn NaN before step 3
+        if self.step == 2:
+            with torch.no_grad():
+                next(self.draft.parameters()).fill_(float("nan"))
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        train(small_config(out, corpus, steps=10, log_every=5, save_every=4), tokenizer=CharTokenizer(),
+              target=target)
+    assert latest_checkpoint(out) is None  # read at step 4, before its checkpoint
+
+
 def test_distillation_loss_decreases(target, corpus, tmp_path):
     result = train(small_config(tmp_path / "kd", corpus, steps=30, eval_every=30, distill=True),
                    tokenizer=CharTokenizer(), target=target)

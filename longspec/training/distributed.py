@@ -72,7 +72,8 @@ def setup(device: Optional[str] = None) -> DistEnv:
         die_with_parent()
     owns = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        cuda = dev.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=dev if cuda else None)
         owns = True
     if world > 1 and dist.get_world_size() != world:
         raise ValueError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")

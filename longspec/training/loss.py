@@ -64,9 +64,8 @@ class LossSums:
 
     def stats(self) -> torch.Tensor:
         """float64 [4]: ce, kl, correct, count (detached; for all-reduce and logging)."""
-        return torch.stack([self.ce.detach().double(), self.kl.detach().double(),
-                            self.correct.double(), torch.tensor(float(self.count), dtype=torch.float64,
-                                                                device=self.ce.device)])
+        ce = self.ce.detach().double()
+        return torch.stack([ce, self.kl.detach().double(), self.correct.double(), ce.new_full((), float(self.count))])
 
 
 def loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, lag: int, target_logits: Optional[torch.Tensor] = None,

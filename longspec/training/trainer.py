@@ -149,7 +149,10 @@ class Trainer:
         if env.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model = DDP(self.loss, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            # the modules' buffers (RoPE frequencies, the draft's vocabulary subset) are constants:
+            # no broadcast before every forward
+            self.model = DDP(self.loss, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                             broadcast_buffers=False, gradient_as_bucket_view=True)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, betas=tuple(config.betas),
                                            weight_decay=config.weight_decay)
         self.offset_gen = torch.Generator().manual_seed(config.seed + 1)
@@ -172,7 +175,10 @@ class Trainer:
 
     def _forward(self, model, ids, positions, lag):
         """Target forward (no grad) then draft loss sums for one micro-batch on this rank."""
-        ids, positions = ids.to(self.env.device), positions.to(self.env.device)
+        if self.env.device.type == "cuda":  # pinned + asynchronous: a pageable copy waits for the GPU
+            ids, positions = (x.pin_memory().to(self.env.device, non_blocking=True) for x in (ids, positions))
+        else:
+            ids, positions = ids.to(self.env.device), positions.to(self.env.device)
         b, t = ids.shape
         if self.cache is None or self.cache.batch_size != b or self.cache.max_len != t:
             self.cache = self.target.new_cache(b, t)
@@ -181,9 +187,11 @@ class Trainer:
             return model(ids, positions, tgt.k, tgt.v, lag, tgt.hidden)
 
     def train_step(self) -> dict:
-        """One optimizer step over a global batch. Returns the step's global metrics."""
+        """One optimizer step over a global batch, without a host synchronisation: returns this
+        rank's loss sums (``stats``: float64 [4] on the device) and the gradient norm as device
+        tensors, with the step's lr, lag and token count; :meth:`step_metrics` turns a list of
+        them into global metrics (one synchronisation and one all-reduce for the whole list)."""
         c, env = self.config, self.env
-        started = time.perf_counter()
         lr = lr_at(self.step, c)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -192,29 +200,43 @@ class Trainer:
         chunks = sample_chunks(self.samples_seen, g, self.data.train.shape[0], c.seed)
         positions = anchor_offset_positions(g, c.seq_len, self.max_pos, self.offset_gen, c.anchor_offset)
         n_global = g * (c.seq_len - 1 - lag)
-        stats = torch.zeros(4, dtype=torch.float64)
+        stats = torch.zeros(4, dtype=torch.float64, device=env.device)
         for a in range(c.grad_accum):
             rows = slice((a * env.world + env.rank) * c.batch_size, (a * env.world + env.rank + 1) * c.batch_size)
             sync = a == c.grad_accum - 1 or not env.distributed
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 sums = self._forward(self.model, self.data.train[chunks[rows]], positions[rows], lag)
                 (sums.objective * (env.world / n_global)).backward()
-            stats += sums.stats().cpu()
+            stats += sums.stats()
         norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), c.grad_clip if c.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.samples_seen += g
-        env.all_reduce_sum(stats)
-        ce, kl, correct, count = stats.tolist()
-        loss = ((1 - c.distill_weight) * ce + c.distill_weight * kl if c.distill else ce) / count
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss at step {self.step}")
-        out = {"loss": loss, "ce": ce / count, "acc": correct / count, "lr": lr, "lag": lag,
-               "grad_norm": float(norm), "tokens": g * c.seq_len, "seconds": time.perf_counter() - started}
-        if c.distill:
-            out["kl"] = kl / count
-        return out
+        return {"step": self.step, "stats": stats, "grad_norm": norm.detach(), "lr": lr, "lag": lag,
+                "tokens": g * c.seq_len}
+
+    def step_metrics(self, pending: list) -> list:
+        """Global metrics of the steps ``pending`` (what :meth:`train_step` returned): loss, ce,
+        acc, (kl,) lr, lag, grad_norm, tokens per step. Raises FloatingPointError at the first
+        step whose loss is not finite."""
+        if not pending:
+            return []
+        c = self.config
+        stats = torch.stack([p["stats"] for p in pending])
+        norms = torch.stack([p["grad_norm"].double() for p in pending]).tolist()
+        self.env.all_reduce_sum(stats)
+        rows = []
+        for p, (ce, kl, correct, count), norm in zip(pending, stats.tolist(), norms):
+            loss = ((1 - c.distill_weight) * ce + c.distill_weight * kl if c.distill else ce) / count
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at step {p['step']}")
+            out = {"loss": loss, "ce": ce / count, "acc": correct / count, "lr": p["lr"], "lag": p["lag"],
+                   "grad_norm": norm, "tokens": p["tokens"]}
+            if c.distill:
+                out["kl"] = kl / count
+            rows.append(out)
+        return rows
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -231,14 +253,14 @@ class Trainer:
         positions = anchor_offset_positions(m, c.seq_len, self.max_pos, gen, c.anchor_offset)
         lags = [1 + j % c.max_lag if c.noise else 1 for j in range(m)]
         mine = [j for j in range(m) if j % env.world == env.rank]
-        stats = torch.zeros(4, dtype=torch.float64)
+        stats = torch.zeros(4, dtype=torch.float64, device=env.device)
         was_training = self.draft.training
         self.draft.eval()
         for lag in sorted(set(lags)):
             group = [j for j in mine if lags[j] == lag]
             for i in range(0, len(group), c.batch_size):
                 idx = torch.tensor(group[i:i + c.batch_size], dtype=torch.long)
-                stats += self._forward(self.loss, chunks[idx], positions[idx], lag).stats().cpu()
+                stats += self._forward(self.loss, chunks[idx], positions[idx], lag).stats()
         self.draft.train(was_training)
         env.all_reduce_sum(stats)
         ce, kl, correct, count = stats.tolist()
@@ -289,12 +311,12 @@ def _progress(config: TrainConfig, env, start: int):
                 unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
-def _mean_rows(rows: list) -> dict:
-    """Averages the per-step metrics of a logging window (token-weighted throughput)."""
-    keys = [k for k in rows[0] if k not in ("tokens", "seconds", "lr", "lag")]
+def _mean_rows(rows: list, seconds: float) -> dict:
+    """Averages the per-step metrics of a logging window; throughput over its wall time."""
+    keys = [k for k in rows[0] if k not in ("tokens", "lr", "lag")]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     out["lr"] = rows[-1]["lr"]
-    out["tokens_per_s"] = sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
+    out["tokens_per_s"] = sum(r["tokens"] for r in rows) / max(seconds, 1e-9)
     return out
 
 
@@ -352,33 +374,45 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
         if data.eval.shape[0] == 0:
             print("[longspec train] warning: no held-out chunk (too few held-out documents / tokens): "
                   "no evaluation", file=sys.stderr)
-    history, window = [], []
+    history, window, pending = [], [], []
     if config.eval_every and trainer.step == 0 and data.eval.shape[0]:
         row = {"step": 0, **trainer.evaluate()}  # the untrained draft: a baseline
         log.write(row)
         history.append(row)
     bar = _progress(config, env, trainer.step)
+    # Steps run without host synchronisation; their metrics are read (one sync, one all-reduce)
+    # where they are needed: logging, evaluation, checkpoints, the last step, and after every
+    # step when a callback wants them. ``elapsed``: training wall time of the logging window.
+    elapsed, clock = 0.0, time.perf_counter()
     try:
         while trainer.step < config.steps:
-            metrics = trainer.train_step()
+            pending.append(trainer.train_step())
             step = trainer.step
-            window.append(metrics)
+            bar.update(1)
+            log_now = step % config.log_every == 0 or step == config.steps
+            eval_now = (config.eval_every and step % config.eval_every == 0) or step == config.steps
+            save_now = (config.save_every and step % config.save_every == 0) or step == config.steps
+            if not (log_now or eval_now or save_now or callback is not None):
+                continue
+            done, pending = trainer.step_metrics(pending), []
+            elapsed += time.perf_counter() - clock
+            window += done
             row = None
-            if step % config.log_every == 0 or step == config.steps:
-                row = {"step": step, **_mean_rows(window)}
-                window = []
-            if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
+            if log_now:
+                row = {"step": step, **_mean_rows(window, elapsed)}
+                window, elapsed = [], 0.0
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.2f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            if eval_now:
                 row = {"step": step, **(row or {}), **trainer.evaluate()}
             if row is not None:
                 log.write(row)
                 history.append(row)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
-                            tok_s=f"{metrics['tokens'] / metrics['seconds']:.0f}", refresh=False)
-            bar.update(1)
-            if env.is_main and ((config.save_every and step % config.save_every == 0) or step == config.steps):
+            if env.is_main and save_now:
                 trainer.save()
             if callback is not None:
-                callback(step, metrics)
+                callback(step, done[-1])
+            clock = time.perf_counter()
     finally:
         bar.close()
     env.barrier()
