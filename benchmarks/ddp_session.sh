@@ -7,6 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # torchrun would set 1
 STEPS=${STEPS:-300}; EVERY=${EVERY:-50}; BATCH=${BATCH:-16}
 STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
 export PYTHONPATH=/tmp/site:$PWD
@@ -27,26 +28,5 @@ run2() { timeout ${RUN_TIMEOUT:-170} torchrun --standalone --nproc_per_node 2 -m
   echo "== resumed on 2 GPUs"; run2 /root/killed --resume
   echo "== resumed on 1 GPU"; run1 /root/killed1 --resume
 } 2>&1 | tee "$OUT/ddp.log"
-for name in one two killed killed1; do cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl" || touch "$OUT/metrics_$name.jsonl"; done
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-runs = {n: [json.loads(l) for l in (out / f"metrics_{n}.jsonl").read_text().splitlines() if l.strip()]
-        for n in ("one", "two", "killed", "killed1")}
-for name, rows in runs.items():
-    speed = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-    evals = [(r["step"], round(r["eval_loss"], 4)) for r in rows if "eval_loss" in r]
-    print(name, "median tokens/s", sorted(speed)[len(speed) // 2] if speed else None, "eval", evals)
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    for name, rows in runs.items():
-        pts = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        if pts:
-            plt.plot(*zip(*pts), marker="o", label=name)
-    plt.xlabel("step"); plt.ylabel("held-out loss"); plt.legend(); plt.savefig(out / "curves.png", dpi=120)
-except ImportError:
-    print("matplotlib missing: no plot")
-PY
+for name in one two killed killed1; do [ ! -f /root/$name/metrics.jsonl ] || cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl"; done
+python3 benchmarks/plot_ddp.py "$OUT"

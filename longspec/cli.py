@@ -226,6 +226,29 @@ def cmd_self_distill(args) -> int:
     return 0
 
 
+def parse_bucket_trees(spec: str, proposer: str):
+    """``--bucket-trees``: "auto" (the cost model picks, for draft-based proposers), "off" (every
+    bucket drafts --tree) or "B=TREE;B=TREE" -> "auto", {} or {bucket: TreeSpec}."""
+    from .decoding.tree import TreeSpec
+
+    if spec == "off" or proposer == "none":
+        if spec not in ("off", "auto"):
+            raise UsageError("--bucket-trees needs a proposer")
+        return {}
+    if spec == "auto":
+        return "auto" if proposer in ("longspec", "hybrid") else {}
+    out = {}
+    for item in spec.split(";"):
+        bucket, sep, tree = item.partition("=")
+        try:
+            out[int(bucket)] = TreeSpec.parse(tree)
+        except ValueError as err:
+            detail = "" if sep else " (expected BUCKET=TREE)"
+            raise UsageError(f"--bucket-trees takes auto, off or 'B=TREE;B=TREE' (e.g. '16=2,2,2'): "
+                             f"{item!r}{detail}: {err}") from None
+    return out
+
+
 def cmd_serve(args) -> int:
     """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
     _set_threads(args)
@@ -241,6 +264,7 @@ def cmd_serve(args) -> int:
             raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
+    bucket_trees = parse_bucket_trees(args.bucket_trees, name)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -257,15 +281,25 @@ def cmd_serve(args) -> int:
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
-    server = build_server(target, tokenizer, model_name, make_proposer(args, name, target), tree,
-                          max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, buckets=buckets)
+    proposer = make_proposer(args, name, target)
+    if bucket_trees == "auto":
+        from .decoding.auto import bucket_trees as choose_bucket_trees
+        from .decoding.engine import batch_buckets
+
+        bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets or batch_buckets(args.max_batch),
+                                                  args.max_len // 2)
+        print(f"[longspec: trees per batch bucket, cost model: {'; '.join(notes)}]", file=sys.stderr, flush=True)
+    server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
+                          max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
         seconds = server.engine.warm_up()
         done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
               file=sys.stderr, flush=True)
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
-          f"{name}{f' tree {tree}' if tree else ''}, {args.max_batch} rows of {args.max_len} tokens)]",
+          f"{name}{f' tree {tree}' if tree else ''}"
+          f"{''.join(f', bucket {b}: {t}' for b, t in sorted(bucket_trees.items()))}, "
+          f"{args.max_batch} rows of {args.max_len} tokens)]",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -399,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--buckets", default=None,
                      help="batch sizes a round runs at, comma-separated (default: powers of two up to --max-batch; "
                           "--max-batch is always one); fewer buckets, shorter warm-up, more idle rows computed")
+    srv.add_argument("--bucket-trees", default="auto",
+                     help="the tree each batch bucket drafts: auto (a cost model measured at start-up picks, per "
+                          "bucket, among trees that fit --tree; needs a draft with an acceptance table), off (--tree "
+                          "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' (default: auto)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

@@ -386,12 +386,14 @@ def _extension(request: Request) -> dict:
 
 
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
-                 max_len: int = 4096, max_queue: int = 64, buckets=None) -> Server:
+                 max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
-    worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``)."""
+    worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
+    ``bucket_trees``: {bucket: smaller tree} (see :class:`Engine`)."""
     from .decoding.tree import TreeSpec
 
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
-    engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets)
+    engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
+                    bucket_trees=bucket_trees)
     return Server(engine, tokenizer, model_name, max_queue)

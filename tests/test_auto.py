@@ -106,3 +106,37 @@ def test_costs_are_measured_once(tiny, tmp_path):
     assert costs.read_text() == before
     costs.write_text("not json")  # a damaged cache is measured again, not an error
     assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[0] in ("none", "pld", "hybrid")
+
+
+def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch):
+    """A serving engine's buckets get, each, the candidate tree with the most tokens per second at
+    that batch: the engine's own tree where verifying stays cheap, a small one where many rows
+    make every verified token cost; costs are measured per batch (and cached under it)."""
+    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+
+    target, draft = tiny
+    hybrid = LongSpecProposer(draft, PromptLookup())
+    big = TreeSpec.parse(auto.HYBRID_TREE)
+    draft.config.acceptance = []
+    assert auto.bucket_trees(target, hybrid, big, [1, 4], 100)[0] == {}  # no table: nothing to predict from
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    costs = tmp_path / "costs.json"
+    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))  # measured
+    entries = json.loads(costs.read_text())
+    assert sorted(k.rsplit("|", 1)[-1].strip() for k in entries) == ["128", "batch 4"]
+    assert len(lines) == 2 and set(chosen) <= {1, 4}
+    fits = [big, *(TreeSpec.parse(t) for t in auto.CANDIDATE_TREES)]
+    labels = {f"hybrid {t}" for t in fits}
+    sizes = {str(t.num_nodes) for t in fits} | {"1"}
+    key = f"{device_key(target)} | 128"
+    costs.write_text(json.dumps({
+        key: {"target_ms": {m: 1.0 for m in sizes}, "draft_ms": {label: 0.01 for label in labels}},
+        key + " | batch 4": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))
+    assert chosen == {4: TreeSpec.parse("2,2,2")}
+    assert lines[0].startswith(f"bucket 1: {big} (") and lines[1].startswith("bucket 4: 2,2,2 (")
+    # a smaller engine tree bounds the candidates; chains do not suit the hybrid's lookup chain
+    chosen, _ = auto.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
+    assert chosen == {4: TreeSpec.parse("2,2,2")}
+    draft.config.acceptance = []

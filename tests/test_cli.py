@@ -46,6 +46,12 @@ def test_serve_bucket_errors_come_before_loading(capsys):
     assert "--buckets must lie in 1..--max-batch (4)" in capsys.readouterr().err
     assert main([*base, "--buckets", "two"]) == 2
     assert "comma-separated batch sizes" in capsys.readouterr().err
+    assert main([*base, "--proposer", "pld", "--bucket-trees", "4=2,x"]) == 2
+    assert "--bucket-trees takes auto, off or 'B=TREE;B=TREE'" in capsys.readouterr().err
+    assert main([*base, "--proposer", "pld", "--bucket-trees", "2,2,2"]) == 2
+    assert "(expected BUCKET=TREE)" in capsys.readouterr().err
+    assert main([*base, "--bucket-trees", "4=2,2"]) == 2
+    assert "--bucket-trees needs a proposer" in capsys.readouterr().err
 
 
 def test_prompt_errors(capsys, tmp_path):

@@ -256,6 +256,44 @@ def test_sequences_join_and_leave_between_rounds(targets, proposer):
     assert {n for _, n in engine.runners} == {1, 2, 3}
 
 
+@pytest.mark.parametrize("proposer", ["streaming", "pld", "hybrid"])
+def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
+    """Buckets may draft smaller trees than the engine's (less speculation where many rows share a
+    round): requests moving between buckets, and so between trees, still get exactly the tokens
+    they get alone; a tree that does not fit, or a bucket that is none, is refused up front."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["qwen3"]
+    prompts = prompts_for(3, seed=23) + prompts_for(2, seed=24)
+    budgets = [6, 13, 9, 11, 8]
+    alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0]
+             for p, n in zip(prompts, budgets)]
+
+    def make():
+        if proposer == "hybrid":
+            draft = init_draft(DraftConfig.for_target(target, window=8), target, seed=2)
+            return LongSpecProposer(draft, PromptLookup())
+        return {"streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
+
+    smaller = {2: "2,2", 3: "2"}
+    engine = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees=smaller)
+    assert [engine.view(n).tree for n in (1, 2, 3)] == [TreeSpec.parse(t) for t in ("2,3,3", "2,2", "2")]
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 3}
+    assert [engine.view(n).draft_tree.num_nodes for n in (1, 2, 3)] == [9, 5, 3]  # what each bucket drafted
+    with pytest.raises(ValueError, match="does not fit"):
+        Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "2,2,2,2"})
+    with pytest.raises(ValueError, match="not buckets"):
+        Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=4, max_len=96, bucket_trees={3: "2"})
+    if proposer == "hybrid":
+        with pytest.raises(ValueError, match="beam trees"):
+            Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "chain:2"})
+
+
 def run_joining(engine, seqs: list) -> None:
     """Runs ``seqs`` on ``engine``: one alone (bucket 1), then two (bucket 2), then the others as
     rows free up."""

@@ -143,33 +143,34 @@ def _time(fn, device: torch.device, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, candidates: dict, context: int, repeats: int = 5) -> dict:
-    """``{"target_ms": {M: ms}, "draft_ms": {label: ms}}`` at ``context`` cached tokens (random
-    ids: step time does not depend on them): the target's step for M = 1 and each candidate's
-    node count, and each candidate's proposal (``candidates`` as for :func:`choose`). Measured
+def measure_costs(target, candidates: dict, context: int, repeats: int = 5, batch: int = 1) -> dict:
+    """``{"target_ms": {M: ms}, "draft_ms": {label: ms}}`` at ``context`` cached tokens in each of
+    ``batch`` rows (random ids: step time does not depend on them): the target's step for M = 1
+    and each candidate's node count per row, and each candidate's proposal (``candidates`` as for
+    :func:`choose`). Measured
     without ``torch.compile`` (a compilation per shape would make the first run minutes long on a
     GPU); compiled steps are cheaper, the proposal most (about 2x on the H200), so on a GPU the
     choice errs towards less speculation."""
     compiled, target.compile_steps = target.compile_steps, False
     try:
-        return _measure_costs(target, candidates, context, repeats)
+        return _measure_costs(target, candidates, context, repeats, batch)
     finally:
         target.compile_steps = compiled
 
 
-def _measure_costs(target, candidates: dict, context: int, repeats: int) -> dict:
+def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: int) -> dict:
     from ..config import GenerationConfig
     from .sampling import Uniforms
 
     device, vocab = target.device, target.config.vocab_size
     biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
-    cache = target.new_cache(1, -(-(context + biggest) // 64) * 64)
-    prompt = torch.randint(0, vocab, (1, context), device=device)
-    target.prefill(prompt, torch.tensor([context], device=device), cache)
+    cache = target.new_cache(batch, -(-(context + biggest) // 64) * 64)
+    prompt = torch.randint(0, vocab, (batch, context), device=device)
+    target.prefill(prompt, torch.full((batch,), context, device=device), cache)
     n_keys = cache.max_len if device.type == "cuda" else None
     out = {"target_ms": {}, "draft_ms": {}}
     for m in sorted({1} | {tree.num_nodes for tree, _, _ in candidates.values()}):
-        tokens = torch.randint(0, vocab, (1, m), device=device)
+        tokens = torch.randint(0, vocab, (batch, m), device=device)
         positions = cache.lengths[:, None] + torch.arange(m, device=device)
         mask = torch.ones(m, m, dtype=torch.bool, device=device).tril()[None]
 
@@ -182,7 +183,8 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int) -> dict
     for label, (tree, make_proposer, _) in candidates.items():
         proposer = make_proposer()
         proposer.begin(target, cache, tree, GenerationConfig(), Uniforms(None, device))
-        proposer.add(0, prompt[0, :-1].tolist(), int(root[0]))
+        for row in range(batch):
+            proposer.add(row, prompt[row, :-1].tolist(), int(root[row]))
 
         def propose():
             proposer.propose(root)
@@ -201,27 +203,28 @@ def device_key(target) -> str:
     return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl}"
 
 
-def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None) -> tuple:
+def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None, batch: int = 1,
+           allow_plain: bool = True) -> tuple:
     """``candidates``: {label: (tree, make_proposer, tokens per round)}. Returns (the label with
-    the most expected tokens per second, or None when plain decoding is fastest; its predicted
-    speed-up over plain decoding; the costs used). Costs are measured at the prompt's length
-    rounded up to a power of two, once per device / model / dtype (cached in ``costs_file``,
-    default ``<longspec home>/costs.json``)."""
+    the most expected tokens per second, or None when plain decoding is fastest (``allow_plain``);
+    its predicted speed-up over plain decoding; the costs used). Costs are measured for ``batch``
+    rows at the prompt's length rounded up to a power of two, once per device / model / dtype
+    (cached in ``costs_file``, default ``<longspec home>/costs.json``)."""
     biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
     context = 1 << max(7, math.ceil(math.log2(max(prompt_len, 1))))
     context = max(1, min(context, target.config.max_position_embeddings - biggest))
-    key = f"{device_key(target)} | {context}"
+    key = f"{device_key(target)} | {context}" + (f" | batch {batch}" if batch > 1 else "")
     cached = _read_costs(costs_file)
     costs = cached.get(key, {"target_ms": {}, "draft_ms": {}})
     missing = {label: c for label, c in candidates.items() if label not in costs["draft_ms"]}
     if missing:
-        fresh = measure_costs(target, missing, context)
+        fresh = measure_costs(target, missing, context, batch=batch)
         costs["target_ms"].update(fresh["target_ms"])
         costs["draft_ms"].update(fresh["draft_ms"])
         cached[key] = costs
         _write_costs(costs_file, cached)
     plain = 1.0 / costs["target_ms"]["1"]
-    best, best_rate = None, plain
+    best, best_rate = None, plain if allow_plain else 0.0
     for label, (tree, _, tokens) in candidates.items():
         rate = tokens / (costs["draft_ms"][label] + costs["target_ms"][str(tree.num_nodes)])
         if rate > best_rate:
@@ -278,3 +281,34 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     name = label.split()[0]
     return (name, candidates[label][0], draft if name == "hybrid" else None,
             f"cost model: {gain:.2f}x plain decoding predicted")
+
+
+def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,
+                 costs_file: Optional[str] = None) -> tuple:
+    """Trees for a serving engine's batch buckets: for each bucket, the candidate (``tree`` and
+    every :data:`CANDIDATE_TREES` shape that fits it and suits ``proposer``) with the most
+    expected tokens per second at that batch, from the draft's acceptance table and costs
+    measured at that batch (:func:`choose`; a speculative engine has no plain rounds, so the best
+    tree is taken even where plain decoding is predicted faster). Returns ({bucket: tree} for the
+    buckets whose tree differs from ``tree``, one line per bucket saying why)."""
+    draft = getattr(proposer, "draft", None)
+    if draft is None or not draft.config.acceptance:
+        return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
+    lookup = getattr(proposer, "lookup", None)
+    fits = []
+    for shape in (str(tree), *CANDIDATE_TREES):
+        t = TreeSpec.parse(shape)
+        suits = lookup is None or (t.kind == "beam" and t.widths[0] >= 2)
+        if t.depth <= tree.depth and t.num_nodes <= tree.num_nodes and suits and t not in fits:
+            fits.append(t)
+    name = "hybrid" if lookup is not None else "longspec"
+    candidates = {f"{name} {t}": (t, lambda: type(proposer)(draft, type(lookup)() if lookup is not None else None),
+                                  expected_tokens(t, draft.config.acceptance)) for t in fits}
+    chosen, lines = {}, []
+    for b in buckets:
+        label, gain, _ = choose(target, candidates, context, costs_file, batch=b, allow_plain=False)
+        best = candidates[label][0]
+        if best != tree:
+            chosen[b] = best
+        lines.append(f"bucket {b}: {best} ({gain:.2f}x plain decoding predicted)")
+    return chosen, lines

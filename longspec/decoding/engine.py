@@ -47,11 +47,13 @@ class Engine:
     new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
     each with its own (``config`` a :class:`~longspec.decoding.sampling.RowSampling`: every
     sequence's ``temperature`` / ``top_k`` / ``top_p``). ``cuda_graphs`` (default: on CUDA when
-    the proposer allows it) captures each phase of a round on first use."""
+    the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
+    bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
+    e.g. less speculation where many rows share a round), the others draft ``tree``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
-                 buckets: Optional[Seq[int]] = None):
+                 buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
@@ -63,6 +65,12 @@ class Engine:
         self.buckets = sorted(set(batch_buckets(max_batch) if buckets is None else buckets) | {max_batch})
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch:
             raise ValueError(f"batch buckets must lie in 1..{max_batch}, got {buckets}")
+        self.bucket_trees = {b: TreeSpec.coerce(t) for b, t in (bucket_trees or {}).items()}
+        if self.bucket_trees and proposer is None:
+            raise ValueError("bucket_trees need a proposer")
+        if set(self.bucket_trees) - set(self.buckets):
+            raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
+                             f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
         self.cache = target.new_cache(max_batch, self.max_len)
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
@@ -77,6 +85,8 @@ class Engine:
         self.out_counts = torch.ones(max_batch, dtype=torch.long, device=device)
         if proposer is not None:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
+            for small in self.bucket_trees.values():
+                proposer.with_tree(small)  # raises now for a tree that does not fit or suit the proposer
             proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
             weakref.finalize(self, _release_if_orphaned, proposer)  # a proposer kept by the caller frees it too
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
@@ -190,13 +200,20 @@ class Engine:
         if n not in self._views:
             full = n == len(self.rows)
             cache = self.cache if full else self.cache.rows(0, n)
-            proposer = None
+            proposer, tree = None, self.tree_of(n)
             if self.proposer is not None:
                 proposer = self.proposer if full else self.proposer.rows(n, cache)
+                if tree is not self.tree:
+                    proposer = proposer.with_tree(tree)
             propose = None if proposer is None else compile_step(proposer.propose) if self._compiled else proposer.propose
-            self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n],
-                                       self.out_counts[:n], proposer, propose)
+            width = 1 if tree is None else tree.depth + 1
+            self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
+                                       self.out_counts[:n], proposer, propose, tree)
         return self._views[n]
+
+    def tree_of(self, n: int) -> Optional[TreeSpec]:
+        """The tree rounds over bucket ``n`` draft (None without a proposer)."""
+        return self.bucket_trees.get(n, self.tree)
 
     def _decode_phase(self, v: "RoundRows") -> None:
         logits = self.target.decode(v.root, v.cache, n_keys=self.step_keys, advance=v.active)
@@ -277,7 +294,7 @@ class Engine:
         kind it drafts for (captured graphs keep what it was told at capture)."""
         v = self.view(n)
         if v.proposer is not None and hasattr(v.proposer, "sample_children"):
-            v.proposer.sample_children = not self.greedy_round and self.tree.is_static
+            v.proposer.sample_children = not self.greedy_round and v.tree.is_static
         return v, self.runner(n)
 
     def bucket(self) -> int:
@@ -331,6 +348,7 @@ class RoundRows:
     out_counts: torch.Tensor
     proposer: object = None
     propose: Optional[Callable] = None
+    tree: Optional[TreeSpec] = None  # what the bucket's rounds draft
     draft_tree: object = None
 
 

@@ -100,6 +100,12 @@ class Proposer:
         them), sharing its state: what an engine runs for a smaller batch bucket."""
         raise NotImplementedError(f"{type(self).__name__} cannot run on a part of its batch")
 
+    def with_tree(self, tree: TreeSpec) -> "Proposer":
+        """This proposer drafting ``tree`` instead of the tree it was begun with (no deeper and
+        with no more nodes: its state is sized for that one), sharing its state: what an engine
+        runs for a batch bucket with a tree of its own."""
+        raise NotImplementedError(f"{type(self).__name__} drafts only the tree it was begun with")
+
 
 class TreeDrafter(Proposer):
     """Grows a draft tree level by level from a next-token distribution.
@@ -120,21 +126,42 @@ class TreeDrafter(Proposer):
     narrowable = True
 
     def begin(self, target, cache, tree, config, rng):
-        self.target, self.cache, self.spec, self.config, self.rng = target, cache, tree, config, rng
+        self.target, self.cache, self.config, self.rng = target, cache, config, rng
+        self.max_tree = tree
+        if self.lookup is not None:
+            self._check_lookup_tree(tree)
+            self.lookup.begin(target, cache, tree, config, rng)
+        self._set_tree(tree)
+
+    def _check_lookup_tree(self, tree: TreeSpec) -> None:
+        if tree.kind != "beam" or tree.widths[0] < 2:
+            raise ValueError(f"prompt lookup merges into beam trees whose first level has >= 2 nodes, not {tree}")
+
+    def _set_tree(self, tree: TreeSpec) -> None:
+        """What drafting ``tree`` needs: its node depths, levels and identity mask on the device."""
+        self.spec = tree
         # under sampling, the children of chain and static trees are drawn from the draft's warped
         # distribution without replacement (Gumbel-top-k) and verified by the residual rule
-        self.sample_children = not config.greedy and tree.is_static
-        device = cache.lengths.device
+        self.sample_children = not self.config.greedy and tree.is_static
+        device = self.cache.lengths.device
         self.depths = tree.depths.to(device)
         self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
-        if self.lookup is not None:
-            if tree.kind != "beam" or tree.widths[0] < 2:
-                raise ValueError(f"prompt lookup merges into beam trees whose first level has >= 2 nodes, not {tree}")
-            self.lookup.begin(target, cache, tree, config, rng)
         self.static_levels = {}
         if tree.is_static:
             for d in range(1, tree.depth + 1):
                 self.static_levels[d] = tuple(t.to(device) for t in tree.level_index(d))
+
+    def with_tree(self, tree):
+        big = self.max_tree
+        if tree.depth > big.depth or tree.num_nodes > big.num_nodes:
+            raise ValueError(f"tree {tree} does not fit the tree {big} the proposer was begun with "
+                             f"(depth {tree.depth} > {big.depth} or {tree.num_nodes} > {big.num_nodes} nodes)")
+        view = copy.copy(self)
+        if self.lookup is not None:
+            self._check_lookup_tree(tree)
+            view.lookup = self.lookup.with_tree(tree)
+        view._set_tree(tree)
+        return view
 
     def release(self):
         super().release()
@@ -437,7 +464,8 @@ class LongSpecProposer(TreeDrafter):
             self.lookup.add(row, prompt, first_token)
 
     def accepted(self, emitted, counts):
-        self.reread.copy_(emitted)  # accepted drafts, then the bonus (the next root)
+        # accepted drafts, then the bonus (the next root); a bucket's smaller tree emits fewer columns
+        self.reread[:, :emitted.shape[1]].copy_(emitted)
         self.reread_count.copy_(counts - 1)
         if self.lookup is not None:
             self.lookup.accepted(emitted, counts)
