@@ -4,6 +4,7 @@ target (held-out loss falls, distillation, bit-exact resume after an interruptio
 that load with ``load_draft``, the CLI)."""
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,36 @@ def test_chunked_head_loss_matches_full_logits(distill, chunk):
         assert float(a) == pytest.approx(float(b), rel=1e-5, abs=1e-6)
     assert int(ours.correct) == int(ref.correct) and ours.count == ref.count
     torch.testing.assert_close(our_grad, 2.5 * ref_grad, atol=1e-5, rtol=1e-4)  # logits in float32
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="Inductor on a CPU needs a C++ compiler")
+@pytest.mark.parametrize("distill", [False, True])
+def test_chunked_head_loss_compiled_by_inductor_is_the_same(distill):
+    """``--compile`` puts each loss chunk's elementwise work through Inductor: the same sums and
+    gradient as eager (Inductor once dropped the one-hot term of a scatter_add fused next to the
+    KL's reduction: now a comparison)."""
+    from torch._dynamo.utils import counters
+
+    from longspec.models.target import compile_step
+    from longspec.training.loss import _chunk_terms
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 20, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen)
+    ids = torch.randint(0, 50, (3, 20), generator=gen)
+    target_hidden = torch.randn(3, 20, 16, generator=gen) if distill else None
+    before = counters["stats"]["unique_graphs"]
+    results = []
+    for terms in (_chunk_terms, compile_step(_chunk_terms)):
+        sums = head_loss_sums(hidden, weight, ids, 1, target_hidden, 0.4, chunk=16, terms=terms)
+        (grad,) = torch.autograd.grad(sums.objective, hidden)
+        results.append((sums, grad))
+    assert counters["stats"]["unique_graphs"] > before  # it did compile
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    for a, b in ((eager.ce, compiled.ce), (eager.kl, compiled.kl), (eager.objective, compiled.objective)):
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+    assert int(eager.correct) == int(compiled.correct)
+    torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-6, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------- trainer
