@@ -212,6 +212,13 @@ def cmd_self_distill(args) -> int:
     if any(t not in TASKS for t in tasks) or args.max_doc_tokens < 1 or args.max_new_tokens < 1 or args.batch < 1:
         raise UsageError(f"--tasks must name some of {','.join(TASKS)}; --max-doc-tokens, --max-new-tokens and "
                          "--batch must be >= 1")
+    index, _, count = args.shard.partition("/")
+    try:
+        shard = (int(index), int(count))
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise UsageError(f"--shard takes I/N with 0 <= I < N (e.g. 0/2), got {args.shard!r}")
     from transformers import AutoTokenizer
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
@@ -219,7 +226,7 @@ def cmd_self_distill(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     try:
         n = self_distill(target, tokenizer, args.docs, args.out, tasks, args.max_doc_tokens, args.max_new_tokens,
-                         args.batch, args.temperature, args.top_p, args.seed, limit=args.limit)
+                         args.batch, args.temperature, args.top_p, args.seed, limit=args.limit, shard=shard)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from None
     print(f"[longspec: {n} conversations written to {args.out}]", file=sys.stderr)
@@ -409,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default: 0.95)")
     sd.add_argument("--seed", type=int, default=0, help="sampling and document-order seed (default: 0)")
     sd.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
+    sd.add_argument("--shard", default="0/1", help="I/N: answer only every N-th request from the I-th (one process "
+                                                   "per GPU, same --seed; default: 0/1, all)")
     sd.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     sd.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     sd.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")

@@ -38,6 +38,9 @@ def test_self_distill_argument_errors_come_before_loading(capsys):
     assert "--tasks must name some of summarise,explain,continue,question" in capsys.readouterr().err
     assert main([*base, "--batch", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    for bad in ("2/2", "one/2", "3"):
+        assert main([*base, "--shard", bad]) == 2
+        assert "--shard takes I/N with 0 <= I < N" in capsys.readouterr().err
 
 
 def test_serve_bucket_errors_come_before_loading(capsys):

@@ -511,6 +511,14 @@ def test_self_distill_writes_the_targets_answers(target, tmp_path):
     again = tmp_path / "again.jsonl"
     self_distill(target, ChatStubTokenizer(), [docs], again, **args)
     assert again.read_text() == out.read_text()  # seeded: the same answers
+    # two shards (one process per GPU, same seed) answer disjoint halves of the same requests
+    halves = []
+    for i in range(2):
+        part = tmp_path / f"shard{i}.jsonl"
+        self_distill(target, ChatStubTokenizer(), [docs], part, shard=(i, 2), **args)
+        halves.append([(r["name"], r["task"]) for r in map(json.loads, part.read_text().splitlines())])
+    assert len(halves[0]) == 2 and len(halves[1]) == 1
+    assert sorted(halves[0] + halves[1]) == sorted((r["name"], r["task"]) for r in records)
     stdlib = Path(sysconfig.get_paths()["stdlib"]) / "json"
     with pytest.raises(ValueError, match="standard library"):
         self_distill(target, ChatStubTokenizer(), [stdlib], out, **args)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -213,3 +214,26 @@ def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_pa
     assert float((flat(one) - flat(reference)).norm()) <= 1e-5 * float(flat(reference).norm())
     steps = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
+
+
+def test_torchrun_with_compile_trains_like_eager(tiny_model_factory, tmp_path):
+    """``--compile`` under torchrun (the draft's forward and the loss chunks compiled inside the
+    DDP-wrapped module; the aot_eager backend, as on a CPU without a compiler): the same losses
+    as the uncompiled two-process run."""
+    _, target = tiny_model_factory("ddp-llama", "llama", max_position_embeddings=256, seed=5)
+    save_char_tokenizer(target)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", docs=30)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "LONGSPEC_COMPILE_BACKEND": "aot_eager"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "longspec.cli", *common_args(target, corpus, out), "--batch-size", "1", "--distill", *extra]
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["eager"]) == 6 and losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)

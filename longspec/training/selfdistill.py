@@ -60,12 +60,13 @@ def chat_ids(tokenizer, request: str) -> list:
 def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] = tuple(TASKS),
                  max_doc_tokens: int = 3072, max_new_tokens: int = 256, batch_size: int = 8,
                  temperature: float = 0.7, top_p: float = 0.95, seed: int = 0, proposer=None, tree=None,
-                 limit: Optional[int] = None) -> int:
+                 limit: Optional[int] = None, shard: tuple = (0, 1)) -> int:
     """Writes one JSONL record per (document, task) to ``out`` — ``text`` (request + answer),
     ``name``, ``task``, ``prompt_tokens``, ``answer_tokens`` — with the target's answers sampled
     at ``temperature`` / ``top_p`` (``seed``). Each document is cut to ``max_doc_tokens`` tokens;
-    each document gets one task, in turn (``limit``: at most that many records). Returns the
-    number of records."""
+    each document gets one task, in turn (``limit``: at most that many records, counted before
+    sharding). ``shard`` (i, n): only requests i, i + n, i + 2n, ... of that list, so that n
+    processes with the same ``seed`` answer disjoint parts of it. Returns the number of records."""
     from ..config import GenerationConfig
     from ..decoding.engine import Generator
 
@@ -79,6 +80,8 @@ def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] =
     docs = docs[:limit] if limit else docs
     requests = []
     for i, (name, text) in enumerate(docs):
+        if i % shard[1] != shard[0]:
+            continue
         task = tasks[i % len(tasks)]
         doc = tokenizer.decode(tokenizer(text).input_ids[:max_doc_tokens], skip_special_tokens=True)
         requests.append((name, task, chat_ids(tokenizer, TASKS[task].format(doc=doc))))

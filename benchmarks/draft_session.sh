@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 10's larger draft run on nvidia-h200-x2, after part 00 of the default model was copied to
+# /root/stage by a first call (as for gpu_session.sh). PHASES picks what runs (default: all three):
+#   chats   self-distillation data: `longspec self-distill` on both GPUs (shards 0/2 and 1/2, same
+#           seed) over the documents of installed packages, except the ones kept for evaluation
+#           (transformers httpx starlette rich; the standard library is refused anyway). Skipped when
+#           .data/chats.tar.part.* is carried (a previous session's chats): then they are unpacked.
+#           Written back as $OUT/chats.tar.part.* (carry them as .data/ in later sessions: the data,
+#           and so the sample order, must stay the same across a run's sessions).
+#   train   torchrun on 2 GPUs: every installed package except the evaluation ones, plus the chats,
+#           with --distill (KL to the target on every token) and --compile, global batch
+#           2 x BATCH x 2048 tokens, TRAIN_STEPS steps in all (the learning-rate schedule), until
+#           TRAIN_TIMEOUT seconds; it resumes the run in /root/stage/bigdraft (a later call of the
+#           same warm session) or, with RESUME=1, the checkpoint carried as .ckpt/draft.tar.part.*.
+#           The newest checkpoint comes back as $OUT/draft.tar.part.* (15 MiB parts).
+#   export  the trained draft in bf16 with its reduced vocabulary (the 8192 most frequent tokens of
+#           numpy + networkx) and its acceptance table (httpx + starlette: held out), as
+#           $OUT/export.tar (with metrics.jsonl and the logs): unpack over longspec/assets/ to ship.
+# The call limit is 600 s: run `PHASES="chats train"` in one call and `PHASES="train export"` in
+# the next (the machine stays warm 30 s between calls).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+PHASES=${PHASES:-"chats train export"}
+STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
+export PYTHONPATH=/tmp/site:$PWD
+SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+EVAL="transformers httpx starlette rich"
+RUN=/root/stage/bigdraft
+packages() {  # top-level package directories of site-packages, without the evaluation ones
+  for p in "$SITE"/*/; do
+    name=$(basename "$p")
+    case " $EVAL " in *" $name "*) continue ;; esac
+    case $name in *.dist-info|*.egg-info|__pycache__) continue ;; esac
+    echo "${p%/}"
+  done
+}
+for phase in $PHASES; do
+  case $phase in
+    chats)
+      if ls .data/chats.tar.part.* >/dev/null 2>&1; then
+        cat .data/chats.tar.part.* | tar -xz -C /root/stage && echo "chats carried: $(ls /root/stage/chats.*.jsonl)"
+      elif [ ! -f /root/stage/chats.1.jsonl ]; then
+        for i in 0 1; do
+          timeout ${SD_TIMEOUT:-260} python3 -m longspec.cli self-distill --target /root/stage/smol-hf --docs $(packages) \
+            --out /root/stage/chats.$i.jsonl --shard $i/2 --limit ${SD_LIMIT:-6000} --batch ${SD_BATCH:-32} \
+            --device cuda:$i --seed 11 > "/root/stage/chats.$i.log" 2>&1 &
+        done
+        wait
+        tail -2 /root/stage/chats.*.log
+        tar -C /root/stage -czf - chats.0.jsonl chats.1.jsonl | split -b 15m -d - "$OUT/chats.tar.part."
+      fi ;;
+    train)
+      if [ -n "${RESUME:-}" ] && [ ! -d $RUN ] && ls .ckpt/draft.tar.part.* >/dev/null 2>&1; then
+        mkdir -p $RUN && cat .ckpt/draft.tar.part.* | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
+      fi
+      resume=""; [ -f $RUN/checkpoints/latest ] && resume="--resume"
+      timeout ${TRAIN_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
+        --target /root/stage/smol-hf --data "$SITE" /root/stage/chats.0.jsonl /root/stage/chats.1.jsonl \
+        --exclude $EVAL '*.dist-info' --out $RUN --seq-len 2048 --batch-size ${BATCH:-16} \
+        --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile \
+        --eval-every 500 --save-every 500 --eval-chunks 64 --log-every 50 --device cuda --dtype bfloat16 \
+        --no-progress --data-cache /root/stage/tokens $resume 2>&1 | grep -v "Warning\|warn(" | tee -a /root/stage/train.log
+      latest=$(cat $RUN/checkpoints/latest 2>/dev/null || true)
+      if [ -n "$latest" ]; then
+        rm -f "$OUT"/draft.tar.part.*
+        tar -C $RUN -cf - checkpoints/latest "checkpoints/$latest" metrics.jsonl | split -b 15m -d - "$OUT/draft.tar.part."
+      fi ;;
+    export)
+      mkdir -p /root/stage/export
+      python3 -m longspec.cli draft-vocab --target /root/stage/smol-hf --draft $RUN --data "$SITE/numpy" "$SITE/networkx" \
+        --size 8192 --out /root/stage/export/smollm2-draft 2>&1 | tail -2
+      python3 benchmarks/draft_acceptance.py --target /root/stage/smol-hf --draft /root/stage/export/smollm2-draft \
+        --data "$SITE/httpx" "$SITE/starlette" --write 2>&1 | tail -8
+      python3 - /root/stage/export/smollm2-draft <<'PY'
+import sys, torch
+from longspec import load_target, load_draft, save_draft
+target = load_target("/root/stage/smol-hf", dtype=torch.bfloat16, device="cuda")
+save_draft(load_draft(sys.argv[1], target), sys.argv[1])  # bf16, as shipped
+print("exported", sys.argv[1])
+PY
+      cp $RUN/metrics.jsonl /root/stage/train.log /root/stage/chats.*.log /root/stage/export/ 2>/dev/null
+      tar -C /root/stage/export -cf "$OUT/export.tar" . ;;
+  esac
+done
