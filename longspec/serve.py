@@ -52,6 +52,9 @@ class Request:
     events: asyncio.Queue
     text: str = ""
     sent: int = 0  # characters already handed to the client
+    # incremental detokenisation: text decoded from tokens[prefix_offset:read_offset] is in `text`
+    prefix_offset: int = 0
+    read_offset: int = 0
     finish_reason: Optional[str] = None
     final: bool = False  # text is complete (cut at a stop string)
     cancelled: bool = False
@@ -143,19 +146,40 @@ class Worker:
         if request is None or request.finish_reason is not None:
             return
         try:
-            text = self.tokenizer.decode(request.seq.tokens, skip_special_tokens=True)
+            new = self._new_text(request)
+            if new is None:  # an incomplete character: wait for its next token
+                return
+            text = request.text + new
             cut = min((i for i in (text.find(s) for s in request.stop) if i >= 0), default=-1)
             if cut >= 0:
                 text, request.finish_reason, request.final = text[:cut], "stop", True
                 self.engine.cancel(request.seq)
-            elif text.endswith("\ufffd"):  # an incomplete character: wait for its next token
-                return
             request.text = text
             if len(text) > request.sent:
                 request.push(("text", text[request.sent:]))
                 request.sent = len(text)
         except Exception as err:  # noqa: BLE001 - this request only
             self._fail(request, err)
+
+    def _new_text(self, request: Request) -> Optional[str]:
+        """The text the tokens since the last call add (None while they end inside a character),
+        decoding only from the previous piece's first token, not the whole answer every round
+        (that grows with the answer, on the thread that runs the rounds). Decoding the previous
+        piece and the previous piece + the new tokens from the same token keeps tokenizers that
+        drop a piece's leading space consistent."""
+        tokens = request.seq.tokens
+        decode = self.tokenizer.decode
+        before = decode(tokens[request.prefix_offset:request.read_offset], skip_special_tokens=True)
+        after = decode(tokens[request.prefix_offset:], skip_special_tokens=True)
+        if after.endswith("\ufffd"):
+            return None
+        if after.startswith(before):
+            request.prefix_offset, request.read_offset = request.read_offset, len(tokens)
+            return after[len(before):]
+        # pieces that do not concatenate (rare): this once, from the whole answer
+        full = decode(tokens, skip_special_tokens=True)
+        request.prefix_offset, request.read_offset = 0, len(tokens)
+        return full[len(request.text):] if full.startswith(request.text) else ""
 
     def _by_row(self, row: int) -> Optional[Request]:
         for request in self.running.values():

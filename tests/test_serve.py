@@ -247,3 +247,55 @@ def test_default_pair_with_the_shipped_draft():
         assert out.model_extra["longspec"]["token_ids"] == expected
     finally:
         proc.close()
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama-2, Mistral): decoding drops the leading space of the
+    first token, so "world" decodes alone to 'world' but after "hello" to ' world'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3, "▁foo": 4}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "smollm2"])
+def test_streamed_text_is_decoded_incrementally_and_adds_up_to_the_whole(kind):
+    """The server decodes only each round's new tokens (with the previous piece as context), not
+    the whole answer every round: the pieces, cut anywhere (inside a multi-byte character, before
+    a token whose leading space a lone decode drops), add up to the answer decoded at once."""
+    import random
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from longspec import default_model_path
+    from longspec.serve import Worker
+
+    rng = random.Random(0)
+    if kind == "metaspace":
+        tokenizer = metaspace_tokenizer()
+        tokens = [rng.randrange(1, 5) for _ in range(80)]
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        except FileNotFoundError as err:
+            pytest.skip(str(err))
+        text = "déjà vu: 東京タワー 🚀🚀 naïve café\n\tdef f(x):  return x ** 2  # ✓ " * 3
+        tokens = tokenizer(text, add_special_tokens=False).input_ids
+        tokens += [rng.randrange(tokenizer.vocab_size) for _ in range(60)]
+    worker = SimpleNamespace(tokenizer=tokenizer)
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    for trial in range(5):
+        request = SimpleNamespace(seq=SimpleNamespace(tokens=[]), text="", prefix_offset=0, read_offset=0)
+        while len(request.seq.tokens) < len(tokens):
+            request.seq.tokens = tokens[:len(request.seq.tokens) + rng.randint(1, 4)]
+            new = Worker._new_text(worker, request)
+            if new is not None:
+                request.text += new
+        if whole.endswith("\ufffd"):  # the random tail ends inside a character: held back
+            assert whole.startswith(request.text)
+        else:
+            assert request.text == whole

@@ -301,6 +301,8 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
         suits = lookup is None or (t.kind == "beam" and t.widths[0] >= 2)
         if t.depth <= tree.depth and t.num_nodes <= tree.num_nodes and suits and t not in fits:
             fits.append(t)
+    if len(fits) == 1:
+        return {}, [f"no smaller candidate fits {tree}: every bucket drafts it"]
     name = "hybrid" if lookup is not None else "longspec"
     candidates = {f"{name} {t}": (t, lambda: type(proposer)(draft, type(lookup)() if lookup is not None else None),
                                   expected_tokens(t, draft.config.acceptance)) for t in fits}
