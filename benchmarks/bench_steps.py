@@ -9,6 +9,10 @@ one JSON line last.
     python benchmarks/bench_steps.py --shape llama-8b --contexts 8192,32768,131072 --trees 16,69,128 \
         --attention triton,matmul --hf
 
+``--batch B`` times every step over B rows (a serving batch bucket); ``--proposals`` names the
+trees whose proposal and full round are timed (``hybrid:TREE`` adds the prompt-lookup chain), e.g.
+``--batch 16 --proposals "4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1;hybrid:2,2,2"``.
+
 ``--shape llama-8b`` builds an 8B-Llama-shaped target (32 layers, hidden 4096, 32/8 heads,
 intermediate 14336, vocab 128256) with random weights: a step's latency does not depend on the
 weights' values. ``--hf`` also times transformers' own decode step (its Llama model with the same
@@ -27,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.engine import Engine, Sequence  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
 from longspec.decoding.runner import time_graph  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
@@ -139,6 +143,10 @@ def main(argv=None):
     p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
                    "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
+    p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
+    p.add_argument("--proposals", default="4,16,16,16,16",
+                   help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
+                        "'hybrid:' for the draft + prompt-lookup chain (default: 4,16,16,16,16)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if bool(args.target) == bool(args.shape):
@@ -164,13 +172,14 @@ def main(argv=None):
         label = impl + ("+compile" if target.compile_steps else "")
         for ctx in map(int, args.contexts.split(",")):
             max_m = max(map(int, args.trees.split(",")))
-            cache = target.new_cache(1, -(-(ctx + max_m) // 64) * 64)
-            ids = torch.randint(0, c.vocab_size, (1, ctx), device="cuda")
-            target.prefill(ids, torch.tensor([ctx], device="cuda"), cache)
-            kv_bytes = 2 * c.num_layers * c.num_kv_heads * cache.max_len * c.head_dim * cache.k.element_size()
+            b = args.batch
+            cache = target.new_cache(b, -(-(ctx + max_m) // 64) * 64)
+            ids = torch.randint(0, c.vocab_size, (b, ctx), device="cuda")
+            target.prefill(ids, torch.full((b,), ctx, device="cuda"), cache)
+            kv_bytes = 2 * c.num_layers * c.num_kv_heads * b * cache.max_len * c.head_dim * cache.k.element_size()
             floor = (weight_bytes + kv_bytes) / bw
             for m in [1] + list(map(int, args.trees.split(","))):
-                tokens = torch.randint(0, c.vocab_size, (1, m), device="cuda")
+                tokens = torch.randint(0, c.vocab_size, (b, m), device="cuda")
                 positions = cache.lengths[:, None] + torch.arange(m, device="cuda")
                 mask = torch.ones(m, m, dtype=torch.bool, device="cuda").tril()[None]
 
@@ -184,12 +193,14 @@ def main(argv=None):
                 if args.profile and m in (1, 69):
                     n, table = kernel_profile(step)
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
-            if draft is not None:
-                tree = TreeSpec.parse("4,16,16,16,16")
-                engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=ctx + 512,
+            for spec in (args.proposals.split(";") if draft is not None else []):
+                hybrid = spec.startswith("hybrid:")
+                tree = TreeSpec.parse(spec.removeprefix("hybrid:"))
+                proposer = LongSpecProposer(draft, PromptLookup() if hybrid else None)
+                engine = Engine(target, proposer, tree, max_batch=b, max_len=ctx + 512, buckets=[b],
                                 config=GenerationConfig(max_new_tokens=400), cuda_graphs=False)
-                engine.add([Sequence(ids[0].tolist(), 400)])
-                rows_view = engine.view(1)
+                engine.add([Sequence(row.tolist(), 400) for row in ids])
+                rows_view = engine.view(b)
 
                 def propose():
                     with torch.inference_mode():
@@ -201,25 +212,28 @@ def main(argv=None):
                         engine._propose_phase(rows_view)
                         engine._verify_phase(rows_view)
 
-                for name, fn in (("propose 4,16,16,16,16 (5 levels)", propose), ("round 4,16,16,16,16", full_round)):
+                what = f"{'hybrid ' if hybrid else ''}{tree}"
+                for name, fn in ((f"propose {what} ({tree.depth} levels)", propose), (f"round {what}", full_round)):
                     t = time_graph(fn, replays=40)
                     rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
                                      floor_ms=float("nan"), x_floor=float("nan")))
                     if args.profile:
                         n, table = kernel_profile(fn)
                         print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
-            if args.hf and label == args.attention.split(",")[0]:
+                engine.close()  # its caches go now, before the next proposal's engine is built
+            if args.hf and label == args.attention.split(",")[0] and b == 1:
                 t = hf_decode_step(target, ids)
                 rows.append(dict(attention="transformers", context=ctx, step="decode", ms=t * 1e3,
                                  floor_ms=floor * 1e3, x_floor=t / floor))
             cache = engine = None  # free the memory before the next context
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
-    print(f"{'attention':<16} {'context':>7} {'step':<34} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    print(f"batch {args.batch}")
+    print(f"{'attention':<16} {'context':>7} {'step':<50} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<34} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<50} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
               f"{r['x_floor']:8.2f}")
-    print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "copy_tb_s": bw / 1e12,
-                      "weight_mib": weight_bytes / 2**20, "results": rows}))
+    print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch,
+                      "copy_tb_s": bw / 1e12, "weight_mib": weight_bytes / 2**20, "results": rows}))
 
 
 if __name__ == "__main__":

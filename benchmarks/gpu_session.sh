@@ -10,6 +10,7 @@
 #   trainbench bench_train.py (random SmolLM2 shape)  stepsrand bench_steps.py --shape smollm2 (no model needed)
 #   serve     bench_serve.py (needs the wheels in .whl/serve, carried: see README "Benchmarks")
 #   sweep     bench_attention.py --sweep (the kernel's launch parameters per shape)
+#   stepsbatch bench_steps.py at batch 1 and 16 (STEP_BATCHES) with hybrid proposals (serving buckets)
 # WRAP prefixes the bench step's command (e.g. WRAP="compute-sanitizer --tool memcheck --print-limit 5",
 # or set CUDA_LAUNCH_BLOCKING=1), to localise the illegal memory access of README "Status".
 # The draft trains on the machine's site-packages except transformers, httpx, starlette and rich
@@ -68,6 +69,13 @@ PY
              --chunk 4096 --compile ${TRAIN_COMPILE:-off,on} 2>&1 | tee "$OUT/train_bench.log" || true ;;
     stepsrand) timeout $T python3 benchmarks/bench_steps.py --shape smollm2 --random-draft --contexts ${CONTEXTS:-2048,8192} \
              --trees ${TREES:-16,69} --attention ${ATTENTION:-matmul,triton} --compile ${COMPILE:-on,off} 2>&1 | tee "$OUT/steps_rand.log" || true ;;
+    stepsbatch) # steps and proposals at serving batch sizes (the cost of each bucket's tree)
+           for b in ${STEP_BATCHES:-1 16}; do
+             timeout $T python3 benchmarks/bench_steps.py --shape smollm2 --random-draft --contexts ${CONTEXTS:-2048} \
+               --trees 16,69 --attention triton --compile on --batch $b \
+               --proposals "${PROPOSALS:-4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1;hybrid:4,8,8,8,8;hybrid:2,2,2}" \
+               2>&1 | tee "$OUT/steps_batch$b.log" || true
+           done ;;
     repro) # the command that crashed before (no per-phase syncs); /root/stage/triton_ok records a pass
            rm -f /root/stage/triton_ok
            if timeout 150 python3 benchmarks/repro_long_context.py --length 7900 --new 128 --calls 2 --generators 2 \
