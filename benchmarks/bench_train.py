@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_steps import SHAPES, random_target  # noqa: E402
 from longspec.training.data import PackedData  # noqa: E402
-from longspec.training.distributed import DistEnv  # noqa: E402
+from longspec.training import distributed  # noqa: E402
 from longspec.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 
@@ -40,11 +40,13 @@ def main(argv=None):
     p.add_argument("--distill", action="store_true")
     p.add_argument("--compile", default="off", help="off, on or off,on: the draft's forward through torch.compile")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="after timing, the kernels and host ops of 3 steps")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    cuda = args.device.startswith("cuda")
+    env = distributed.setup(args.device)  # under torchrun: one rank per GPU, the draft in DDP
+    cuda = env.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    target = random_target(args.shape, torch.bfloat16 if cuda else torch.float32, args.device)
+    target = random_target(args.shape, torch.bfloat16 if cuda else torch.float32, env.device)
     vocab = target.config.vocab_size
     rows = []
     for batch, chunk, compiled in itertools.product(map(int, args.batch.split(",")), map(int, args.chunk.split(",")),
@@ -55,7 +57,7 @@ def main(argv=None):
             config = TrainConfig(target="random", data=[], out=out, seq_len=args.seq_len, batch_size=batch,
                                  steps=args.steps + 40, distill=args.distill, progress=False, compile=compiled)
             config.validate()
-            trainer = Trainer(config, DistEnv(device=torch.device(args.device)), target, data)
+            trainer = Trainer(config, env, target, data)
             trainer.loss.chunk = chunk or batch * args.seq_len
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -71,20 +73,43 @@ def main(argv=None):
                 sync()
                 sec = (time.perf_counter() - t) / args.steps
                 trainer.step_metrics(pending)  # checks the losses are finite
+                if args.profile:
+                    profile_steps(trainer, env, cuda)
                 row = dict(batch=batch, chunk=chunk, compile=compiled, seq_len=args.seq_len, step_s=sec,
-                           tokens_per_s=batch * args.seq_len / sec,
+                           ranks=env.world, tokens_per_s=batch * env.world * args.seq_len / sec,
                            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
             except torch.OutOfMemoryError:
                 row = dict(batch=batch, chunk=chunk, compile=compiled, seq_len=args.seq_len, step_s=float("nan"),
                            tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
             rows.append(row)
-            print(f"batch {batch:3} chunk {chunk:6} compile {'on ' if compiled else 'off'}: "
-                  f"{row['tokens_per_s'] / 1e3:8.1f} k tokens/s, step {row['step_s'] * 1e3:7.1f} ms, peak {row['peak_gib']:.1f} GiB", flush=True)
+            if env.is_main:
+                print(f"ranks {env.world} batch {batch:3} chunk {chunk:6} compile {'on ' if compiled else 'off'}: "
+                      f"{row['tokens_per_s'] / 1e3:8.1f} k tokens/s, step {row['step_s'] * 1e3:7.1f} ms, "
+                      f"peak {row['peak_gib']:.1f} GiB", flush=True)
             del trainer
             if cuda:
                 torch.cuda.empty_cache()
-    print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape, "distill": args.distill,
-                      "results": rows}))
+    if env.is_main:
+        print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape,
+                          "distill": args.distill, "results": rows}))
+    env.close()
+
+
+def profile_steps(trainer, env, cuda: bool, steps: int = 3) -> None:
+    """Prints (rank 0) the device kernels and the host ops of ``steps`` training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        pending = [trainer.train_step() for _ in range(steps)]
+        trainer.step_metrics(pending)
+        if cuda:
+            torch.cuda.synchronize()
+    if env.is_main:
+        averages = prof.key_averages()
+        if cuda:
+            print(averages.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60), flush=True)
 
 
 if __name__ == "__main__":

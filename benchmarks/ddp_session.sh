@@ -3,12 +3,19 @@
 # copied to /root/stage as for gpu_session.sh): trains the default pair's draft on 1 GPU and on 2
 # GPUs (torchrun, NCCL) with the same data, seed and global batch, kills the 2-GPU run after its
 # first checkpoint and resumes it on 2 GPUs and on 1 GPU, then plots the held-out loss curves and
-# prints tokens/s. Results under $OUT (metrics_*.jsonl, curves.png, ddp.log).
+# prints tokens/s. Results under $OUT (metrics_*.jsonl, curves.png, ddp.log). BENCH_DDP=1 first
+# times and profiles the trainer alone on 1 GPU and on 2 ranks (bench_ddp.log); RESUME_TEST=0 skips
+# the kill-and-resume runs; BATCH is the global batch (BATCH/2 per rank).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # torchrun would set 1
 STEPS=${STEPS:-300}; EVERY=${EVERY:-50}; BATCH=${BATCH:-16}
+if [ -n "${BENCH_DDP:-}" ]; then  # the trainer alone (random SmolLM2-shaped target): 1 GPU, then 2 ranks, profiled
+  { python3 benchmarks/bench_train.py --shape smollm2 --batch ${BENCH_BATCH:-8,16} --chunk 4096 --profile
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_train.py --shape smollm2 --batch ${BENCH_BATCH:-8,16} \
+      --chunk 4096 --profile; } 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/bench_ddp.log"
+fi
 STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
 export PYTHONPATH=/tmp/site:$PWD
 SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -150,9 +150,13 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # the modules' buffers (RoPE frequencies, the draft's vocabulary subset) are constants:
-            # no broadcast before every forward
+            # no broadcast before every forward (the option's newer name where PyTorch has it)
+            import inspect
+
+            no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                       else {"broadcast_buffers": False})
             self.model = DDP(self.loss, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                             broadcast_buffers=False, gradient_as_bucket_view=True)
+                             gradient_as_bucket_view=True, **no_sync)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, betas=tuple(config.betas),
                                            weight_decay=config.weight_decay)
         self.offset_gen = torch.Generator().manual_seed(config.seed + 1)
