@@ -289,13 +289,17 @@ def cmd_serve(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
-    if bucket_trees == "auto":
+    if bucket_trees == "auto" and target.device.type != "cuda":
+        bucket_trees = {}  # measuring every bucket's costs eagerly on a CPU takes minutes
+    elif bucket_trees == "auto":
         from .decoding.auto import bucket_trees as choose_bucket_trees
         from .decoding.engine import batch_buckets
 
-        bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets or batch_buckets(args.max_batch),
-                                                  args.max_len // 2)
-        print(f"[longspec: trees per batch bucket, cost model: {'; '.join(notes)}]", file=sys.stderr, flush=True)
+        # a lone request keeps --tree (the cost model does not know the lookup chain's hits)
+        shared = [b for b in (buckets or batch_buckets(args.max_batch)) if b > 1]
+        bucket_trees, notes = choose_bucket_trees(target, proposer, tree, shared, args.max_len // 2) if shared else ({}, [])
+        print(f"[longspec: trees of the batch buckets, cost model: {'; '.join(notes) or 'one bucket'}]",
+              file=sys.stderr, flush=True)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
@@ -443,9 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="batch sizes a round runs at, comma-separated (default: powers of two up to --max-batch; "
                           "--max-batch is always one); fewer buckets, shorter warm-up, more idle rows computed")
     srv.add_argument("--bucket-trees", default="auto",
-                     help="the tree each batch bucket drafts: auto (a cost model measured at start-up picks, per "
-                          "bucket, among trees that fit --tree; needs a draft with an acceptance table), off (--tree "
-                          "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' (default: auto)")
+                     help="the tree each batch bucket drafts: auto (on CUDA, a cost model measured at start-up picks "
+                          "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
+                          "acceptance table), off (--tree everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' (default: auto)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")
