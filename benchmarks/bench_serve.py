@@ -58,20 +58,23 @@ async def one_request(client, url, prompt, max_tokens):
             if payload["choices"][0]["finish_reason"] is not None:
                 tokens = payload["usage"]["completion_tokens"]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return (arrivals[0] - start if arrivals else float("nan")), gaps, tokens
+    # the stream's own speed after its first chunk (time to first token left out)
+    speed = (tokens - 1) / (arrivals[-1] - arrivals[0]) if tokens > 1 and len(arrivals) > 1 else float("nan")
+    return (arrivals[0] - start if arrivals else float("nan")), gaps, tokens, speed
 
 
 async def run_level(url, prompts, concurrency, max_tokens):
     queue = list(prompts)
-    ttft, gaps, tokens = [], [], 0
+    ttft, gaps, speeds, tokens = [], [], [], 0
 
     async def client_loop(client):
         nonlocal tokens
         while queue:
             prompt = queue.pop()
-            first, g, n = await one_request(client, url, prompt, max_tokens)
+            first, g, n, speed = await one_request(client, url, prompt, max_tokens)
             ttft.append(first)
             gaps.extend(g)
+            speeds.append(speed)
             tokens += n
 
     start = time.perf_counter()
@@ -80,7 +83,8 @@ async def run_level(url, prompts, concurrency, max_tokens):
     wall = time.perf_counter() - start
     return {"concurrency": concurrency, "requests": len(prompts), "tokens": tokens, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
+            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
+            "stream_tokens_per_s_p50": percentile(speeds, 0.5)}
 
 
 def main(argv=None):
@@ -90,7 +94,8 @@ def main(argv=None):
     p.add_argument("--prompt-dir", required=True)
     p.add_argument("--prompt-chars", type=int, default=6000, help="characters of source code per prompt")
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--requests", type=int, default=8,
+                   help="requests per concurrency level at least (and 2 per client; default: 8)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", default="none;hybrid;pld", help="';'-separated proposer arguments of each server")
     p.add_argument("--serve-args", default="", help="extra arguments of every server (e.g. --buckets 1,4,16,64)")
@@ -124,12 +129,13 @@ def main(argv=None):
             prompts = code_prompts(Path(args.prompt_dir), 4, args.prompt_chars)
             asyncio.run(run_level(url, prompts[:2], 2, 8))  # warm-up: graph capture, caches
             for c in levels:
-                result = run_level(url, code_prompts(Path(args.prompt_dir), c * args.requests_per_client,
+                result = run_level(url, code_prompts(Path(args.prompt_dir), max(args.requests, 2 * c),
                                                      args.prompt_chars), c, args.max_tokens)
                 row = {"server": server, **asyncio.run(result)}
                 rows.append(row)
                 print(f"{server:<40} c={c:<3} {row['tokens_per_s']:8.1f} tok/s  ttft p50 {row['ttft_p50_ms']:7.1f} "
-                      f"p99 {row['ttft_p99_ms']:7.1f} ms  itl p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:6.1f} ms",
+                      f"p99 {row['ttft_p99_ms']:7.1f} ms  itl p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:6.1f} ms  "
+                      f"stream p50 {row['stream_tokens_per_s_p50']:7.1f} tok/s",
                       flush=True)
         finally:
             proc.terminate()

@@ -1,8 +1,9 @@
 """``longspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one
 :class:`~longspec.decoding.engine.Engine` with continuous batching.
 
-One worker thread owns the engine: between rounds it admits queued requests into free rows (one
-batched prefill each) and ends cancelled ones; each round advances every active request. Every
+One worker thread owns the engine: between rounds it admits queued requests into free rows (the
+wave's unseeded requests in one batched prefill) and ends cancelled ones; each round advances
+every active request; text is decoded incrementally (each round's new tokens). Every
 request has its own sampling settings (a ``RowSampling`` engine), so a greedy request gets
 exactly the tokens it would get alone. Text reaches the client through an asyncio queue, as
 server-sent events when ``stream`` is true.
@@ -128,18 +129,36 @@ class Worker:
                     self._fail(request, err)
 
     def _admit(self, requests: list) -> None:
+        """Prefills the admitted requests: those without a seed together (one forward per run of
+        consecutive free rows: a wave of arrivals does not stall the running streams once per
+        request), each seeded one alone (its seed reseeds the draws). A failure fails only its
+        request: a failed group is retried one request at a time."""
+        unseeded = [r for r in requests if r.seed is None]
+        groups = ([unseeded] if unseeded else []) + [[r] for r in requests if r.seed is not None]
         with torch.inference_mode():
-            for request in requests:  # one prefill each (rows are reused in any order)
+            for group in groups:
                 try:
-                    if request.seed is not None:
-                        self.engine.uniforms.generator = torch.Generator(
-                            device=self.engine.target.device).manual_seed(request.seed)
-                    self.running[id(request.seq)] = request
-                    self.engine.add([request.seq], streamer=self._on_tokens)
-                    if request.seq.done:
+                    self._add(group)
+                except Exception as err:  # noqa: BLE001 - these requests only
+                    if len(group) == 1:
+                        self._fail(group[0], err)
+                        continue
+                    for request in group:
+                        if request.seq.row < 0:  # not prefilled before the failure
+                            try:
+                                self._add([request])
+                            except Exception as one_err:  # noqa: BLE001 - this request only
+                                self._fail(request, one_err)
+                for request in group:
+                    if request.seq.done and id(request.seq) in self.running:
                         self._finish(request, request.finish_reason or self._reason(request))
-                except Exception as err:  # noqa: BLE001 - this request only
-                    self._fail(request, err)
+
+    def _add(self, group: list) -> None:
+        if group[0].seed is not None:
+            self.engine.uniforms.generator = torch.Generator(device=self.engine.target.device).manual_seed(group[0].seed)
+        for request in group:
+            self.running[id(request.seq)] = request
+        self.engine.add([r.seq for r in group], streamer=self._on_tokens)
 
     def _on_tokens(self, row: int, tokens: list) -> None:
         request = self._by_row(row)

@@ -299,3 +299,44 @@ def test_streamed_text_is_decoded_incrementally_and_adds_up_to_the_whole(kind):
             assert whole.startswith(request.text)
         else:
             assert request.text == whole
+
+
+def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(tiny_dir, alone, monkeypatch):
+    """Requests admitted in one wave share one prefill (per run of free rows) instead of one each;
+    when that prefill fails, each request is retried alone, and only the failing one gets an error
+    event: the others get their lone-run tokens."""
+    from transformers import AutoTokenizer
+
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.serve import Request, build_server
+
+    target = load_target(tiny_dir)
+    server = build_server(target, AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=6, max_len=256)
+    try:
+        loop = asyncio.new_event_loop()
+        prompts = [prompt_ids(i) for i in range(5)]
+        calls, real_add = [], Engine.add
+
+        def add(engine, seqs, streamer=None):
+            calls.append(len(seqs))
+            if any(s.prompt == prompts[3] for s in seqs):
+                raise RuntimeError("prefill failed")
+            return real_add(engine, seqs, streamer)
+
+        monkeypatch.setattr(Engine, "add", add)
+        make = lambda p: Request(Sequence(p, 6, temperature=0.0), [], None, loop, asyncio.Queue())  # noqa: E731
+        requests = [make(p) for p in prompts]
+        server.worker._admit(requests[:2])
+        assert calls == [2]  # a wave of arrivals: one prefill
+        server.worker._admit(requests[2:])
+        assert calls == [2, 3, 1, 1, 1]  # the failed wave, then one by one
+        while server.engine.has_active:
+            server.engine.step(streamer=server.worker._on_tokens)
+        loop.run_until_complete(asyncio.sleep(0))
+        failed = [r for r in requests if not r.events.empty() and r.events.get_nowait()[0] == "error"]
+        assert failed == [requests[3]]
+        ok = [0, 1, 2, 4]
+        assert [requests[i].seq.tokens for i in ok] == [alone(prompts[i], 6) for i in ok]
+    finally:
+        server.worker.stop()
+        loop.close()
