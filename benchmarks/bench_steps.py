@@ -193,11 +193,14 @@ def main(argv=None):
                 if args.profile and m in (1, 69):
                     n, table = kernel_profile(step)
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
+            cache = None  # the proposals' engines hold caches of their own
             for spec in (args.proposals.split(";") if draft is not None else []):
                 hybrid = spec.startswith("hybrid:")
                 tree = TreeSpec.parse(spec.removeprefix("hybrid:"))
                 proposer = LongSpecProposer(draft, PromptLookup() if hybrid else None)
-                engine = Engine(target, proposer, tree, max_batch=b, max_len=ctx + 512, buckets=[b],
+                # full rounds replayed ~45 times advance the cache by up to depth + 1 tokens each
+                room = ctx + 64 * (tree.depth + 1) + 256
+                engine = Engine(target, proposer, tree, max_batch=b, max_len=room, buckets=[b],
                                 config=GenerationConfig(max_new_tokens=400), cuda_graphs=False)
                 engine.add([Sequence(row.tolist(), 400) for row in ids])
                 rows_view = engine.view(b)

@@ -80,7 +80,7 @@ def main(argv=None):
                            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
             except torch.OutOfMemoryError:
                 row = dict(batch=batch, chunk=chunk, compile=compiled, seq_len=args.seq_len, step_s=float("nan"),
-                           tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
+                           ranks=env.world, tokens_per_s=float("nan"), peak_gib=float("nan"), error="out of memory")
             rows.append(row)
             if env.is_main:
                 print(f"ranks {env.world} batch {batch:3} chunk {chunk:6} compile {'on ' if compiled else 'off'}: "

@@ -23,6 +23,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 PHASES=${PHASES:-"chats train export"}
+# a call's phases must end within its 600 s: training yields to the chats in the same call
+case " $PHASES " in *" chats "*) TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-240} ;; *) TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-420} ;; esac
 STEPS="convert" bash benchmarks/gpu_session.sh >/dev/null 2>&1 || true
 export PYTHONPATH=/tmp/site:$PWD
 SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -43,12 +45,14 @@ for phase in $PHASES; do
         cat .data/chats.tar.part.* | tar -xz -C /root/stage && echo "chats carried: $(ls /root/stage/chats.*.jsonl)"
       elif [ ! -f /root/stage/chats.1.jsonl ]; then
         for i in 0 1; do
-          timeout ${SD_TIMEOUT:-260} python3 -m longspec.cli self-distill --target /root/stage/smol-hf --docs $(packages) \
+          timeout ${SD_TIMEOUT:-200} python3 -m longspec.cli self-distill --target /root/stage/smol-hf --docs $(packages) \
             --out /root/stage/chats.$i.jsonl --shard $i/2 --limit ${SD_LIMIT:-6000} --batch ${SD_BATCH:-32} \
             --device cuda:$i --seed 11 > "/root/stage/chats.$i.log" 2>&1 &
         done
         wait
-        tail -2 /root/stage/chats.*.log
+        # a shard cut by its timeout may end in a half-written line: drop it (records end with "}")
+        for i in 0 1; do [ -f /root/stage/chats.$i.jsonl ] && sed -i '$ { /}$/!d }' /root/stage/chats.$i.jsonl; done
+        tail -2 /root/stage/chats.*.log; wc -l /root/stage/chats.*.jsonl
         tar -C /root/stage -czf - chats.0.jsonl chats.1.jsonl | split -b 15m -d - "$OUT/chats.tar.part."
       fi ;;
     train)
@@ -56,7 +60,7 @@ for phase in $PHASES; do
         mkdir -p $RUN && cat .ckpt/draft.tar.part.* | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
       fi
       resume=""; [ -f $RUN/checkpoints/latest ] && resume="--resume"
-      timeout ${TRAIN_TIMEOUT:-420} torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
+      timeout $TRAIN_TIMEOUT torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
         --target /root/stage/smol-hf --data "$SITE" /root/stage/chats.0.jsonl /root/stage/chats.1.jsonl \
         --exclude $EVAL '*.dist-info' --out $RUN --seq-len 2048 --batch-size ${BATCH:-16} \
         --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile \
@@ -67,9 +71,9 @@ for phase in $PHASES; do
         rm -f "$OUT"/draft.tar.part.*
         tar -C $RUN -cf - checkpoints/latest "checkpoints/$latest" metrics.jsonl | split -b 15m -d - "$OUT/draft.tar.part."
       fi ;;
-    export)
+    export)  # from the newest checkpoint (a run restored from .ckpt holds only checkpoints)
       mkdir -p /root/stage/export
-      python3 -m longspec.cli draft-vocab --target /root/stage/smol-hf --draft $RUN --data "$SITE/numpy" "$SITE/networkx" \
+      python3 -m longspec.cli draft-vocab --target /root/stage/smol-hf --draft "$RUN/checkpoints/$(cat $RUN/checkpoints/latest)" --data "$SITE/numpy" "$SITE/networkx" \
         --size 8192 --out /root/stage/export/smollm2-draft 2>&1 | tail -2
       python3 benchmarks/draft_acceptance.py --target /root/stage/smol-hf --draft /root/stage/export/smollm2-draft \
         --data "$SITE/httpx" "$SITE/starlette" --write 2>&1 | tail -8

@@ -272,6 +272,16 @@ def cmd_serve(args) -> int:
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
     bucket_trees = parse_bucket_trees(args.bucket_trees, name)
+    if isinstance(bucket_trees, dict):  # given by hand: checked before anything loads
+        from .decoding.engine import batch_buckets
+
+        known = set(buckets or batch_buckets(args.max_batch)) | {args.max_batch}
+        for b, t in bucket_trees.items():
+            if b not in known:
+                raise UsageError(f"--bucket-trees names batch size {b}, which is not a bucket ({sorted(known)})")
+            if t.depth > tree.depth or t.num_nodes > tree.num_nodes:
+                raise UsageError(f"--bucket-trees: the tree {t} of bucket {b} does not fit --tree {tree} "
+                                 "(no deeper, no more nodes)")
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -296,8 +306,9 @@ def cmd_serve(args) -> int:
         from .decoding.engine import batch_buckets
 
         # a lone request keeps --tree (the cost model does not know the lookup chain's hits)
-        shared = [b for b in (buckets or batch_buckets(args.max_batch)) if b > 1]
-        bucket_trees, notes = choose_bucket_trees(target, proposer, tree, shared, args.max_len // 2) if shared else ({}, [])
+        shared = [b for b in sorted(set(buckets or batch_buckets(args.max_batch)) | {args.max_batch}) if b > 1]
+        bucket_trees, notes = ({}, []) if not shared else choose_bucket_trees(target, proposer, tree, shared,
+                                                                              args.max_len // 2)
         print(f"[longspec: trees of the batch buckets, cost model: {'; '.join(notes) or 'one bucket'}]",
               file=sys.stderr, flush=True)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,

@@ -144,7 +144,10 @@ class Worker:
                         self._fail(group[0], err)
                         continue
                     for request in group:
-                        if request.seq.row < 0:  # not prefilled before the failure
+                        row = request.seq.row
+                        if row >= 0 and not request.seq.done and not int(self.engine.active[row]):
+                            self._fail(request, err)  # its prefill ran, but not its proposer's set-up
+                        elif row < 0:  # not prefilled before the failure: alone now
                             try:
                                 self._add([request])
                             except Exception as one_err:  # noqa: BLE001 - this request only
@@ -155,7 +158,8 @@ class Worker:
 
     def _add(self, group: list) -> None:
         if group[0].seed is not None:
-            self.engine.uniforms.generator = torch.Generator(device=self.engine.target.device).manual_seed(group[0].seed)
+            device = self.engine.target.device
+            self.engine.uniforms.generator = torch.Generator(device=device).manual_seed(group[0].seed)
         for request in group:
             self.running[id(request.seq)] = request
         self.engine.add([r.seq for r in group], streamer=self._on_tokens)
@@ -165,14 +169,13 @@ class Worker:
         if request is None or request.finish_reason is not None:
             return
         try:
-            new = self._new_text(request)
-            if new is None:  # an incomplete character: wait for its next token
-                return
-            text = request.text + new
-            cut = min((i for i in (text.find(s) for s in request.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, request.finish_reason, request.final = text[:cut], "stop", True
+            new, complete = self._new_text(request)
+            text, stopped = self._cut_at_stop(request, request.text + new)
+            if stopped:
+                request.finish_reason, request.final = "stop", True
                 self.engine.cancel(request.seq)
+            elif not complete:  # it ends inside a character: wait for the next token
+                return
             request.text = text
             if len(text) > request.sent:
                 request.push(("text", text[request.sent:]))
@@ -180,25 +183,32 @@ class Worker:
         except Exception as err:  # noqa: BLE001 - this request only
             self._fail(request, err)
 
-    def _new_text(self, request: Request) -> Optional[str]:
-        """The text the tokens since the last call add (None while they end inside a character),
-        decoding only from the previous piece's first token, not the whole answer every round
-        (that grows with the answer, on the thread that runs the rounds). Decoding the previous
-        piece and the previous piece + the new tokens from the same token keeps tokenizers that
-        drop a piece's leading space consistent."""
+    @staticmethod
+    def _cut_at_stop(request: Request, text: str) -> tuple:
+        """(text up to the first stop string, whether there was one)."""
+        cut = min((i for i in (text.find(s) for s in request.stop) if i >= 0), default=-1)
+        return (text[:cut], True) if cut >= 0 else (text, False)
+
+    def _new_text(self, request: Request) -> tuple:
+        """(the text the tokens since the last call add, complete), decoding only from the previous
+        piece's first token, not the whole answer every round (that grows with the answer, on the
+        thread that runs the rounds). Decoding the previous piece and the previous piece + the new
+        tokens from the same token keeps tokenizers that drop a piece's leading space consistent.
+        While the tokens end inside a character, ``complete`` is False, the text is what precedes
+        that character, and nothing is consumed (the next call decodes it again)."""
         tokens = request.seq.tokens
         decode = self.tokenizer.decode
         before = decode(tokens[request.prefix_offset:request.read_offset], skip_special_tokens=True)
         after = decode(tokens[request.prefix_offset:], skip_special_tokens=True)
         if after.endswith("\ufffd"):
-            return None
+            return (after[len(before):].rstrip("\ufffd") if after.startswith(before) else ""), False
         if after.startswith(before):
             request.prefix_offset, request.read_offset = request.read_offset, len(tokens)
-            return after[len(before):]
+            return after[len(before):], True
         # pieces that do not concatenate (rare): this once, from the whole answer
         full = decode(tokens, skip_special_tokens=True)
         request.prefix_offset, request.read_offset = 0, len(tokens)
-        return full[len(request.text):] if full.startswith(request.text) else ""
+        return (full[len(request.text):] if full.startswith(request.text) else ""), True
 
     def _by_row(self, row: int) -> Optional[Request]:
         for request in self.running.values():
@@ -215,8 +225,10 @@ class Worker:
         self.running.pop(id(request.seq), None)
         if reason is None:  # cancelled: nobody is listening
             return
-        if not request.final:  # characters held back while incomplete
-            request.text = self.tokenizer.decode(request.seq.tokens, skip_special_tokens=True)
+        if not request.final:  # characters held back while incomplete (a stop string may end there)
+            request.text, stopped = self._cut_at_stop(
+                request, self.tokenizer.decode(request.seq.tokens, skip_special_tokens=True))
+            reason = "stop" if stopped else reason
             if len(request.text) > request.sent:
                 request.push(("text", request.text[request.sent:]))
                 request.sent = len(request.text)

@@ -55,6 +55,10 @@ def test_serve_bucket_errors_come_before_loading(capsys):
     assert "(expected BUCKET=TREE)" in capsys.readouterr().err
     assert main([*base, "--bucket-trees", "4=2,2"]) == 2
     assert "--bucket-trees needs a proposer" in capsys.readouterr().err
+    assert main([*base, "--proposer", "pld", "--bucket-trees", "3=2,2"]) == 2
+    assert "batch size 3, which is not a bucket ([1, 2, 4])" in capsys.readouterr().err
+    assert main([*base, "--proposer", "pld", "--tree", "2,2", "--bucket-trees", "4=2,2,2"]) == 2
+    assert "does not fit --tree 2,2" in capsys.readouterr().err
 
 
 def test_prompt_errors(capsys, tmp_path):

@@ -292,51 +292,96 @@ def test_streamed_text_is_decoded_incrementally_and_adds_up_to_the_whole(kind):
         request = SimpleNamespace(seq=SimpleNamespace(tokens=[]), text="", prefix_offset=0, read_offset=0)
         while len(request.seq.tokens) < len(tokens):
             request.seq.tokens = tokens[:len(request.seq.tokens) + rng.randint(1, 4)]
-            new = Worker._new_text(worker, request)
-            if new is not None:
+            new, complete = Worker._new_text(worker, request)
+            if complete:
                 request.text += new
+            else:
+                assert "\ufffd" not in new
         if whole.endswith("\ufffd"):  # the random tail ends inside a character: held back
             assert whole.startswith(request.text)
         else:
             assert request.text == whole
 
 
-def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(tiny_dir, alone, monkeypatch):
-    """Requests admitted in one wave share one prefill (per run of free rows) instead of one each;
-    when that prefill fails, each request is retried alone, and only the failing one gets an error
-    event: the others get their lone-run tokens."""
+@pytest.mark.parametrize("where", ["prefill", "proposer"])
+def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(tiny_dir, alone, monkeypatch, where):
+    """Requests admitted in one wave share one prefill (per run of free rows) instead of one each.
+    When that fails (in the target's prefill, or in the proposer's set-up of one row after the
+    prefill ran), only the failing request gets an error event; the others, retried alone where
+    they were not set up, get their lone-run tokens."""
     from transformers import AutoTokenizer
 
     from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.proposers import PromptLookup
     from longspec.serve import Request, build_server
 
     target = load_target(tiny_dir)
-    server = build_server(target, AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=6, max_len=256)
+    server = build_server(target, AutoTokenizer.from_pretrained(tiny_dir), "tiny", proposer=PromptLookup(),
+                          tree="2,2", max_batch=6, max_len=256)
+    loop = asyncio.new_event_loop()
     try:
-        loop = asyncio.new_event_loop()
         prompts = [prompt_ids(i) for i in range(5)]
-        calls, real_add = [], Engine.add
+        calls, real_add, real_setup = [], Engine.add, PromptLookup.add
 
         def add(engine, seqs, streamer=None):
             calls.append(len(seqs))
-            if any(s.prompt == prompts[3] for s in seqs):
+            if where == "prefill" and any(s.prompt == prompts[3] for s in seqs):
                 raise RuntimeError("prefill failed")
             return real_add(engine, seqs, streamer)
 
+        def setup(proposer, row, prompt, first_token):
+            if prompt == prompts[3]:
+                raise RuntimeError("set-up failed")
+            return real_setup(proposer, row, prompt, first_token)
+
         monkeypatch.setattr(Engine, "add", add)
+        monkeypatch.setattr(PromptLookup, "add", setup)
         make = lambda p: Request(Sequence(p, 6, temperature=0.0), [], None, loop, asyncio.Queue())  # noqa: E731
         requests = [make(p) for p in prompts]
         server.worker._admit(requests[:2])
         assert calls == [2]  # a wave of arrivals: one prefill
         server.worker._admit(requests[2:])
-        assert calls == [2, 3, 1, 1, 1]  # the failed wave, then one by one
+        # the failed wave, then alone: every request (prefill) / the one after the failed row (proposer)
+        assert calls == ([2, 3, 1, 1, 1] if where == "prefill" else [2, 3, 1])
         while server.engine.has_active:
             server.engine.step(streamer=server.worker._on_tokens)
         loop.run_until_complete(asyncio.sleep(0))
-        failed = [r for r in requests if not r.events.empty() and r.events.get_nowait()[0] == "error"]
-        assert failed == [requests[3]]
+        errors = [r for r in requests if any(k == "error" for k, _ in
+                                              (r.events.get_nowait() for _ in range(r.events.qsize())))]
+        assert errors == [requests[3]]
         ok = [0, 1, 2, 4]
         assert [requests[i].seq.tokens for i in ok] == [alone(prompts[i], 6) for i in ok]
+    finally:
+        server.worker.stop()
+        loop.close()
+
+
+def test_a_stop_string_is_found_while_a_character_is_held_back(tiny_dir):
+    """A round that ends inside a multi-byte character still ends the answer at a stop string
+    before it, and so does the last flush of a request that ends there."""
+    from transformers import AutoTokenizer
+
+    from longspec.decoding.engine import Sequence
+    from longspec.serve import Request, build_server
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    ids = tokenizer("hello STOP there 🚀", add_special_tokens=False).input_ids
+    cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    server = build_server(load_target(tiny_dir), tokenizer, "tiny", max_batch=1, max_len=64)
+    loop = asyncio.new_event_loop()
+    try:
+        for last_flush in (False, True):
+            request = Request(Sequence([1, 2, 3], 50, temperature=0.0), ["STOP"], None, loop, asyncio.Queue())
+            request.seq.tokens, request.seq.row = ids[:cut], 0
+            server.worker.running[id(request.seq)] = request
+            if last_flush:  # the request ended (length) in that round, before its text was read
+                server.worker._finish(request, "length")
+            else:
+                server.worker._on_tokens(0, ids[:cut])
+                server.worker._finish(request, request.finish_reason)
+            loop.run_until_complete(asyncio.sleep(0))
+            events = [request.events.get_nowait() for _ in range(request.events.qsize())]
+            assert "".join(v for k, v in events if k == "text") == "hello " and events[-1] == ("done", "stop")
     finally:
         server.worker.stop()
         loop.close()

@@ -518,6 +518,7 @@ def test_self_distill_writes_the_targets_answers(target, tmp_path):
         self_distill(target, ChatStubTokenizer(), [docs], part, shard=(i, 2), **args)
         halves.append([(r["name"], r["task"]) for r in map(json.loads, part.read_text().splitlines())])
     assert len(halves[0]) == 2 and len(halves[1]) == 1
+    assert self_distill(target, ChatStubTokenizer(), [docs], tmp_path / "none.jsonl", shard=(3, 4), **args) == 0
     assert sorted(halves[0] + halves[1]) == sorted((r["name"], r["task"]) for r in records)
     stdlib = Path(sysconfig.get_paths()["stdlib"]) / "json"
     with pytest.raises(ValueError, match="standard library"):

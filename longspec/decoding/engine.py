@@ -205,7 +205,8 @@ class Engine:
                 proposer = self.proposer if full else self.proposer.rows(n, cache)
                 if tree is not self.tree:
                     proposer = proposer.with_tree(tree)
-            propose = None if proposer is None else compile_step(proposer.propose) if self._compiled else proposer.propose
+            propose = None if proposer is None else (compile_step(proposer.propose) if self._compiled
+                                                     else proposer.propose)
             width = 1 if tree is None else tree.depth + 1
             self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
                                        self.out_counts[:n], proposer, propose, tree)

@@ -85,6 +85,9 @@ def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] =
         task = tasks[i % len(tasks)]
         doc = tokenizer.decode(tokenizer(text).input_ids[:max_doc_tokens], skip_special_tokens=True)
         requests.append((name, task, chat_ids(tokenizer, TASKS[task].format(doc=doc))))
+    if not requests:  # a shard past the end of a short list
+        Path(out).write_text("")
+        return 0
     longest = max(len(ids) for _, _, ids in requests)
     generator = Generator(target, proposer=proposer, tree=tree,
                           max_len=min(longest + max_new_tokens + 128, target.config.max_position_embeddings))
@@ -98,4 +101,5 @@ def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] =
                 f.write(json.dumps({"text": tokenizer.decode(ids + answer), "name": name, "task": task,
                                     "prompt_tokens": len(ids), "answer_tokens": len(answer)}) + "\n")
                 written += 1
+            f.flush()  # whole batches on disk as they finish (a run cut short keeps them)
     return written

@@ -330,7 +330,8 @@ def train(config: TrainConfig, tokenizer=None, target=None,
     :class:`TrainConfig` docs). ``tokenizer`` (anything with ``encode``) and ``target`` (a loaded
     :class:`~longspec.models.target.TargetModel`) override loading them from ``config.target``.
     ``callback(step, metrics)`` runs on every rank after each step (an exception it raises stops
-    training like a kill would: nothing is saved beyond the last checkpoint).
+    training like a kill would: nothing is saved beyond the last checkpoint). Under torchrun give
+    it on every rank or on none: it makes every step read its metrics, an all-reduce.
 
     Raises ValueError for bad settings or data, and when ``out`` already holds a run and
     ``resume`` is not set."""
