@@ -370,16 +370,21 @@ def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngra
     histories = [torch.randint(0, 5, (n,), generator=gen).tolist() for n in (30, 7, 1)]
     for row, h in enumerate(histories):
         lookup.add(row, h[:-1], h[-1])
-    root = lookup._lookup(torch.zeros(3, 1, 0, dtype=torch.long))
+    empty = torch.zeros(3, 1, 0, dtype=torch.long)
+    root = lookup._lookup(empty)
     paths = torch.randint(0, 5, (3, 4, 2), generator=gen)
     nodes = lookup._lookup(paths)
+    firsts = [lookup.first_candidate(empty), lookup.first_candidate(paths)]  # the hybrid chain's shortcut
     for row, h in enumerate(histories):
-        contexts = [(h, root[row, 0])] + [(h + paths[row, j].tolist(), nodes[row, j]) for j in range(4)]
-        for context, logits in contexts:
+        contexts = [(h, root[row, 0], (0, 0))] + [(h + paths[row, j].tolist(), nodes[row, j], (1, j))
+                                                  for j in range(4)]
+        for context, logits, (which, j) in contexts:
             expected = reference_candidates(context, max_ngram, min_ngram, 4)
             ranked = [int(t) for t in logits.argsort(descending=True)[:len(expected)]]
             assert ranked == expected, (context, ranked, expected)
             assert int((logits > -1e4).sum()) == len(expected)
+            found, token = (t[row, j] for t in firsts[which])
+            assert bool(found) == bool(expected) and (not expected or int(token) == expected[0])
 
 
 @pytest.mark.parametrize("tree", ["2,3", "chain:3"])

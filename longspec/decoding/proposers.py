@@ -246,9 +246,9 @@ class _LookupChain:
 
     def extend(self, local_parent, new_tokens, cum, logprobs) -> None:
         """Overwrites the last pair of the level (in place) where the chain has a candidate."""
-        scores = self.lookup._lookup(self.path)[:, 0]  # [B, V]
-        best, token = scores.max(-1)
-        self.alive = self.alive & (best > -1e4)
+        found, token = self.lookup.first_candidate(self.path)
+        found, token = found[:, 0], token[:, 0]
+        self.alive = self.alive & found
         rows = torch.arange(token.shape[0], device=token.device)
         parent_cum = cum.new_zeros(token.shape) if self.path.shape[-1] == 0 else self.cum
         chain_cum = parent_cum + logprobs[rows, self.node, token]
@@ -389,6 +389,28 @@ class PromptLookup(TreeDrafter):
     def _lookup(self, path: torch.Tensor) -> torch.Tensor:
         """path [B, n, d] (the tokens after the history, per node) -> pseudo-logits [B, n, V]:
         ``-rank`` for the ranked candidates, -1e4 elsewhere."""
+        ctx, score = self._scores(path)
+        b, n, _ = score.shape
+        best = torch.full((b, n, self.vocab), -1, dtype=torch.long, device=path.device)
+        best.scatter_reduce_(2, ctx.clamp(min=0), score, "amax")
+        top, token = best.topk(min(self.candidates, self.vocab), dim=-1)
+        rank = torch.arange(top.shape[-1], device=path.device).expand_as(top)
+        logits = torch.full((b, n, self.vocab), -1e4, device=path.device)
+        return logits.scatter(2, token, torch.where(top >= 0, -rank.float(), -1e4))
+
+    def first_candidate(self, path: torch.Tensor) -> tuple:
+        """path [B, n, d] -> (found [B, n] bool, token [B, n]): the best-ranked candidate of
+        :meth:`_lookup` (the follower of the longest, then most recent, match), without its
+        [B, n, V] scores: a match's score is unique to its position, so the best position's
+        token is the best token."""
+        ctx, score = self._scores(path)
+        best, where = score.max(-1)
+        return best >= 0, ctx.gather(2, where[..., None])[..., 0].clamp(min=0)
+
+    def _scores(self, path: torch.Tensor) -> tuple:
+        """(ctx [B, n, W]: history + path per node, -1 past its end; score [B, n, W]: for each
+        position f, ``matched * (W + 1) + f`` where the ``matched`` (>= min_ngram) tokens before f
+        equal the context's last ones, else -1)."""
         b, n, d = path.shape
         width = self.capacity + d
         ctx = torch.cat([self.hist[:, None, :self.capacity].expand(b, n, -1),
@@ -405,13 +427,7 @@ class PromptLookup(TreeDrafter):
             shifted = torch.cat([torch.full((b, n, k), -2, dtype=torch.long, device=path.device), ctx[..., :-k]], -1)
             run = run & (shifted == tail) & (ctx_len[..., None] - k >= 0) & (ctx_len[..., None] - 1 >= k)
             matched += run.long()
-        score = torch.where(matched >= self.min_ngram, matched * (width + 1) + f, -1)
-        best = torch.full((b, n, self.vocab), -1, dtype=torch.long, device=path.device)
-        best.scatter_reduce_(2, ctx.clamp(min=0), score, "amax")
-        top, token = best.topk(min(self.candidates, self.vocab), dim=-1)
-        rank = torch.arange(top.shape[-1], device=path.device).expand_as(top)
-        logits = torch.full((b, n, self.vocab), -1e4, device=path.device)
-        return logits.scatter(2, token, torch.where(top >= 0, -rank.float(), -1e4))
+        return ctx, torch.where(matched >= self.min_ngram, matched * (width + 1) + f, -1)
 
 
 class LongSpecProposer(TreeDrafter):
