@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.engine import Generator  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec  # noqa: E402
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
+from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 

@@ -26,7 +26,8 @@ from bench_generate import code_prompt  # noqa: E402
 from longspec import GenerationConfig, load_draft, load_target  # noqa: E402
 from longspec.convert import default_model_dir  # noqa: E402
 from longspec.decoding.engine import Generator  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec  # noqa: E402
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
+from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
 from longspec.training.selfdistill import TASKS, chat_ids  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "longspec" / "assets" / "smollm2-draft"

@@ -2,7 +2,8 @@
 from .config import GenerationConfig, ModelConfig
 from .convert import default_draft_path, default_model_path
 from .decoding.engine import GenerationOutput, Generator
-from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
+from .decoding.proposers import LongSpecProposer, PromptLookup
+from .decoding.streaming import StreamingSelfSpec
 from .decoding.tree import TreeSpec
 from .models import TargetModel, load_target
 from .models.checkpoint import load_draft, save_draft

@@ -184,7 +184,8 @@ def resolve_auto(args, target, ids: list) -> tuple:
 
 def make_proposer(args, name, target, draft=None):
     """The proposer object for ``name`` (loads the draft for longspec / hybrid unless given), or None."""
-    from .decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
+    from .decoding.proposers import LongSpecProposer, PromptLookup
+    from .decoding.streaming import StreamingSelfSpec
 
     if name == "none":
         return None
@@ -233,29 +234,6 @@ def cmd_self_distill(args) -> int:
     return 0
 
 
-def parse_bucket_trees(spec: str, proposer: str):
-    """``--bucket-trees``: "auto" (the cost model picks, for draft-based proposers), "off" (every
-    bucket drafts --tree) or "B=TREE;B=TREE" -> "auto", {} or {bucket: TreeSpec}."""
-    from .decoding.tree import TreeSpec
-
-    if spec == "off" or proposer == "none":
-        if spec not in ("off", "auto"):
-            raise UsageError("--bucket-trees needs a proposer")
-        return {}
-    if spec == "auto":
-        return "auto" if proposer in ("longspec", "hybrid") else {}
-    out = {}
-    for item in spec.split(";"):
-        bucket, sep, tree = item.partition("=")
-        try:
-            out[int(bucket)] = TreeSpec.parse(tree)
-        except ValueError as err:
-            detail = "" if sep else " (expected BUCKET=TREE)"
-            raise UsageError(f"--bucket-trees takes auto, off or 'B=TREE;B=TREE' (e.g. '16=2,2,2'): "
-                             f"{item!r}{detail}: {err}") from None
-    return out
-
-
 def cmd_serve(args) -> int:
     """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
     _set_threads(args)
@@ -271,17 +249,9 @@ def cmd_serve(args) -> int:
             raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
-    bucket_trees = parse_bucket_trees(args.bucket_trees, name)
-    if isinstance(bucket_trees, dict):  # given by hand: checked before anything loads
-        from .decoding.engine import batch_buckets
+    from .serve import bucket_trees_option, build_server, choose_bucket_trees, create_app
 
-        known = set(buckets or batch_buckets(args.max_batch)) | {args.max_batch}
-        for b, t in bucket_trees.items():
-            if b not in known:
-                raise UsageError(f"--bucket-trees names batch size {b}, which is not a bucket ({sorted(known)})")
-            if t.depth > tree.depth or t.num_nodes > tree.num_nodes:
-                raise UsageError(f"--bucket-trees: the tree {t} of bucket {b} does not fit --tree {tree} "
-                                 "(no deeper, no more nodes)")
+    bucket_trees = bucket_trees_option(args.bucket_trees, name, tree, buckets, args.max_batch)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -292,25 +262,16 @@ def cmd_serve(args) -> int:
 
     from . import load_target
     from .convert import DEFAULT_NAME, default_model_dir
-    from .serve import build_server, create_app
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
-    if bucket_trees == "auto" and target.device.type != "cuda":
-        bucket_trees = {}  # measuring every bucket's costs eagerly on a CPU takes minutes
-    elif bucket_trees == "auto":
-        from .decoding.auto import bucket_trees as choose_bucket_trees
-        from .decoding.engine import batch_buckets
-
-        # a lone request keeps --tree (the cost model does not know the lookup chain's hits)
-        shared = [b for b in sorted(set(buckets or batch_buckets(args.max_batch)) | {args.max_batch}) if b > 1]
-        bucket_trees, notes = ({}, []) if not shared else choose_bucket_trees(target, proposer, tree, shared,
-                                                                              args.max_len // 2)
-        print(f"[longspec: trees of the batch buckets, cost model: {'; '.join(notes) or 'one bucket'}]",
-              file=sys.stderr, flush=True)
+    if bucket_trees == "auto":
+        bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
+        if notes:
+            print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
@@ -460,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--bucket-trees", default="auto",
                      help="the tree each batch bucket drafts: auto (on CUDA, a cost model measured at start-up picks "
                           "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
-                          "acceptance table), off (--tree everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' (default: auto)")
+                          "acceptance table), off (--tree everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' "
+                          "(default: auto)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from .decoding.engine import Engine, Sequence, cache_need
+from .decoding.engine import Engine, Sequence, batch_buckets, cache_need
 from .decoding.sampling import RowSampling, check_sampling_args
+from .decoding.tree import TreeSpec
 
 UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
                "response_format", "top_logprobs")
@@ -440,13 +441,58 @@ def _extension(request: Request) -> dict:
     return {"tau": round(request.seq.tau, 4), "token_ids": list(request.seq.tokens)}
 
 
+def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int):
+    """``--bucket-trees``, checked before anything loads: "auto" (the cost model picks, for the
+    draft-based proposers), "off" (every bucket drafts ``tree``) or "B=TREE;B=TREE" -> "auto", {}
+    or {bucket: TreeSpec}, each a bucket of the engine (``buckets``, ``max_batch``) whose tree fits
+    ``tree``. Raises ValueError."""
+    if spec == "off" or proposer == "none":
+        if spec not in ("off", "auto"):
+            raise ValueError("--bucket-trees needs a proposer")
+        return {}
+    if spec == "auto":
+        return "auto" if proposer in ("longspec", "hybrid") else {}
+    out = {}
+    for item in spec.split(";"):
+        bucket, sep, shape = item.partition("=")
+        try:
+            out[int(bucket)] = TreeSpec.parse(shape)
+        except ValueError as err:
+            detail = "" if sep else " (expected BUCKET=TREE)"
+            raise ValueError(f"--bucket-trees takes auto, off or 'B=TREE;B=TREE' (e.g. '16=2,2,2'): "
+                             f"{item!r}{detail}: {err}") from None
+    known = batch_buckets(max_batch, buckets)
+    for b, t in out.items():
+        if b not in known:
+            raise ValueError(f"--bucket-trees names batch size {b}, which is not a bucket ({known})")
+        if not t.fits_in(tree):
+            raise ValueError(f"--bucket-trees: the tree {t} of bucket {b} does not fit --tree {tree} "
+                             "(no deeper, no more nodes)")
+    return out
+
+
+def choose_bucket_trees(target, proposer, tree, buckets, max_batch: int, max_len: int) -> tuple:
+    """What ``--bucket-trees auto`` gives: ({bucket: tree}, a note to print or ""). On CUDA the
+    cost model (:func:`~longspec.decoding.auto.bucket_trees`, at half ``max_len``) picks the tree
+    of every bucket of 2 or more rows; a lone request keeps ``tree`` (the model does not see the
+    lookup chain's hits on its text). On a CPU every bucket keeps it: measuring them all eagerly
+    takes minutes."""
+    from .decoding.auto import bucket_trees
+
+    if target.device.type != "cuda":
+        return {}, ""
+    shared = [b for b in batch_buckets(max_batch, buckets) if b > 1]
+    if not shared:
+        return {}, "one bucket"
+    chosen, lines = bucket_trees(target, proposer, tree, shared, max_len // 2)
+    return chosen, "; ".join(lines)
+
+
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
                  max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
     ``bucket_trees``: {bucket: smaller tree} (see :class:`Engine`)."""
-    from .decoding.tree import TreeSpec
-
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
     engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,

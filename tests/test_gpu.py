@@ -9,7 +9,8 @@ import torch
 from conftest import hf_logits
 from longspec import GenerationConfig, load_target
 from longspec.decoding.engine import Engine, Generator, Sequence
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 

@@ -9,7 +9,8 @@ from scipy import stats
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.engine import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup, StreamingSelfSpec, TreeDrafter
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup, TreeDrafter
+from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.sampling import warp_probs
 from longspec.decoding.tree import TreeSpec
 

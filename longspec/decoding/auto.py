@@ -294,12 +294,13 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
     draft = getattr(proposer, "draft", None)
     if draft is None or not draft.config.acceptance:
         return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
+    from .proposers import takes_lookup
+
     lookup = getattr(proposer, "lookup", None)
     fits = []
     for shape in (str(tree), *CANDIDATE_TREES):
         t = TreeSpec.parse(shape)
-        suits = lookup is None or (t.kind == "beam" and t.widths[0] >= 2)
-        if t.depth <= tree.depth and t.num_nodes <= tree.num_nodes and suits and t not in fits:
+        if t.fits_in(tree) and (lookup is None or takes_lookup(t)) and t not in fits:
             fits.append(t)
     if len(fits) == 1:
         return {}, [f"no smaller candidate fits {tree}: every bucket drafts it"]

@@ -62,7 +62,7 @@ class Engine:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
         if proposer is not None and not proposer.narrowable:
             buckets = [max_batch]  # a proposer that cannot run on part of the batch: one bucket
-        self.buckets = sorted(set(batch_buckets(max_batch) if buckets is None else buckets) | {max_batch})
+        self.buckets = batch_buckets(max_batch, buckets)
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch:
             raise ValueError(f"batch buckets must lie in 1..{max_batch}, got {buckets}")
         self.bucket_trees = {b: TreeSpec.coerce(t) for b, t in (bucket_trees or {}).items()}
@@ -330,9 +330,12 @@ class Engine:
                 self._release(s)
 
 
-def batch_buckets(max_batch: int) -> list:
-    """Batch sizes a round may run at: powers of two below ``max_batch``, and ``max_batch``."""
-    return [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
+def batch_buckets(max_batch: int, given: Optional[Seq[int]] = None) -> list:
+    """Batch sizes a round may run at, ascending: ``given`` (default: powers of two below
+    ``max_batch``), and always ``max_batch``."""
+    if given is None:
+        given = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return sorted(set(given) | {max_batch})
 
 
 @dataclass

@@ -237,6 +237,10 @@ class TreeSpec:
             return max(self.widths)
         return 1 + max(p[-1] for p in self.paths)
 
+    def fits_in(self, other: "TreeSpec") -> bool:
+        """No deeper than ``other`` and with no more nodes: state sized for ``other`` holds it."""
+        return self.depth <= other.depth and self.num_nodes <= other.num_nodes
+
     def node_depth(self, node: int) -> int:
         """The depth of node number ``node`` (a Python int: no tensor read)."""
         return next(d for d in range(self.depth + 1) if node < self.level_slice(d).stop)

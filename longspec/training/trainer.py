@@ -153,10 +153,10 @@ class Trainer:
             # no broadcast before every forward (the option's newer name where PyTorch has it)
             import inspect
 
-            no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                       else {"broadcast_buffers": False})
+            renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+            no_buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
             self.model = DDP(self.loss, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True, **no_sync)
+                             gradient_as_bucket_view=True, **no_buffer_sync)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, betas=tuple(config.betas),
                                            weight_decay=config.weight_decay)
         self.offset_gen = torch.Generator().manual_seed(config.seed + 1)
