@@ -52,7 +52,7 @@ for phase in $PHASES; do
         wait
         # a shard cut by its timeout may end in a half-written line: drop it (records end with "}")
         for i in 0 1; do [ -f /root/stage/chats.$i.jsonl ] && sed -i '$ { /}$/!d }' /root/stage/chats.$i.jsonl; done
-        tail -2 /root/stage/chats.*.log; wc -l /root/stage/chats.*.jsonl
+        tail -n 2 /root/stage/chats.*.log; wc -l /root/stage/chats.*.jsonl
         tar -C /root/stage -czf - chats.0.jsonl chats.1.jsonl | split -b 15m -d - "$OUT/chats.tar.part."
       fi ;;
     train)
@@ -60,8 +60,9 @@ for phase in $PHASES; do
         mkdir -p $RUN && cat .ckpt/draft.tar.part.* | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
       fi
       resume=""; [ -f $RUN/checkpoints/latest ] && resume="--resume"
+      chats=$(for f in /root/stage/chats.*.jsonl; do [ -s "$f" ] && echo "$f"; done)  # a shard may have failed
       timeout $TRAIN_TIMEOUT torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
-        --target /root/stage/smol-hf --data "$SITE" /root/stage/chats.0.jsonl /root/stage/chats.1.jsonl \
+        --target /root/stage/smol-hf --data "$SITE" $chats \
         --exclude $EVAL '*.dist-info' --out $RUN --seq-len 2048 --batch-size ${BATCH:-16} \
         --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile \
         --eval-every 500 --save-every 500 --eval-chunks 64 --log-every 50 --device cuda --dtype bfloat16 \

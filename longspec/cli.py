@@ -26,6 +26,8 @@ def _device_and_dtype(args):
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = args.dtype or ("bfloat16" if kind == "cuda" else "float32")
+    if kind == "cuda" and index:  # the process's own GPU: launches, streams and events default to it
+        torch.cuda.set_device(int(index))
     return device, dtype
 
 

@@ -73,6 +73,24 @@ def test_cuda_speculative_lossless_and_graphs_equal_eager(model, dtype, impl):
             assert agree >= 0.5 * sum(map(len, expected))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_generation_on_a_second_gpu_while_the_first_is_current(model):
+    """``self-distill --device cuda:1`` on a two-GPU host: graphs, round timing events and output
+    as on cuda:0 (the events were once recorded on cuda:0's stream and read before they ended)."""
+    _, path = model
+    prompts = [torch.randint(0, 160, (n,)).tolist() for n in (20, 45)]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    outs = []
+    for device in ("cuda:0", "cuda:1"):
+        target = load_target(path, dtype=torch.float32, device=device)
+        target.compile_steps = False
+        draft = init_draft(DraftConfig.for_target(target, window=16), target)
+        out = Generator(target, proposer=LongSpecProposer(draft), tree=TreeSpec.parse("3,4,4")).generate(prompts, config)
+        assert out.stats["cuda_graphs"]
+        outs.append(out.sequences)
+    assert torch.cuda.current_device() == 0 and outs[1] == outs[0]
+
+
 @pytest.mark.parametrize("impl", ["matmul", "triton"])
 def test_compiled_steps_equal_uncompiled(model, impl):
     """torch.compile'd layers, proposal and accept glue (float32): the same tokens as the uncompiled

@@ -82,10 +82,11 @@ class PhaseRunner:
         self.uniforms.refill()
         if self.device.type == "cuda":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.phases) + 1)]
-            events[0].record()
+            stream = torch.cuda.current_stream(self.device)  # not the current device's: cuda:1 may run while cuda:0 is current
+            events[0].record(stream)
             for i, phase in enumerate(self.phases):
                 self.graphs[i].replay() if self.graphs else phase()
-                events[i + 1].record()
+                events[i + 1].record(stream)
             self._events.append(events)
         else:
             t = time.perf_counter()
@@ -168,9 +169,9 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(torch.cuda.current_stream(device))
         graph.replay()
-        end.record()
+        end.record(torch.cuda.current_stream(device))
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(times)
