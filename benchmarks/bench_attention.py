@@ -11,8 +11,8 @@ Prints a table and one JSON line last.
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: query
-tile, key block, warps, pipeline stages, split-KV programs) per shape instead, and prints the
-fastest few (each checked against the reference).
+tile, key block, warps, pipeline stages, split-KV programs per multiprocessor) per shape instead,
+and prints the fastest few and the default's rank (each checked against the reference).
 """
 from __future__ import annotations
 
@@ -78,10 +78,9 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
     floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
     results = []
-    for bq, bn, warps, stages, programs, merge in itertools.product((0, 64), (32, 64, 128), (4, 8), (0, 3, 4),
-                                                                  (132, 264, 528), (16,)):
-        config = KernelConfig(block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, programs=programs,
-                              merge_rows=merge)
+    grid = itertools.product((0, 64), (64, 128), (4, 8), (2, 3), (1, 2, 4))
+    for config in [KernelConfig()] + [KernelConfig(block_q=bq, block_n=bn, num_warps=warps, num_stages=stages,
+                                                   per_sm=per_sm) for bq, bn, warps, stages, per_sm in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -90,7 +89,13 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
             print(f"S={s} M={m} {config}: {type(e).__name__}", flush=True)
             continue
         results.append(dict(context=s, m=m, impl="triton-sweep", config=dataclasses.asdict(config), us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor, rel_err=err))
+    default = KernelConfig()
     results.sort(key=lambda r: r["us"])
+    rank = [i for i, r in enumerate(results) if r["config"] == dataclasses.asdict(default)]
+    if rank:
+        r = results[rank[0]]
+        print(f"S={s:>6} M={m:>3} default {r['us']:9.1f} us  x{r['x_floor']:5.2f} floor  (rank {rank[0] + 1} of "
+              f"{len(results)}; the best {results[0]['us']:.1f} us)", flush=True)
     for r in results[:5]:
         print(f"S={s:>6} M={m:>3} {r['us']:9.1f} us  x{r['x_floor']:5.2f} floor  err {r['rel_err']:.1e}  {r['config']}",
               flush=True)
@@ -100,7 +105,7 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="8192,32768,131072")
-    p.add_argument("--trees", default="16,64,69,128")
+    p.add_argument("--trees", default="1,16,64,69,128")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from longspec import GenerationConfig, load_target
+from longspec.attention import triton_kernels
 from longspec.decoding.engine import Generator
 from longspec.decoding.proposers import LongSpecProposer
 from longspec.decoding.tree import TreeSpec
@@ -60,12 +61,18 @@ def test_longspec_proposer_is_lossless(targets, name, tree, batch):
     assert out.sequences == expected
 
 
+TRITON = ["triton"] if triton_kernels.available() else []
+
+
 @pytest.mark.parametrize("lag", [1, 2, 4])
-@pytest.mark.parametrize("name", ["llama", "qwen2-mha", "llama-yarn"])
-def test_training_forward_equals_incremental_inference(targets, name, lag):
+@pytest.mark.parametrize("name,impl", [("llama", "sdpa"), ("qwen2-mha", "sdpa"), ("llama-yarn", "sdpa")]
+                         + [("llama", impl) for impl in ["matmul", "reference"] + TRITON])
+def test_training_forward_equals_incremental_inference(targets, name, lag, impl):
     """forward_train (teacher-forced, anchor-offset positions, lag g) == forward_step token by
-    token over the ring buffer when each query sees target slots 0..t-g."""
-    target = targets[name]
+    token over the ring buffer when each query sees target slots 0..t-g, with each attention
+    implementation of the incremental steps (Triton: the ring-buffer and per-query-limit kernels)."""
+    target = load_target(targets[name].path) if impl != "sdpa" else targets[name]
+    target.attention_impl = impl
     draft = noisy_draft(target, window=5, seed=1)
     t = 24
     gen = torch.Generator().manual_seed(lag)
@@ -83,6 +90,21 @@ def test_training_forward_equals_incremental_inference(targets, name, lag):
             steps.append(draft.forward_step(ids[:, i:i + 1], positions[:, i:i + 1], index, torch.full((2, 1), -1),
                                             torch.ones(2, 1, dtype=torch.bool), ring, k, v, cross_limit=index - lag + 1))
     assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
+
+
+@pytest.mark.parametrize("tree", ["3,4,4", "chain:4"])
+@pytest.mark.parametrize("impl", TRITON)
+def test_longspec_proposer_with_triton_attention(targets, tree, impl):
+    """Target and draft attention through the Triton kernels (tree, ring buffer, cross-attention
+    with per-query lags): the same tokens as autoregressive decoding, ragged batch."""
+    target = load_target(targets["qwen2-mha"].path)
+    target.attention_impl = impl
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = prompts_for(2, seed=7)
+    expected = Generator(targets["qwen2-mha"]).generate(prompts, config).sequences
+    out = Generator(target, proposer=LongSpecProposer(noisy_draft(target, window=6)),
+                    tree=TreeSpec.parse(tree)).generate(prompts, config)
+    assert out.sequences == expected
 
 
 def test_draft_memory_is_constant(tiny_model_factory):

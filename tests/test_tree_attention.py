@@ -10,7 +10,8 @@ import torch
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
-from longspec.attention.triton_kernels import KernelConfig, plan, tree_attention  # noqa: E402
+from longspec.attention.triton_kernels import (KernelConfig, masked_attention, plan, prefix_attention,  # noqa: E402
+                                               tree_attention)
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
@@ -103,11 +104,12 @@ def test_other_launch_configs_compute_the_same(config):
 
 def test_plan_covers_the_capacity():
     for cap in (64, 1000, 8192, 131072):
-        for rows in (1, 16, 207):
+        for units in (1, 16, 207):
             for min_chunk in (1, 128, 512):
-                splits, chunk = plan(cap, rows, 3, min_chunk=min_chunk)
+                splits, chunk = plan(cap, units, 64, 132, min_chunk=min_chunk)
                 assert splits * chunk >= cap and chunk % 64 == 0 and splits >= 1 and chunk >= min_chunk
                 assert (splits - 1) * chunk < cap  # no split starts past the capacity
+                assert splits * units <= max(132, units)  # one wave at most
 
 
 def test_tree_masks_of_any_layout_and_dtype_give_the_same_output():
@@ -136,6 +138,60 @@ def test_bad_inputs_are_clear_errors():
         tree_attention(q, k, k, torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.bool), KernelConfig(block_n=48))
     with pytest.raises(ValueError, match="head_dim"):
         tree_attention(q[..., :12], k[..., :12], k[..., :12], torch.tensor([2]), torch.ones(1, 2, 2, dtype=torch.bool))
+
+
+def dense_check(ours, q, k, v, mask, dtype):
+    """ours against the float64 dense oracle; rows that see no key must be exact zeros."""
+    ref = reference.dense_attention(q.double(), k.double(), v.double(), mask.expand(q.shape[0], -1, -1))[0]
+    ref = ref.masked_fill(~mask.expand(q.shape[0], -1, -1).any(-1)[:, None, :, None], 0.0)
+    ours = ours.double().cpu()
+    assert ours.shape == q.shape and torch.isfinite(ours).all()
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert (ours - ref).norm() / ref.norm() < tol
+    empty = ~mask.expand(q.shape[0], -1, -1).any(-1)
+    assert ours.transpose(1, 2)[empty].abs().max() == 0 if empty.any() else True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [None, KernelConfig(block_n=16, programs=64, min_chunk=16),
+                                    KernelConfig(block_q=16, block_n=16, programs=1)])
+def test_prefix_attention_with_per_query_limits(dtype, config):
+    """The draft's cross-attention: query i of row b sees slots below limits[b, i] (lags differ
+    within a tile, so chunks end in masked blocks); limit 0 -> zeros; limits past the cache are
+    clamped to it."""
+    gen = torch.Generator().manual_seed(5)
+    device = "cuda" if ON_GPU else "cpu"
+    b, hq, hkv, m, s, d = 3, 8, 2, 6, 700, 32
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((b, hq, m, d), (b, hkv, s, d), (b, hkv, s, d)))
+    limits = torch.tensor([[699, 698, 650, 640, 3, 1], [0, 0, 17, 129, 130, 64], [900, 700, 0, 513, 511, 512]])
+    mask = torch.arange(s)[None, None, :] < limits.clamp(max=s)[..., None]
+    ours = prefix_attention(q.to(device), k.to(device), v.to(device), limits.to(device), config)
+    dense_check(ours, q, k, v, mask, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
+    """The draft's ring-buffer self-attention: any [B or 1, M, S] mask, rows that see nothing
+    get zeros, GQA 4, every output written."""
+    gen = torch.Generator().manual_seed(6)
+    device = "cuda" if ON_GPU else "cpu"
+    b, hq, hkv, m, s, d = 2, 8, 2, 9, 150, 16
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((b, hq, m, d), (b, hkv, s, d), (b, hkv, s, d)))
+    mask = torch.rand(1 if broadcast else b, m, s, generator=gen) < 0.3
+    mask[0, 4] = False
+    ours = masked_attention(q.to(device), k.to(device), v.to(device), mask.to(device))
+    dense_check(ours, q, k, v, mask, dtype)
+
+
+def test_prefix_and_masked_attention_reject_bad_shapes():
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="limits"):
+        prefix_attention(q, k, k, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="limits"):
+        prefix_attention(q, k, k, torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="mask"):
+        masked_attention(q, k, k, torch.ones(1, 2, 7, dtype=torch.bool))
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ import torch
 
 from . import reference
 from .fast import causal_attention, masked_attention
+from . import triton_kernels
 from .triton_kernels import tree_attention
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
@@ -111,12 +112,24 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     ``may_be_empty``: rows that see no key get a zero output. Returns o [B, Hq, M, D]."""
     if impl == "reference":
         return reference.dense_attention(q, k, v, mask)[0]
+    if impl == "triton":  # rows that see nothing get zeros in the kernel
+        return triton_kernels.masked_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
     fused = masked_attention if impl == "sdpa" else matmul_attention
     if not may_be_empty:
         return fused(q, k, v, mask)
     empty = ~mask.any(-1)  # [B, M]: such rows attend to everything, then get zeros (no host sync)
     o = fused(q, k, v, mask | empty[..., None])
     return o.masked_fill(empty[:, None, :, None], 0.0)
+
+
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor, impl: str) -> torch.Tensor:
+    """Query i of row b sees slots ``0..limits[b, i]-1`` of k, v [B, Hkv, S, D] (the draft's
+    cross-attention into the target cache, each query at its own lag); a query that sees none
+    gets zeros. q [B, Hq, M, D], limits [B, M]. Triton: the split-KV kernel, no [B, M, S] mask."""
+    if impl == "triton":
+        return triton_kernels.prefix_attention(q, k.to(q.dtype), v.to(q.dtype), limits)
+    visible = torch.arange(k.shape[2], device=q.device) < limits[..., None]
+    return attend_masked(q, k, v, visible, impl, may_be_empty=True)
 
 
 def mask_bias(mask: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,26 @@
 """Hybrid tree attention in Triton: split-KV over the cached prefix (no mask) + the masked tree
 part, merged exactly by log-sum-exp (DESIGN.md 2.4).
 
-One program handles every query row of one KV head (the ``G`` query heads that share it, times
-the ``M`` tree tokens, packed into one tile: GQA packing) over one chunk of the prefix, or over
-the tree tokens with their ancestor mask; per-row cache lengths are read on the device, so
-chunks past a row's length do no work and the launch grid depends only on the cache capacity
-(CUDA-graph capturable). A second kernel merges the chunks' partial outputs by their LSE and
-writes the result directly in the layout the output projection reads.
+One program handles the packed query rows of one KV head (the ``G`` query heads that share it,
+times the ``M`` queries: GQA packing; a tile of ``BLOCK_Q`` of them) over one chunk of the
+prefix; the program of the last chunk also takes the tree tokens under their ancestor mask.
+Per-row cache lengths (and optional per-query limits) are read on the device, so chunks past a
+row's end do no work and the launch grid depends only on the cache capacity (CUDA-graph
+capturable). The row tiles of one (KV head, chunk) are neighbours in the launch order, so they
+read the chunk's keys from L2 once it is there, and the split plan fills whole waves of the
+device's multiprocessors. A second kernel merges the chunks' partial outputs by their LSE and
+writes the result in the layout the output projection reads (one chunk: written directly).
 
-The oracle is :func:`longspec.attention.reference.hybrid_attention`; on a CPU the kernels run
-under ``TRITON_INTERPRET=1`` (float16 / float32 there)."""
+The same kernel serves plain decode (M = 1), the draft's cross-attention into the target cache
+(:func:`prefix_attention`: per-query limits, no tree part) and its ring-buffer self-attention
+(:func:`masked_attention`: no prefix, the whole buffer as the masked part).
+
+The oracle is :mod:`longspec.attention.reference`; on a CPU the kernels run under
+``TRITON_INTERPRET=1`` (float16 / float32 there)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -34,24 +43,26 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
-        """One key block of the online softmax: scores s [BLOCK_Q, BLOCK_N] (log2 units, -inf
-        where hidden), values v [BLOCK_N, HEAD_D] -> the updated running max, sum and output."""
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        """One key block of the online softmax: raw scores s = q.k [BLOCK_Q, BLOCK_N] (-inf where
+        hidden, only if MASKED), values v [BLOCK_N, HEAD_D] -> the updated running max (log2
+        units), sum and output. Unmasked blocks skip the guards for rows that saw nothing yet."""
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _partial_kernel(Q, K, V, LEN, TM, OP, LP,
-                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, stm_b, stm_m,
-                        so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+    def _partial_kernel(Q, K, V, LEN, LIM, TM, OP, LP, OUT,
+                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
+                        so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
-                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                        PRECISION: tl.constexpr):
-        pid, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
+        tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid // HKV, pid % HKV
         rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # packed row = g * M + i
         row_ok = rows < G * M
@@ -60,27 +71,34 @@ if triton is not None:
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
+        if HAS_LIMIT:  # query i sees prefix slots below min(limit, length)
+            lim = tl.load(LIM + b * slim_b + i * slim_m, mask=row_ok, other=0).to(tl.int32)
+            row_end = tl.minimum(tl.maximum(lim, 0), length)
+        else:
+            row_end = tl.zeros([BLOCK_Q], tl.int32) + length
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
         k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
-        if split < N_SPLITS:  # a chunk of the cached prefix: every key visible
-            lo = split * CHUNK
-            hi = tl.minimum(lo + CHUNK, length)
-            n_full = tl.maximum(hi - lo, 0) // BLOCK_N
-            for blk in range(0, n_full):  # whole blocks: no masks in the hot loop
-                n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
-                k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
-                v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
-                s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
-            n = lo + n_full * BLOCK_N + tl.arange(0, BLOCK_N)  # the partial last block (maybe empty)
-            n_ok = n < hi
+        lo = split * CHUNK
+        every_end = tl.minimum(lo + CHUNK, tl.min(tl.where(row_ok, row_end, CAP), 0))  # all rows see below
+        any_end = tl.minimum(lo + CHUNK, tl.max(tl.where(row_ok, row_end, 0), 0))  # some row sees below
+        n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
+        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
+            n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
+            v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
+            s = tl.dot(q, k, input_precision=PRECISION)
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+        start = lo + n_full * BLOCK_N
+        for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
+            n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < any_end
             k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.where(n_ok[None, :], tl.dot(q, k, input_precision=PRECISION) * qk_scale, float("-inf"))
-            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
-        else:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
+            s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
+        if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
             for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
@@ -89,13 +107,17 @@ if triton is not None:
                              mask=row_ok[:, None] & n_ok[None, :], other=0)
                 k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-                s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION) * qk_scale, float("-inf"))
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o,
-                 mask=row_ok[:, None])
-        tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=row_ok)
+                s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that saw nothing: zeros
+        if DIRECT:  # one chunk: the final output, no merge
+            tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o,
+                     mask=row_ok[:, None])
+            tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=row_ok)
 
     @triton.jit
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
@@ -141,26 +163,107 @@ if triton is not None:
 class KernelConfig:
     """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
     rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
-    plan aims for (about two per multiprocessor of an H100/H200)."""
+    plan fills at most (0: the device's multiprocessors times ``per_sm``; 0 there: one per
+    multiprocessor for 128-row tiles, which fill it, else two); ``min_chunk``: keys per
+    split-KV program at least (short caches: fewer, longer programs)."""
 
     block_q: int = 0
     block_n: int = 64
     num_warps: int = 0  # 0: 4 for tiles of <= 64 rows, else 8
     num_stages: int = 0  # 0: Triton's default
-    programs: int = 264
+    programs: int = 0
+    per_sm: int = 0
     merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
-    min_chunk: int = 128  # keys per split-KV program at least (short caches: fewer, longer programs)
+    min_chunk: int = 128
 
 
-def plan(capacity: int, rows: int, batch_kv: int, block_n: int = 64, block_q: int = 128, programs: int = 264,
-         min_chunk: int = 128) -> tuple:
-    """(n_splits, chunk) for a cache of ``capacity`` slots: about ``programs`` programs, chunks of
-    at least ``min_chunk`` keys, a multiple of ``block_n``."""
-    tiles = -(-rows // block_q)
-    want = max(1, -(-programs // (batch_kv * tiles)))
-    chunk = max(-(-capacity // want), min_chunk)
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _on(device: torch.device):
+    """Makes ``device`` current while kernels launch: Triton launches on the current device's
+    stream, whatever device the tensors are on (a model on cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:
+    """(n_splits, chunk) for a cache of ``capacity`` slots shared by ``units`` (row tile, KV head,
+    sequence) triples: at most ``programs`` programs in all where the cache is long enough (one
+    full wave: a second, partial one would leave most multiprocessors idle), chunks of at least
+    ``min_chunk`` keys, a multiple of ``block_n``."""
+    want = max(1, programs // units)
+    chunk = max(-(-capacity // want), min_chunk, 1)
     chunk = -(-chunk // block_n) * block_n
-    return -(-capacity // chunk), chunk
+    return max(1, -(-capacity // chunk)), chunk
+
+
+def _check(q, k_cache, v_cache, config):
+    b, hq, m, d = q.shape
+    hkv = k_cache.shape[1]
+    if triton is None:
+        raise RuntimeError("the Triton attention kernels need the triton package (pip install triton)")
+    if k_cache.dim() != 4 or hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"Triton attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"Triton attention: head_dim {d} must be a power of two >= 16")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"Triton attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
+    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("Triton attention: the head dimension must be contiguous")
+    c = config or KernelConfig()
+    if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
+            or c.programs < 0 or c.per_sm < 0 or c.min_chunk < 1):
+        raise ValueError(f"Triton attention: bad kernel config {c} (block sizes: powers of two >= 16)")
+    return c
+
+
+def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool) -> torch.Tensor:
+    """The checked inputs of the public functions below -> o [B, Hq, M, D]."""
+    b, hq, m, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    c, g = config, hq // hkv
+    rows = g * m
+    block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
+    units = b * hkv * triton.cdiv(rows, block_q)
+    programs = c.programs or _multiprocessors(q.device) * (c.per_sm or (1 if block_q >= 128 else 2))
+    n_splits, chunk = plan(cap, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
+    out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
+    direct = n_splits == 1
+    if direct:  # no partials: the kernel writes `out`
+        o_part = lse_part = out
+    else:
+        o_part = torch.empty(b, hkv, n_splits, rows, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hkv, n_splits, rows, dtype=torch.float32, device=q.device)
+    n_tree = 0 if mask is None else mask.shape[2]
+    if mask is None:
+        mask = lengths  # never read
+        tm_strides = (0, 0)
+    else:
+        mask = mask.view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)  # bool: no copy
+        if mask.stride(2) != 1:
+            mask = mask.contiguous()
+        tm_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1))
+    lim_strides = (0, 0) if limits is None else (limits.stride(0), limits.stride(1))
+    op_strides = (0,) * 4 if direct else o_part.stride()[:4]
+    lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
+    grid = (triton.cdiv(rows, block_q), b * hkv, n_splits)
+    with _on(q.device):
+        _partial_kernel[grid](
+            q, k_cache, v_cache, lengths, lengths if limits is None else limits, mask, o_part, lse_part, out,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
+            *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
+            hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
+            HAS_LIMIT=limits is not None, DIRECT=direct, BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
+        if not direct:
+            _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
+                o_part, lse_part, out, *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
+                hkv, m, g, n_splits, PARTS_P2=triton.next_power_of_2(n_splits), BLOCK_R=c.merge_rows, HEAD_D=d)
+    return out.transpose(1, 2)
 
 
 @torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
@@ -172,51 +275,43 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] (the tree tokens already written); lengths [B]
     long; tree_mask [B or 1, M, N_TREE] bool or int8. Returns o [B, Hq, M, D] in q's dtype, a view
     of a [B, M, Hq, D] tensor (so the output projection's reshape is free)."""
-    if triton is None:
-        raise RuntimeError("the Triton attention kernels need the triton package (pip install triton)")
-    b, hq, m, d = q.shape
-    hkv, cap = k_cache.shape[1], k_cache.shape[2]
-    if hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"tree_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"tree_attention: head_dim {d} must be a power of two >= 16")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"tree_attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
-    if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, b):
+    c = _check(q, k_cache, v_cache, config)
+    m = q.shape[2]
+    if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
-    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("tree_attention: the head dimension must be contiguous")
-    g, n_tree = hq // hkv, tree_mask.shape[2]
-    tm = tree_mask.view(torch.int8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.int8)  # bool: no copy
-    if tm.stride(2) != 1:
-        tm = tm.contiguous()
-    rows = g * m
-    c = config or KernelConfig()
-    if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
-            or c.programs < 1 or c.min_chunk < 1):
-        raise ValueError(f"tree_attention: bad kernel config {c} (block sizes: powers of two >= 16)")
-    block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
-    n_splits, chunk = plan(cap, rows, b * hkv, c.block_n, block_q, c.programs, c.min_chunk)
-    parts = n_splits + 1
-    o_part = torch.empty(b, hkv, parts, rows, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(b, hkv, parts, rows, dtype=torch.float32, device=q.device)
-    grid = (b * hkv, parts, triton.cdiv(rows, block_q))
-    _partial_kernel[grid](
-        q, k_cache, v_cache, lengths, tm, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        tm.stride(0) if tm.shape[0] > 1 else 0, tm.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-        BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
-    out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
-    _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
-        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hkv, m, g, parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK_R=c.merge_rows, HEAD_D=d)
-    return out.transpose(1, 2)
+    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True)
+
+
+@torch.compiler.disable
+def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, limits: torch.Tensor,
+                     config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """Query i of row b sees cache slots ``0..limits[b, i]-1`` (the draft's cross-attention into
+    the target cache, each query at its own lag); a query that sees no slot gets zeros.
+
+    q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D]; limits [B, M] integer (clamped to [0, S]).
+    Returns o [B, Hq, M, D] as :func:`tree_attention`."""
+    c = _check(q, k_cache, v_cache, config)
+    if limits.shape != (q.shape[0], q.shape[2]) or limits.dtype.is_floating_point:
+        raise ValueError(f"prefix_attention: limits must be integers [B, M] = {(q.shape[0], q.shape[2])}, "
+                         f"got {tuple(limits.shape)} {limits.dtype}")
+    return _launch(q, k_cache, v_cache, limits.amax(1), limits, None, c, with_prefix=True)
+
+
+@torch.compiler.disable
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """Query i of row b sees key j where ``mask[b, i, j]`` (the draft's ring-buffer
+    self-attention: window + tree nodes); a query that sees no key gets zeros. One program per
+    row tile and KV head, no split: for short key sets (hundreds).
+
+    q [B, Hq, M, D]; k, v [B, Hkv, S, D]; mask [B or 1, M, S] bool or int8. Returns o as
+    :func:`tree_attention`."""
+    c = _check(q, k, v, config)
+    b, m, s = q.shape[0], q.shape[2], k.shape[2]
+    if mask.dim() != 3 or mask.shape[1:] != (m, s) or mask.shape[0] not in (1, b):
+        raise ValueError(f"masked_attention: mask must be [B or 1, {m}, {s}], got {tuple(mask.shape)}")
+    lengths = torch.zeros(b, dtype=torch.int32, device=q.device)
+    return _launch(q, k, v, lengths, None, mask, c, with_prefix=False)
 
 
 def store_fits(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
@@ -235,7 +330,8 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     written. The tensors must pass :func:`store_fits`."""
     b, hkv, m, d = k_new.shape
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # rows past M are masked
-    _store_kv_kernel[(b * hkv, triton.cdiv(m, block_m))](
-        k_layer, v_layer, k_new, v_new, slots, k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
-        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        slots.stride(0), slots.stride(1), hkv, m, k_layer.shape[2], BLOCK_M=block_m, HEAD_D=d)
+    with _on(k_new.device):
+        _store_kv_kernel[(b * hkv, triton.cdiv(m, block_m))](
+            k_layer, v_layer, k_new, v_new, slots, k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
+            k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+            slots.stride(0), slots.stride(1), hkv, m, k_layer.shape[2], BLOCK_M=block_m, HEAD_D=d)

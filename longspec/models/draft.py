@@ -22,7 +22,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import attend_masked
+from ..attention import attend_masked, attend_prefix
 from ..attention.fast import masked_attention
 from ..cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig
@@ -233,8 +233,7 @@ class LongSpecDraft(nn.Module):
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
-        slots = torch.arange(target_k.shape[2], device=x.device)
-        cross = attend_masked(cq, target_k, target_v, slots < cross_limit[..., None], impl, may_be_empty=True)
+        cross = attend_prefix(cq, target_k, target_v, cross_limit, impl)
         return self._finish(x, cross)
 
     def window_kv(self, input_ids, positions):
