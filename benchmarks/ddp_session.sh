@@ -5,7 +5,8 @@
 # first checkpoint and resumes it on 2 GPUs and on 1 GPU, then plots the held-out loss curves and
 # prints tokens/s. Results under $OUT (metrics_*.jsonl, curves.png, ddp.log). BENCH_DDP=1 first
 # times and profiles the trainer alone on 1 GPU and on 2 ranks (bench_ddp.log); RESUME_TEST=0 skips
-# the kill-and-resume runs; BATCH is the global batch (BATCH/2 per rank).
+# the kill-and-resume runs; BATCH is the global batch (BATCH/2 per rank); REPEAT=1 runs the
+# 2-GPU training twice (its run-to-run noise, next to the 1-GPU vs 2-GPU difference).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,6 +28,7 @@ run2() { timeout ${RUN_TIMEOUT:-170} torchrun --standalone --nproc_per_node 2 -m
 {
   echo "== 1 GPU"; run1 /root/one
   echo "== 2 GPUs"; run2 /root/two
+  [ -z "${REPEAT:-}" ] || { echo "== 2 GPUs again (run-to-run noise)"; run2 /root/two_b; }
   [ "${RESUME_TEST:-1}" = 1 ] || exit 0  # RESUME_TEST=0: throughput and curves only
   echo "== 2 GPUs, killed after the first checkpoint"; run2 /root/killed & pid=$!
   while [ ! -d /root/killed/checkpoints/step-$(printf %08d $EVERY) ] && kill -0 $pid 2>/dev/null; do sleep 1; done
@@ -35,5 +37,5 @@ run2() { timeout ${RUN_TIMEOUT:-170} torchrun --standalone --nproc_per_node 2 -m
   echo "== resumed on 2 GPUs"; run2 /root/killed --resume
   echo "== resumed on 1 GPU"; run1 /root/killed1 --resume
 } 2>&1 | tee "$OUT/ddp.log"
-for name in one two killed killed1; do [ ! -f /root/$name/metrics.jsonl ] || cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl"; done
+for name in one two two_b killed killed1; do [ ! -f /root/$name/metrics.jsonl ] || cp /root/$name/metrics.jsonl "$OUT/metrics_$name.jsonl"; done
 python3 benchmarks/plot_ddp.py "$OUT"

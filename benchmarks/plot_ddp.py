@@ -2,13 +2,13 @@
 held-out losses, printed; and a PNG with the training and held-out loss curves (the untrained
 step 0 left out of the held-out panel, where it would flatten everything else).
 
-    python benchmarks/plot_ddp.py DIR        # reads DIR/metrics_{one,two,killed,killed1}.jsonl
+    python benchmarks/plot_ddp.py DIR        # reads DIR/metrics_{one,two,two_b,killed,killed1}.jsonl
 """
 import json
 import sys
 from pathlib import Path
 
-RUNS = {"one": "1 GPU", "two": "2 GPUs", "killed": "2 GPUs, killed at step 50, resumed on 2",
+RUNS = {"one": "1 GPU", "two": "2 GPUs", "two_b": "2 GPUs again (run-to-run noise)", "killed": "2 GPUs, killed at step 50, resumed on 2",
         "killed1": "the same checkpoint resumed on 1 GPU"}
 
 
