@@ -184,6 +184,13 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
     dense_check(ours, q, k, v, mask, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_prefix_and_masked_kernels_bfloat16_on_gpu():
+    test_prefix_attention_with_per_query_limits(torch.bfloat16, None)
+    test_masked_attention_over_a_ring_buffer(torch.bfloat16, False)
+
+
 def test_prefix_and_masked_attention_reject_bad_shapes():
     q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="limits"):
