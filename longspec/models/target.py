@@ -32,8 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalised in float32 (one fused kernel where PyTorch has one), scaled by the weight."""
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        """Normalised in float32 (one fused kernel where PyTorch has one), scaled by the weight
+        (in x's dtype: a float32 trained weight on bf16 activations would miss the fused kernel)."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 def fuse_linears(linears: list) -> tuple:
