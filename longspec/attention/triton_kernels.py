@@ -163,9 +163,9 @@ if triton is not None:
 class KernelConfig:
     """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
     rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
-    plan fills at most (0: the device's multiprocessors times ``per_sm``; 0 there: one per
-    multiprocessor for 128-row tiles, which fill it, else two); ``min_chunk``: keys per
-    split-KV program at least (short caches: fewer, longer programs)."""
+    plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning 1: the
+    fastest on the H200 for decode and for 64-tree rows, `benchmarks/results/attention_sweep_h200.log`);
+    ``min_chunk``: keys per split-KV program at least (short caches: fewer, longer programs)."""
 
     block_q: int = 0
     block_n: int = 64
@@ -227,7 +227,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     rows = g * m
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
     units = b * hkv * triton.cdiv(rows, block_q)
-    programs = c.programs or _multiprocessors(q.device) * (c.per_sm or (1 if block_q >= 128 else 2))
+    programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
     n_splits, chunk = plan(cap, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits == 1
