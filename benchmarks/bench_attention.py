@@ -1,6 +1,6 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
-split-KV + masked-tree kernel), PyTorch's flash SDPA (``_scaled_dot_product_flash_attention``,
+split-KV + masked-tree kernel; with its TMA loads too), PyTorch's flash SDPA (``_scaled_dot_product_flash_attention``,
 which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
 matmul path (two batched products + float32 softmax). Each is checked against the float64
 reference (except flash, which computes another function) and timed as the engine runs it: CUDA
@@ -11,7 +11,7 @@ Prints a table and one JSON line last.
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: query
-tile, key block, warps, pipeline stages, split-KV programs per multiprocessor) per shape instead,
+tile, key block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads) per shape instead,
 and prints the fastest few and the default's rank (each checked against the reference).
 """
 from __future__ import annotations
@@ -78,9 +78,10 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
     floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
     results = []
-    grid = itertools.product((0, 64), (64, 128), (4, 8), (2, 3), (1, 2, 4))
+    grid = itertools.product((0, 64), (64, 128), (4, 8), (2, 3), (1, 2), (False, True))
     for config in [KernelConfig()] + [KernelConfig(block_q=bq, block_n=bn, num_warps=warps, num_stages=stages,
-                                                   per_sm=per_sm) for bq, bn, warps, stages, per_sm in grid]:
+                                                   per_sm=per_sm, tma=tma)
+                                      for bq, bn, warps, stages, per_sm, tma in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -139,6 +140,7 @@ def main(argv=None):
                 continue
             impls = {
                 "triton": lambda: tree_attention(q, k, v, lengths, tree),
+                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),

@@ -96,7 +96,8 @@ def test_lengths_outside_the_cache_never_read_outside_it():
 
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16),
-                                    KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64)])
+                                    KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)

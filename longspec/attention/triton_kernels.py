@@ -32,6 +32,12 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _descriptors = TensorDescriptor.from_tensor
+except ImportError:  # pragma: no cover - triton before 3.4
+    _descriptors = None
 
 LOG2E = 1.4426950408889634
 
@@ -56,11 +62,11 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _partial_kernel(Q, K, V, LEN, LIM, TM, OP, LP, OUT,
+    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, OP, LP, OUT,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid // HKV, pid % HKV
@@ -84,12 +90,20 @@ if triton is not None:
         every_end = tl.minimum(lo + CHUNK, tl.min(tl.where(row_ok, row_end, CAP), 0))  # all rows see below
         any_end = tl.minimum(lo + CHUNK, tl.max(tl.where(row_ok, row_end, 0), 0))  # some row sees below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
-        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-            n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
-            v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
-            s = tl.dot(q, k, input_precision=PRECISION)
-            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+        if TMA:  # KD, VD: descriptors of the caches as [B * HKV * CAP, HEAD_D] (contiguous caches)
+            row0 = (b * HKV + h) * CAP + lo
+            for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
+                k = KD.load([row0 + blk * BLOCK_N, 0])
+                v = VD.load([row0 + blk * BLOCK_N, 0])
+                s = tl.dot(q, k.T, input_precision=PRECISION)
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+        else:
+            for blk in range(0, n_full):
+                n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
+                v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
+                s = tl.dot(q, k, input_precision=PRECISION)
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,6 +189,7 @@ class KernelConfig:
     per_sm: int = 0
     merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
     min_chunk: int = 128
+    tma: bool = False  # the unmasked loop loads K/V through tensor-memory-accelerator descriptors (Hopper+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,15 +263,17 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     lim_strides = (0, 0) if limits is None else (limits.stride(0), limits.stride(1))
     op_strides = (0,) * 4 if direct else o_part.stride()[:4]
     lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
+    tma = c.tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
+    kd, vd = ((_descriptors(t.view(-1, d), [c.block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
     grid = (triton.cdiv(rows, block_q), b * hkv, n_splits)
     with _on(q.device):
         _partial_kernel[grid](
-            q, k_cache, v_cache, lengths, lengths if limits is None else limits, mask, o_part, lse_part, out,
+            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits, mask, o_part, lse_part, out,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
         if not direct:
