@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec.attention import matmul_attention, reference  # noqa: E402
+from longspec.attention import triton_kernels  # noqa: E402
 from longspec.attention.triton_kernels import KernelConfig, tree_attention  # noqa: E402
 
 
@@ -140,12 +141,14 @@ def main(argv=None):
                 continue
             impls = {
                 "triton": lambda: tree_attention(q, k, v, lengths, tree),
-                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),
+                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),  # if Triton has descriptors
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),
                 "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
             }
+            if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA row would time the default path
+                impls.pop("triton (tma)")
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
             for name, fn in impls.items():
                 try:

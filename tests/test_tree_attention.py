@@ -192,6 +192,27 @@ def test_prefix_and_masked_kernels_bfloat16_on_gpu():
     test_masked_attention_over_a_ring_buffer(torch.bfloat16, False)
 
 
+@pytest.mark.parametrize("dtype,logit", [(torch.float16, -20.0), (torch.float32, -120.0)])
+def test_a_row_that_sees_nothing_in_its_first_block_keeps_its_later_keys(dtype, logit):
+    """A query whose visible keys all lie past the first key block, with scores far below 0
+    (a ring-buffer row after wrap-around): the running max of the empty block must not be carried
+    on as 0, or the later scores underflow and the row comes out as zeros."""
+    gen = torch.Generator().manual_seed(8)
+    device = "cuda" if ON_GPU else "cpu"
+    b, hq, hkv, m, s, d = 1, 2, 1, 3, 150, 16
+    q = torch.zeros(b, hq, m, d)
+    q[..., 0] = d ** 0.5  # q . k / sqrt(d) = k[..., 0]
+    k = torch.randn(b, hkv, s, d, generator=gen)
+    k[..., 0] = logit + 0.5 * torch.randn(b, hkv, s, generator=gen)
+    v = torch.randn(b, hkv, s, d, generator=gen)
+    mask = torch.zeros(1, m, s, dtype=torch.bool)
+    mask[:, :, 100:110] = True
+    mask[0, 1, 5] = True  # one row also sees a key of the first block
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    ours = masked_attention(q.to(device), k.to(device), v.to(device), mask.to(device))
+    dense_check(ours, q, k, v, mask, dtype)
+
+
 def test_prefix_and_masked_attention_reject_bad_shapes():
     q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="limits"):

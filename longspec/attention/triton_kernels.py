@@ -54,10 +54,12 @@ if triton is not None:
         hidden, only if MASKED), values v [BLOCK_N, HEAD_D] -> the updated running max (log2
         units), sum and output. Unmasked blocks skip the guards for rows that saw nothing yet."""
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if MASKED:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_use = m_new
+        if MASKED:  # a row that sees nothing yet: exponentials against 0, the max stays -inf (a
+            # clamped max carried on would underflow the row's later, far-below-0 scores)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
