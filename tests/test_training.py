@@ -542,3 +542,30 @@ def test_compiled_draft_forward_trains_the_same(target, corpus, tmp_path, monkey
     losses = lambda result: [row["loss"] for row in result.history if "loss" in row]  # noqa: E731
     assert len(losses(eager)) == 4 and losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     assert compiled.history[-1]["eval_loss"] == pytest.approx(eager.history[-1]["eval_loss"], rel=1e-4)
+
+
+def test_big_project_documents_tokenise_by_file_with_the_same_tokens():
+    """A package is one document; it is tokenised in pieces cut at its file markers (so a big
+    one runs on every core) with exactly the tokens of the whole text, under a byte-level BPE
+    whose merges join newlines (blank lines, trailing spaces and indentation before markers)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from longspec.training.data import FILE_MARKER, _file_pieces, tokenize_documents
+
+    rng = random.Random(3)
+    bodies = ["def f(x):\n    return x  \n\n\n", "class A:\n    pass\n", "x = 1\n\n", "    y = 2\n  \n",
+              "# comment\n\n\n\n", "import os\n"]
+    text = "".join(f"{FILE_MARKER}pkg/m{i}.py ====\n{rng.choice(bodies) * rng.randint(1, 40)}" for i in range(2500))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text[:50000]], trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    whole = fast(text, add_special_tokens=False)["input_ids"]
+    assert any(len(fast.decode([t])) > 1 and fast.decode([t]).strip() == "" for t in set(whole))  # merged blanks
+    pieces = _file_pieces(text, size=2000)
+    assert len(text) > 1 << 18 and len(pieces) > 100 and "".join(pieces) == text
+    assert [t for p in pieces for t in fast(p, add_special_tokens=False)["input_ids"]] == whole
+    assert tokenize_documents([Document("pkg", text)], fast).tolist() == whole

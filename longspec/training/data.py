@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+FILE_MARKER = "# ==== "  # starts each file's header line in a project document
 SKIP_DIRS = {"__pycache__", "node_modules", ".git", ".hg", ".svn", ".venv", "venv", ".tox", ".mypy_cache"}
 BINARY_SNIFF = 8192
 
@@ -120,7 +121,7 @@ def project_document(name: str, root: Path, files: Sequence[Path], max_file_byte
             continue
         if not text.endswith("\n"):
             text += "\n"
-        parts.append(f"# ==== {file.relative_to(root).as_posix()} ====\n{text}")
+        parts.append(f"{FILE_MARKER}{file.relative_to(root).as_posix()} ====\n{text}")
     return Document(name, "".join(parts)) if parts else None
 
 
@@ -204,6 +205,23 @@ def split_documents(docs: Sequence[Document], eval_fraction: float) -> tuple:
     return train, [d for d, h in zip(docs, held) if h]
 
 
+def _file_pieces(text: str, size: int = 1 << 18) -> list:
+    """A project document cut before its ``# ==== path ====`` file markers into pieces of about
+    ``size`` characters or more, so one big document tokenises on every core. Each cut falls
+    just before the newline that ends the line above a marker: byte-level BPE pre-tokenisers
+    split there anyway, so the pieces' tokens are the whole text's (tested)."""
+    if len(text) <= size:
+        return [text]
+    pieces, start = [], 0
+    while True:
+        cut = text.find(f"\n{FILE_MARKER}", start + size)
+        if cut < 0:
+            pieces.append(text[start:])
+            return pieces
+        pieces.append(text[start:cut])  # the newline goes with the marker: "\n\n#" stays "\n", "\n", "#"
+        start = cut
+
+
 def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional[int] = None) -> torch.Tensor:
     """One token stream (long [N]): every document as ``[bos] + encode(text) + [eos]`` (bos / eos
     where the tokenizer has them). ``tokenizer`` needs ``encode(text, add_special_tokens=False)``
@@ -212,7 +230,12 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
     eos = getattr(tokenizer, "eos_token_id", None)
     texts = [doc.text for doc in docs]
     if getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        pieces_of = [_file_pieces(text) for text in texts]  # a whole package is one document: by files
+        flat = tokenizer([p for pieces in pieces_of for p in pieces], add_special_tokens=False)["input_ids"]
+        encoded, start = [], 0
+        for pieces in pieces_of:
+            encoded.append([t for ids in flat[start:start + len(pieces)] for t in ids])
+            start += len(pieces)
     else:
         encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     pieces = []
