@@ -143,12 +143,22 @@ def main(argv=None):
     p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
                    "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
+    p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma,extra_rows "
+                   "(KernelConfig's boolean fields)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
                         "'hybrid:' for the draft + prompt-lookup chain (default: 4,16,16,16,16)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.kernel:
+        import dataclasses
+
+        from longspec.attention import triton_kernels
+
+        options = {name: True for name in args.kernel.split(",")}
+        triton_kernels.DEFAULT_CONFIG = dataclasses.replace(triton_kernels.DEFAULT_CONFIG, **options)
+        print("Triton attention:", triton_kernels.DEFAULT_CONFIG)
     if bool(args.target) == bool(args.shape):
         raise SystemExit("give --target DIR or --shape NAME")
     target = (load_target(args.target, dtype=args.dtype, device="cuda") if args.target

@@ -97,7 +97,9 @@ def test_lengths_outside_the_cache_never_read_outside_it():
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16),
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
-                                    KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True)])
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=64, min_chunk=16, extra_rows=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=1, extra_rows=True, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -187,6 +189,16 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(extra_rows=True),
+                                    KernelConfig(tma=True, extra_rows=True, block_n=128, num_stages=2)])
+def test_kernel_options_bfloat16_on_gpu(config):
+    """TMA loads and extra rows (a 69-token tree x 4 heads: 2 full tiles + 20 rows) on the GPU."""
+    check([4096, 17, 1], 69, 32, 8, 128, torch.bfloat16, "cuda", config=config)
+    check([5000], 16, 32, 8, 128, torch.bfloat16, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_prefix_and_masked_kernels_bfloat16_on_gpu():
     test_prefix_attention_with_per_query_limits(torch.bfloat16, None)
     test_masked_attention_over_a_ring_buffer(torch.bfloat16, False)
@@ -211,6 +223,26 @@ def test_a_row_that_sees_nothing_in_its_first_block_keeps_its_later_keys(dtype, 
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     ours = masked_attention(q.to(device), k.to(device), v.to(device), mask.to(device))
     dense_check(ours, q, k, v, mask, dtype)
+
+
+@pytest.mark.parametrize("programs", [64, 1])
+def test_rows_past_the_full_tiles_ride_along(programs):
+    """extra_rows: 36 packed rows in 32-row tiles = one full tile + 4 rows in a 16-row side tile
+    of the same program, through the tree, per-query-limit and masked paths (ragged limits,
+    pending tree tokens, a row that sees nothing)."""
+    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True)
+    device = "cuda" if ON_GPU else "cpu"
+    check([90, 33], 9, 8, 2, 16, torch.float32, device, pending=2, config=config)
+    gen = torch.Generator().manual_seed(9)
+    b, hq, hkv, m, s, d = 2, 8, 2, 9, 200, 16
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((b, hq, m, d), (b, hkv, s, d), (b, hkv, s, d)))
+    limits = torch.tensor([[199, 3, 0, 150, 151, 17, 64, 65, 200], [1, 2, 3, 4, 5, 6, 7, 8, 0]])
+    ours = prefix_attention(q.to(device), k.to(device), v.to(device), limits.to(device), config)
+    dense_check(ours, q, k, v, torch.arange(s)[None, None, :] < limits[..., None], torch.float32)
+    mask = torch.rand(b, m, s, generator=gen) < 0.2
+    mask[1, 8] = False
+    ours = masked_attention(q.to(device), k.to(device), v.to(device), mask.to(device), config)
+    dense_check(ours, q, k, v, mask, torch.float32)
 
 
 def test_prefix_and_masked_attention_reject_bad_shapes():

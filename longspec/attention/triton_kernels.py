@@ -64,48 +64,85 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, OP, LP, OUT,
-                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
-                        so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
-        tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h = pid // HKV, pid % HKV
-        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # packed row = g * M + i
-        row_ok = rows < G * M
+    def _rows(Q, LIM, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, M, G, length,
+              HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
+        """Packed query rows ``first .. first + ROWS - 1`` of KV head h (row = g * M + i): the rows,
+        whether they exist, their queries [ROWS, HEAD_D] and tree index i, and where each one's
+        prefix ends (query i sees prefix slots below min(limit, length) with limits)."""
+        rows = first + tl.arange(0, ROWS)
+        ok = rows < G * M
         g, i = rows // M, rows % M
         d = tl.arange(0, HEAD_D)
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
-        if HAS_LIMIT:  # query i sees prefix slots below min(limit, length)
-            lim = tl.load(LIM + b * slim_b + i * slim_m, mask=row_ok, other=0).to(tl.int32)
-            row_end = tl.minimum(tl.maximum(lim, 0), length)
+                    mask=ok[:, None], other=0.0)
+        if HAS_LIMIT:
+            end = tl.minimum(tl.maximum(tl.load(LIM + b * slim_b + i * slim_m, mask=ok, other=0).to(tl.int32), 0),
+                             length)
         else:
-            row_end = tl.zeros([BLOCK_Q], tl.int32) + length
+            end = tl.zeros([ROWS], tl.int32) + length
+        return rows, ok, i, q, end
+
+    @triton.jit
+    def _finish(acc, m_i, l_i, rows, ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                sout_b, sout_m, sout_h, M, G, DIRECT: tl.constexpr, HEAD_D: tl.constexpr):
+        """Stores the rows' output: final (DIRECT, one chunk) or this chunk's partial output and LSE."""
+        g, i = rows // M, rows % M
+        d = tl.arange(0, HEAD_D)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that saw nothing: zeros
+        if DIRECT:
+            tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=ok[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o, mask=ok[:, None])
+            tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, OP, LP, OUT,
+                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
+                        so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
+                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, N_MAIN, qk_scale,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        EXTRA_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = pid // HKV, pid % HKV
+        d = tl.arange(0, HEAD_D)
+        length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
+        rows, row_ok, i, q, row_end = _rows(Q, LIM, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b, slim_m, M, G,
+                                            length, HAS_LIMIT, BLOCK_Q, HEAD_D)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
+        first_end = tl.min(tl.where(row_ok, row_end, CAP), 0)
+        last_end = tl.max(tl.where(row_ok, row_end, 0), 0)
+        if EXTRA_Q > 0:  # rows past the full tiles ride along (a 69-token tree x 4 heads: 2 x 128 + 20)
+            rows2, row_ok2, i2, q2, row_end2 = _rows(Q, LIM, b, h, N_MAIN + tile * EXTRA_Q, sq_b, sq_h, sq_m, slim_b,
+                                                     slim_m, M, G, length, HAS_LIMIT, EXTRA_Q, HEAD_D)
+            m2 = tl.full([EXTRA_Q], float("-inf"), tl.float32)
+            l2 = tl.zeros([EXTRA_Q], tl.float32)
+            acc2 = tl.zeros([EXTRA_Q, HEAD_D], tl.float32)
+            first_end = tl.minimum(first_end, tl.min(tl.where(row_ok2, row_end2, CAP), 0))
+            last_end = tl.maximum(last_end, tl.max(tl.where(row_ok2, row_end2, 0), 0))
         k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
         lo = split * CHUNK
-        every_end = tl.minimum(lo + CHUNK, tl.min(tl.where(row_ok, row_end, CAP), 0))  # all rows see below
-        any_end = tl.minimum(lo + CHUNK, tl.max(tl.where(row_ok, row_end, 0), 0))  # some row sees below
+        every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
+        any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
-        if TMA:  # KD, VD: descriptors of the caches as [B * HKV * CAP, HEAD_D] (contiguous caches)
-            row0 = (b * HKV + h) * CAP + lo
-            for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-                k = KD.load([row0 + blk * BLOCK_N, 0])
+        row0 = (b * HKV + h) * CAP + lo  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
+        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
+            if TMA:
+                k = KD.load([row0 + blk * BLOCK_N, 0]).T
                 v = VD.load([row0 + blk * BLOCK_N, 0])
-                s = tl.dot(q, k.T, input_precision=PRECISION)
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
-        else:
-            for blk in range(0, n_full):
+            else:
                 n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
-                s = tl.dot(q, k, input_precision=PRECISION)
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+            m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
+                                            False, PRECISION)
+            if EXTRA_Q > 0:
+                m2, l2, acc2 = _softmax_update(tl.dot(q2, k, input_precision=PRECISION), v, m2, l2, acc2, qk_scale,
+                                               False, PRECISION)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,26 +151,30 @@ if triton is not None:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
+            if EXTRA_Q > 0:
+                s2 = tl.where(n[None, :] < row_end2[:, None], tl.dot(q2, k, input_precision=PRECISION), float("-inf"))
+                m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, True, PRECISION)
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
             for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
-                tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
-                             mask=row_ok[:, None] & n_ok[None, :], other=0)
                 k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+                tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                             other=0)
                 s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
                 m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that saw nothing: zeros
-        if DIRECT:  # one chunk: the final output, no merge
-            tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
-                     o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-            tl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o,
-                     mask=row_ok[:, None])
-            tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=row_ok)
+                if EXTRA_Q > 0:
+                    tm2 = tl.load(TM + b * stm_b + i2[:, None] * stm_m + j[None, :],
+                                  mask=row_ok2[:, None] & n_ok[None, :], other=0)
+                    s2 = tl.where(tm2 != 0, tl.dot(q2, k, input_precision=PRECISION), float("-inf"))
+                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, True, PRECISION)
+        _finish(acc, m_i, l_i, rows, row_ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
+        if EXTRA_Q > 0:
+            _finish(acc2, m2, l2, rows2, row_ok2, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                    sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
 
     @triton.jit
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
@@ -192,6 +233,10 @@ class KernelConfig:
     merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
     min_chunk: int = 128
     tma: bool = False  # the unmasked loop loads K/V through tensor-memory-accelerator descriptors (Hopper+)
+    extra_rows: bool = False  # rows past the full tiles ride along them (a small tile each) instead of a tile of their own
+
+
+DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +274,7 @@ def _check(q, k_cache, v_cache, config):
         raise ValueError(f"Triton attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("Triton attention: the head dimension must be contiguous")
-    c = config or KernelConfig()
+    c = config or DEFAULT_CONFIG
     if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
             or c.programs < 0 or c.per_sm < 0 or c.min_chunk < 1):
         raise ValueError(f"Triton attention: bad kernel config {c} (block sizes: powers of two >= 16)")
@@ -243,7 +288,12 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     c, g = config, hq // hkv
     rows = g * m
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
-    units = b * hkv * triton.cdiv(rows, block_q)
+    tiles, extra = triton.cdiv(rows, block_q), 0
+    if c.extra_rows and rows > block_q and rows % block_q:  # the remainder rides along the full tiles
+        full = rows // block_q
+        extra = max(16, triton.next_power_of_2(-(-(rows - full * block_q) // full)))
+        tiles, extra = (full, extra) if extra < block_q else (tiles, 0)
+    units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
     n_splits, chunk = plan(cap, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
@@ -267,15 +317,15 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
     tma = c.tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
     kd, vd = ((_descriptors(t.view(-1, d), [c.block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
-    grid = (triton.cdiv(rows, block_q), b * hkv, n_splits)
+    grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
         _partial_kernel[grid](
             q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits, mask, o_part, lse_part, out,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
+            hkv, m, g, n_tree, chunk, n_splits, cap, tiles * block_q, LOG2E / math.sqrt(d),
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, BLOCK_Q=block_q, EXTRA_Q=extra, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
         if not direct:
