@@ -1,7 +1,8 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
-split-KV + masked-tree kernel; with its TMA loads, and with extra rows riding along the full
-tiles where a tree's rows leave a remainder), PyTorch's flash SDPA
+split-KV + masked-tree kernel; with its TMA loads, with the next block's q.k issued before this
+block's softmax, and with extra rows riding along the full tiles where a tree's rows leave a
+remainder), PyTorch's flash SDPA
 (``_scaled_dot_product_flash_attention``, which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
 matmul path (two batched products + float32 softmax). Each is checked against the float64
 reference (except flash, which computes another function) and timed as the engine runs it: CUDA
@@ -12,8 +13,8 @@ Prints a table and one JSON line last.
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
-block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, extra rows) per
-shape instead, and prints the fastest few and the default's rank (each checked against the
+block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, the pipelined
+q.k, extra rows) per shape instead, and prints the fastest few and the default's rank (each checked against the
 reference).
 """
 from __future__ import annotations
@@ -83,10 +84,12 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     results = []
     rows = h // hkv * m
     ragged = rows > 128 and rows % 128  # a remainder past the full 128-row tiles: extra_rows matters
-    grid = itertools.product((64, 128), (4, 8), (2, 3), (1, 2), (False, True), (False, True) if ragged else (False,))
+    big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there)
+    grid = itertools.product((64, 128), (8,) if big else (4, 8), (2, 3), (1,) if big else (1, 2), (False, True),
+                             (False, True), (False, True) if ragged else (False,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps, num_stages=stages, per_sm=per_sm,
-                                                   tma=tma, extra_rows=extra)
-                                      for bn, warps, stages, per_sm, tma, extra in grid]:
+                                                   tma=tma, pipeline=pipeline, extra_rows=extra)
+                                      for bn, warps, stages, per_sm, tma, pipeline, extra in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -153,6 +156,7 @@ def main(argv=None):
             }
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA row would time the default path
                 impls.pop("triton (tma)")
+            impls["triton (pipelined)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(pipeline=True))
             if g * m > 128 and g * m % 128:  # rows past the full tiles: in a side tile of their own, or riding along
                 impls["triton (extra rows)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(extra_rows=True))
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)

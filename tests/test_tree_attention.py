@@ -99,7 +99,10 @@ def test_lengths_outside_the_cache_never_read_outside_it():
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
                                     KernelConfig(block_q=32, block_n=16, programs=64, min_chunk=16, extra_rows=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=1, extra_rows=True, tma=True)])
+                                    KernelConfig(block_q=32, block_n=16, programs=1, extra_rows=True, tma=True),
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16, pipeline=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, pipeline=True,
+                                                 extra_rows=True, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -189,10 +192,11 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(extra_rows=True),
-                                    KernelConfig(tma=True, extra_rows=True, block_n=128, num_stages=2)])
+@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(extra_rows=True), KernelConfig(pipeline=True),
+                                    KernelConfig(tma=True, extra_rows=True, pipeline=True, block_n=128, num_stages=2)])
 def test_kernel_options_bfloat16_on_gpu(config):
-    """TMA loads and extra rows (a 69-token tree x 4 heads: 2 full tiles + 20 rows) on the GPU."""
+    """TMA loads, extra rows (a 69-token tree x 4 heads: 2 full tiles + 20 rows) and the
+    pipelined q.k on the GPU."""
     check([4096, 17, 1], 69, 32, 8, 128, torch.bfloat16, "cuda", config=config)
     check([5000], 16, 32, 8, 128, torch.bfloat16, "cuda", config=config)
 
@@ -225,12 +229,12 @@ def test_a_row_that_sees_nothing_in_its_first_block_keeps_its_later_keys(dtype, 
     dense_check(ours, q, k, v, mask, dtype)
 
 
-@pytest.mark.parametrize("programs", [64, 1])
-def test_rows_past_the_full_tiles_ride_along(programs):
+@pytest.mark.parametrize("programs,pipeline", [(64, False), (1, False), (64, True)])
+def test_rows_past_the_full_tiles_ride_along(programs, pipeline):
     """extra_rows: 36 packed rows in 32-row tiles = one full tile + 4 rows in a 16-row side tile
     of the same program, through the tree, per-query-limit and masked paths (ragged limits,
     pending tree tokens, a row that sees nothing)."""
-    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True)
+    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True, pipeline=pipeline)
     device = "cuda" if ON_GPU else "cpu"
     check([90, 33], 9, 8, 2, 16, torch.float32, device, pending=2, config=config)
     gen = torch.Generator().manual_seed(9)

@@ -64,6 +64,25 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
+    def _block(DESC, base, row0, lo, blk, stride, d, TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+        """Key block ``blk`` of a chunk starting at ``lo``, every slot inside the row's prefix:
+        K as [HEAD_D, BLOCK_N] (TRANSPOSED, the q.k operand) or V as [BLOCK_N, HEAD_D]; through the
+        TMA descriptor DESC (rows ``row0 + blk * BLOCK_N ..`` of the cache as [B * HKV * CAP,
+        HEAD_D]) or plain loads from ``base``."""
+        if TMA:
+            x = DESC.load([row0 + blk * BLOCK_N, 0])
+            if TRANSPOSED:
+                x = x.T
+        else:
+            n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            if TRANSPOSED:
+                x = tl.load(base + n[None, :] * stride + d[:, None])
+            else:
+                x = tl.load(base + n[:, None] * stride + d[None, :])
+        return x
+
+    @triton.jit
     def _rows(Q, LIM, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, M, G, length,
               HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
         """Packed query rows ``first .. first + ROWS - 1`` of KV head h (row = g * M + i): the rows,
@@ -102,7 +121,8 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, N_MAIN, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, PIPELINE: tl.constexpr,
+                        BLOCK_Q: tl.constexpr,
                         EXTRA_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -130,19 +150,36 @@ if triton is not None:
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
         row0 = (b * HKV + h) * CAP + lo  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
-        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-            if TMA:
-                k = KD.load([row0 + blk * BLOCK_N, 0]).T
-                v = VD.load([row0 + blk * BLOCK_N, 0])
-            else:
-                n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
-                k = tl.load(k_base + n[None, :] * sk_s + d[:, None])
-                v = tl.load(v_base + n[:, None] * sv_s + d[None, :])
-            m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
-                                            False, PRECISION)
-            if EXTRA_Q > 0:
-                m2, l2, acc2 = _softmax_update(tl.dot(q2, k, input_precision=PRECISION), v, m2, l2, acc2, qk_scale,
-                                               False, PRECISION)
+        if PIPELINE:  # the next block's q.k is issued before this block's softmax (tensor cores and
+            # exponentials at the same time, where the compiler keeps the product asynchronous)
+            if n_full > 0:
+                k = _block(KD, k_base, row0, lo, 0, sk_s, d, True, TMA, BLOCK_N)
+                s = tl.dot(q, k, input_precision=PRECISION)
+                if EXTRA_Q > 0:
+                    s2 = tl.dot(q2, k, input_precision=PRECISION)
+                for blk in range(0, n_full - 1):
+                    v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
+                    k = _block(KD, k_base, row0, lo, blk + 1, sk_s, d, True, TMA, BLOCK_N)
+                    s_next = tl.dot(q, k, input_precision=PRECISION)
+                    m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+                    s = s_next
+                    if EXTRA_Q > 0:
+                        s2_next = tl.dot(q2, k, input_precision=PRECISION)
+                        m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION)
+                        s2 = s2_next
+                v = _block(VD, v_base, row0, lo, n_full - 1, sv_s, d, False, TMA, BLOCK_N)
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+                if EXTRA_Q > 0:
+                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION)
+        else:
+            for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
+                k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
+                v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
+                m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
+                                                False, PRECISION)
+                if EXTRA_Q > 0:
+                    m2, l2, acc2 = _softmax_update(tl.dot(q2, k, input_precision=PRECISION), v, m2, l2, acc2,
+                                                   qk_scale, False, PRECISION)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -234,6 +271,7 @@ class KernelConfig:
     min_chunk: int = 128
     tma: bool = False  # the unmasked loop loads K/V through tensor-memory-accelerator descriptors (Hopper+)
     extra_rows: bool = False  # rows past the full tiles ride along them (a small tile each) instead of a tile of their own
+    pipeline: bool = False  # the unmasked loop issues the next block's q.k before this block's softmax
 
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
@@ -325,7 +363,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, tiles * block_q, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, BLOCK_Q=block_q, EXTRA_Q=extra, BLOCK_N=c.block_n, HEAD_D=d,
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, PIPELINE=c.pipeline, BLOCK_Q=block_q, EXTRA_Q=extra,
+            BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
         if not direct:
