@@ -1,8 +1,8 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
 split-KV + masked-tree kernel; with its TMA loads, with the next block's q.k issued before this
-block's softmax, and with extra rows riding along the full tiles where a tree's rows leave a
-remainder), PyTorch's flash SDPA
+block's softmax and lazy rescaling, and with extra rows riding along the full tiles where a
+tree's rows leave a remainder), PyTorch's flash SDPA
 (``_scaled_dot_product_flash_attention``, which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
 matmul path (two batched products + float32 softmax). Each is checked against the float64
 reference (except flash, which computes another function) and timed as the engine runs it: CUDA
@@ -14,7 +14,7 @@ Prints a table and one JSON line last.
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
 block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, the pipelined
-q.k, extra rows) per shape instead, and prints the fastest few and the default's rank (each checked against the
+q.k, lazy rescaling, extra rows) per shape instead, and prints the fastest few and the default's rank (each checked against the
 reference).
 """
 from __future__ import annotations
@@ -84,12 +84,14 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     results = []
     rows = h // hkv * m
     ragged = rows > 128 and rows % 128  # a remainder past the full 128-row tiles: extra_rows matters
-    big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there)
-    grid = itertools.product((64, 128), (8,) if big else (4, 8), (2, 3), (1,) if big else (1, 2), (False, True),
-                             (False, True), (False, True) if ragged else (False,))
+    big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
+    # the loop's options (pipelined q.k, lazy rescaling) matter where the tensor cores are busy
+    grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
+                             (False, True) if big else (False,), (False, True) if big else (False,),
+                             (False, True) if ragged else (False,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps, num_stages=stages, per_sm=per_sm,
-                                                   tma=tma, pipeline=pipeline, extra_rows=extra)
-                                      for bn, warps, stages, per_sm, tma, pipeline, extra in grid]:
+                                                   tma=tma, pipeline=pipeline, lazy_rescale=lazy, extra_rows=extra)
+                                      for (bn, stages), warps, per_sm, tma, pipeline, lazy, extra in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -157,6 +159,8 @@ def main(argv=None):
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA row would time the default path
                 impls.pop("triton (tma)")
             impls["triton (pipelined)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(pipeline=True))
+            impls["triton (pipelined, lazy)"] = lambda: tree_attention(q, k, v, lengths, tree,
+                                                                       KernelConfig(pipeline=True, lazy_rescale=True))
             if g * m > 128 and g * m % 128:  # rows past the full tiles: in a side tile of their own, or riding along
                 impls["triton (extra rows)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(extra_rows=True))
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)

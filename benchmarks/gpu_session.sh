@@ -95,7 +95,7 @@ PY
              --servers "${SERVERS:-none;hybrid;pld}" --serve-args "${SERVE_ARGS:---buckets 1,4,16,64}" 2>&1 \
              | tee "$OUT/serve.log" || true ;;
     attention) timeout $T python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention.log" || true ;;
-    sweep) timeout $T python3 benchmarks/bench_attention.py --sweep --contexts ${SWEEP_CONTEXTS:-32768} --trees ${SWEEP_TREES:-1,64,69} \
+    sweep) timeout $T python3 benchmarks/bench_attention.py --sweep --contexts ${SWEEP_CONTEXTS:-32768} --trees ${SWEEP_TREES:-64,69} \
              --repeats 20 2>&1 | tee "$OUT/attention_sweep.log" || true ;;
     steps8b) timeout $T python3 benchmarks/bench_steps.py --shape llama-8b --contexts ${CONTEXTS_8B:-8192,32768,131072} \
              --trees ${TREES_8B:-16,69,128} --attention ${ATTENTION_8B:-triton,matmul} --compile ${COMPILE_8B:-off} ${KERNEL_8B:+--kernel $KERNEL_8B} ${HF_8B---hf} 2>&1 | tee "$OUT/steps_8b.log" || true ;;

@@ -102,7 +102,10 @@ def test_lengths_outside_the_cache_never_read_outside_it():
                                     KernelConfig(block_q=32, block_n=16, programs=1, extra_rows=True, tma=True),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, pipeline=True),
                                     KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, pipeline=True,
-                                                 extra_rows=True, tma=True)])
+                                                 extra_rows=True, tma=True),
+                                    KernelConfig(block_n=16, programs=3, min_chunk=16, lazy_rescale=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=3, min_chunk=16, lazy_rescale=True,
+                                                 pipeline=True, extra_rows=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -193,7 +196,9 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(extra_rows=True), KernelConfig(pipeline=True),
-                                    KernelConfig(tma=True, extra_rows=True, pipeline=True, block_n=128, num_stages=2)])
+                                    KernelConfig(lazy_rescale=True),
+                                    KernelConfig(tma=True, extra_rows=True, pipeline=True, lazy_rescale=True,
+                                                 block_n=128, num_stages=2)])
 def test_kernel_options_bfloat16_on_gpu(config):
     """TMA loads, extra rows (a 69-token tree x 4 heads: 2 full tiles + 20 rows) and the
     pipelined q.k on the GPU."""
@@ -230,11 +235,13 @@ def test_a_row_that_sees_nothing_in_its_first_block_keeps_its_later_keys(dtype, 
 
 
 @pytest.mark.parametrize("programs,pipeline", [(64, False), (1, False), (64, True)])
-def test_rows_past_the_full_tiles_ride_along(programs, pipeline):
+@pytest.mark.parametrize("lazy", [False, True])
+def test_rows_past_the_full_tiles_ride_along(programs, pipeline, lazy):
     """extra_rows: 36 packed rows in 32-row tiles = one full tile + 4 rows in a 16-row side tile
     of the same program, through the tree, per-query-limit and masked paths (ragged limits,
     pending tree tokens, a row that sees nothing)."""
-    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True, pipeline=pipeline)
+    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True, pipeline=pipeline,
+                          lazy_rescale=lazy)
     device = "cuda" if ON_GPU else "cpu"
     check([90, 33], 9, 8, 2, 16, torch.float32, device, pending=2, config=config)
     gen = torch.Generator().manual_seed(9)
@@ -247,6 +254,26 @@ def test_rows_past_the_full_tiles_ride_along(programs, pipeline):
     mask[1, 8] = False
     ours = masked_attention(q.to(device), k.to(device), v.to(device), mask.to(device), config)
     dense_check(ours, q, k, v, mask, torch.float32)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=1, lazy_rescale=True),
+                                    KernelConfig(block_n=16, programs=1, lazy_rescale=True, pipeline=True)])
+def test_lazy_rescaling_follows_a_growing_max(config):
+    """Scores that climb along the prefix (by ~230 in log2 units over 300 keys): the lazy update
+    must still move its max (and rescale) when a row's grows by more than 8, or exp2 overflows."""
+    gen = torch.Generator().manual_seed(10)
+    device = "cuda" if ON_GPU else "cpu"
+    b, hq, hkv, m, cap, d = 1, 4, 2, 5, 320, 16
+    q = torch.zeros(b, hq, m, d)
+    q[..., 0] = d ** 0.5
+    k = torch.randn(b, hkv, cap, d, generator=gen)
+    k[..., 0] = torch.linspace(-10.0, 150.0, cap) + torch.randn(cap, generator=gen)  # q.k / sqrt(d) = k[..., 0]
+    v = torch.randn(b, hkv, cap, d, generator=gen)
+    lengths = torch.tensor([300])
+    mask = torch.ones(1, m, m, dtype=torch.bool).tril()
+    ours = tree_attention(q.to(device), k.to(device), v.to(device), lengths.to(device), mask.to(device), config)
+    visible = torch.cat([torch.ones(1, m, 300, dtype=torch.bool), mask, torch.zeros(1, m, cap - 300 - m, dtype=torch.bool)], -1)
+    dense_check(ours, q, k, v, visible, torch.float32)
 
 
 def test_prefix_and_masked_attention_reject_bad_shapes():

@@ -49,19 +49,34 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                        LAZY: tl.constexpr = False):
         """One key block of the online softmax: raw scores s = q.k [BLOCK_Q, BLOCK_N] (-inf where
         hidden, only if MASKED), values v [BLOCK_N, HEAD_D] -> the updated running max (log2
-        units), sum and output. Unmasked blocks skip the guards for rows that saw nothing yet."""
+        units), sum and output, the sum and output relative to that max. Unmasked blocks skip the
+        guards for rows that saw nothing yet. LAZY (unmasked blocks): the max, and with it the
+        output, is only moved when some row's grew by more than 8 (weights up to 2^8, exact
+        after the final division; most blocks then skip the rescaling of the output)."""
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_use = m_new
-        if MASKED:  # a row that sees nothing yet: exponentials against 0, the max stays -inf (a
-            # clamped max carried on would underflow the row's later, far-below-0 scores)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * qk_scale - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        return m_new, l_i * alpha + tl.sum(p, 1), acc
+        if LAZY:
+            if tl.max(m_new - m_i, 0) > 8.0:  # the first block always (m_i = -inf)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s * qk_scale - m_i[:, None])
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+            m_out, l_out = m_i, l_i + tl.sum(p, 1)
+        else:
+            m_use = m_new
+            if MASKED:  # a row that sees nothing yet: exponentials against 0, the max stays -inf (a
+                # clamped max carried on would underflow the row's later, far-below-0 scores)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_out, l_out = m_new, l_i * alpha + tl.sum(p, 1)
+        return m_out, l_out, acc
 
     @triton.jit
     def _block(DESC, base, row0, lo, blk, stride, d, TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
@@ -122,6 +137,7 @@ if triton is not None:
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, N_MAIN, qk_scale,
                         HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, PIPELINE: tl.constexpr,
+                        LAZY: tl.constexpr,
                         BLOCK_Q: tl.constexpr,
                         EXTRA_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
@@ -161,25 +177,25 @@ if triton is not None:
                     v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
                     k = _block(KD, k_base, row0, lo, blk + 1, sk_s, d, True, TMA, BLOCK_N)
                     s_next = tl.dot(q, k, input_precision=PRECISION)
-                    m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+                    m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION, LAZY)
                     s = s_next
                     if EXTRA_Q > 0:
                         s2_next = tl.dot(q2, k, input_precision=PRECISION)
-                        m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION)
+                        m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION, LAZY)
                         s2 = s2_next
                 v = _block(VD, v_base, row0, lo, n_full - 1, sv_s, d, False, TMA, BLOCK_N)
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION)
+                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION, LAZY)
                 if EXTRA_Q > 0:
-                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION)
+                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION, LAZY)
         else:
             for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
                 k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
                 v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
                 m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
-                                                False, PRECISION)
+                                                False, PRECISION, LAZY)
                 if EXTRA_Q > 0:
                     m2, l2, acc2 = _softmax_update(tl.dot(q2, k, input_precision=PRECISION), v, m2, l2, acc2,
-                                                   qk_scale, False, PRECISION)
+                                                   qk_scale, False, PRECISION, LAZY)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,6 +288,7 @@ class KernelConfig:
     tma: bool = False  # the unmasked loop loads K/V through tensor-memory-accelerator descriptors (Hopper+)
     extra_rows: bool = False  # rows past the full tiles ride along them (a small tile each) instead of a tile of their own
     pipeline: bool = False  # the unmasked loop issues the next block's q.k before this block's softmax
+    lazy_rescale: bool = False  # the unmasked loop rescales the output only when a row's max grows by > 2^8
 
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
@@ -363,7 +380,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, tiles * block_q, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, PIPELINE=c.pipeline, BLOCK_Q=block_q, EXTRA_Q=extra,
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, PIPELINE=c.pipeline, LAZY=c.lazy_rescale,
+            BLOCK_Q=block_q, EXTRA_Q=extra,
             BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
