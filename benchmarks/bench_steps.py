@@ -156,7 +156,10 @@ def main(argv=None):
 
         from longspec.attention import triton_kernels
 
-        options = {name: True for name in args.kernel.split(",")}
+        switches = {f.name for f in dataclasses.fields(triton_kernels.KernelConfig) if f.type in (bool, "bool")}
+        options = {name.strip(): True for name in args.kernel.split(",") if name.strip()}
+        if not options or set(options) - switches:
+            raise SystemExit(f"--kernel takes some of {', '.join(sorted(switches))}, got {args.kernel!r}")
         triton_kernels.DEFAULT_CONFIG = dataclasses.replace(triton_kernels.DEFAULT_CONFIG, **options)
         print("Triton attention:", triton_kernels.DEFAULT_CONFIG)
     if bool(args.target) == bool(args.shape):

@@ -259,6 +259,27 @@ def test_rows_past_the_full_tiles_ride_along(programs, pipeline, lazy):
 @pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=1, lazy_rescale=True),
                                     KernelConfig(block_n=16, programs=1, lazy_rescale=True, pipeline=True)])
 def test_lazy_rescaling_follows_a_growing_max(config):
+    _growing_max(config)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=8, min_chunk=16, lazy_rescale=True, pipeline=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=8, min_chunk=16, lazy_rescale=True,
+                                                 pipeline=True, extra_rows=True, tma=True)])
+def test_loop_options_over_many_blocks_per_split(config):
+    """Pipelined, lazily rescaled unmasked loops of many blocks in each of several splits (their
+    partials merged), ragged rows, and per-query limits long enough to reach the unmasked loop."""
+    device = "cuda" if ON_GPU else "cpu"
+    check([2048, 1000, 0], 9, 8, 2, 16, torch.float32, device, pending=1, config=config)
+    _growing_max(config)
+    gen = torch.Generator().manual_seed(11)
+    b, hq, hkv, m, s, d = 2, 8, 2, 9, 900, 16
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((b, hq, m, d), (b, hkv, s, d), (b, hkv, s, d)))
+    limits = torch.randint(150, 900, (b, m), generator=gen)
+    ours = prefix_attention(q.to(device), k.to(device), v.to(device), limits.to(device), config)
+    dense_check(ours, q, k, v, torch.arange(s)[None, None, :] < limits[..., None], torch.float32)
+
+
+def _growing_max(config):
     """Scores that climb along the prefix (by ~230 in log2 units over 300 keys): the lazy update
     must still move its max (and rescale) when a row's grows by more than 8, or exp2 overflows."""
     gen = torch.Generator().manual_seed(10)

@@ -142,7 +142,7 @@ if triton is not None:
                         EXTRA_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h = pid // HKV, pid % HKV
+        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
         rows, row_ok, i, q, row_end = _rows(Q, LIM, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b, slim_m, M, G,
@@ -165,7 +165,7 @@ if triton is not None:
         every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
-        row0 = (b * HKV + h) * CAP + lo  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
+        row0 = ((b * HKV + h) * CAP + lo).to(tl.int32)  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
         if PIPELINE:  # the next block's q.k is issued before this block's softmax (tensor cores and
             # exponentials at the same time, where the compiler keeps the product asynchronous)
             if n_full > 0:
@@ -233,7 +233,7 @@ if triton is not None:
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                       HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
         pid, tile = tl.program_id(0), tl.program_id(1)
-        b, h = pid // HKV, pid % HKV
+        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
         d = tl.arange(0, HEAD_D)
@@ -259,7 +259,7 @@ if triton is not None:
     def _store_kv_kernel(K, V, KN, VN, SLOTS, sc_b, sc_h, sc_s, skn_b, skn_h, skn_m, svn_b, svn_h, svn_m, ss_b, ss_m,
                          HKV, M, CAP, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
         pid, tile = tl.program_id(0), tl.program_id(1)
-        b, h = pid // HKV, pid % HKV
+        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, HEAD_D)
         slot = tl.load(SLOTS + b * ss_b + i * ss_m, mask=i < M, other=-1)
