@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -232,16 +233,12 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
     if getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
         pieces_of = [_file_pieces(text) for text in texts]  # a whole package is one document: by files
         flat = tokenizer([p for pieces in pieces_of for p in pieces], add_special_tokens=False)["input_ids"]
-        encoded, start = [], 0
-        for pieces in pieces_of:
-            encoded.append([t for ids in flat[start:start + len(pieces)] for t in ids])
-            start += len(pieces)
+        ends = list(itertools.accumulate(len(pieces) for pieces in pieces_of))
+        encoded = [flat[end - len(pieces):end] for pieces, end in zip(pieces_of, ends)]
     else:
-        encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    pieces = []
-    for ids in encoded:
-        pieces.append(torch.tensor(([bos] if bos is not None else []) + ids + ([eos] if eos is not None else []),
-                                   dtype=torch.long))
+        encoded = [[tokenizer.encode(text, add_special_tokens=False)] for text in texts]
+    head, tail = [bos] if bos is not None else [], [eos] if eos is not None else []
+    pieces = [torch.tensor(ids, dtype=torch.long) for doc in encoded for ids in (head, *doc, tail)]
     stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
     check_token_ids(stream, vocab_size, "the tokenizer produced")
     return stream
