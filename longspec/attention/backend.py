@@ -24,7 +24,6 @@ import torch
 from . import reference
 from .fast import causal_attention, masked_attention
 from . import triton_kernels
-from .triton_kernels import tree_attention
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 
@@ -48,7 +47,6 @@ class AttentionMeta:
     causal: bool = False
     key_mask: Optional[torch.Tensor] = None
     key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
-    tree_int8: Optional[torch.Tensor] = None  # triton: tree_mask as int8
     rows: Optional[torch.Tensor] = None  # arange(B)[:, None], for the cache writes
 
     @classmethod
@@ -72,9 +70,7 @@ class AttentionMeta:
             causal = False
         meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
         meta.rows = torch.arange(cache.batch_size, device=tree_mask.device)[:, None]
-        if impl == "triton":
-            meta.tree_int8 = tree_mask.to(torch.int8)
-        elif impl != "reference" and not causal:
+        if impl not in ("triton", "reference") and not causal:  # the Triton kernel reads tree_mask itself
             slots = torch.arange(n_keys, device=tree_mask.device)
             rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
             tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
@@ -93,7 +89,7 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
     if meta.causal:
         return causal_attention(q, k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys])
     if meta.impl == "triton":
-        return tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_int8)
+        return triton_kernels.tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_mask)
     k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]
     if meta.impl == "sdpa":
         return masked_attention(q, k, v, meta.key_mask)
