@@ -87,6 +87,19 @@ async def run_level(url, prompts, concurrency, max_tokens):
             "stream_tokens_per_s_p50": percentile(speeds, 0.5)}
 
 
+def worker_split(before: dict, after: dict, row: dict) -> dict:
+    """Where the server's time went during a level, from its /health counters: rounds, ms per
+    round (``Engine.step``: the GPU round, its one sync and the hand-over of tokens), of which
+    handing tokens to the requests (detokenising, queueing), tokens per round, and the share of
+    the level's wall time the worker thread was busy (admissions included)."""
+    rounds = after["rounds"] - before["rounds"]
+    wall = row["tokens"] / row["tokens_per_s"] if row["tokens_per_s"] else float("nan")
+    return {"rounds": rounds, "round_ms": 1e3 * (after["round_s"] - before["round_s"]) / max(rounds, 1),
+            "emit_ms": 1e3 * (after["emit_s"] - before["emit_s"]) / max(rounds, 1),
+            "tokens_per_round": (row["tokens"] - row["requests"]) / max(rounds, 1),  # first tokens: prefills
+            "worker_busy": (after["busy_s"] - before["busy_s"]) / wall}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="model directory (default: the default model)")
@@ -131,11 +144,15 @@ def main(argv=None):
             for c in levels:
                 result = run_level(url, code_prompts(Path(args.prompt_dir), max(args.requests, 2 * c),
                                                      args.prompt_chars), c, args.max_tokens)
+                before = httpx.get(url + "/health", timeout=5).json()
                 row = {"server": server, **asyncio.run(result)}
+                row.update(worker_split(before, httpx.get(url + "/health", timeout=5).json(), row))
                 rows.append(row)
                 print(f"{server:<40} c={c:<3} {row['tokens_per_s']:8.1f} tok/s  ttft p50 {row['ttft_p50_ms']:7.1f} "
                       f"p99 {row['ttft_p99_ms']:7.1f} ms  itl p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:6.1f} ms  "
-                      f"stream p50 {row['stream_tokens_per_s_p50']:7.1f} tok/s",
+                      f"stream p50 {row['stream_tokens_per_s_p50']:7.1f} tok/s  | {row['rounds']} rounds: "
+                      f"{row['round_ms']:.2f} ms each ({row['emit_ms']:.2f} handing tokens over), "
+                      f"{row['tokens_per_round']:.2f} tokens; worker busy {100 * row['worker_busy']:.0f}%",
                       flush=True)
         finally:
             proc.terminate()

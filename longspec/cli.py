@@ -281,9 +281,10 @@ def cmd_serve(args) -> int:
         done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
               file=sys.stderr, flush=True)
+    plain = "plain decoding"
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}"
-          f"{''.join(f', bucket {b}: {t}' for b, t in sorted(bucket_trees.items()))}, "
+          f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
           f"{args.max_batch} rows of {args.max_len} tokens)]",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
@@ -423,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--bucket-trees", default="auto",
                      help="the tree each batch bucket drafts: auto (on CUDA, a cost model measured at start-up picks "
                           "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
-                          "acceptance table), off (--tree everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' "
-                          "(default: auto)")
+                          "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
+                          "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

@@ -75,6 +75,8 @@ class Worker:
         self.running: dict = {}  # Sequence id -> Request
         self.lock = threading.Condition()
         self.stopped = False
+        # engine rounds; seconds in them, in their hand-over of tokens (detokenising, queueing), in all the work
+        self.rounds, self.round_s, self.emit_s, self.busy_s = 0, 0.0, 0.0, 0.0
         self.thread = threading.Thread(target=self._loop, name="longspec-engine", daemon=True)
         self.thread.start()
 
@@ -92,8 +94,12 @@ class Worker:
             self.lock.notify()
 
     def stats(self) -> dict:
+        """Requests active and waiting; rounds run, seconds spent in them (``Engine.step``), in
+        their hand-over of tokens to the requests (part of the rounds) and in all the worker's work
+        between waits (admissions too)."""
         with self.lock:
-            return {"active": len(self.running), "waiting": len(self.waiting)}
+            return {"active": len(self.running), "waiting": len(self.waiting), "rounds": self.rounds,
+                    "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4)}
 
     def stop(self) -> None:
         with self.lock:
@@ -116,18 +122,23 @@ class Worker:
                     if not request.cancelled:
                         admit.append(request)
                 cancelled = [r for r in self.running.values() if r.cancelled]
+            start = time.perf_counter()
             for request in cancelled:
                 self._finish(request, None)
             try:
                 self._admit(admit)
                 if self.running:
+                    step_start = time.perf_counter()
                     self.engine.step(streamer=self._on_tokens)
+                    self.rounds += 1
+                    self.round_s += time.perf_counter() - step_start
                     for request in list(self.running.values()):
                         if request.seq.done:
                             self._finish(request, request.finish_reason or self._reason(request))
             except Exception as err:  # noqa: BLE001 - a failed round fails its requests, the server lives on
                 for request in list(self.running.values()):
                     self._fail(request, err)
+            self.busy_s += time.perf_counter() - start
 
     def _admit(self, requests: list) -> None:
         """Prefills the admitted requests: those without a seed together (one forward per run of
@@ -166,6 +177,13 @@ class Worker:
         self.engine.add([r.seq for r in group], streamer=self._on_tokens)
 
     def _on_tokens(self, row: int, tokens: list) -> None:
+        start = time.perf_counter()
+        try:
+            self._hand_over(row)
+        finally:
+            self.emit_s += time.perf_counter() - start
+
+    def _hand_over(self, row: int) -> None:
         request = self._by_row(row)
         if request is None or request.finish_reason is not None:
             return
@@ -443,9 +461,9 @@ def _extension(request: Request) -> dict:
 
 def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int):
     """``--bucket-trees``, checked before anything loads: "auto" (the cost model picks, for the
-    draft-based proposers), "off" (every bucket drafts ``tree``) or "B=TREE;B=TREE" -> "auto", {}
-    or {bucket: TreeSpec}, each a bucket of the engine (``buckets``, ``max_batch``) whose tree fits
-    ``tree``. Raises ValueError."""
+    draft-based proposers), "off" (every bucket drafts ``tree``) or "B=TREE;B=TREE" (TREE "plain":
+    that bucket decodes plainly) -> "auto", {} or {bucket: TreeSpec or None}, each a bucket of the
+    engine (``buckets``, ``max_batch``) whose tree fits ``tree``. Raises ValueError."""
     if spec == "off" or proposer == "none":
         if spec not in ("off", "auto"):
             raise ValueError("--bucket-trees needs a proposer")
@@ -456,7 +474,7 @@ def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int)
     for item in spec.split(";"):
         bucket, sep, shape = item.partition("=")
         try:
-            out[int(bucket)] = TreeSpec.parse(shape)
+            out[int(bucket)] = None if shape.strip() == "plain" else TreeSpec.parse(shape)
         except ValueError as err:
             detail = "" if sep else " (expected BUCKET=TREE)"
             raise ValueError(f"--bucket-trees takes auto, off or 'B=TREE;B=TREE' (e.g. '16=2,2,2'): "
@@ -465,7 +483,7 @@ def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int)
     for b, t in out.items():
         if b not in known:
             raise ValueError(f"--bucket-trees names batch size {b}, which is not a bucket ({known})")
-        if not t.fits_in(tree):
+        if t is not None and not t.fits_in(tree):
             raise ValueError(f"--bucket-trees: the tree {t} of bucket {b} does not fit --tree {tree} "
                              "(no deeper, no more nodes)")
     return out
@@ -492,7 +510,7 @@ def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, m
                  max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
-    ``bucket_trees``: {bucket: smaller tree} (see :class:`Engine`)."""
+    ``bucket_trees``: {bucket: smaller tree, or None for plain rounds} (see :class:`Engine`)."""
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
     engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,

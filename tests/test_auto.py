@@ -111,7 +111,8 @@ def test_costs_are_measured_once(tiny, tmp_path):
 def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch):
     """A serving engine's buckets get, each, the candidate tree with the most tokens per second at
     that batch: the engine's own tree where verifying stays cheap, a small one where many rows
-    make every verified token cost; costs are measured per batch (and cached under it)."""
+    make every verified token cost, plain rounds (None) where no tree pays; costs are measured
+    per batch (and cached under it)."""
     from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny
@@ -131,11 +132,14 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     key = f"{device_key(target)} | 128"
     costs.write_text(json.dumps({
         key: {"target_ms": {m: 1.0 for m in sizes}, "draft_ms": {label: 0.01 for label in labels}},
-        key + " | batch 4": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
+        key + " | batch 4": {"target_ms": {m: 1 + float(m) / 8 for m in sizes},
+                             "draft_ms": {label: 0.01 for label in labels}},
+        key + " | batch 16": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
-    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))
-    assert chosen == {4: TreeSpec.parse("2,2,2")}
+    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
+    assert chosen == {4: TreeSpec.parse("2,2,2"), 16: None}
     assert lines[0].startswith(f"bucket 1: {big} (") and lines[1].startswith("bucket 4: 2,2,2 (")
+    assert lines[2] == "bucket 16: plain decoding (no tree predicted faster)"
     # a smaller engine tree bounds the candidates; chains do not suit the hybrid's lookup chain
     chosen, _ = auto.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
     assert chosen == {4: TreeSpec.parse("2,2,2")}

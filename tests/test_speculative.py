@@ -286,6 +286,27 @@ def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
     assert [s.tokens for s in seqs] == alone
     assert {n for _, n in engine.runners} == {1, 2, 3}
     assert [engine.view(n).draft_tree.num_nodes for n in (1, 2, 3)] == [9, 5, 3]  # what each bucket drafted
+    # a bucket that decodes plainly (where no tree pays): rows moving from and back into drafting
+    # buckets keep the proposer's state (draft ring buffer, lookup history) up to date
+    engine = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "plain"})
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert engine.view(2).draft_tree is None and engine.view(3).draft_tree.num_nodes == 9
+    if proposer == "hybrid":  # plain rounds write the tokens they decode into the draft's window
+        alone_plain = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=1, max_len=96,
+                             bucket_trees={1: "plain"})
+        single = Sequence(prompts[0], 6)
+        alone_plain.add([single])
+        while alone_plain.has_active:
+            alone_plain.step()
+        proposer_, full = alone_plain.proposer, torch.tensor(prompts[0] + single.tokens)
+        ring, last = proposer_.ring, len(prompts[0]) + 4  # the 5 roots fed to the plain rounds end here
+        index = torch.arange(last - ring.window + 1, last + 1)
+        k, _ = proposer_.draft.window_kv(full[index][None], index[None])
+        slots = index % ring.size
+        assert torch.equal(ring.slot_index[0, slots], index)
+        torch.testing.assert_close(ring.k[0][:, slots], k[0])
     with pytest.raises(ValueError, match="does not fit"):
         Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "2,2,2,2"})
     with pytest.raises(ValueError, match="not buckets"):

@@ -288,9 +288,9 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
     """Trees for a serving engine's batch buckets: for each bucket, the candidate (``tree`` and
     every :data:`CANDIDATE_TREES` shape that fits it and suits ``proposer``) with the most
     expected tokens per second at that batch, from the draft's acceptance table and costs
-    measured at that batch (:func:`choose`; a speculative engine has no plain rounds, so the best
-    tree is taken even where plain decoding is predicted faster). Returns ({bucket: tree} for the
-    buckets whose tree differs from ``tree``, one line per bucket saying why)."""
+    measured at that batch (:func:`choose`), or None (plain rounds) where plain decoding is
+    predicted faster than every tree. Returns ({bucket: tree or None} for the buckets that do not
+    draft ``tree``, one line per bucket saying why)."""
     draft = getattr(proposer, "draft", None)
     if draft is None or not draft.config.acceptance:
         return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
@@ -302,14 +302,16 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
         t = TreeSpec.parse(shape)
         if t.fits_in(tree) and (lookup is None or takes_lookup(t)) and t not in fits:
             fits.append(t)
-    if len(fits) == 1:
-        return {}, [f"no smaller candidate fits {tree}: every bucket drafts it"]
     name = "hybrid" if lookup is not None else "longspec"
     candidates = {f"{name} {t}": (t, lambda: type(proposer)(draft, type(lookup)() if lookup is not None else None),
                                   expected_tokens(t, draft.config.acceptance)) for t in fits}
     chosen, lines = {}, []
     for b in buckets:
-        label, gain, _ = choose(target, candidates, context, costs_file, batch=b, allow_plain=False)
+        label, gain, _ = choose(target, candidates, context, costs_file, batch=b)
+        if label is None:
+            chosen[b] = None
+            lines.append(f"bucket {b}: plain decoding (no tree predicted faster)")
+            continue
         best = candidates[label][0]
         if best != tree:
             chosen[b] = best

@@ -49,7 +49,8 @@ class Engine:
     sequence's ``temperature`` / ``top_k`` / ``top_p``). ``cuda_graphs`` (default: on CUDA when
     the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
-    e.g. less speculation where many rows share a round), the others draft ``tree``."""
+    e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
+    decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
@@ -65,9 +66,12 @@ class Engine:
         self.buckets = batch_buckets(max_batch, buckets)
         if self.buckets[0] < 1 or self.buckets[-1] > max_batch:
             raise ValueError(f"batch buckets must lie in 1..{max_batch}, got {buckets}")
-        self.bucket_trees = {b: TreeSpec.coerce(t) for b, t in (bucket_trees or {}).items()}
+        self.bucket_trees = {b: None if t in (None, "plain") else TreeSpec.coerce(t)
+                             for b, t in (bucket_trees or {}).items()}
         if self.bucket_trees and proposer is None:
             raise ValueError("bucket_trees need a proposer")
+        if None in self.bucket_trees.values() and not proposer.follows_plain_rounds:
+            raise ValueError(f"{type(proposer).__name__} cannot follow plain rounds: no bucket can decode plainly")
         if set(self.bucket_trees) - set(self.buckets):
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
@@ -85,7 +89,7 @@ class Engine:
         self.out_counts = torch.ones(max_batch, dtype=torch.long, device=device)
         if proposer is not None:
             proposer.begin(target, self.cache, tree, self.config, self.uniforms)
-            for small in self.bucket_trees.values():
+            for small in filter(None, self.bucket_trees.values()):
                 proposer.with_tree(small)  # raises now for a tree that does not fit or suit the proposer
             proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
             weakref.finalize(self, _release_if_orphaned, proposer)  # a proposer kept by the caller frees it too
@@ -203,23 +207,29 @@ class Engine:
             proposer, tree = None, self.tree_of(n)
             if self.proposer is not None:
                 proposer = self.proposer if full else self.proposer.rows(n, cache)
-                if tree is not self.tree:
+                if tree is not None and tree is not self.tree:
                     proposer = proposer.with_tree(tree)
-            propose = None if proposer is None else (compile_step(proposer.propose) if self._compiled
-                                                     else proposer.propose)
+            propose = None if tree is None else (compile_step(proposer.propose) if self._compiled
+                                                 else proposer.propose)
             width = 1 if tree is None else tree.depth + 1
             self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
                                        self.out_counts[:n], proposer, propose, tree)
         return self._views[n]
 
     def tree_of(self, n: int) -> Optional[TreeSpec]:
-        """The tree rounds over bucket ``n`` draft (None without a proposer)."""
+        """The tree rounds over bucket ``n`` draft (None: they decode plainly, or no proposer)."""
         return self.bucket_trees.get(n, self.tree)
+
+    def _follow_phase(self, v: "RoundRows") -> None:
+        v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
 
     def _decode_phase(self, v: "RoundRows") -> None:
         logits = self.target.decode(v.root, v.cache, n_keys=self.step_keys, advance=v.active)
         v.root.copy_(self._next_token(logits, self.greedy_round, slice(0, v.n)))
         v.out_tokens[:, 0] = v.root
+        if v.proposer is not None:
+            v.out_counts.fill_(1)
+            v.proposer.accepted(v.out_tokens, v.out_counts)
 
     def _propose_phase(self, v: "RoundRows") -> None:
         v.draft_tree = v.propose(v.root)
@@ -254,8 +264,10 @@ class Engine:
             state = [v.root, v.cache.lengths, v.out_tokens, v.out_counts]
             if self.proposer is None:
                 phases = [partial(self._decode_phase, v)]
-            else:
-                phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
+            else:  # (draft, target): a plain bucket's proposer only takes the round's root in
+                first, second = ((self._follow_phase, self._decode_phase) if v.tree is None
+                                 else (self._propose_phase, self._verify_phase))
+                phases = [partial(first, v), partial(second, v)]
                 state += v.proposer.state_tensors()
             self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
         return self.runners[key]
@@ -294,7 +306,7 @@ class Engine:
         """(view, runner) of bucket ``n`` for the current kind of round, the proposer told which
         kind it drafts for (captured graphs keep what it was told at capture)."""
         v = self.view(n)
-        if v.proposer is not None and hasattr(v.proposer, "sample_children"):
+        if v.tree is not None and hasattr(v.proposer, "sample_children"):
             v.proposer.sample_children = not self.greedy_round and v.tree.is_static
         return v, self.runner(n)
 

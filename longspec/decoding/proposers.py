@@ -69,6 +69,7 @@ class Proposer:
 
     graphable = False
     narrowable = False  # implements rows(): an engine may run it on part of its batch
+    follows_plain_rounds = False  # implements decoded(): an engine may decode some rounds plainly
 
     def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
         """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
@@ -85,6 +86,11 @@ class Proposer:
     def accepted(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
         """emitted [B, D+1]: per row, the tokens the last round emitted (accepted drafts + bonus),
         the first ``counts[b]`` valid."""
+
+    def decoded(self, root: torch.Tensor) -> None:
+        """A round decodes ``root`` [B] plainly, drafting nothing (a batch bucket where speculation
+        does not pay): take it in as a round would have. ``accepted`` then gets its one token."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow plain rounds")
 
     def state_tensors(self) -> list:
         return []
@@ -131,6 +137,7 @@ class TreeDrafter(Proposer):
 
     lookup: Optional["PromptLookup"] = None
     narrowable = True
+    follows_plain_rounds = True
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.config, self.rng = target, cache, config, rng
@@ -183,6 +190,9 @@ class TreeDrafter(Proposer):
         if self.lookup is not None:
             view.lookup = self.lookup.rows(n, cache)
         return view
+
+    def decoded(self, root):
+        pass  # the emitted token reaches ``accepted``; a subclass with state built from roots adds to it
 
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -440,18 +450,32 @@ class LongSpecProposer(TreeDrafter):
         return [self.reread, self.reread_count, self.ring.k, self.ring.v, self.ring.slot_index, self.ring.slot_node,
                 *lookup]
 
-    def _root_logits(self, root):
-        b, device, lengths = root.shape[0], root.device, self.cache.lengths
+    def _reread_block(self, root):
+        """The tokens this round re-reads, [B, D+1] each: ids (last round's accepted drafts, then
+        ``root``), their sequence indices (the root's is the cache length) and which are real."""
         count = self.reread_count
-        cols = torch.arange(self.reread.shape[1], device=device)[None, :]
+        cols = torch.arange(self.reread.shape[1], device=root.device)[None, :]
         ids = torch.where(cols < count[:, None], self.reread, 0).scatter(1, count[:, None], root[:, None])
-        index = lengths[:, None] - count[:, None] + cols  # root at index = cache length
-        valid = cols <= count[:, None]
+        index = self.cache.lengths[:, None] - count[:, None] + cols
+        return ids, index, cols <= count[:, None]
+
+    def decoded(self, root):
+        """Writes the re-read block's window K/V into the ring, as a round's first draft forward
+        would (exact without running the block: see ``LongSpecDraft.window_kv``)."""
+        ids, index, valid = self._reread_block(root)
+        k, v = self.draft.window_kv(ids, index)
+        self.ring.write(k, v, index, torch.full_like(index, -1), valid)
+        if self.lookup is not None:
+            self.lookup.decoded(root)
+
+    def _root_logits(self, root):
+        b, device = root.shape[0], root.device
+        ids, index, valid = self._reread_block(root)
         self.target_kv = self.target.last_layer_kv(self.cache)  # committed slots: fixed during the round
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
                                          *self.target_kv, cross_limit=index)
-        self.root_index = lengths.clone()
-        return self.draft.logits(hidden[torch.arange(b, device=device), count], reduced=True)
+        self.root_index = self.cache.lengths.clone()
+        return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True)
 
     def _level_logits(self, tokens, positions, mask, tree_tokens):
         n_prev = mask.shape[-1] - tokens.shape[1]
