@@ -75,7 +75,7 @@ def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: 
     return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
 
 
-def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
+def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, options=False) -> list:
     """Times every launch configuration of the grid on one shape; prints the fastest five."""
     import itertools
 
@@ -86,12 +86,16 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     ragged = rows > 128 and rows % 128  # a remainder past the full 128-row tiles: extra_rows matters
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
     # the loop's options (pipelined q.k, lazy rescaling) matter where the tensor cores are busy
+    # (pipelined q.k and lazy rescaling were slower everywhere in attention_sweep_h200.log; extra rows
+    # slower at M=69: swept only with --sweep-options)
+    loop_options = (False, True) if big and options else (False,)
     grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
-                             (False, True) if big else (False,), (False, True) if big else (False,),
-                             (False, True) if ragged else (False,))
-    for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps, num_stages=stages, per_sm=per_sm,
-                                                   tma=tma, pipeline=pipeline, lazy_rescale=lazy, extra_rows=extra)
-                                      for (bn, stages), warps, per_sm, tma, pipeline, lazy, extra in grid]:
+                             loop_options, loop_options, (False, True) if ragged and options else (False,),
+                             (0, 64) if rows > 64 else (0,))
+    for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
+                                                   num_stages=stages, per_sm=per_sm, tma=tma, pipeline=pipeline,
+                                                   lazy_rescale=lazy, extra_rows=extra, block_q=bq)
+                                      for (bn, stages), warps, per_sm, tma, pipeline, lazy, extra, bq in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -122,6 +126,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
+    p.add_argument("--sweep-options", action="store_true",
+                   help="the sweep tries the pipelined, lazy-rescaling and extra-rows loops too")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
@@ -146,7 +152,7 @@ def main(argv=None):
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
-                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate))
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.sweep_options))
                 continue
             impls = {
                 "triton": lambda: tree_attention(q, k, v, lengths, tree),

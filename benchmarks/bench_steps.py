@@ -143,8 +143,8 @@ def main(argv=None):
     p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
                    "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
-    p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma,extra_rows "
-                   "(KernelConfig's boolean fields)")
+    p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma,block_q=64 "
+                   "(KernelConfig's fields: a boolean one by its name, an integer one as name=value)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
@@ -156,10 +156,17 @@ def main(argv=None):
 
         from longspec.attention import triton_kernels
 
-        switches = {f.name for f in dataclasses.fields(triton_kernels.KernelConfig) if f.type in (bool, "bool")}
-        options = {name.strip(): True for name in args.kernel.split(",") if name.strip()}
-        if not options or set(options) - switches:
-            raise SystemExit(f"--kernel takes some of {', '.join(sorted(switches))}, got {args.kernel!r}")
+        fields = {f.name: f.type for f in dataclasses.fields(triton_kernels.KernelConfig)}
+        options = {}
+        for item in filter(None, (x.strip() for x in args.kernel.split(","))):
+            name, eq, value = item.partition("=")
+            if fields.get(name) in (bool, "bool") and not eq:
+                options[name] = True
+            elif fields.get(name) in (int, "int") and value.isdigit():
+                options[name] = int(value)
+            else:
+                raise SystemExit(f"--kernel takes names of {', '.join(fields)} (integer ones as name=value), "
+                                 f"got {item!r}")
         triton_kernels.DEFAULT_CONFIG = dataclasses.replace(triton_kernels.DEFAULT_CONFIG, **options)
         print("Triton attention:", triton_kernels.DEFAULT_CONFIG)
     if bool(args.target) == bool(args.shape):

@@ -156,22 +156,25 @@ def test_one_host_sync_per_round(model, spec):
     assert len(syncs) <= rounds, [str(w.message) for w in syncs]
 
 
-@pytest.mark.parametrize("proposer", ["none", "pld", "hybrid"])
+@pytest.mark.parametrize("proposer", ["none", "pld", "hybrid", "hybrid, bucket 2 plain"])
 def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     """A serving engine (4 rows, buckets 1/2/4) with requests joining and leaving: each bucket's
-    rounds are captured on first use, and every greedy output equals the request run alone."""
+    rounds are captured on first use, and every greedy output equals the request run alone (also
+    with a bucket that decodes plainly between drafting ones)."""
     from test_speculative import run_joining
 
     _, path = model
     target = cuda_target(path, torch.float32)
     draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=3)
+    plain = {2: "plain"} if proposer.endswith("plain") else None
+    proposer = proposer.split(",")[0]
     make = {"none": lambda: None, "pld": PromptLookup, "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}
     tree = None if proposer == "none" else TreeSpec.parse("2,3,3")
     prompts = [torch.randint(0, 160, (n,)).tolist() for n in (25, 60, 33, 41, 19)]
     budgets = [9, 30, 12, 20, 7]
     alone = [Generator(target, make[proposer](), tree).generate(
         [p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0] for p, n in zip(prompts, budgets)]
-    engine = Engine(target, make[proposer](), tree, max_batch=4, max_len=128)
+    engine = Engine(target, make[proposer](), tree, max_batch=4, max_len=128, bucket_trees=plain)
     if proposer == "hybrid":
         engine.warm_up()  # every bucket captured up front, on idle rows (as the server does)
         assert {n for _, n in engine.runners} == {1, 2, 4}
