@@ -367,14 +367,19 @@ def test_resume_is_bit_exact(target, corpus, tmp_path):
 
 
 def test_metrics_are_read_in_windows_and_a_non_finite_loss_stops_before_the_next_checkpoint(
-        target, corpus, tmp_path, monkeypatch):
+        target, corpus, tmp_path, monkeypatch, capsys):
     from longspec.training.trainer import Trainer
 
     # logging every 5 steps gives the same rows as averaging the per-step rows of log_every=1
     every = train(small_config(tmp_path / "every", corpus, steps=10), tokenizer=CharTokenizer(), target=target)
-    fives = train(small_config(tmp_path / "fives", corpus, steps=10, log_every=5), tokenizer=CharTokenizer(),
-                  target=target)
-    for row in fives.history:
+    capsys.readouterr()
+    fives = train(small_config(tmp_path / "fives", corpus, steps=10, log_every=5, eval_every=10),
+                  tokenizer=CharTokenizer(), target=target)
+    lines = [line for line in capsys.readouterr().err.splitlines() if " step " in line]  # no bar: a line per row
+    assert [line.split(":")[0] for line in lines] == [f"[longspec train] step {n}" for n in (0, 5, 10)]
+    assert "held-out loss" in lines[0] and "tokens/s" in lines[1] and "held-out loss" not in lines[1]
+    assert "tokens/s" in lines[2] and "held-out loss" in lines[2]
+    for row in (r for r in fives.history if "loss" in r):
         steps = [r for r in every.history if row["step"] - 5 < r["step"] <= row["step"]]
         for key in ("loss", "acc", "grad_norm"):
             assert row[key] == pytest.approx(sum(r[key] for r in steps) / 5, rel=1e-9), key

@@ -315,6 +315,13 @@ def _progress(config: TrainConfig, env, start: int):
                 unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
+def _row_line(row: dict) -> str:
+    """A metrics row as one short line: step, loss, accuracy, tokens/s and the held-out metrics."""
+    names = {"loss": "loss {:.4f}", "acc": "acc {:.3f}", "tokens_per_s": "{:.0f} tokens/s",
+             "eval_loss": "held-out loss {:.4f}", "eval_acc": "held-out acc {:.3f}"}
+    return f"step {row['step']}: " + ", ".join(f.format(row[k]) for k, f in names.items() if k in row)
+
+
 def _mean_rows(rows: list, seconds: float) -> dict:
     """Averages the per-step metrics of a logging window; throughput over its wall time."""
     keys = [k for k in rows[0] if k not in ("tokens", "lr", "lag")]
@@ -380,10 +387,15 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
             print("[longspec train] warning: no held-out chunk (too few held-out documents / tokens): "
                   "no evaluation", file=sys.stderr)
     history, window, pending = [], [], []
-    if config.eval_every and trainer.step == 0 and data.eval.shape[0]:
-        row = {"step": 0, **trainer.evaluate()}  # the untrained draft: a baseline
+
+    def record(row: dict) -> None:
         log.write(row)
         history.append(row)
+        if env.is_main and not config.progress:  # no bar: one line per logged row (e.g. in a log file)
+            print(f"[longspec train] {_row_line(row)}", file=sys.stderr, flush=True)
+
+    if config.eval_every and trainer.step == 0 and data.eval.shape[0]:
+        record({"step": 0, **trainer.evaluate()})  # the untrained draft: a baseline
     bar = _progress(config, env, trainer.step)
     # Steps run without host synchronisation; their metrics are read (one sync, one all-reduce)
     # where they are needed: logging, evaluation, checkpoints, the last step, and after every
@@ -411,8 +423,7 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
             if eval_now:
                 row = {"step": step, **(row or {}), **trainer.evaluate()}
             if row is not None:
-                log.write(row)
-                history.append(row)
+                record(row)
             if env.is_main and save_now:
                 trainer.save()
             if callback is not None:
