@@ -1,6 +1,7 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
-split-KV + masked-tree kernel; with its TMA loads, with the next block's q.k issued before this
+split-KV + masked-tree kernel, as the engine runs it: TMA loads for 128-row tiles on Hopper; with
+and without TMA everywhere; with ``--options`` also with the next block's q.k issued before this
 block's softmax and lazy rescaling, and with extra rows riding along the full tiles where a
 tree's rows leave a remainder), PyTorch's flash SDPA
 (``_scaled_dot_product_flash_attention``, which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
@@ -87,7 +88,7 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, options=F
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
     # the loop's options (pipelined q.k, lazy rescaling) matter where the tensor cores are busy
     # (pipelined q.k and lazy rescaling were slower everywhere in attention_sweep_h200.log; extra rows
-    # slower at M=69: swept only with --sweep-options)
+    # slower at M=69: swept only with --options)
     loop_options = (False, True) if big and options else (False,)
     grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
                              loop_options, loop_options, (False, True) if ragged and options else (False,),
@@ -126,8 +127,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
-    p.add_argument("--sweep-options", action="store_true",
-                   help="the sweep tries the pipelined, lazy-rescaling and extra-rows loops too")
+    p.add_argument("--options", action="store_true",
+                   help="the table (and the sweep) time the pipelined, lazy-rescaling and extra-rows loops too")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
@@ -152,23 +153,26 @@ def main(argv=None):
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
-                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.sweep_options))
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.options))
                 continue
             impls = {
-                "triton": lambda: tree_attention(q, k, v, lengths, tree),
-                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),  # if Triton has descriptors
+                "triton": lambda: tree_attention(q, k, v, lengths, tree),  # TMA loads for 128-row tiles (Hopper)
+                "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False)),
+                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),
                 "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
             }
-            if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA row would time the default path
+            if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
-            impls["triton (pipelined)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(pipeline=True))
-            impls["triton (pipelined, lazy)"] = lambda: tree_attention(q, k, v, lengths, tree,
-                                                                       KernelConfig(pipeline=True, lazy_rescale=True))
-            if g * m > 128 and g * m % 128:  # rows past the full tiles: in a side tile of their own, or riding along
-                impls["triton (extra rows)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(extra_rows=True))
+            if args.options:  # slower everywhere on the H200 (benchmarks/results/attention_8b_variants_h200.log)
+                impls["triton (pipelined)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(pipeline=True))
+                impls["triton (pipelined, lazy)"] = lambda: tree_attention(
+                    q, k, v, lengths, tree, KernelConfig(pipeline=True, lazy_rescale=True))
+                if g * m > 128 and g * m % 128:  # rows past the full tiles: a side tile of their own, or riding along
+                    impls["triton (extra rows)"] = lambda: tree_attention(q, k, v, lengths, tree,
+                                                                          KernelConfig(extra_rows=True))
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
             for name, fn in impls.items():
                 try:

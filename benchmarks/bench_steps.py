@@ -160,7 +160,7 @@ def main(argv=None):
         options = {}
         for item in filter(None, (x.strip() for x in args.kernel.split(","))):
             name, eq, value = item.partition("=")
-            if fields.get(name) in (bool, "bool") and not eq:
+            if fields.get(name) in (bool, "bool", "Optional[bool]") and not eq:
                 options[name] = True
             elif fields.get(name) in (int, "int") and value.isdigit():
                 options[name] = int(value)

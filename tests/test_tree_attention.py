@@ -339,3 +339,20 @@ def test_store_kernel_writes_what_indexing_writes(m, outside):
     assert store_fits(k_cache, v_cache, k_new, v_new)
     store_kv(k_cache, v_cache, k_new, v_new, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_tma_loads_by_default_for_full_tiles_on_hopper(monkeypatch):
+    """The default config loads K/V through TMA descriptors for tiles of 128 rows on Hopper or
+    newer (faster there), not for smaller tiles (decode); the result is the same either way."""
+    from longspec.attention import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_tma_hardware", lambda device: True)  # as on an H100 / H200
+    described = []
+    make = triton_kernels._descriptors
+    monkeypatch.setattr(triton_kernels, "_descriptors", lambda *a: described.append(a) or make(*a))
+    device = "cuda" if ON_GPU else "cpu"
+    check([300, 17], 32, 8, 2, 16, torch.float32, device)  # 4 heads x 32 queries: one 128-row tile
+    assert len(described) == 2  # K and V
+    check([300, 17], 4, 8, 2, 16, torch.float32, device)  # 16 rows
+    check([300, 17], 32, 8, 2, 16, torch.float32, device, config=KernelConfig(tma=False))
+    assert len(described) == 2
