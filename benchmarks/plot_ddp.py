@@ -3,6 +3,7 @@ held-out losses, printed; and a PNG with the training and held-out loss curves (
 step 0 left out of the held-out panel, where it would flatten everything else).
 
     python benchmarks/plot_ddp.py DIR        # reads DIR/metrics_{one,two,two_b,killed,killed1}.jsonl
+    python benchmarks/plot_ddp.py DIR FILE=LABEL ...   # any runs' metrics.jsonl, plotted to DIR/curves.png
 """
 import json
 import sys
@@ -12,11 +13,12 @@ RUNS = {"one": "1 GPU", "two": "2 GPUs", "two_b": "2 GPUs again (run-to-run nois
         "killed1": "the same checkpoint resumed on 1 GPU"}
 
 
-def main(directory: str) -> None:
+def main(directory: str, files: list = ()) -> None:
     out = Path(directory)
     runs = {}
-    for name in RUNS:
-        path = out / f"metrics_{name}.jsonl"
+    named = dict(item.split("=", 1) for item in files) if files else {str(out / f"metrics_{n}.jsonl"): n for n in RUNS}
+    for file, name in named.items():
+        path = Path(file)
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
         if rows:
             runs[name] = rows
@@ -40,16 +42,17 @@ def main(directory: str) -> None:
         train_pts = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         eval_pts = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and r["step"] > 0]
         if train_pts:
-            train_ax.plot(*zip(*train_pts), label=RUNS[name], lw=1)
+            train_ax.plot(*zip(*train_pts), label=RUNS.get(name, name), lw=1)
         if eval_pts:
-            eval_ax.plot(*zip(*eval_pts), marker="o", label=RUNS[name])
-    train_ax.set(xlabel="step", ylabel="training loss (mean of 10 steps)", yscale="log")
+            eval_ax.plot(*zip(*eval_pts), marker="o", label=RUNS.get(name, name))
+    train_ax.set(xlabel="step", ylabel="training loss (mean of a logging window)", yscale="log")
     eval_ax.set(xlabel="step", ylabel="held-out loss")
     eval_ax.legend(fontsize=8)
     fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "curves.png", dpi=110)
     print("wrote", out / "curves.png")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
