@@ -1,9 +1,8 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
 split-KV + masked-tree kernel, as the engine runs it: TMA loads for 128-row tiles on Hopper; with
-and without TMA everywhere; with ``--options`` also with the next block's q.k issued before this
-block's softmax and lazy rescaling, and with extra rows riding along the full tiles where a
-tree's rows leave a remainder), PyTorch's flash SDPA
+and without TMA everywhere; with Triton's automatic warp specialization of the unmasked loop
+where tiles are full), PyTorch's flash SDPA
 (``_scaled_dot_product_flash_attention``, which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
 matmul path (two batched products + float32 softmax). Each is checked against the float64
 reference (except flash, which computes another function) and timed as the engine runs it: CUDA
@@ -14,8 +13,8 @@ Prints a table and one JSON line last.
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
-block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, the pipelined
-q.k, lazy rescaling, extra rows) per shape instead, and prints the fastest few and the default's rank (each checked against the
+block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles,
+the warp-specialized loop) per shape instead, and prints the fastest few and the default's rank (each checked against the
 reference).
 """
 from __future__ import annotations
@@ -76,7 +75,7 @@ def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: 
     return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
 
 
-def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, options=False) -> list:
+def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     """Times every launch configuration of the grid on one shape; prints the fastest five."""
     import itertools
 
@@ -84,19 +83,14 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, options=F
     floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
     results = []
     rows = h // hkv * m
-    ragged = rows > 128 and rows % 128  # a remainder past the full 128-row tiles: extra_rows matters
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
-    # the loop's options (pipelined q.k, lazy rescaling) matter where the tensor cores are busy
-    # (pipelined q.k and lazy rescaling were slower everywhere in attention_sweep_h200.log; extra rows
-    # slower at M=69: swept only with --options)
-    loop_options = (False, True) if big and options else (False,)
+    # warp specialization matters where the tensor cores are busy
     grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
-                             loop_options, loop_options, (False, True) if ragged and options else (False,),
-                             (0, 64) if rows > 64 else (0,))
+                             (False, True) if big else (False,), (0, 64) if rows > 64 else (0,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
-                                                   num_stages=stages, per_sm=per_sm, tma=tma, pipeline=pipeline,
-                                                   lazy_rescale=lazy, extra_rows=extra, block_q=bq)
-                                      for (bn, stages), warps, per_sm, tma, pipeline, lazy, extra, bq in grid]:
+                                                   num_stages=stages, per_sm=per_sm, tma=tma, warp_specialize=ws,
+                                                   block_q=bq)
+                                      for (bn, stages), warps, per_sm, tma, ws, bq in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -127,8 +121,6 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
-    p.add_argument("--options", action="store_true",
-                   help="the table (and the sweep) time the pipelined, lazy-rescaling and extra-rows loops too")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
@@ -153,7 +145,7 @@ def main(argv=None):
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
-                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.options))
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate))
                 continue
             impls = {
                 "triton": lambda: tree_attention(q, k, v, lengths, tree),  # TMA loads for 128-row tiles (Hopper)
@@ -166,13 +158,9 @@ def main(argv=None):
             }
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
-            if args.options:  # slower everywhere on the H200 (benchmarks/results/attention_8b_variants_h200.log)
-                impls["triton (pipelined)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(pipeline=True))
-                impls["triton (pipelined, lazy)"] = lambda: tree_attention(
-                    q, k, v, lengths, tree, KernelConfig(pipeline=True, lazy_rescale=True))
-                if g * m > 128 and g * m % 128:  # rows past the full tiles: a side tile of their own, or riding along
-                    impls["triton (extra rows)"] = lambda: tree_attention(q, k, v, lengths, tree,
-                                                                          KernelConfig(extra_rows=True))
+            if g * m >= 128:  # full tiles: the tensor cores are busy (not yet timed on a GPU)
+                impls["triton (warp-specialized)"] = lambda: tree_attention(q, k, v, lengths, tree,
+                                                                            KernelConfig(warp_specialize=True))
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
             for name, fn in impls.items():
                 try:
@@ -182,6 +170,9 @@ def main(argv=None):
                 except torch.OutOfMemoryError:
                     err, t = float("nan"), float("nan")
                     torch.cuda.empty_cache()
+                except Exception as e:  # noqa: BLE001 - an option this Triton cannot compile: reported, not fatal
+                    print(f"S={s:>6} M={m:>3} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
                 rows.append(dict(context=s, m=m, impl=name, us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor,
                                  rel_err=err))
                 print(f"S={s:>6} M={m:>3} {name:<16} {t * 1e6:9.1f} us  floor {floor * 1e6:7.1f} us  "

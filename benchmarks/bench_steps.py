@@ -143,8 +143,8 @@ def main(argv=None):
     p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
                    "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
-    p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma,block_q=64 "
-                   "(KernelConfig's fields: a boolean one by its name, an integer one as name=value)")
+    p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma=0,block_q=64 "
+                   "(KernelConfig's fields: a boolean one by its name or as name=0/1, an integer one as name=value)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
@@ -160,8 +160,8 @@ def main(argv=None):
         options = {}
         for item in filter(None, (x.strip() for x in args.kernel.split(","))):
             name, eq, value = item.partition("=")
-            if fields.get(name) in (bool, "bool", "Optional[bool]") and not eq:
-                options[name] = True
+            if fields.get(name) in (bool, "bool", "Optional[bool]") and value in ("", "0", "1"):
+                options[name] = value != "0"
             elif fields.get(name) in (int, "int") and value.isdigit():
                 options[name] = int(value)
             else:

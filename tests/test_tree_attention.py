@@ -98,14 +98,10 @@ def test_lengths_outside_the_cache_never_read_outside_it():
                                     KernelConfig(block_n=16, programs=64, min_chunk=16),
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=64, min_chunk=16, extra_rows=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=1, extra_rows=True, tma=True),
-                                    KernelConfig(block_n=16, programs=64, min_chunk=16, pipeline=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, pipeline=True,
-                                                 extra_rows=True, tma=True),
-                                    KernelConfig(block_n=16, programs=3, min_chunk=16, lazy_rescale=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=3, min_chunk=16, lazy_rescale=True,
-                                                 pipeline=True, extra_rows=True)])
+                                    KernelConfig(block_q=32, block_n=16, programs=1, tma=True),
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16, warp_specialize=True),
+                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, warp_specialize=True,
+                                                 tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -195,13 +191,11 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(extra_rows=True), KernelConfig(pipeline=True),
-                                    KernelConfig(lazy_rescale=True),
-                                    KernelConfig(tma=True, extra_rows=True, pipeline=True, lazy_rescale=True,
-                                                 block_n=128, num_stages=2)])
+@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(tma=False), KernelConfig(warp_specialize=True),
+                                    KernelConfig(tma=True, warp_specialize=True, block_n=128, num_stages=2)])
 def test_kernel_options_bfloat16_on_gpu(config):
-    """TMA loads, extra rows (a 69-token tree x 4 heads: 2 full tiles + 20 rows) and the
-    pipelined q.k on the GPU."""
+    """TMA loads on and off and the warp-specialized loop on the GPU (a 69-token tree x 4 heads:
+    2 full 128-row tiles + 20 rows)."""
     check([4096, 17, 1], 69, 32, 8, 128, torch.bfloat16, "cuda", config=config)
     check([5000], 16, 32, 8, 128, torch.bfloat16, "cuda", config=config)
 
@@ -234,14 +228,11 @@ def test_a_row_that_sees_nothing_in_its_first_block_keeps_its_later_keys(dtype, 
     dense_check(ours, q, k, v, mask, dtype)
 
 
-@pytest.mark.parametrize("programs,pipeline", [(64, False), (1, False), (64, True)])
-@pytest.mark.parametrize("lazy", [False, True])
-def test_rows_past_the_full_tiles_ride_along(programs, pipeline, lazy):
-    """extra_rows: 36 packed rows in 32-row tiles = one full tile + 4 rows in a 16-row side tile
-    of the same program, through the tree, per-query-limit and masked paths (ragged limits,
-    pending tree tokens, a row that sees nothing)."""
-    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16, extra_rows=True, pipeline=pipeline,
-                          lazy_rescale=lazy)
+@pytest.mark.parametrize("programs", [64, 1])
+def test_ragged_tiles_through_every_path(programs):
+    """36 packed rows in 32-row tiles (a full tile and one of 4 rows) through the tree,
+    per-query-limit and masked paths: ragged limits, pending tree tokens, a row that sees nothing."""
+    config = KernelConfig(block_q=32, block_n=16, programs=programs, min_chunk=16)
     device = "cuda" if ON_GPU else "cpu"
     check([90, 33], 9, 8, 2, 16, torch.float32, device, pending=2, config=config)
     gen = torch.Generator().manual_seed(9)
@@ -256,18 +247,13 @@ def test_rows_past_the_full_tiles_ride_along(programs, pipeline, lazy):
     dense_check(ours, q, k, v, mask, torch.float32)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=1, lazy_rescale=True),
-                                    KernelConfig(block_n=16, programs=1, lazy_rescale=True, pipeline=True)])
-def test_lazy_rescaling_follows_a_growing_max(config):
-    _growing_max(config)
-
-
-@pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=8, min_chunk=16, lazy_rescale=True, pipeline=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=8, min_chunk=16, lazy_rescale=True,
-                                                 pipeline=True, extra_rows=True, tma=True)])
-def test_loop_options_over_many_blocks_per_split(config):
-    """Pipelined, lazily rescaled unmasked loops of many blocks in each of several splits (their
-    partials merged), ragged rows, and per-query limits long enough to reach the unmasked loop."""
+@pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=8, min_chunk=16),
+                                    KernelConfig(block_q=32, block_n=16, programs=8, min_chunk=16, warp_specialize=True,
+                                                 tma=True)])
+def test_unmasked_loops_of_many_blocks_per_split(config):
+    """Unmasked loops of many blocks in each of several splits (their partials merged), ragged
+    rows, scores climbing along the prefix, and per-query limits long enough to reach the
+    unmasked loop."""
     device = "cuda" if ON_GPU else "cpu"
     check([2048, 1000, 0], 9, 8, 2, 16, torch.float32, device, pending=1, config=config)
     _growing_max(config)
@@ -280,8 +266,8 @@ def test_loop_options_over_many_blocks_per_split(config):
 
 
 def _growing_max(config):
-    """Scores that climb along the prefix (by ~230 in log2 units over 300 keys): the lazy update
-    must still move its max (and rescale) when a row's grows by more than 8, or exp2 overflows."""
+    """Scores that climb along the prefix (by ~230 in log2 units over 300 keys): the running max
+    must move with them (and the output be rescaled), or exp2 overflows."""
     gen = torch.Generator().manual_seed(10)
     device = "cuda" if ON_GPU else "cpu"
     b, hq, hkv, m, cap, d = 1, 4, 2, 5, 320, 16

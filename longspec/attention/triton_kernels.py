@@ -49,34 +49,20 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                        LAZY: tl.constexpr = False):
+    def _softmax_update(s, v, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
         """One key block of the online softmax: raw scores s = q.k [BLOCK_Q, BLOCK_N] (-inf where
         hidden, only if MASKED), values v [BLOCK_N, HEAD_D] -> the updated running max (log2
         units), sum and output, the sum and output relative to that max. Unmasked blocks skip the
-        guards for rows that saw nothing yet. LAZY (unmasked blocks): the max, and with it the
-        output, is only moved when some row's grew by more than 8 (weights up to 2^8, exact
-        after the final division; most blocks then skip the rescaling of the output)."""
+        guards for rows that saw nothing yet."""
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if LAZY:
-            if tl.max(m_new - m_i, 0) > 8.0:  # the first block always (m_i = -inf)
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s * qk_scale - m_i[:, None])
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-            m_out, l_out = m_i, l_i + tl.sum(p, 1)
-        else:
-            m_use = m_new
-            if MASKED:  # a row that sees nothing yet: exponentials against 0, the max stays -inf (a
-                # clamped max carried on would underflow the row's later, far-below-0 scores)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s * qk_scale - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            m_out, l_out = m_new, l_i * alpha + tl.sum(p, 1)
-        return m_out, l_out, acc
+        m_use = m_new
+        if MASKED:  # a row that sees nothing yet: exponentials against 0, the max stays -inf (a
+            # clamped max carried on would underflow the row's later, far-below-0 scores)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
     def _block(DESC, base, row0, lo, blk, stride, d, TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
@@ -135,12 +121,9 @@ if triton is not None:
     def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, OP, LP, OUT,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, N_MAIN, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, PIPELINE: tl.constexpr,
-                        LAZY: tl.constexpr,
-                        BLOCK_Q: tl.constexpr,
-                        EXTRA_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         d = tl.arange(0, HEAD_D)
@@ -152,50 +135,19 @@ if triton is not None:
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
         first_end = tl.min(tl.where(row_ok, row_end, CAP), 0)
         last_end = tl.max(tl.where(row_ok, row_end, 0), 0)
-        if EXTRA_Q > 0:  # rows past the full tiles ride along (a 69-token tree x 4 heads: 2 x 128 + 20)
-            rows2, row_ok2, i2, q2, row_end2 = _rows(Q, LIM, b, h, N_MAIN + tile * EXTRA_Q, sq_b, sq_h, sq_m, slim_b,
-                                                     slim_m, M, G, length, HAS_LIMIT, EXTRA_Q, HEAD_D)
-            m2 = tl.full([EXTRA_Q], float("-inf"), tl.float32)
-            l2 = tl.zeros([EXTRA_Q], tl.float32)
-            acc2 = tl.zeros([EXTRA_Q, HEAD_D], tl.float32)
-            first_end = tl.minimum(first_end, tl.min(tl.where(row_ok2, row_end2, CAP), 0))
-            last_end = tl.maximum(last_end, tl.max(tl.where(row_ok2, row_end2, 0), 0))
         k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
         lo = split * CHUNK
         every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
         row0 = ((b * HKV + h) * CAP + lo).to(tl.int32)  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
-        if PIPELINE:  # the next block's q.k is issued before this block's softmax (tensor cores and
-            # exponentials at the same time, where the compiler keeps the product asynchronous)
-            if n_full > 0:
-                k = _block(KD, k_base, row0, lo, 0, sk_s, d, True, TMA, BLOCK_N)
-                s = tl.dot(q, k, input_precision=PRECISION)
-                if EXTRA_Q > 0:
-                    s2 = tl.dot(q2, k, input_precision=PRECISION)
-                for blk in range(0, n_full - 1):
-                    v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
-                    k = _block(KD, k_base, row0, lo, blk + 1, sk_s, d, True, TMA, BLOCK_N)
-                    s_next = tl.dot(q, k, input_precision=PRECISION)
-                    m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION, LAZY)
-                    s = s_next
-                    if EXTRA_Q > 0:
-                        s2_next = tl.dot(q2, k, input_precision=PRECISION)
-                        m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION, LAZY)
-                        s2 = s2_next
-                v = _block(VD, v_base, row0, lo, n_full - 1, sv_s, d, False, TMA, BLOCK_N)
-                m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, False, PRECISION, LAZY)
-                if EXTRA_Q > 0:
-                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, False, PRECISION, LAZY)
-        else:
-            for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-                k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
-                v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
-                m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
-                                                False, PRECISION, LAZY)
-                if EXTRA_Q > 0:
-                    m2, l2, acc2 = _softmax_update(tl.dot(q2, k, input_precision=PRECISION), v, m2, l2, acc2,
-                                                   qk_scale, False, PRECISION, LAZY)
+        # whole blocks every row sees: no masks in the hot loop (WARP_SPECIALIZE: Triton's automatic
+        # warp specialization of this loop, loads and matrix products in warps of their own)
+        for blk in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
+            k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
+            v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
+            m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
+                                            False, PRECISION)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,9 +156,6 @@ if triton is not None:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
-            if EXTRA_Q > 0:
-                s2 = tl.where(n[None, :] < row_end2[:, None], tl.dot(q2, k, input_precision=PRECISION), float("-inf"))
-                m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, True, PRECISION)
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
             for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -218,16 +167,8 @@ if triton is not None:
                              other=0)
                 s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
                 m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
-                if EXTRA_Q > 0:
-                    tm2 = tl.load(TM + b * stm_b + i2[:, None] * stm_m + j[None, :],
-                                  mask=row_ok2[:, None] & n_ok[None, :], other=0)
-                    s2 = tl.where(tm2 != 0, tl.dot(q2, k, input_precision=PRECISION), float("-inf"))
-                    m2, l2, acc2 = _softmax_update(s2, v, m2, l2, acc2, qk_scale, True, PRECISION)
         _finish(acc, m_i, l_i, rows, row_ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
                 sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
-        if EXTRA_Q > 0:
-            _finish(acc2, m2, l2, rows2, row_ok2, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
-                    sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
 
     @triton.jit
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
@@ -288,9 +229,10 @@ class KernelConfig:
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
     # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
-    extra_rows: bool = False  # rows past the full tiles ride along them (a small tile each) instead of a tile of their own
-    pipeline: bool = False  # the unmasked loop issues the next block's q.k before this block's softmax
-    lazy_rescale: bool = False  # the unmasked loop rescales the output only when a row's max grows by > 2^8
+    # Triton's automatic warp specialization of the unmasked loop (not yet timed). The loop variants
+    # timed slower on the H200 were removed (README "Hybrid tree attention at the 8B shape"): the
+    # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full tiles
+    warp_specialize: bool = False
 
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
@@ -351,11 +293,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     c, g = config, hq // hkv
     rows = g * m
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
-    tiles, extra = triton.cdiv(rows, block_q), 0
-    if c.extra_rows and rows > block_q and rows % block_q:  # the remainder rides along the full tiles
-        full = rows // block_q
-        extra = max(16, triton.next_power_of_2(-(-(rows - full * block_q) // full)))
-        tiles, extra = (full, extra) if extra < block_q else (tiles, 0)
+    tiles = triton.cdiv(rows, block_q)
     units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
     n_splits, chunk = plan(cap, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
@@ -388,10 +326,9 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, n_splits, cap, tiles * block_q, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, PIPELINE=c.pipeline, LAZY=c.lazy_rescale,
-            BLOCK_Q=block_q, EXTRA_Q=extra,
-            BLOCK_N=c.block_n, HEAD_D=d,
+            hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, WARP_SPECIALIZE=c.warp_specialize,
+            BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
         if not direct:
