@@ -104,3 +104,53 @@ def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
         outs.append(Generator(target, LongSpecProposer(draft, PromptLookup()), tree="3,3").generate(prompts, config))
     assert outs[1].sequences == outs[0].sequences
     torch._dynamo.reset()
+
+
+def test_compiled_prefill_matches_eager_and_compiles_once_for_every_length(tiny, compiled_backend):
+    """``compile_prefill``: causal prefill chunks through one dynamically shaped compiled layer:
+    the same logits and cache as eager prefill, for prompts of several lengths and row counts,
+    without a compilation per length."""
+    import torch._dynamo
+
+    target = load_target(tiny[1])
+    shapes = [(1, 37), (1, 52), (1, 91), (2, 23), (3, 64)]
+    results, graphs = {}, {}
+    for compiled in (False, True):
+        target.compile_steps = target.compile_prefill = compiled
+        gen = torch.Generator().manual_seed(5)
+        for rows, length in shapes:
+            cache = target.new_cache(rows, 128)
+            lengths = torch.tensor([length - 3 * r for r in range(rows)])  # right-padded rows
+            logits = target.prefill(torch.randint(0, 160, (rows, length), generator=gen), lengths, cache)
+            results.setdefault((rows, length), []).append((logits, cache.k.clone(), cache.v.clone(), cache.lengths))
+            graphs[rows, length] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if not compiled:
+            assert torch._dynamo.utils.counters["frames"]["ok"] == 0  # eager: nothing compiled
+    for eager, compiled in results.values():
+        for ours, ref in zip(compiled, eager):
+            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    # compiled for one row (sizes of 1 are specialised) and once more for several: not per length
+    assert graphs[1, 37] > 0 and graphs[1, 37] == graphs[1, 52] == graphs[1, 91]
+    assert graphs[2, 23] > graphs[1, 91] and graphs[2, 23] == graphs[3, 64]
+
+
+def test_warm_up_compiles_the_prefill_and_leaves_the_engine_empty(tiny, compiled_backend):
+    """A server's warm-up compiles the prefill for one row and for several, on idle rows it
+    empties again: requests afterwards get the tokens they get without it."""
+    import torch._dynamo
+
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = load_target(tiny[1])
+    prompt = torch.randint(0, 160, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    alone = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=8, ignore_eos=True)).sequences[0]
+    target.compile_steps = target.compile_prefill = True
+    engine = Engine(target, None, None, max_batch=3, max_len=64)
+    engine.warm_up()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0 and "prefill" in target_module._COMPILED
+    assert not engine.cache.lengths.any() and not engine.has_active
+    seq = Sequence(prompt, 8)
+    engine.add([seq])
+    while engine.has_active:
+        engine.step()
+    assert seq.tokens == alone
