@@ -267,7 +267,6 @@ def cmd_serve(args) -> int:
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     target = load_target(target_dir, dtype=dtype, device=device)
-    target.compile_prefill = args.compile_prefill
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
@@ -427,9 +426,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
                           "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
                           "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
-    srv.add_argument("--compile-prefill", action="store_true",
-                     help="prefill prompts through compiled layers with dynamic shapes (CUDA; compiled at warm-up): "
-                          "less host work per arriving request; not yet the default")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

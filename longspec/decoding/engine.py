@@ -291,18 +291,11 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self, sampled: bool = False) -> float:
         """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
-        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round; with
-        ``target.compile_prefill``, the compiled prefill too (for one row and for several). Call
+        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round. Call
         with no sequences in the engine. Returns the seconds it took."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
-        if self.target.compile_steps and self.target.compile_prefill:
-            for n in sorted({1, min(2, len(self.rows))}):  # sizes of 1 compile apart from the others
-                rows = self.cache.rows(0, n)
-                ids = torch.zeros(n, 17, dtype=torch.long, device=self.target.device)
-                self.target.prefill(ids, torch.full((n,), 17), rows)
-                rows.lengths.zero_()
         for self.greedy_round in (True, False) if sampled else (True,):
             for n in self.buckets:
                 self._round(n)[1].prepare()

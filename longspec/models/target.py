@@ -165,10 +165,9 @@ def run_layer(layer: DecoderLayer, x, cos, sin, k_layer, v_layer, meta):
 _COMPILED: dict = {}
 
 
-def compile_step(fn, dynamic: bool = False):
-    """``torch.compile`` as fixed-shape steps use it: static shapes (``dynamic``: symbolic ones,
-    one compiled version for every size), Inductor (the environment variable
-    ``LONGSPEC_COMPILE_BACKEND`` picks another backend, e.g. ``aot_eager`` in CPU tests).
+def compile_step(fn):
+    """``torch.compile`` as fixed-shape steps use it: static shapes, Inductor (the environment
+    variable ``LONGSPEC_COMPILE_BACKEND`` picks another backend, e.g. ``aot_eager`` in CPU tests).
     Each new shape compiles once (seconds); the recompilation limit is raised for the few shapes
     an engine uses (decode, verify, each draft level, each batch size). Where compilation is not
     possible (no Triton for Inductor, an unsupported Python, a compiler error) the step runs
@@ -178,7 +177,7 @@ def compile_step(fn, dynamic: bool = False):
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
     try:
-        compiled = torch.compile(fn, dynamic=dynamic, backend=os.environ.get("LONGSPEC_COMPILE_BACKEND", "inductor"),
+        compiled = torch.compile(fn, dynamic=False, backend=os.environ.get("LONGSPEC_COMPILE_BACKEND", "inductor"),
                                  mode=os.environ.get("LONGSPEC_COMPILE_MODE"))
     except RuntimeError as err:  # e.g. Dynamo does not support this Python version
         _compile_failed(err)
@@ -208,16 +207,6 @@ def compiled_layer():
     return _COMPILED["layer"]
 
 
-def compiled_prefill_layer():
-    """``run_layer`` compiled with dynamic shapes for causal prefill chunks: one version for every
-    prompt length (and one for several rows), its norms, RoPE, cache write and SwiGLU fused; the
-    ~50 eager operations per layer (~1500 for a 30-layer model, whatever the prompt's length) were
-    most of a short prompt's prefill time on a GPU."""
-    if "prefill" not in _COMPILED:
-        _COMPILED["prefill"] = compile_step(run_layer, dynamic=True)
-    return _COMPILED["prefill"]
-
-
 class DecoderStack(nn.Module):
     """``model.*`` of a HF checkpoint: embeddings, layers, final norm."""
 
@@ -245,7 +234,6 @@ class TargetModel(nn.Module):
         self.attention_impl = "sdpa"
         # fixed-shape steps run each layer through torch.compile (load_target's default on CUDA)
         self.compile_steps = False
-        self.compile_prefill = False  # causal prefill chunks through compiled_prefill_layer (with compile_steps)
 
     @property
     def device(self) -> torch.device:
@@ -303,11 +291,7 @@ class TargetModel(nn.Module):
         meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
         cos, sin = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
-        run = run_layer
-        if self.compile_steps and self.fused and n_keys is not None:
-            run = compiled_layer()
-        elif self.compile_steps and self.compile_prefill and self.fused and meta.causal:
-            run = compiled_prefill_layer()
+        run = compiled_layer() if self.compile_steps and n_keys is not None and self.fused else run_layer
         for i, layer in enumerate(self.model.layers):
             x = run(layer, x, cos, sin, cache.k[i], cache.v[i], meta)
         cache.pending += input_ids.shape[1]
