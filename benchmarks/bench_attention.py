@@ -1,8 +1,7 @@
 """Tree attention alone (DESIGN.md 2.4): M tree queries over a cached prefix of S keys plus the M
 tree keys, at an 8B-Llama shape (H=32, Hkv=8, D=128, bf16). Implementations: ours (the Triton
 split-KV + masked-tree kernel, as the engine runs it: TMA loads for 128-row tiles on Hopper; with
-and without TMA everywhere; with Triton's automatic warp specialization of the unmasked loop
-where tiles are full), PyTorch's flash SDPA
+and without TMA everywhere), PyTorch's flash SDPA
 (``_scaled_dot_product_flash_attention``, which cannot apply the tree mask: a speed reference only), SDPA with a dense mask, and the
 matmul path (two batched products + float32 softmax). Each is checked against the float64
 reference (except flash, which computes another function) and timed as the engine runs it: CUDA
@@ -13,8 +12,8 @@ Prints a table and one JSON line last.
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
-block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles,
-the warp-specialized loop) per shape instead, and prints the fastest few and the default's rank (each checked against the
+block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles)
+per shape instead, and prints the fastest few and the default's rank (each checked against the
 reference).
 """
 from __future__ import annotations
@@ -84,13 +83,11 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
     results = []
     rows = h // hkv * m
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
-    # warp specialization matters where the tensor cores are busy
     grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
-                             (False, True) if big else (False,), (0, 64) if rows > 64 else (0,))
+                             (0, 64) if rows > 64 else (0,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
-                                                   num_stages=stages, per_sm=per_sm, tma=tma, warp_specialize=ws,
-                                                   block_q=bq)
-                                      for (bn, stages), warps, per_sm, tma, ws, bq in grid]:
+                                                   num_stages=stages, per_sm=per_sm, tma=tma, block_q=bq)
+                                      for (bn, stages), warps, per_sm, tma, bq in grid]:
         try:
             out = tree_attention(q, k, v, lengths, tree, config)
             err = float((out.double() - ref).norm() / ref.norm())
@@ -158,9 +155,6 @@ def main(argv=None):
             }
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
-            if g * m >= 128:  # full tiles: the tensor cores are busy (not yet timed on a GPU)
-                impls["triton (warp-specialized)"] = lambda: tree_attention(q, k, v, lengths, tree,
-                                                                            KernelConfig(warp_specialize=True))
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
             for name, fn in impls.items():
                 try:

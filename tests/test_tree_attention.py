@@ -99,9 +99,7 @@ def test_lengths_outside_the_cache_never_read_outside_it():
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
                                     KernelConfig(block_q=32, block_n=16, programs=1, tma=True),
-                                    KernelConfig(block_n=16, programs=64, min_chunk=16, warp_specialize=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, warp_specialize=True,
-                                                 tma=True)])
+                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -191,11 +189,11 @@ def test_masked_attention_over_a_ring_buffer(dtype, broadcast):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(tma=False), KernelConfig(warp_specialize=True),
-                                    KernelConfig(tma=True, warp_specialize=True, block_n=128, num_stages=2)])
+@pytest.mark.parametrize("config", [KernelConfig(tma=True), KernelConfig(tma=False),
+                                    KernelConfig(tma=True, block_n=128, num_stages=2)])
 def test_kernel_options_bfloat16_on_gpu(config):
-    """TMA loads on and off and the warp-specialized loop on the GPU (a 69-token tree x 4 heads:
-    2 full 128-row tiles + 20 rows)."""
+    """TMA loads on and off on the GPU (a 69-token tree x 4 heads: 2 full 128-row tiles + 20
+    rows)."""
     check([4096, 17, 1], 69, 32, 8, 128, torch.bfloat16, "cuda", config=config)
     check([5000], 16, 32, 8, 128, torch.bfloat16, "cuda", config=config)
 
@@ -248,8 +246,7 @@ def test_ragged_tiles_through_every_path(programs):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(block_n=16, programs=8, min_chunk=16),
-                                    KernelConfig(block_q=32, block_n=16, programs=8, min_chunk=16, warp_specialize=True,
-                                                 tma=True)])
+                                    KernelConfig(block_q=32, block_n=16, programs=8, min_chunk=16, tma=True)])
 def test_unmasked_loops_of_many_blocks_per_split(config):
     """Unmasked loops of many blocks in each of several splits (their partials merged), ragged
     rows, scores climbing along the prefix, and per-query limits long enough to reach the

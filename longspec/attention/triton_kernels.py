@@ -122,7 +122,7 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr,
                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
@@ -141,9 +141,7 @@ if triton is not None:
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
         row0 = ((b * HKV + h) * CAP + lo).to(tl.int32)  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
-        # whole blocks every row sees: no masks in the hot loop (WARP_SPECIALIZE: Triton's automatic
-        # warp specialization of this loop, loads and matrix products in warps of their own)
-        for blk in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
+        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
             k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
             v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
             m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
@@ -229,10 +227,9 @@ class KernelConfig:
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
     # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
-    # Triton's automatic warp specialization of the unmasked loop (not yet timed). The loop variants
-    # timed slower on the H200 were removed (README "Hybrid tree attention at the 8B shape"): the
-    # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full tiles
-    warp_specialize: bool = False
+    # loop variants timed on the H200 and removed, none faster (README "Hybrid tree attention at the
+    # 8B shape"): the next block's q.k before this block's softmax, lazy rescaling, extra rows riding
+    # along full tiles, Triton's automatic warp specialization of the unmasked loop
 
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
@@ -327,7 +324,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, WARP_SPECIALIZE=c.warp_specialize,
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma,
             BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
