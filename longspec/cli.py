@@ -251,7 +251,8 @@ def cmd_serve(args) -> int:
             raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
-    from .serve import bucket_trees_option, build_server, choose_bucket_trees, create_app
+    from .decoding.auto import bucket_trees_option, choose_bucket_trees
+    from .serve import build_server, create_app
 
     bucket_trees = bucket_trees_option(args.bucket_trees, name, tree, buckets, args.max_batch)
     try:
