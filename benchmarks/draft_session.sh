@@ -16,6 +16,10 @@
 #   export  the trained draft in bf16 with its reduced vocabulary (the 8192 most frequent tokens of
 #           numpy + networkx) and its acceptance table (httpx + starlette: held out), as
 #           $OUT/export.tar (with metrics.jsonl and the logs): unpack over longspec/assets/ to ship.
+# Resuming a run: its checkpoint (~49 MB) and the model's parts do not fit one call's 64 MiB
+# together: call 1 carries .stage/smol.part.00 (copied to /root/stage) and .data; call 2 carries
+# .ckpt (`mkdir -p /root/stage/ckpt && cp .ckpt/draft.tar.part.* /root/stage/ckpt/`); call 3 the
+# other model parts, the sha256 and the gguf wheel, with RESUME=1 PHASES="train export".
 # COMPILE=1 adds --compile (2-5% faster steps; a call of 230 s once ended in its compilation
 # before step 50: not by default). The call limit is 600 s: run `PHASES="chats train"` in one call and `PHASES="train export"` in
 # the next (the machine stays warm 30 s between calls).
@@ -57,8 +61,11 @@ for phase in $PHASES; do
         tar -C /root/stage -czf - chats.0.jsonl chats.1.jsonl | split -b 15m -d - "$OUT/chats.tar.part."
       fi ;;
     train)
-      if [ -n "${RESUME:-}" ] && [ ! -d $RUN ] && ls .ckpt/draft.tar.part.* >/dev/null 2>&1; then
-        mkdir -p $RUN && cat .ckpt/draft.tar.part.* | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
+      # the checkpoint carried in .ckpt/, or staged in /root/stage/ckpt/ by an earlier call of this
+      # session (a checkpoint and the model's big part together pass one call's 64 MiB)
+      ckpt=$(ls .ckpt/draft.tar.part.* 2>/dev/null || ls /root/stage/ckpt/draft.tar.part.* 2>/dev/null)
+      if [ -n "${RESUME:-}" ] && [ ! -d $RUN ] && [ -n "$ckpt" ]; then
+        mkdir -p $RUN && cat $ckpt | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
       fi
       resume=""; [ -f $RUN/checkpoints/latest ] && resume="--resume"
       chats=$(for f in /root/stage/chats.*.jsonl; do [ -s "$f" ] && echo "$f"; done)  # a shard may have failed
