@@ -17,9 +17,10 @@
 #           numpy + networkx) and its acceptance table (httpx + starlette: held out), as
 #           $OUT/export.tar (with metrics.jsonl and the logs): unpack over longspec/assets/ to ship.
 # Resuming a run: its checkpoint (~49 MB) and the model's parts do not fit one call's 64 MiB
-# together: call 1 carries .stage/smol.part.00 (copied to /root/stage) and .data; call 2 carries
-# .ckpt (`mkdir -p /root/stage/ckpt && cp .ckpt/draft.tar.part.* /root/stage/ckpt/`); call 3 the
-# other model parts, the sha256 and the gguf wheel, with RESUME=1 PHASES="train export".
+# together: call 1 carries .stage/smol.part.00 (copied to /root/stage); call 2 carries .ckpt
+# (`mkdir -p /root/stage/ckpt && cp .ckpt/draft.tar.part.* /root/stage/ckpt/`); call 3 the other
+# model parts, the sha256, the gguf wheel and .data, with RESUME=1 (the chats phase then only
+# unpacks the carried chats).
 # COMPILE=1 adds --compile (2-5% faster steps; a call of 230 s once ended in its compilation
 # before step 50: not by default). The call limit is 600 s: run `PHASES="chats train"` in one call and `PHASES="train export"` in
 # the next (the machine stays warm 30 s between calls).
