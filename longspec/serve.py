@@ -77,6 +77,7 @@ class Worker:
         self.stopped = False
         # engine rounds; seconds in them, in their hand-over of tokens (detokenising, queueing), in all the work
         self.rounds, self.round_s, self.emit_s, self.busy_s = 0, 0.0, 0.0, 0.0
+        self._emitting = 0.0  # hand-over seconds since the last round began (admissions hand over too)
         self.thread = threading.Thread(target=self._loop, name="longspec-engine", daemon=True)
         self.thread.start()
 
@@ -128,17 +129,20 @@ class Worker:
             try:
                 self._admit(admit)
                 if self.running:
-                    step_start = time.perf_counter()
+                    step_start, self._emitting = time.perf_counter(), 0.0
                     self.engine.step(streamer=self._on_tokens)
-                    self.rounds += 1
-                    self.round_s += time.perf_counter() - step_start
+                    with self.lock:
+                        self.rounds += 1
+                        self.round_s += time.perf_counter() - step_start
+                        self.emit_s += self._emitting
                     for request in list(self.running.values()):
                         if request.seq.done:
                             self._finish(request, request.finish_reason or self._reason(request))
             except Exception as err:  # noqa: BLE001 - a failed round fails its requests, the server lives on
                 for request in list(self.running.values()):
                     self._fail(request, err)
-            self.busy_s += time.perf_counter() - start
+            with self.lock:
+                self.busy_s += time.perf_counter() - start
 
     def _admit(self, requests: list) -> None:
         """Prefills the admitted requests: those without a seed together (one forward per run of
@@ -181,7 +185,7 @@ class Worker:
         try:
             self._hand_over(row)
         finally:
-            self.emit_s += time.perf_counter() - start
+            self._emitting += time.perf_counter() - start
 
     def _hand_over(self, row: int) -> None:
         request = self._by_row(row)

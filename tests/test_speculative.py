@@ -293,6 +293,15 @@ def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
     assert engine.view(2).draft_tree is None and engine.view(3).draft_tree.num_nodes == 9
+    # only the draft has state to bring up to date in a plain round: the others run the target alone
+    assert len(engine.runners[True, 2].phases) == (2 if proposer == "hybrid" else 1)
+    assert len(engine.phase_times()) == 2 and all(t >= 0 for t in engine.phase_times())
+
+    class Unaware(PromptLookup):  # a proposer that does not say it can follow plain rounds
+        follows_plain_rounds = False
+
+    with pytest.raises(ValueError, match="cannot follow plain rounds"):
+        Engine(target, Unaware(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "plain"})
     if proposer == "hybrid":  # plain rounds write the tokens they decode into the draft's window
         alone_plain = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=1, max_len=96,
                              bucket_trees={1: "plain"})

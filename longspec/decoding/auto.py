@@ -335,7 +335,7 @@ def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int)
     for item in spec.split(";"):
         bucket, sep, shape = item.partition("=")
         try:
-            out[int(bucket)] = None if shape.strip() == "plain" else TreeSpec.parse(shape)
+            out[int(bucket)] = None if shape.strip().lower() == "plain" else TreeSpec.parse(shape)
         except ValueError as err:
             detail = "" if sep else " (expected BUCKET=TREE)"
             raise ValueError(f"--bucket-trees takes auto, off or 'B=TREE;B=TREE' (e.g. '16=2,2,2'): "
@@ -351,9 +351,9 @@ def bucket_trees_option(spec: str, proposer: str, tree, buckets, max_batch: int)
 
 
 def choose_bucket_trees(target, proposer, tree, buckets, max_batch: int, max_len: int) -> tuple:
-    """What ``--bucket-trees auto`` gives: ({bucket: tree}, a note to print or ""). On CUDA the
-    cost model (:func:`bucket_trees`, at half ``max_len``) picks the tree
-    of every bucket of 2 or more rows; a lone request keeps ``tree`` (the model does not see the
+    """What ``--bucket-trees auto`` gives: ({bucket: tree, or None for plain rounds}, a note to
+    print or ""). On CUDA the cost model (:func:`bucket_trees`, at half ``max_len``) picks for
+    every bucket of 2 or more rows; a lone request keeps ``tree`` (the model does not see the
     lookup chain's hits on its text). On a CPU every bucket keeps it: measuring them all eagerly
     takes minutes."""
     if target.device.type != "cuda":

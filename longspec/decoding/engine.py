@@ -22,6 +22,7 @@ import torch
 from ..cache import KVCache
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
+from .proposers import Proposer
 from .runner import PhaseRunner
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
 from .sequence import DEFAULT_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
@@ -264,17 +265,24 @@ class Engine:
             state = [v.root, v.cache.lengths, v.out_tokens, v.out_counts]
             if self.proposer is None:
                 phases = [partial(self._decode_phase, v)]
-            else:  # (draft, target): a plain bucket's proposer only takes the round's root in
-                first, second = ((self._follow_phase, self._decode_phase) if v.tree is None
-                                 else (self._propose_phase, self._verify_phase))
-                phases = [partial(first, v), partial(second, v)]
+            elif v.tree is None:  # a plain bucket: the proposer takes the round's root in, if it needs to
+                follows = type(v.proposer).decoded is not Proposer.decoded
+                phases = [partial(self._follow_phase, v)] * follows + [partial(self._decode_phase, v)]
+                state += v.proposer.state_tensors()
+            else:
+                phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
                 state += v.proposer.state_tensors()
             self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
         return self.runners[key]
 
     def phase_times(self) -> list:
-        """Seconds spent in each phase, over every kind of round."""
-        return [sum(r.times[i] for r in self.runners.values()) for i in range(1 if self.proposer is None else 2)]
+        """Seconds spent in each phase (with a proposer: drafting, then the target's), over every
+        kind of round; a plain bucket's round counts its target step as the target's phase."""
+        out = [0.0] * (1 if self.proposer is None else 2)
+        for r in self.runners.values():
+            for i, t in enumerate(reversed(r.times)):
+                out[-1 - i] += t
+        return out
 
     def close(self) -> None:
         """Drops the captured graphs, the references the engine holds to itself (its runners'

@@ -69,7 +69,9 @@ class Proposer:
 
     graphable = False
     narrowable = False  # implements rows(): an engine may run it on part of its batch
-    follows_plain_rounds = False  # implements decoded(): an engine may decode some rounds plainly
+    # an engine may decode some rounds plainly: the proposer keeps up through ``accepted`` alone, or
+    # implements ``decoded`` (state built from each round's root)
+    follows_plain_rounds = False
 
     def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
         """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
@@ -89,8 +91,9 @@ class Proposer:
 
     def decoded(self, root: torch.Tensor) -> None:
         """A round decodes ``root`` [B] plainly, drafting nothing (a batch bucket where speculation
-        does not pay): take it in as a round would have. ``accepted`` then gets its one token."""
-        raise NotImplementedError(f"{type(self).__name__} cannot follow plain rounds")
+        does not pay): take it in as a round would have. ``accepted`` then gets its one token.
+        Proposers whose state follows from ``accepted`` alone leave this undefined (no work)."""
+        raise NotImplementedError
 
     def state_tensors(self) -> list:
         return []
@@ -137,7 +140,6 @@ class TreeDrafter(Proposer):
 
     lookup: Optional["PromptLookup"] = None
     narrowable = True
-    follows_plain_rounds = True
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.config, self.rng = target, cache, config, rng
@@ -190,9 +192,6 @@ class TreeDrafter(Proposer):
         if self.lookup is not None:
             view.lookup = self.lookup.rows(n, cache)
         return view
-
-    def decoded(self, root):
-        pass  # the emitted token reaches ``accepted``; a subclass with state built from roots adds to it
 
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -288,6 +287,7 @@ class PromptLookup(TreeDrafter):
     it, with fixed shapes: rounds can be captured in a CUDA graph."""
 
     graphable = True
+    follows_plain_rounds = True  # its history takes every emitted token through ``accepted``
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 8):
         if not 1 <= min_ngram <= max_ngram:
@@ -399,6 +399,7 @@ class LongSpecProposer(TreeDrafter):
     The re-read block always has ``D + 1`` columns (padding masked), so rounds have fixed shapes."""
 
     graphable = True
+    follows_plain_rounds = True  # ``decoded`` writes the window K/V a round's first forward would
 
     def __init__(self, draft, lookup: Optional["PromptLookup"] = None):
         """``lookup``: merge a prompt-lookup chain into the draft's beam tree (the hybrid
@@ -465,8 +466,6 @@ class LongSpecProposer(TreeDrafter):
         ids, index, valid = self._reread_block(root)
         k, v = self.draft.window_kv(ids, index)
         self.ring.write(k, v, index, torch.full_like(index, -1), valid)
-        if self.lookup is not None:
-            self.lookup.decoded(root)
 
     def _root_logits(self, root):
         b, device = root.shape[0], root.device

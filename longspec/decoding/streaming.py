@@ -20,6 +20,7 @@ class StreamingSelfSpec(TreeDrafter):
         self.window, self.sinks = window, sinks
 
     graphable = True
+    follows_plain_rounds = True  # its view is refreshed from the target cache every round
 
     def begin(self, target, cache, tree, config, rng):
         super().begin(target, cache, tree, config, rng)
