@@ -464,12 +464,14 @@ def _extension(request: Request) -> dict:
 
 
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
-                 max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None) -> Server:
+                 max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None,
+                 prefill_chunk: Optional[int] = None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
-    ``bucket_trees``: {bucket: smaller tree, or None for plain rounds} (see :class:`Engine`)."""
+    ``bucket_trees``: {bucket: smaller tree, or None for plain rounds}; ``prefill_chunk``: prompts
+    prefilled in graph-captured chunks of that many tokens (see :class:`Engine`)."""
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
     engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
-                    bucket_trees=bucket_trees)
+                    bucket_trees=bucket_trees, prefill_chunk=prefill_chunk)
     return Server(engine, tokenizer, model_name, max_queue)

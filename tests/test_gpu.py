@@ -247,3 +247,27 @@ def test_a_destroyed_graph_does_not_break_a_live_one():
     torch.cuda.synchronize()
     assert live.graphs is not None
     torch.testing.assert_close(out, x @ w)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
+    """Prompts prefilled in graph-captured chunks (every row's chunk step captured at warm-up):
+    the same greedy tokens as one eager prefill, rows joining between rounds."""
+    from test_speculative import run_joining
+
+    _, path = model
+    target = cuda_target(path, torch.float32)
+    draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=3)
+    prompts = [torch.randint(0, 160, (n,)).tolist() for n in (25, 60, 33, 41, 19)]
+    budgets = [9, 30, 12, 20, 7]
+    make = lambda: LongSpecProposer(draft, PromptLookup())  # noqa: E731
+    tree = TreeSpec.parse("2,3,3")
+    alone = [Generator(target, make(), tree).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True))
+             .sequences[0] for p, n in zip(prompts, budgets)]
+    engine = Engine(target, make(), tree, max_batch=4, max_len=192, prefill_chunk=chunk)
+    engine.warm_up()
+    assert all(r.graphs is not None for r in engine.chunked_prefill.runners.values())
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+

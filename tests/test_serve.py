@@ -82,7 +82,8 @@ def tiny_dir(tiny_model_factory, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     proc = ServerProcess("--target", str(tiny_dir), "--model-name", "tiny", "--proposer", "pld",
-                         "--max-batch", "4", "--max-len", "256", "--max-queue", "64")
+                         "--max-batch", "4", "--max-len", "256", "--max-queue", "64",
+                         "--prefill-chunk", "16")  # prompts in chunks (the other servers here: one eager prefill)
     yield proc
     proc.close()
 

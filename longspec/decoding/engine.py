@@ -22,6 +22,7 @@ import torch
 from ..cache import KVCache
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
+from .prefill import ChunkedPrefill
 from .proposers import Proposer
 from .runner import PhaseRunner
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
@@ -51,11 +52,14 @@ class Engine:
     the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
     e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
-    decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``."""
+    decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
+    ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens, graph-captured
+    per row on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill)."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
-                 buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None):
+                 buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None,
+                 prefill_chunk: Optional[int] = None):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
@@ -99,6 +103,8 @@ class Engine:
         self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round
         self.cuda_graphs = proposer is None or proposer.graphable if cuda_graphs is None else cuda_graphs
         self._views: dict = {}
+        self.chunked_prefill = (ChunkedPrefill(target, self.cache, prefill_chunk, self.step_keys, self.cuda_graphs)
+                                if prefill_chunk else None)
         # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket
         self.runners: dict = {}
         self.greedy_round = self.config.greedy
@@ -148,7 +154,11 @@ class Engine:
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
-        logits = self.target.prefill(ids.to(device), lens.to(device), rows)
+        chunked = self.chunked_prefill
+        if chunked is not None and all(chunked.fits(len(s.prompt)) for s in seqs):
+            logits = torch.cat([chunked(row0 + i, s.prompt) for i, s in enumerate(seqs)])
+        else:
+            logits = self.target.prefill(ids.to(device), lens.to(device), rows)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -292,6 +302,7 @@ class Engine:
         cannot run afterwards."""
         self.runners.clear()
         self._views.clear()
+        self.chunked_prefill = None
         self._accept = None
         if self.proposer is not None and owner_of(self.proposer) is self:  # its state belongs to this engine
             self.proposer.release()
@@ -304,6 +315,8 @@ class Engine:
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
+        for row in range(len(self.rows)) if self.chunked_prefill is not None else ():
+            self.chunked_prefill.runner(row).prepare()
         for self.greedy_round in (True, False) if sampled else (True,):
             for n in self.buckets:
                 self._round(n)[1].prepare()

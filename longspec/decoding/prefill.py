@@ -1,0 +1,71 @@
+"""Prompt prefill in fixed-size chunks, shaped like the engine's rounds.
+
+An eager prefill launches ~50 operations per layer from Python whatever the prompt's length: on
+the H200 a random-weight SmolLM2-shaped target took ~15 ms for 256 tokens as for 1700
+(``benchmarks/results/prefill_compiled_h200.log``), and in a server every running stream waits
+for each arriving request's prefill. :class:`ChunkedPrefill` runs a prompt as chunks of a fixed
+number of tokens, each one forward over a fixed number of cache slots with a causal mask, then
+commits the chunk's real tokens: on CUDA each row's chunk step is captured once as a CUDA graph
+(through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
+replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding)."""
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from .runner import PhaseRunner
+from .sampling import Uniforms
+
+
+class ChunkedPrefill:
+    """Prefills rows of ``cache`` (the engine's) ``chunk`` tokens at a time, attending over
+    ``n_keys`` slots (None: the slots in use, on a CPU). ``cuda_graphs``: capture each row's chunk
+    step on its first use."""
+
+    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool):
+        if chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+        self.target, self.cache, self.chunk, self.n_keys = target, cache, chunk, n_keys
+        self.cuda_graphs = cuda_graphs
+        device = target.device
+        self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk (zero padded)
+        self.real = torch.ones(1, dtype=torch.long, device=device)  # its real tokens
+        self.logits = torch.zeros(1, target.config.vocab_size, dtype=torch.float32, device=device)
+        self.steps = torch.arange(chunk, device=device)
+        self.causal = (self.steps[:, None] >= self.steps[None, :])[None]
+        self.uniforms = Uniforms(None, device)  # draws none: keeps the engine's seeded stream untouched
+        self.runners: dict = {}
+
+    def fits(self, n_tokens: int) -> bool:
+        """Whether a prompt of ``n_tokens`` can go in chunks: its last chunk's padded slots fit
+        the cache, and the RoPE does not depend on the prompt's length (dynamic NTK)."""
+        last_start = (n_tokens - 1) // self.chunk * self.chunk
+        return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
+
+    def __call__(self, row: int, prompt: list) -> torch.Tensor:
+        """Prefills ``prompt`` into row ``row`` (empty) -> logits [1, V] after its last token."""
+        runner = self.runner(row)
+        ids = torch.tensor(prompt, dtype=torch.long)
+        for start in range(0, len(prompt), self.chunk):
+            part = ids[start:start + self.chunk]
+            self.ids.zero_()
+            self.ids[0, :len(part)] = part.to(self.ids.device)
+            self.real.fill_(len(part))
+            runner.run_round()
+        return self.logits.clone()
+
+    def runner(self, row: int) -> PhaseRunner:
+        """The chunk step of row ``row`` (created, and captured on CUDA, on first use)."""
+        if row not in self.runners:
+            cache = self.cache.rows(row, row + 1)
+
+            def chunk_step():
+                positions = cache.lengths[:, None] + self.steps[None, :]
+                hidden = self.target.forward_hidden(self.ids, positions, cache, self.causal, n_keys=self.n_keys)
+                last = hidden.gather(1, (self.real - 1).view(1, 1, 1).expand(1, 1, hidden.shape[-1]))[:, 0]
+                self.logits.copy_(self.target.logits(last))
+                cache.advance(self.real)  # the padding stays pending: dropped
+
+            self.runners[row] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
+                                            self.cuda_graphs)
+        return self.runners[row]
