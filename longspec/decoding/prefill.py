@@ -67,5 +67,5 @@ class ChunkedPrefill:
                 cache.advance(self.real)  # the padding stays pending: dropped
 
             self.runners[row] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
-                                            self.cuda_graphs)
+                                            self.cuda_graphs, timed=False)
         return self.runners[row]

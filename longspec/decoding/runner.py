@@ -60,11 +60,12 @@ def collector_paused():
 
 
 class PhaseRunner:
-    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers.
-    Warm-ups and captures run on :func:`capture_stream`."""
+    """``phases``: the round's functions in order; ``uniforms``: the round's random numbers;
+    ``timed``: record each phase's device time (``collect_times``). Warm-ups and captures run on
+    :func:`capture_stream`."""
 
     def __init__(self, phases: Sequence[Callable[[], None]], state: Sequence[torch.Tensor], uniforms: Uniforms,
-                 device: torch.device, cuda_graphs: bool):
+                 device: torch.device, cuda_graphs: bool, timed: bool = True):
         self.phases, self.state, self.uniforms = list(phases), list(state), uniforms
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
@@ -72,6 +73,7 @@ class PhaseRunner:
         self.random: Optional[torch.Tensor] = None  # the static random numbers its graphs read
         self.capture_s = 0.0  # time spent capturing (first round)
         self.times = [0.0] * len(self.phases)  # seconds per phase, summed over rounds
+        self.timed = timed
         self._events: list = []
 
     def run_round(self) -> None:
@@ -80,7 +82,10 @@ class PhaseRunner:
         self.prepare()
         self.uniforms.buffer = self.random  # this runner's own buffer (None: eager draws)
         self.uniforms.refill()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.timed:
+            for i, phase in enumerate(self.phases):
+                self.graphs[i].replay() if self.graphs else phase()
+        elif self.device.type == "cuda":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.phases) + 1)]
             stream = torch.cuda.current_stream(self.device)  # not the current device's: cuda:1 may run while cuda:0 is current
             events[0].record(stream)
