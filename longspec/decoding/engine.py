@@ -146,18 +146,17 @@ class Engine:
         device, n = self.target.device, len(seqs)
         rows = self.cache.rows(row0, row0 + n)
         rows.lengths.zero_()
-        longest = max(len(s.prompt) for s in seqs)
-        ids = torch.zeros(n, longest, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
-        lens = torch.tensor([len(s.prompt) for s in seqs])
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         chunked = self.chunked_prefill
         if chunked is not None and all(chunked.fits(len(s.prompt)) for s in seqs):
             logits = torch.cat([chunked(row0 + i, s.prompt) for i, s in enumerate(seqs)])
-        else:
+        else:  # one forward over the right-padded prompts
+            ids = torch.zeros(n, max(len(s.prompt) for s in seqs), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
+            lens = torch.tensor([len(s.prompt) for s in seqs])
             logits = self.target.prefill(ids.to(device), lens.to(device), rows)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
@@ -276,8 +275,9 @@ class Engine:
             if self.proposer is None:
                 phases = [partial(self._decode_phase, v)]
             elif v.tree is None:  # a plain bucket: the proposer takes the round's root in, if it needs to
-                follows = type(v.proposer).decoded is not Proposer.decoded
-                phases = [partial(self._follow_phase, v)] * follows + [partial(self._decode_phase, v)]
+                phases = [partial(self._decode_phase, v)]
+                if type(v.proposer).decoded is not Proposer.decoded:
+                    phases.insert(0, partial(self._follow_phase, v))
                 state += v.proposer.state_tensors()
             else:
                 phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]

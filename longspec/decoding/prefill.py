@@ -45,11 +45,11 @@ class ChunkedPrefill:
     def __call__(self, row: int, prompt: list) -> torch.Tensor:
         """Prefills ``prompt`` into row ``row`` (empty) -> logits [1, V] after its last token."""
         runner = self.runner(row)
-        ids = torch.tensor(prompt, dtype=torch.long)
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.ids.device)  # one copy to the device
         for start in range(0, len(prompt), self.chunk):
             part = ids[start:start + self.chunk]
             self.ids.zero_()
-            self.ids[0, :len(part)] = part.to(self.ids.device)
+            self.ids[0, :len(part)] = part
             self.real.fill_(len(part))
             runner.run_round()
         return self.logits.clone()
