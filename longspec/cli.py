@@ -241,7 +241,7 @@ def cmd_serve(args) -> int:
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
     name, tree = proposer_choice(args)
-    if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or args.prefill_chunk < 0:
+    if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0:
         raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0 and --prefill-chunk >= 0")
     buckets = None
     if args.buckets:
@@ -275,9 +275,10 @@ def cmd_serve(args) -> int:
         bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
         if notes:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (256 if target.device.type == "cuda" else 0)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
-                          prefill_chunk=args.prefill_chunk or None)
+                          prefill_chunk=chunk or None)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
         seconds = server.engine.warm_up()
         done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
@@ -428,10 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
                           "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
                           "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
-    srv.add_argument("--prefill-chunk", type=int, default=0,
-                     help="prefill prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA graph at "
-                          "warm-up (less host work per arriving request; not yet measured, so not the default: 0 = "
-                          "one eager prefill)")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prefill arriving prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA "
+                          "graph at warm-up (less host work per arriving request; a large admission still goes as "
+                          "one batched forward); 0 = always one eager prefill (default: 256 on CUDA, 0 on a CPU)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

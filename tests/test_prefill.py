@@ -59,3 +59,30 @@ def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, 
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
     assert set(engine.chunked_prefill.runners) == {0, 1, 2}
+
+
+def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
+    """Chunk steps are replayed row by row: an admission needing more than ``max_chunks`` of them
+    in all is prefilled eagerly (one batched forward), a smaller one in chunks; the tokens are the
+    same either way."""
+    prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 30, 12)]
+    alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=5, ignore_eos=True)).sequences[0]
+             for p in prompts]
+    engine = Engine(target, None, None, max_batch=3, max_len=100, prefill_chunk=16)
+    monkeypatch.setattr(engine.chunked_prefill, "max_chunks", 4)
+    assert engine.chunked_prefill.takes([20, 30]) and not engine.chunked_prefill.takes([20, 30, 12])
+    eager, chunked = [], []
+    prefill, call = target.prefill, ChunkedPrefill.__call__
+    monkeypatch.setattr(target, "prefill", lambda *a, **k: eager.append(1) or prefill(*a, **k))
+    monkeypatch.setattr(ChunkedPrefill, "__call__", lambda self, row, p: chunked.append(row) or call(self, row, p))
+    seqs = [Sequence(p, 5) for p in prompts]
+    engine.add(seqs[:2])  # 2 + 2 chunk steps: in chunks
+    assert chunked == [0, 1] and not eager
+    while engine.has_active:
+        engine.step()
+    engine.add([Sequence(p, 5) for p in prompts])  # 2 + 2 + 1 > 4: one eager forward
+    assert eager == [1] and chunked == [0, 1]
+    again = [s for s in engine.rows if s is not None]
+    while engine.has_active:
+        engine.step()
+    assert [s.tokens for s in seqs[:2]] == alone[:2] and [s.tokens for s in again] == alone

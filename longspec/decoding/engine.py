@@ -150,7 +150,7 @@ class Engine:
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         chunked = self.chunked_prefill
-        if chunked is not None and all(chunked.fits(len(s.prompt)) for s in seqs):
+        if chunked is not None and chunked.takes([len(s.prompt) for s in seqs]):
             logits = torch.cat([chunked(row0 + i, s.prompt) for i, s in enumerate(seqs)])
         else:  # one forward over the right-padded prompts
             ids = torch.zeros(n, max(len(s.prompt) for s in seqs), dtype=torch.long)

@@ -7,7 +7,14 @@ for each arriving request's prefill. :class:`ChunkedPrefill` runs a prompt as ch
 number of tokens, each one forward over a fixed number of cache slots with a causal mask, then
 commits the chunk's real tokens: on CUDA each row's chunk step is captured once as a CUDA graph
 (through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
-replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding)."""
+replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding).
+
+The replays are one row at a time, so a large admission is cheaper as one batched eager forward:
+on the H200 (SmolLM2, prompts of ~1700 tokens, 256-token chunks; ``serve_chunk_h200.log``) the
+chunks made a plain server 1.26x faster at one client (time to first token 48 -> 18 ms) and 1.16x
+at four, were even at sixteen (waves of 16 arrivals) and 0.78x at 64 (waves of 64). So an
+admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all (64: about
+eight such prompts) is prefilled eagerly."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +28,8 @@ class ChunkedPrefill:
     """Prefills rows of ``cache`` (the engine's) ``chunk`` tokens at a time, attending over
     ``n_keys`` slots (None: the slots in use, on a CPU). ``cuda_graphs``: capture each row's chunk
     step on its first use."""
+
+    max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
 
     def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool):
         if chunk < 1:
@@ -41,6 +50,12 @@ class ChunkedPrefill:
         the cache, and the RoPE does not depend on the prompt's length (dynamic NTK)."""
         last_start = (n_tokens - 1) // self.chunk * self.chunk
         return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
+
+    def takes(self, lengths: list) -> bool:
+        """Whether prompts of ``lengths`` tokens, admitted together, go in chunks: each one
+        :meth:`fits`, and together they need at most :attr:`max_chunks` chunk steps."""
+        steps = sum(-(-n // self.chunk) for n in lengths)
+        return steps <= self.max_chunks and all(self.fits(n) for n in lengths)
 
     def __call__(self, row: int, prompt: list) -> torch.Tensor:
         """Prefills ``prompt`` into row ``row`` (empty) -> logits [1, V] after its last token."""
