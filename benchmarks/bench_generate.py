@@ -51,20 +51,23 @@ def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
 
 
 def methods(args, target, prompt):
-    out = {"ar": (None, None),
-           "pld": (PromptLookup(), TreeSpec.parse(args.pld_tree)),
-           "streaming": (StreamingSelfSpec(window=args.window), TreeSpec.parse(args.tree))}
+    out = {"ar": (None, None, None),  # (proposer, tree, retuner)
+           "pld": (PromptLookup(), TreeSpec.parse(args.pld_tree), None),
+           "streaming": (StreamingSelfSpec(window=args.window), TreeSpec.parse(args.tree), None)}
     if args.draft:
         draft = load_draft(args.draft, target)
-        out["longspec"] = (LongSpecProposer(draft), TreeSpec.parse(args.tree))
-        out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree))
-        out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.hybrid_tree))
+        out["longspec"] = (LongSpecProposer(draft), TreeSpec.parse(args.tree), None)
+        out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree), None)
+        out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.hybrid_tree), None)
     if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
-        from longspec.decoding.auto import pick
+        from longspec.decoding.auto import pick, retuner
         name, tree, chosen, note = pick(target, prompt, load_draft(args.draft, target) if args.draft else None)
+        retune = retuner(target, prompt, name, tree, chosen)
+        if retune is not None:
+            name, note = retune.proposer, note + "; retuned while generating"
         print(f"  auto: {name} {tree or ''} ({note})", flush=True)
         out["auto"] = (None if name == "none" else PromptLookup() if name == "pld"
-                       else LongSpecProposer(chosen, lookup=PromptLookup()), tree)
+                       else LongSpecProposer(chosen, lookup=PromptLookup()), tree, retune)
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
@@ -98,11 +101,13 @@ def peak_mib(fn):
     return out, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run_ours(target, proposer, tree, prompt, config, repeats):
+def run_ours(target, proposer, tree, prompt, config, repeats, retune=None):
     gc.collect()  # the previous method's engine (a reference cycle) must not count here
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    gen = Generator(target, proposer=proposer, tree=tree)
+    make = lambda: Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,  # noqa: E731
+                             retune=retune)
+    gen = make()
     t0 = time.perf_counter()
     # the first call on a fresh generator: engine, compilation, CUDA-graph capture, caches
     first, peak = peak_mib(lambda: gen.generate([prompt], config))
@@ -120,12 +125,12 @@ def run_ours(target, proposer, tree, prompt, config, repeats):
     gen = None
     gc.collect()
     # a fresh generator once this method's steps are compiled: caches, capture, activations only
-    _, warm_peak = peak_mib(lambda: Generator(target, proposer=proposer, tree=tree).generate([prompt], config))
+    _, warm_peak = peak_mib(lambda: make().generate([prompt], config))
     return out.sequences[0], {"ms_per_token": 1e3 * decode_s / n, "tau": out.stats.get("tau", 1.0),
                               "draft_s": out.stats.get("draft_s", 0.0), "verify_s": out.stats.get("verify_s", 0.0),
                               "peak_mib": peak, "warm_peak_mib": warm_peak, "state_mib": state / 2**20, "draft_mib": resident / 2**20, "steps": out.stats["steps"],
                               "first_call_s": first_call_s, "capture_s": first.stats["capture_s"],
-                              "cuda_graphs": out.stats["cuda_graphs"]}
+                              "cuda_graphs": out.stats["cuda_graphs"], "trees": out.stats.get("trees")}
 
 
 def run_hf(model, prompt, max_new, repeats, **kwargs):
@@ -205,15 +210,15 @@ def main(argv=None):
         for impl in impls:  # ours first: a crash of ours is not blamed on transformers' compiled graphs
             target.attention_impl, _, extra = impl.partition("+")  # e.g. "triton+compile"
             target.compile_steps = extra == "compile"
-            for name, (proposer, tree) in methods(args, target, prompt).items():
-                seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats)
+            for name, (proposer, tree, retune) in methods(args, target, prompt).items():
+                seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats, retune)
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
                 print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}, "
                       f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB, a fresh generator's "
                       f"+{res['warm_peak_mib']:.0f} MiB (KV + draft state {res['state_mib']:.0f} MiB, draft "
                       f"{res['draft_mib']:.0f} MiB)", flush=True)  # printed now: a later crash keeps them
-            proposer = tree = None  # the last one would keep its engine's cache and buffers alive
+            proposer = tree = retune = None  # the last one would keep its engine's cache and buffers alive
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
             results.append((f"hf-{name}", None, seq, res))
@@ -224,7 +229,8 @@ def main(argv=None):
         base = next((r["ms_per_token"] for name, _, _, r in results if name == base_name), None)
         for name, tree, seq, res in results:
             ref = reference.get(res.get("attention", impls[0]))
-            res.update(method=name, context=n, tree=str(tree) if tree else None, matches_ar=seq == ref,
+            shown = ">".join(t for _, t in res["trees"]) if res.get("trees") else str(tree) if tree else None
+            res.update(method=name, context=n, tree=shown, matches_ar=seq == ref,
                        speedup_vs_hf=(base / res["ms_per_token"]) if base else None, hf_baseline=base_name)
             if ref is not None and seq != ref:
                 if model32 is None:

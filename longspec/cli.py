@@ -104,10 +104,10 @@ def cmd_generate(args) -> int:
         ids = tokenizer(ids, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text).input_ids
-    note = ""
+    note, retune = "", None
     if name == "auto":
-        name, tree, draft, note = resolve_auto(args, target, ids)
-    slots = round_slots(tree)
+        name, tree, draft, note, retune = resolve_auto(args, target, ids)
+    slots = round_slots(retune.biggest if retune else tree)
     need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
     if need > limit:
         raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
@@ -121,7 +121,8 @@ def cmd_generate(args) -> int:
         print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{f' tree {tree}' if tree else ''}"
               f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
-    out = Generator(target, proposer=proposer, tree=tree).generate([ids], config, streamer=streamer)
+    out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
+                    retune=retune).generate([ids], config, streamer=streamer)
     streamer.out.write("\n")
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
@@ -131,8 +132,9 @@ def cmd_generate(args) -> int:
                           "stats": stats}))
     else:
         tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
-        print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}]",
-              file=sys.stderr)
+        switches = "".join(f", {'plain' if t == 'None' else t} from token {n}" for n, t in stats.get("trees", [])[1:])
+        print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}"
+              f"{switches}]", file=sys.stderr)
     return 0
 
 
@@ -173,15 +175,19 @@ def default_tree(proposer: str) -> str:
 
 
 def resolve_auto(args, target, ids: list) -> tuple:
-    """``--proposer auto``: (proposer name, tree, loaded draft or None, why), see
-    :func:`longspec.decoding.auto.pick`; the draft is --draft, or the one shipped for the
-    default model."""
+    """``--proposer auto``: (proposer name, tree, loaded draft or None, why, the retuner or None),
+    see :func:`longspec.decoding.auto.pick` and :func:`~longspec.decoding.auto.retuner`; the
+    draft is --draft, or the one shipped for the default model."""
     from .convert import DEFAULT_DRAFT
-    from .decoding.auto import pick
+    from .decoding.auto import pick, retuner
     from .models.checkpoint import load_draft
 
     draft_dir = args.draft or (DEFAULT_DRAFT if not args.target else None)
-    return pick(target, ids, load_draft(draft_dir, target) if draft_dir else None)
+    name, tree, draft, note = pick(target, ids, load_draft(draft_dir, target) if draft_dir else None)
+    retune = retuner(target, ids, name, tree, draft)
+    if retune is not None:
+        name, note = retune.proposer, note + "; retuned while generating"
+    return name, tree, draft, note, retune
 
 
 def make_proposer(args, name, target, draft=None):

@@ -144,3 +144,75 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     chosen, _ = auto.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
     assert chosen == {4: TreeSpec.parse("2,2,2")}
     draft.config.acceptance = []
+
+
+def test_retuner_follows_the_generated_texts_repeats(tiny, tmp_path):
+    """A prompt that never repeats itself: the cost model starts with plain rounds (prompt lookup
+    following them); once the generated text repeats the prompt the retuner picks a lookup chain,
+    and plain rounds again when it stops."""
+    target, _ = tiny
+    ids = list(range(100))
+    costs = tmp_path / "costs.json"
+    labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS]
+    # verifying m tokens costs 1 + m/5: a chain pays once the lookup hits often enough
+    fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 5 for m in range(1, 12)}, {k: 0.01 for k in labels})
+    name, tree, _, _ = pick(target, ids, None, costs_file=str(costs))
+    assert (name, tree) == ("none", None)
+    retune = auto.retuner(target, ids, name, tree, None, costs_file=str(costs))
+    assert retune.proposer == "pld" and retune.start is None and retune.biggest == TreeSpec.chain(10)
+    repeating = retune(ids + ids[10:50], len(ids))
+    assert repeating is not None and repeating.kind == "chain" and repeating.depth >= 3
+    assert retune(ids + list(range(200, 240)), len(ids)) is None
+    # few generated positions stay near the prompt's rates (the prior): one hit is not enough
+    assert retune(ids + [3, 4], len(ids)) is None
+    assert auto.retuner(target, ids, "hybrid", TreeSpec.parse("2,2"),
+                        init_draft(DraftConfig.for_target(target, window=16), target)) is None  # no table
+
+
+def test_lookup_acceptance_prior():
+    text = list(range(50)) + [1, 2, 3]  # 3 generated positions: 2 hits (after 1 comes 2, after 2 comes 3)
+    assert lookup_acceptance(text, depths=1, tail=3)[0] == pytest.approx(2 / 3, abs=1e-3)
+    assert lookup_acceptance(text, depths=1, tail=3, prior=[0.0], prior_weight=3)[0] == pytest.approx(2 / 6, abs=1e-3)
+
+
+class Scripted:
+    """A retuner that switches on a script (the generator calls it at 4, 8, 16, ... tokens)."""
+    first = 4
+
+    def __init__(self, biggest, start, script):
+        self.biggest, self.start, self.script, self.calls = biggest, start, list(script), []
+
+    def __call__(self, tokens, n_prompt):
+        self.calls.append(len(tokens) - n_prompt)
+        return self.script.pop(0)
+
+
+@pytest.mark.parametrize("family", ["pld", "hybrid"])
+def test_switching_trees_while_generating_keeps_the_output(tiny, family):
+    from longspec import GenerationConfig
+    from longspec.decoding.engine import Generator
+    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+
+    target, draft = tiny
+    prompt = torch.randint(0, 160, (60,), generator=torch.Generator().manual_seed(3)).tolist() * 2
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = Generator(target).generate([prompt], config).sequences[0]
+    if family == "pld":
+        proposer, biggest = PromptLookup(), TreeSpec.chain(10)
+        script = [TreeSpec.chain(4), TreeSpec.chain(2), TreeSpec.chain(2), None]
+    else:
+        proposer, biggest = LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("4,4,4,1,1")
+        script = [TreeSpec.parse("2,2"), None, TreeSpec.parse("3,3,3,1,1"), TreeSpec.parse("2,2")]
+    retune = Scripted(biggest, None, script)
+    gen = Generator(target, proposer, biggest, retune=retune)
+    out = gen.generate([prompt], config)
+    assert out.sequences[0] == plain
+    assert retune.calls[0] >= 4 and len(retune.calls) >= 3
+    switched = [tree for _, tree in out.stats["trees"]]
+    assert switched[0] == "None" and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
+    assert gen._engine.retired and out.stats["verify_s"] > 0  # the replaced rounds' times still count
+    # the next call starts again from the retuner's start
+    retune.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")] * 5
+    assert gen.generate([prompt], config).sequences[0] == plain
+    with pytest.raises(ValueError, match="does not fit"):
+        gen._engine.use_tree(TreeSpec.chain(12) if family == "pld" else TreeSpec.parse("8,8"))

@@ -63,12 +63,14 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
     return total
 
 
-def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024) -> list:
+def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024,
+                      prior: Sequence[float] = (), prior_weight: float = 0.0) -> list:
     """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
     the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
     prediction for position s is what followed the most recent earlier occurrence of the longest
     (up to ``max_ngram``) suffix of ``token_ids[:s]``, as :class:`PromptLookup` ranks first;
-    measured over the last ``tail`` positions."""
+    measured over the last ``tail`` positions. With a ``prior`` (rates per depth), each depth's
+    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it)."""
     ids = list(token_ids)
     last = [dict() for _ in range(max_ngram + 1)]  # n -> {n-gram: position that followed it}
     hit = []
@@ -87,7 +89,9 @@ def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int
     for d in range(depths):
         ok = [t for t in runs if t + d < len(hit) and hit[t + d]]
         valid = [t for t in runs if t + d < len(hit)]
-        q.append(round(len(ok) / len(valid), 4) if valid else 0.0)
+        weight = prior_weight if prior else 0.0
+        extra = weight * prior[min(d, len(prior) - 1)] if prior else 0.0
+        q.append(round((len(ok) + extra) / (len(valid) + weight), 4) if valid or weight else 0.0)
         runs = ok
     return q
 
@@ -258,16 +262,12 @@ def _write_costs(costs_file: Optional[str], data: dict) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
 
 
-def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:
-    """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
-    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
-    ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
-    ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
+def _candidates(ids: Sequence[int], draft, hits: Sequence[float]) -> dict:
+    """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
+    make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
+    and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``."""
     from .proposers import LongSpecProposer, PromptLookup
 
-    if draft is not None and not draft.config.acceptance:
-        return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
-    hits = lookup_acceptance(ids)
     candidates = {}
     for n in LOOKUP_CHAINS:
         tree = TreeSpec.chain(n)
@@ -276,12 +276,77 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
         tree = TreeSpec.parse(shape)
         candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                         expected_tokens(tree, draft.config.acceptance, hits))
+    return candidates
+
+
+def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:
+    """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
+    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
+    ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
+    ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
+    if draft is not None and not draft.config.acceptance:
+        return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
+    candidates = _candidates(ids, draft, lookup_acceptance(ids))
     label, gain, _ = choose(target, candidates, len(ids), costs_file)
     if label is None:
         return "none", None, None, "cost model: plain decoding is fastest here"
     name = label.split()[0]
     return (name, candidates[label][0], draft if name == "hybrid" else None,
             f"cost model: {gain:.2f}x plain decoding predicted")
+
+
+class Retuner:
+    """``--proposer auto`` while it generates (one row, on a CPU): the prompt's own repeats
+    predict the lookup's hits on the generated text poorly (a model continuing code repeats the
+    prompt far more than the prompt repeats itself: on the README's CPU prompt, lookup chain:5
+    accepted 3.07 tokens a round against 1.82 predicted). At ``first`` generated tokens and each
+    doubling after, the generator calls this with the text so far and switches to the tree it
+    returns: among the chosen proposer's candidates (trees that fit :attr:`biggest`, the engine's)
+    and plain rounds (``start`` None: plain rounds first), the one the cost model predicts fastest with the lookup's hit rates on the
+    generated positions (each depth pulled towards the prompt's rate by ``prior_weight``
+    positions). The costs are the ones :func:`pick` measured. On CUDA a switch would compile
+    and capture another round, so :func:`retuner` gives none there."""
+
+    first = 16
+
+    def __init__(self, start: Optional[TreeSpec], candidates: dict, acceptance, prompt_hits: list, costs: dict,
+                 proposer: str = "pld", prior_weight: float = 8.0):
+        self.start, self.acceptance, self.prompt_hits, self.costs = start, acceptance, prompt_hits, costs
+        self.proposer = proposer  # what runs the candidates: "pld" or "hybrid"
+        self.trees = {label: tree for label, (tree, _, _) in candidates.items()}
+        self.biggest = max(self.trees.values(), key=lambda t: (t.num_nodes, t.depth))
+        self.prior_weight = prior_weight
+
+    def __call__(self, tokens: Sequence[int], n_prompt: int) -> Optional[TreeSpec]:
+        """The tree for the rounds from now on (None: plain rounds), given ``tokens`` (prompt,
+        then what was generated)."""
+        hits = lookup_acceptance(tokens, tail=len(tokens) - n_prompt, prior=self.prompt_hits,
+                                 prior_weight=self.prior_weight)
+        target_ms, draft_ms = self.costs["target_ms"], self.costs["draft_ms"]
+        best, best_rate = None, 1.0 / target_ms["1"]
+        for label, tree in self.trees.items():
+            tokens_per_round = expected_tokens(tree, self.acceptance, hits)
+            rate = tokens_per_round / (draft_ms[label] + target_ms[str(tree.num_nodes)])
+            if rate > best_rate:
+                best, best_rate = tree, rate
+        return best
+
+
+def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], draft=None,
+            costs_file: Optional[str] = None) -> Optional[Retuner]:
+    """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``, on a
+    CPU: among the hybrid's trees (a draft with an acceptance table), or among the lookup chains
+    for "pld" and for "none" (plain rounds first, with prompt lookup following them, so a
+    generation that turns repetitive can switch to a chain). Its ``proposer`` says what to run
+    ("pld" or "hybrid"). None on CUDA, or for a hybrid without an acceptance table."""
+    if target.device.type == "cuda" or (name == "hybrid" and not draft.config.acceptance):
+        return None
+    family = "hybrid" if name == "hybrid" else "pld"
+    hits = lookup_acceptance(ids)
+    candidates = {label: c for label, c in _candidates(ids, draft if family == "hybrid" else None, hits).items()
+                  if label.split()[0] == family}
+    _, _, costs = choose(target, candidates, len(ids), costs_file)  # the costs pick measured (cached)
+    return Retuner(tree, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
 
 
 def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,

@@ -105,8 +105,10 @@ class Engine:
         self._views: dict = {}
         self.chunked_prefill = (ChunkedPrefill(target, self.cache, prefill_chunk, self.step_keys, self.cuda_graphs)
                                 if prefill_chunk else None)
-        # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket
+        # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket;
+        # ``retired``: those of trees :meth:`use_tree` replaced (their times still count)
         self.runners: dict = {}
+        self.retired: list = []
         self.greedy_round = self.config.greedy
         self.rounds = 0
 
@@ -230,6 +232,25 @@ class Engine:
         """The tree rounds over bucket ``n`` draft (None: they decode plainly, or no proposer)."""
         return self.bucket_trees.get(n, self.tree)
 
+    def use_tree(self, tree: Optional[TreeSpec]) -> None:
+        """From the next round on every bucket drafts ``tree`` (one that fits the engine's tree),
+        or decodes plainly (None; a proposer that follows plain rounds): what ``--proposer auto``
+        switches to while it generates. Verification stays exact, so the output is unchanged."""
+        if tree is None and not self.proposer.follows_plain_rounds:
+            raise ValueError(f"{type(self.proposer).__name__} cannot follow plain rounds")
+        if tree is not None and tree != self.tree:
+            self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
+        for b in self.buckets:
+            if self.tree_of(b) == tree:
+                continue
+            if tree == self.tree:
+                del self.bucket_trees[b]
+            else:
+                self.bucket_trees[b] = tree
+            self._views.pop(b, None)
+            for key in [k for k in self.runners if k[1] == b]:
+                self.retired.append(self.runners.pop(key))
+
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
 
@@ -285,11 +306,15 @@ class Engine:
             self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
         return self.runners[key]
 
+    @property
+    def all_runners(self) -> list:
+        return [*self.runners.values(), *self.retired]
+
     def phase_times(self) -> list:
         """Seconds spent in each phase (with a proposer: drafting, then the target's), over every
         kind of round; a plain bucket's round counts its target step as the target's phase."""
         out = [0.0] * (1 if self.proposer is None else 2)
-        for r in self.runners.values():
+        for r in self.all_runners:
             for i, t in enumerate(reversed(r.times)):
                 out[-1 - i] += t
         return out
@@ -301,6 +326,7 @@ class Engine:
         proposer kept for the next engine, only once that one has allocated its own). The engine
         cannot run afterwards."""
         self.runners.clear()
+        self.retired.clear()
         self._views.clear()
         self.chunked_prefill = None
         self._accept = None
@@ -407,18 +433,21 @@ class Generator:
     string form; default the paper's beam tree ``4,16,16,16,16``).
 
     ``max_len`` caps the KV cache (prompt + new tokens + tree); it defaults to the target's
-    ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. The last engine is kept
+    ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
+    :class:`~longspec.decoding.auto.Retuner` (``--proposer auto`` on a CPU): a lone prompt starts
+    with its ``start`` tree and switches trees as it says while generating (``tree`` is then the
+    biggest it may pick). The last engine is kept
     and reused by a call with the same batch size, cache size and sampling settings (its CUDA
     graphs too)."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, retune=None):
         if proposer is None and tree is not None:
             raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
         if proposer is not None:
             tree = TreeSpec.coerce(DEFAULT_TREE if tree is None else tree)
             tree.validate(target.config.vocab_size)
-        self.target, self.proposer, self.tree = target, proposer, tree
+        self.target, self.proposer, self.tree, self.retune = target, proposer, tree, retune
         self.max_len = max_len or target.config.max_position_embeddings
         self.cuda_graphs = cuda_graphs
         self._engine: Optional[Engine] = None
@@ -483,6 +512,11 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
         clock = _Clock(self.target.device)
         times_before = engine.phase_times()
+        retune = self.retune if len(seqs) == 1 else None
+        trees = []
+        if retune is not None:
+            engine.use_tree(retune.start)
+            trees, check = [(0, str(retune.start))], retune.first
         t0 = clock()
         engine.add(seqs, streamer)
         t_prefill = clock()
@@ -490,14 +524,22 @@ class Generator:
         while engine.has_active:
             engine.step(streamer)
             rounds += 1
+            if retune is not None and len(seqs[0].tokens) >= check and engine.has_active:
+                tree = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
+                if str(tree) != trees[-1][1]:
+                    engine.use_tree(tree)
+                    trees.append((len(seqs[0].tokens), str(tree)))
+                check *= 2
         t_end = clock()
         n_new = sum(len(s.tokens) for s in seqs)
         decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
         stats = dict(prompt_tokens=sum(map(len, prompts)), new_tokens=n_new, prefill_s=t_prefill - t0,
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
-                     capture_s=sum(r.capture_s for r in engine.runners.values()),
-                     cuda_graphs=any(r.graphs is not None for r in engine.runners.values()))
+                     capture_s=sum(r.capture_s for r in engine.all_runners),
+                     cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
+        if trees:
+            stats["trees"] = trees  # (tokens generated, tree from then on: "None" = plain rounds)
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
         if self.proposer is not None:
             hist = [0] * (self.tree.depth + 1)
