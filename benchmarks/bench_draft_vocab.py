@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from longspec import (GenerationConfig, LongSpecProposer, default_draft_path, default_model_path,  # noqa: E402
                       load_draft, load_target)
-from longspec.decoding.engine import Generator  # noqa: E402
+from longspec.decoding.generator import Generator  # noqa: E402
 from longspec.training import frequent_tokens  # noqa: E402
 
 

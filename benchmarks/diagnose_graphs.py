@@ -54,7 +54,7 @@ def part_costs(args):
     from bench_steps import random_target
     from longspec import GenerationConfig
     from longspec.decoding.auto import CANDIDATE_TREES, LOOKUP_CHAINS, measure_costs
-    from longspec.decoding.engine import Generator
+    from longspec.decoding.generator import Generator
     from longspec.decoding.proposers import LongSpecProposer, PromptLookup
     from longspec.decoding.tree import TreeSpec
     from longspec.models.draft import DraftConfig, init_draft

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.engine import Generator  # noqa: E402
+from longspec.decoding.generator import Generator  # noqa: E402
 from longspec.decoding.proposers import PromptLookup  # noqa: E402
 
 

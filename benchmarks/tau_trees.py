@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import code_prompt  # noqa: E402
 from longspec import GenerationConfig, load_draft, load_target  # noqa: E402
 from longspec.convert import default_model_dir  # noqa: E402
-from longspec.decoding.engine import Generator  # noqa: E402
+from longspec.decoding.generator import Generator  # noqa: E402
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
 from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
 from longspec.training.selfdistill import TASKS, chat_ids  # noqa: E402

@@ -1,7 +1,8 @@
 """longspec: lossless speculative decoding for long contexts (the LongSpec method)."""
 from .config import GenerationConfig, ModelConfig
 from .convert import default_draft_path, default_model_path
-from .decoding.engine import GenerationOutput, Generator
+from .decoding.sequence import GenerationOutput
+from .decoding.generator import Generator
 from .decoding.proposers import LongSpecProposer, PromptLookup
 from .decoding.streaming import StreamingSelfSpec
 from .decoding.tree import TreeSpec

@@ -77,7 +77,7 @@ class TextStreamer:
 def cmd_generate(args) -> int:
     from . import GenerationConfig, Generator, load_target
     from .convert import DEFAULT_NAME, default_model_dir
-    from .decoding.engine import cache_need, round_slots
+    from .decoding.sequence import cache_need, round_slots
 
     # everything that can be checked without the model first
     _set_threads(args)

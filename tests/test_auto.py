@@ -190,7 +190,7 @@ class Scripted:
 @pytest.mark.parametrize("family", ["pld", "hybrid"])
 def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     from longspec import GenerationConfig
-    from longspec.decoding.engine import Generator
+    from longspec.decoding.generator import Generator
     from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny

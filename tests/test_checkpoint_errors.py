@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Generator
+from longspec.decoding.generator import Generator
 
 from conftest import build_tiny_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Generator
+from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.models import target as target_module
 from longspec.models.draft import DraftConfig, init_draft

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from longspec import GenerationConfig, load_target
 from longspec.attention import triton_kernels
-from longspec.decoding.engine import Generator
+from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer
 from longspec.decoding.tree import TreeSpec
 from longspec.models.checkpoint import load_draft, save_draft

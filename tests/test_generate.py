@@ -11,7 +11,7 @@ from longspec import GenerationConfig, load_target
 try:
     from longspec import Generator
 except ImportError:  # pragma: no cover - the lazy import of longspec/__init__.py
-    from longspec.decoding.engine import Generator
+    from longspec.decoding.generator import Generator
 
 from conftest import hf_reset_rope
 

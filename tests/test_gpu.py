@@ -8,7 +8,8 @@ import torch
 
 from conftest import hf_logits
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Engine, Generator, Sequence
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.tree import TreeSpec

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Engine, Generator, Sequence
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.generator import Generator
 from longspec.decoding.prefill import ChunkedPrefill
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.tree import TreeSpec

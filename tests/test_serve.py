@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.engine import Generator  # noqa: E402
+from longspec.decoding.generator import Generator  # noqa: E402
 
 
 def free_port() -> int:

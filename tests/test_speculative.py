@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Generator
+from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup, TreeDrafter
 from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.sampling import warp_probs

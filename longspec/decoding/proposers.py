@@ -1,6 +1,6 @@
 """Draft strategies behind one interface.
 
-The :class:`~longspec.decoding.engine.Generator` calls, per generation: ``begin`` after the
+The :class:`~longspec.decoding.generator.Generator` calls, per generation: ``begin`` after the
 prefill; per round: ``propose(root)`` -> :class:`DraftTree`, then ``accepted(tokens)`` with each
 row's newly emitted tokens; and ``select_rows`` when finished rows leave the batch.
 

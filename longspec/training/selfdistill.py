@@ -68,7 +68,7 @@ def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] =
     sharding). ``shard`` (i, n): only requests i, i + n, i + 2n, ... of that list, so that n
     processes with the same ``seed`` answer disjoint parts of it. Returns the number of records."""
     from ..config import GenerationConfig
-    from ..decoding.engine import Generator
+    from ..decoding.generator import Generator
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
