@@ -216,3 +216,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     assert gen.generate([prompt], config).sequences[0] == plain
     with pytest.raises(ValueError, match="does not fit"):
         gen._engine.use_tree(TreeSpec.chain(12) if family == "pld" else TreeSpec.parse("8,8"))
+
+
+def test_step_costs_made_monotone():
+    assert auto.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == {"1": 57.5, "2": 57.5, "3": 62.5, "11": 62.5}
