@@ -6,8 +6,8 @@ whole prefill (synchronised, host work included), the device time of one chunk s
 around a replay) and the kernels that take it (torch profiler, one replay). Prints a table, the
 kernel list of each chunk setting and one JSON line last.
 
-    python benchmarks/bench_prefill.py --shape smollm2 --lengths 256,1700 --chunks 128,256,512 \\
-        --impls triton,sdpa --max-len 4096
+    python benchmarks/bench_prefill.py --shape smollm2 --lengths 256,1700 --chunks 256,512,1024 \\
+        --impls triton,triton+causal --max-len 4096
 """
 from __future__ import annotations
 
@@ -73,8 +73,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--lengths", default="256,1700")
-    p.add_argument("--chunks", default="128,256,512")
-    p.add_argument("--impls", default="triton,sdpa", help="attention of the chunk steps (the server's: triton)")
+    p.add_argument("--chunks", default="256,512,1024")
+    p.add_argument("--impls", default="triton,triton+causal",
+                   help="attention of the chunk steps (the server's: triton); +causal: the chunk's mask passed "
+                        "as causal (ChunkedPrefill causal_kernel: the Triton kernel computes it, skips blocks)")
     p.add_argument("--max-len", type=int, default=4096, help="cache slots a chunk step attends over")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
@@ -93,11 +95,12 @@ def main(argv=None):
         ms = wall_ms(lambda: (cache.lengths.zero_(), target.prefill(ids, lens, cache)), args.repeats)
         results.append(dict(setting="eager", tokens=n, prefill_ms=ms))
         print(f"{'eager':>20} {n:>6} {ms:11.2f}", flush=True)
-    for impl in args.impls.split(","):
+    for choice in args.impls.split(","):
+        impl, _, flag = choice.partition("+")
         target.attention_impl = impl
         for chunk in map(int, args.chunks.split(",")):
-            chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda)
-            setting = f"{impl} chunk {chunk}"
+            chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda, causal_kernel=flag == "causal")
+            setting = f"{choice} chunk {chunk}"
             for n in lengths:
                 prompt = torch.randint(0, target.config.vocab_size, (n,)).tolist()
                 ms = wall_ms(lambda: (cache.lengths.zero_(), chunked(0, prompt)), args.repeats)

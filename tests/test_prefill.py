@@ -87,3 +87,24 @@ def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
     while engine.has_active:
         engine.step()
     assert [s.tokens for s in seqs[:2]] == alone[:2] and [s.tokens for s in again] == alone
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "triton"])
+def test_chunks_told_their_mask_is_causal_write_the_same(target, impl):
+    """``causal_kernel``: the chunk's mask passed as causal (the Triton kernel computes it and
+    skips blocks; on a CPU in its interpreter) -> the eager prefill's K/V and logits."""
+    from longspec.attention import triton_kernels
+
+    if impl == "triton" and not triton_kernels.available():
+        pytest.skip("needs triton")
+    prompt = torch.randint(0, 160, (37,), generator=torch.Generator().manual_seed(37)).tolist()
+    eager = target.new_cache(1, 96)
+    ref = target.prefill(torch.tensor([prompt]), torch.tensor([37]), eager)
+    target.attention_impl = impl
+    try:
+        cache = target.new_cache(1, 96)
+        logits = ChunkedPrefill(target, cache, 16, 96, cuda_graphs=False, causal_kernel=True)(0, prompt)
+    finally:
+        target.attention_impl = "sdpa"
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.k[:, 0, :, :37], eager.k[:, 0, :, :37], atol=1e-5, rtol=1e-5)

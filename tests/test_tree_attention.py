@@ -18,7 +18,8 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
 
-def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None):
+def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None,
+          causal=False):
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     n_tree = pending + m
@@ -28,6 +29,8 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     v = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
     lens = torch.tensor(lengths)
     masks = random_parents_mask(b, n_tree, gen)[:, pending:]  # the last M rows over P + M tree tokens
+    if causal:  # a prefill chunk: query i sees tree tokens j <= i + P (the kernel is told, reads no mask)
+        masks = (torch.arange(n_tree)[None, :] <= torch.arange(m)[:, None] + pending).expand(b, m, n_tree)
     if broadcast:
         masks = masks[:1]
     rows = torch.arange(b)[:, None]
@@ -36,7 +39,8 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     v_tree = v.transpose(1, 2)[rows, slots].transpose(1, 2)
     ref = reference.hybrid_attention(q.double(), k.double(), v.double(), lens, k_tree.double(), v_tree.double(),
                                      masks)
-    ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config)
+    ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config,
+                          causal=causal)
     assert ours.shape == (b, hq, m, d) and ours.dtype == dtype
     ours = ours.double().cpu()
     assert torch.isfinite(ours).all()
@@ -61,6 +65,16 @@ CASES = [  # lengths, M, Hq, Hkv, D
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_matches_reference(lengths, m, hq, hkv, d, dtype):
     check(lengths, m, hq, hkv, d, dtype, "cuda" if ON_GPU else "cpu")
+
+
+@pytest.mark.parametrize("lengths,m,hq,hkv,d,pending", [([0], 16, 2, 2, 16, 0), ([17, 0, 40], 33, 8, 2, 16, 0),
+                                                        ([5, 1], 128, 3, 1, 16, 0), ([9], 20, 4, 4, 32, 7)])
+@pytest.mark.parametrize("config", [None, KernelConfig(block_q=16, block_n=16)])
+def test_causal_tree_part_equals_the_causal_mask(lengths, m, hq, hkv, d, pending, config):
+    """A prefill chunk's tree part computed as lower-right causal (block skipping included: GQA
+    tiles that span two query groups, small blocks, pending tokens before the chunk)."""
+    check(lengths, m, hq, hkv, d, torch.float32, "cuda" if ON_GPU else "cpu", pending=pending, config=config,
+          causal=True)
 
 
 def test_broadcast_mask_pending_tokens_and_spare_capacity():
@@ -295,6 +309,14 @@ def test_prefix_and_masked_attention_reject_bad_shapes():
 @pytest.mark.parametrize("lengths,m,hq,hkv,d", CASES + [([4096, 17, 1], 128, 32, 8, 128), ([32768], 64, 32, 8, 128)])
 def test_kernel_bfloat16_on_gpu(lengths, m, hq, hkv, d):
     check(lengths, m, hq, hkv, d, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("m,hq,hkv", [(256, 9, 3), (1024, 9, 3), (128, 32, 8)])
+def test_causal_tree_part_bfloat16_on_gpu(m, hq, hkv):
+    check([0, 300], m, hq, hkv, 64, torch.bfloat16, "cuda", causal=True)
+
 
 
 @pytest.mark.parametrize("m", [1, 5, 69])

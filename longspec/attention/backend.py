@@ -45,6 +45,7 @@ class AttentionMeta:
     pending: int
     n_keys: int
     causal: bool = False
+    tree_causal: bool = False  # the tree mask is lower-right causal (the Triton kernel computes it)
     key_mask: Optional[torch.Tensor] = None
     key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
     rows: Optional[torch.Tensor] = None  # arange(B)[:, None], for the cache writes
@@ -60,6 +61,7 @@ class AttentionMeta:
         if tree_mask.shape[-1] != n_tree or tree_mask.shape[-2] != n_new:
             raise ValueError(f"tree mask must be [B or 1, {n_new}, {n_tree}] (pending {cache.pending} + new "
                              f"{n_new}), got {tuple(tree_mask.shape)}")
+        tree_causal = causal
         if n_keys is None:
             fewest, used = cache.lengths.aminmax()
             fewest, used = int(fewest), int(used)
@@ -68,7 +70,7 @@ class AttentionMeta:
             causal = causal and impl != "reference" and fewest == used and cache.pending == 0
         else:
             causal = False
-        meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal)
+        meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal, tree_causal)
         meta.rows = torch.arange(cache.batch_size, device=tree_mask.device)[:, None]
         if impl not in ("triton", "reference") and not causal:  # the Triton kernel reads tree_mask itself
             slots = torch.arange(n_keys, device=tree_mask.device)
@@ -89,7 +91,8 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: t
     if meta.causal:
         return causal_attention(q, k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys])
     if meta.impl == "triton":
-        return triton_kernels.tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_mask)
+        return triton_kernels.tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_mask,
+                                             causal=meta.tree_causal)
     k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]
     if meta.impl == "sdpa":
         return masked_attention(q, k, v, meta.key_mask)

@@ -122,7 +122,7 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, CAUSAL: tl.constexpr,
                         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
@@ -155,15 +155,21 @@ if triton is not None:
             s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
-            for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
+            tree_end = N_TREE
+            if CAUSAL:  # query i sees tree tokens j <= i + N_TREE - M: none after the tile's last query's
+                tree_end = tl.minimum(N_TREE, tl.max(tl.where(row_ok, i, 0), 0) + 1 + N_TREE - M)
+            for blk in range(0, tl.cdiv(tree_end, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
                 k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-                tm = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                             other=0)
-                s = tl.where(tm != 0, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
+                if CAUSAL:
+                    seen = row_ok[:, None] & n_ok[None, :] & (j[None, :] <= i[:, None] + N_TREE - M)
+                else:
+                    seen = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
+                                   mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+                s = tl.where(seen, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
                 m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
         _finish(acc, m_i, l_i, rows, row_ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
                 sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
@@ -283,8 +289,10 @@ def _check(q, k_cache, v_cache, config):
     return c
 
 
-def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool) -> torch.Tensor:
-    """The checked inputs of the public functions below -> o [B, Hq, M, D]."""
+def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool, causal: bool = False
+            ) -> torch.Tensor:
+    """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``causal``: the tree
+    mask is lower-right causal (computed, not read; key blocks after a tile's last query skipped)."""
     b, hq, m, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     c, g = config, hq // hkv
@@ -324,7 +332,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma,
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, CAUSAL=causal,
             BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
@@ -337,18 +345,24 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
 
 @torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                   tree_mask: torch.Tensor, config: Optional[KernelConfig] = None) -> torch.Tensor:
+                   tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False
+                   ) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
     the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
 
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] (the tree tokens already written); lengths [B]
-    long; tree_mask [B or 1, M, N_TREE] bool or int8. Returns o [B, Hq, M, D] in q's dtype, a view
-    of a [B, M, Hq, D] tensor (so the output projection's reshape is free)."""
+    long; tree_mask [B or 1, M, N_TREE] bool or int8. ``causal``: the caller vouches that the mask
+    is lower-right causal (query i sees tree tokens j <= i + N_TREE - M, a prefill chunk): the
+    kernel computes it instead of reading it and skips the key blocks no query of a tile sees.
+    Returns o [B, Hq, M, D] in q's dtype, a view of a [B, M, Hq, D] tensor (so the output
+    projection's reshape is free)."""
     c = _check(q, k_cache, v_cache, config)
     m = q.shape[2]
     if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
-    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True)
+    if causal and tree_mask.shape[2] < m:
+        raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {tree_mask.shape[2]}, M {m}")
+    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, causal=causal)
 
 
 @torch.compiler.disable

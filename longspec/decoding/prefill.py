@@ -31,11 +31,15 @@ class ChunkedPrefill:
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
 
-    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool):
+    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = False):
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
         self.target, self.cache, self.chunk, self.n_keys = target, cache, chunk, n_keys
         self.cuda_graphs = cuda_graphs
+        # tell the attention that the chunk's mask is causal: the Triton kernel then computes it
+        # and skips the key blocks after a tile's last query (tested in the interpreter; not yet
+        # measured on the GPU, so off by default: ``benchmarks/bench_prefill.py --causal``)
+        self.causal_kernel = causal_kernel
         device = target.device
         self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk (zero padded)
         self.real = torch.ones(1, dtype=torch.long, device=device)  # its real tokens
@@ -76,7 +80,8 @@ class ChunkedPrefill:
 
             def chunk_step():
                 positions = cache.lengths[:, None] + self.steps[None, :]
-                hidden = self.target.forward_hidden(self.ids, positions, cache, self.causal, n_keys=self.n_keys)
+                hidden = self.target.forward_hidden(self.ids, positions, cache, self.causal, causal=self.causal_kernel,
+                                                    n_keys=self.n_keys)
                 last = hidden.gather(1, (self.real - 1).view(1, 1, 1).expand(1, 1, hidden.shape[-1]))[:, 0]
                 self.logits.copy_(self.target.logits(last))
                 cache.advance(self.real)  # the padding stays pending: dropped
