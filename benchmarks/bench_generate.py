@@ -61,8 +61,9 @@ def methods(args, target, prompt):
         out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.hybrid_tree), None)
     if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
         from longspec.decoding.auto import pick, retuner
-        name, tree, chosen, note = pick(target, prompt, load_draft(args.draft, target) if args.draft else None)
-        retune = retuner(target, prompt, name, tree, chosen)
+        loaded = load_draft(args.draft, target) if args.draft else None
+        name, tree, chosen, note = pick(target, prompt, loaded)
+        retune = retuner(target, prompt, name, tree, loaded)
         if retune is not None:
             name, note = retune.proposer, note + "; retuned while generating"
         print(f"  auto: {name} {tree or ''} ({note})", flush=True)

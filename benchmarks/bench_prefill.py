@@ -102,6 +102,8 @@ def main(argv=None):
             chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda, causal_kernel=flag == "causal")
             setting = f"{choice} chunk {chunk}"
             for n in lengths:
+                if not chunked.fits(n):
+                    raise SystemExit(f"{n} tokens in chunks of {chunk} do not fit --max-len {args.max_len}")
                 prompt = torch.randint(0, target.config.vocab_size, (n,)).tolist()
                 ms = wall_ms(lambda: (cache.lengths.zero_(), chunked(0, prompt)), args.repeats)
                 step = replay_ms(chunked.runner(0), cache, args.repeats) if cuda else float("nan")

@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/serve .whl/serve/*.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/serve:/tmp/site:$PWD
 SITE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 IFS=";" read -ra servers <<< "${SERVERS:-none;hybrid}"
-GPUS=$(nvidia-smi -L | wc -l)
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 pids=()
 for i in "${!servers[@]}"; do
   parallel=1; gpu=$i; [ "$GPUS" -ge "${#servers[@]}" ] || { parallel=0; gpu=0; }

@@ -118,7 +118,8 @@ def cmd_generate(args) -> int:
     if not args.json:
         about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
                  "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
-        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{f' tree {tree}' if tree else ''}"
+        shown = f" tree {tree}" if tree else " (plain rounds first)" if retune else ""
+        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{shown}"
               f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
     out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
@@ -180,13 +181,18 @@ def resolve_auto(args, target, ids: list) -> tuple:
     draft is --draft, or the one shipped for the default model."""
     from .convert import DEFAULT_DRAFT
     from .decoding.auto import pick, retuner
+    from .decoding.sequence import cache_need, round_slots
     from .models.checkpoint import load_draft
 
     draft_dir = args.draft or (DEFAULT_DRAFT if not args.target else None)
-    name, tree, draft, note = pick(target, ids, load_draft(draft_dir, target) if draft_dir else None)
-    retune = retuner(target, ids, name, tree, draft)
-    if retune is not None:
+    loaded = load_draft(draft_dir, target) if draft_dir else None
+    name, tree, draft, note = pick(target, ids, loaded)
+    retune = retuner(target, ids, name, tree, loaded)
+    limit = target.config.max_position_embeddings
+    if retune is not None and cache_need(len(ids), args.max_new_tokens, round_slots(retune.biggest)) <= limit:
         name, note = retune.proposer, note + "; retuned while generating"
+    else:  # (near the context's end the biggest candidate tree may not fit: no retuning)
+        retune = None
     return name, tree, draft, note, retune
 
 

@@ -210,12 +210,28 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     assert retune.calls[0] >= 4 and len(retune.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
     assert switched[0] == "None" and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
-    assert gen._engine.retired and out.stats["verify_s"] > 0  # the replaced rounds' times still count
-    # the next call starts again from the retuner's start
-    retune.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")] * 5
-    assert gen.generate([prompt], config).sequences[0] == plain
+    assert gen._engine.parked and out.stats["verify_s"] > 0  # the replaced rounds' times still count
+    # the next calls start again from the retuner's start; a tree that returns takes its parked
+    # rounds back (nothing piles up)
+    for _ in range(3):
+        retune.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")] * 5
+        assert gen.generate([prompt], config).sequences[0] == plain
+    assert len(gen._engine.parked) <= len(set(map(str, script))) + 1
+    # a batch starts with the start tree too (switches follow one prompt only)
+    two = gen.generate([prompt, prompt[:50]], config)
+    assert two.sequences[0] == plain and two.stats["trees"] == [(0, "None")]
     with pytest.raises(ValueError, match="does not fit"):
         gen._engine.use_tree(TreeSpec.chain(12) if family == "pld" else TreeSpec.parse("8,8"))
+
+
+def test_retuning_needs_a_proposer_and_the_hybrid_its_draft(tiny):
+    from longspec.decoding.engine import Engine
+
+    target, _ = tiny
+    with pytest.raises(ValueError, match="proposer"):
+        Engine(target, None, None, max_len=64).use_tree(None)
+    with pytest.raises(ValueError, match="draft"):
+        auto.retuner(target, list(range(40)), "hybrid", TreeSpec.parse("2,2"), None)
 
 
 def test_step_costs_made_monotone():

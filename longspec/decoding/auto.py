@@ -328,6 +328,8 @@ class Retuner:
         self.proposer = proposer  # what runs the candidates: "pld" or "hybrid"
         self.trees = {label: tree for label, (tree, _, _) in candidates.items()}
         self.biggest = max(self.trees.values(), key=lambda t: (t.num_nodes, t.depth))
+        if not all(t.fits_in(self.biggest) for t in [*self.trees.values(), *filter(None, [start])]):
+            raise ValueError(f"retuner candidates must all fit the biggest one ({self.biggest})")
         self.prior_weight = prior_weight
 
     def __call__(self, tokens: Sequence[int], n_prompt: int) -> Optional[TreeSpec]:
@@ -347,18 +349,23 @@ class Retuner:
 
 def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], draft=None,
             costs_file: Optional[str] = None) -> Optional[Retuner]:
-    """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``, on a
-    CPU: among the hybrid's trees (a draft with an acceptance table), or among the lookup chains
-    for "pld" and for "none" (plain rounds first, with prompt lookup following them, so a
-    generation that turns repetitive can switch to a chain). Its ``proposer`` says what to run
-    ("pld" or "hybrid"). None on CUDA, or for a hybrid without an acceptance table."""
+    """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``
+    (``draft``: the one given to :func:`pick`, whatever it chose), on a CPU: among the hybrid's
+    trees (a draft with an acceptance table), or among the lookup chains for "pld" and for "none"
+    (plain rounds first, with prompt lookup following them, so a generation that turns
+    repetitive can switch to a chain). Its ``proposer`` says what to run ("pld" or "hybrid").
+    None on CUDA, or for a hybrid without an acceptance table."""
+    if name == "hybrid" and draft is None:
+        raise ValueError("retuner: the hybrid needs its draft")
     if target.device.type == "cuda" or (name == "hybrid" and not draft.config.acceptance):
         return None
     family = "hybrid" if name == "hybrid" else "pld"
     hits = lookup_acceptance(ids)
-    candidates = {label: c for label, c in _candidates(ids, draft if family == "hybrid" else None, hits).items()
-                  if label.split()[0] == family}
-    _, _, costs = choose(target, candidates, len(ids), costs_file)  # the costs pick measured (cached)
+    if draft is not None and not draft.config.acceptance:
+        draft = None  # pick ran without the draft's candidates
+    every = _candidates(ids, draft, hits)
+    _, _, costs = choose(target, every, len(ids), costs_file)  # pick's call: its costs, read from the cache
+    candidates = {label: c for label, c in every.items() if label.split()[0] == family}
     return Retuner(tree, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
 
 

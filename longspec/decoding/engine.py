@@ -107,9 +107,10 @@ class Engine:
         self.chunked_prefill = (ChunkedPrefill(target, self.cache, prefill_chunk, self.step_keys, self.cuda_graphs)
                                 if prefill_chunk else None)
         # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket;
-        # ``retired``: those of trees :meth:`use_tree` replaced (their times still count)
+        # ``parked``: {(bucket, tree): (its view, its runners)} of trees :meth:`use_tree` replaced,
+        # taken back when that tree returns (their times still count)
         self.runners: dict = {}
-        self.retired: list = []
+        self.parked: dict = {}
         self.greedy_round = self.config.greedy
         self.rounds = 0
 
@@ -236,21 +237,28 @@ class Engine:
     def use_tree(self, tree: Optional[TreeSpec]) -> None:
         """From the next round on every bucket drafts ``tree`` (one that fits the engine's tree),
         or decodes plainly (None; a proposer that follows plain rounds): what ``--proposer auto``
-        switches to while it generates. Verification stays exact, so the output is unchanged."""
+        switches to while it generates. Verification stays exact, so the output is unchanged.
+        The replaced tree's rounds are parked (graphs and times kept) for when it returns."""
+        if self.proposer is None:
+            raise ValueError("use_tree needs an engine with a proposer")
         if tree is None and not self.proposer.follows_plain_rounds:
             raise ValueError(f"{type(self.proposer).__name__} cannot follow plain rounds")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
         for b in self.buckets:
-            if self.tree_of(b) == tree:
+            old = self.tree_of(b)
+            if old == tree:
                 continue
+            runners = {key: self.runners.pop(key) for key in [k for k in self.runners if k[1] == b]}
+            self.parked[b, old] = (self._views.pop(b, None), runners)
+            view, runners = self.parked.pop((b, tree), (None, {}))
+            if view is not None:
+                self._views[b] = view
+            self.runners.update(runners)
             if tree == self.tree:
                 del self.bucket_trees[b]
             else:
                 self.bucket_trees[b] = tree
-            self._views.pop(b, None)
-            for key in [k for k in self.runners if k[1] == b]:
-                self.retired.append(self.runners.pop(key))
 
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
@@ -309,7 +317,7 @@ class Engine:
 
     @property
     def all_runners(self) -> list:
-        return [*self.runners.values(), *self.retired]
+        return [*self.runners.values(), *(r for _, parked in self.parked.values() for r in parked.values())]
 
     def phase_times(self) -> list:
         """Seconds spent in each phase (with a proposer: drafting, then the target's), over every
@@ -327,7 +335,7 @@ class Engine:
         proposer kept for the next engine, only once that one has allocated its own). The engine
         cannot run afterwards."""
         self.runners.clear()
-        self.retired.clear()
+        self.parked.clear()
         self._views.clear()
         self.chunked_prefill = None
         self._accept = None

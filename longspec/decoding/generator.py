@@ -111,11 +111,11 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
         clock = _Clock(self.target.device)
         times_before = engine.phase_times()
-        retune = self.retune if len(seqs) == 1 else None
-        trees = []
-        if retune is not None:
+        trees, retune = [], self.retune
+        if retune is not None:  # the start tree for every batch; switches follow one prompt only
             engine.use_tree(retune.start)
             trees, check = [(0, str(retune.start))], retune.first
+            retune = retune if len(seqs) == 1 else None
         t0 = clock()
         engine.add(seqs, streamer)
         t_prefill = clock()
