@@ -229,13 +229,23 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
         cached[key] = costs
         _write_costs(costs_file, cached)
     costs = dict(costs, target_ms=monotone(costs["target_ms"]))
-    plain = 1.0 / costs["target_ms"]["1"]
+    best, gain = fastest({label: (tree, tokens) for label, (tree, _, tokens) in candidates.items()}, costs,
+                         allow_plain)
+    return best, gain, costs
+
+
+def fastest(rated: dict, costs: dict, allow_plain: bool = True) -> tuple:
+    """``rated``: {label: (tree, expected tokens per round)} -> (the label with the most tokens
+    per second under ``costs``, or None where plain decoding beats them all (``allow_plain``);
+    its speed over plain decoding)."""
+    target_ms, draft_ms = costs["target_ms"], costs["draft_ms"]
+    plain = 1.0 / target_ms["1"]
     best, best_rate = None, plain if allow_plain else 0.0
-    for label, (tree, _, tokens) in candidates.items():
-        rate = tokens / (costs["draft_ms"][label] + costs["target_ms"][str(tree.num_nodes)])
+    for label, (tree, tokens) in rated.items():
+        rate = tokens / (draft_ms[label] + target_ms[str(tree.num_nodes)])
         if rate > best_rate:
             best, best_rate = label, rate
-    return best, best_rate / plain, costs
+    return best, best_rate / plain
 
 
 def monotone(target_ms: dict) -> dict:
@@ -337,14 +347,9 @@ class Retuner:
         then what was generated)."""
         hits = lookup_acceptance(tokens, tail=len(tokens) - n_prompt, prior=self.prompt_hits,
                                  prior_weight=self.prior_weight)
-        target_ms, draft_ms = self.costs["target_ms"], self.costs["draft_ms"]
-        best, best_rate = None, 1.0 / target_ms["1"]
-        for label, tree in self.trees.items():
-            tokens_per_round = expected_tokens(tree, self.acceptance, hits)
-            rate = tokens_per_round / (draft_ms[label] + target_ms[str(tree.num_nodes)])
-            if rate > best_rate:
-                best, best_rate = tree, rate
-        return best
+        rated = {label: (tree, expected_tokens(tree, self.acceptance, hits)) for label, tree in self.trees.items()}
+        best, _ = fastest(rated, self.costs)
+        return None if best is None else self.trees[best]
 
 
 def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], draft=None,

@@ -38,7 +38,7 @@ class ChunkedPrefill:
         self.cuda_graphs = cuda_graphs
         # tell the attention that the chunk's mask is causal: the Triton kernel then computes it
         # and skips the key blocks after a tile's last query (tested in the interpreter; not yet
-        # measured on the GPU, so off by default: ``benchmarks/bench_prefill.py --causal``)
+        # measured on the GPU, so off by default: ``bench_prefill.py --impls triton,triton+causal``)
         self.causal_kernel = causal_kernel
         device = target.device
         self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk (zero padded)
