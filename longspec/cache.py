@@ -27,6 +27,18 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     v_layer.transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
 
 
+@torch.compiler.disable  # as it is in compiled rounds: Inductor turned this indexed write into a
+# view of the cache into two copies of the whole cache (0.9 ms of a 3 ms round at batch 16 on the
+# H200, ``benchmarks/results/steps_batch16_h200.log``)
+def move_tokens(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies the K/V of slots ``src`` [B, K] to slots ``dst`` [B, K] of every layer of a
+    :class:`KVCache`'s ``k``, ``v`` [L, B, Hkv, S, D] (rows = ``arange(B)[:, None]``): one gather
+    of the kept tokens, then one scatter, so overlapping slots are read before any is written."""
+    for store in (k, v):
+        view = store.permute(1, 3, 0, 2, 4)  # [B, S, L, Hkv, D]
+        view[rows, dst] = view[rows, src]
+
+
 class KVCache:
     """Keys and values of every target layer for a batch of sequences.
 
@@ -99,9 +111,7 @@ class KVCache:
         src = self.lengths[:, None] + torch.where(keep, nodes, cols)
         dst = self.lengths[:, None] + cols
         rows = torch.arange(nodes.shape[0], device=nodes.device)[:, None]
-        for store in (self.k, self.v):
-            view = store.permute(1, 3, 0, 2, 4)  # [B, S, L, Hkv, D]
-            view[rows, dst] = view[rows, src]
+        move_tokens(self.k, self.v, rows, src, dst)
         self.advance(n)
 
 

@@ -287,7 +287,7 @@ def cmd_serve(args) -> int:
         bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
         if notes:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
-    chunk = args.prefill_chunk if args.prefill_chunk is not None else (256 if target.device.type == "cuda" else 0)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (1024 if target.device.type == "cuda" else 0)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
                           prefill_chunk=chunk or None)
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=None,
                      help="prefill arriving prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA "
                           "graph at warm-up (less host work per arriving request; a large admission still goes as "
-                          "one batched forward); 0 = always one eager prefill (default: 256 on CUDA, 0 on a CPU)")
+                          "one batched forward); 0 = always one eager prefill (default: 1024 on CUDA, 0 on a CPU)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

@@ -9,12 +9,19 @@ commits the chunk's real tokens: on CUDA each row's chunk step is captured once 
 (through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
 replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding).
 
+The chunk's mask is causal and the Triton kernel is told so: it computes the mask and skips the
+key blocks after each query tile's last token, so the tree part of a chunk costs half as much and
+chunks can be long. On the H200 (``bench_prefill_causal_h200.log``, SmolLM2 shape, 4096 slots) a
+1700-token prompt took 11.2 ms in 256-token chunks with a read mask, 4.9 ms in 1024-token causal
+chunks, and 23 ms as one eager prefill; a 256-token prompt 1.7 ms in a 256 chunk, 2.4 ms in a
+1024 one.
+
 The replays are one row at a time, so a large admission is cheaper as one batched eager forward:
 on the H200 (SmolLM2, prompts of ~1700 tokens, 256-token chunks; ``serve_chunk_h200.log``) the
 chunks made a plain server 1.26x faster at one client (time to first token 48 -> 18 ms) and 1.16x
 at four, were even at sixteen (waves of 16 arrivals) and 0.78x at 64 (waves of 64). So an
-admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all (64: about
-eight such prompts) is prefilled eagerly."""
+admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all is prefilled
+eagerly."""
 from __future__ import annotations
 
 import torch
@@ -31,14 +38,13 @@ class ChunkedPrefill:
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
 
-    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = False):
+    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True):
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
         self.target, self.cache, self.chunk, self.n_keys = target, cache, chunk, n_keys
         self.cuda_graphs = cuda_graphs
-        # tell the attention that the chunk's mask is causal: the Triton kernel then computes it
-        # and skips the key blocks after a tile's last query (tested in the interpreter; not yet
-        # measured on the GPU, so off by default: ``bench_prefill.py --impls triton,triton+causal``)
+        # tell the attention that the chunk's mask is causal (False: the Triton kernel reads it,
+        # as for a tree; ``bench_prefill.py`` compares both)
         self.causal_kernel = causal_kernel
         device = target.device
         self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk (zero padded)
