@@ -363,7 +363,8 @@ class PromptLookup(TreeDrafter):
         [B, n, V] scores: a match's score is unique to its position, so the best position's
         token is the best token."""
         ctx, score = self._scores(path)
-        best, where = score.max(-1)
+        best = score.amax(-1)  # a plain max (Inductor splits it over the positions; max-with-index it did not)
+        where = best.clamp(min=0) % (ctx.shape[-1] + 1)  # the position is part of the score
         return best >= 0, ctx.gather(2, where[..., None])[..., 0].clamp(min=0)
 
     def _scores(self, path: torch.Tensor) -> tuple:
