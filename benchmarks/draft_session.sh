@@ -21,9 +21,10 @@
 # (`mkdir -p /root/stage/ckpt && cp .ckpt/draft.tar.part.* /root/stage/ckpt/`); call 3 the other
 # model parts, the sha256, the gguf wheel and .data, with RESUME=1 (the chats phase then only
 # unpacks the carried chats).
-# COMPILE=1 adds --compile (2-5% faster steps; a call of 230 s once ended in its compilation
-# before step 50: not by default). The call limit is 600 s: run `PHASES="chats train"` in one call and `PHASES="train export"` in
-# the next (the machine stays warm 30 s between calls).
+# Training compiles the draft's forward/backward and the loss chunks (`longspec train`'s CUDA
+# default; 486k against 265k tokens/s eager with --distill, train_bench_distill_compile_h200.log);
+# COMPILE=off trains eagerly. The call limit is 600 s: run `PHASES="chats train"` in one call and
+# `PHASES="train export"` in the next (the machine stays warm 30 s between calls).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -73,7 +74,7 @@ for phase in $PHASES; do
       timeout $TRAIN_TIMEOUT torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
         --target /root/stage/smol-hf --data "$SITE" $chats \
         --exclude $EVAL '*.dist-info' --out $RUN --seq-len 2048 --batch-size ${BATCH:-16} \
-        --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill ${COMPILE:+--compile} \
+        --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile ${COMPILE:-auto} \
         --eval-every 500 --save-every ${SAVE_EVERY:-250} --eval-chunks 64 --log-every 25 --device cuda --dtype bfloat16 \
         --no-progress --data-cache /root/stage/tokens $resume 2>&1 | grep -v "Warning\|warn(" | tee -a /root/stage/train.log
       latest=$(cat $RUN/checkpoints/latest 2>/dev/null || true)
