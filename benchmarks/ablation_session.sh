@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Issue 10's ablations on one GPU (second call of a session, the default model staged as for
-# gpu_session.sh): four drafts for the default model with the same data, seed and steps — the
+# Issue 10's ablations (second call of a session, the default model staged as for
+# gpu_session.sh), the runs spread over the host's GPUs (two at a time on nvidia-h200-x2): four drafts for the default model with the same data, seed and steps — the
 # recipe (anchor-offset positions + noisy lags), without anchor offsets, without noisy lags, and
 # with distillation — then benchmarks/ablations.py compares them on held-out packages (acceptance
 # per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
-# Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl).
+# Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl). Training compiles (the CUDA
+# default: ~537k tokens/s per H200), so STEPS=3000 (98M tokens a draft) takes ~4 minutes a run:
+#   STEPS=3000 EVERY=250 RUN_TIMEOUT=280 bash benchmarks/ablation_session.sh    # x2: ~9-10 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,11 +21,19 @@ train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /ro
   --out "/root/abl/$1" --seq-len 2048 --batch-size $BATCH --steps $STEPS --lr 1e-3 --warmup 20 \
   --eval-every $EVERY --save-every $STEPS --eval-chunks 32 --log-every 25 --no-progress --device cuda \
   --dtype bfloat16 --seed 5 "${@:2}"; }
+RUNS=("base" "no-anchor --no-anchor-offset" "no-noise --no-noise" "distill --distill")
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+mkdir -p /root/abl
+for ((g = 0; g < GPUS; g++)); do  # GPU g trains runs g, g + GPUS, ... one after another
+  ( for ((i = g; i < ${#RUNS[@]}; i += GPUS)); do
+      set -- ${RUNS[$i]}
+      CUDA_VISIBLE_DEVICES=$g train "$@" > "/root/abl/$1.log" 2>&1
+      cp "/root/abl/$1/metrics.jsonl" "$OUT/metrics_$1.jsonl" 2>/dev/null
+    done ) &
+done
+wait
 {
-  for run in "base" "no-anchor --no-anchor-offset" "no-noise --no-noise" "distill --distill"; do
-    set -- $run; echo "== $1"; train "$@" 2>&1 | tail -3
-    cp "/root/abl/$1/metrics.jsonl" "$OUT/metrics_$1.jsonl" 2>/dev/null
-  done
+  for run in "${RUNS[@]}"; do set -- $run; echo "== $1"; grep -v "Warning\|warn(" "/root/abl/$1.log" | tail -3; done
   python3 benchmarks/ablations.py --target /root/stage/smol-hf --heldout $HELDOUT --vocab 8192 --vocab-data $DATA \
     --runs base=/root/abl/base no-anchor=/root/abl/no-anchor no-noise=/root/abl/no-noise distill=/root/abl/distill \
     --out "$OUT"
