@@ -1,0 +1,182 @@
+"""longspec: lossless speculative decoding for long contexts.
+
+Commands: generate (text from a prompt), serve (an OpenAI-compatible server), train (a LongSpec
+draft for a target), convert (a GGUF checkpoint into a Hugging Face-format directory)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .commands import cmd_convert, cmd_draft_vocab, cmd_generate, cmd_self_distill, cmd_serve, cmd_train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longspec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with a target model")
+    gen.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1, off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
+    gen.add_argument("--proposer", choices=["auto", "none", "pld", "streaming", "longspec", "hybrid"],
+                     default="auto",
+                     help="draft strategy: auto (the default: the hybrid with the tree a measured cost model "
+                          "picks for this device where a draft exists, else pld), none (plain decoding), "
+                          "pld (prompt lookup), streaming "
+                          "(the target over a StreamingLLM cache, MagicDec), longspec (the LongSpec draft: "
+                          "shipped for the default model, --draft DIR for other targets), hybrid (the LongSpec "
+                          "draft's beam tree with a prompt-lookup chain merged in)")
+    gen.add_argument("--tree", default=None,
+                     help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' or static paths "
+                          "'[[0],[1],[0,0]]' (default: chain:5 for pld, 4,16,16,16,16,1,1,1,1,1 for hybrid, "
+                          "4,16,16,16,16 otherwise)")
+    gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec; "
+                                                   "the default model has a shipped draft)")
+    gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")
+    gen.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for PyTorch (default: PyTorch's choice; 1-2 is often fastest on a busy "
+                          "small machine)")
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    gen.set_defaults(func=cmd_generate)
+
+    sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "
+                                             "training data for --distill)")
+    sd.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    sd.add_argument("--docs", nargs="+", required=True, help="files / directories of .md .rst .txt .py documents "
+                                                             "(not the Python standard library)")
+    sd.add_argument("--out", required=True, help="the JSONL file to write")
+    sd.add_argument("--tasks", default="summarise,explain,continue,question", help="requests, one per document "
+                                                                                   "in turn (default: all four)")
+    sd.add_argument("--max-doc-tokens", type=int, default=3072, help="document tokens per request (default: 3072)")
+    sd.add_argument("--max-new-tokens", type=int, default=256, help="answer tokens at most (default: 256)")
+    sd.add_argument("--batch", type=int, default=8, help="requests answered together (default: 8)")
+    sd.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    sd.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default: 0.95)")
+    sd.add_argument("--seed", type=int, default=0, help="sampling and document-order seed (default: 0)")
+    sd.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
+    sd.add_argument("--shard", default="0/1", help="I/N: answer only every N-th request from the I-th (one process "
+                                                   "per GPU, same --seed; default: 0/1, all)")
+    sd.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    sd.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    sd.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    sd.set_defaults(func=cmd_self_distill)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    srv.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
+    srv.add_argument("--model-name", default=None, help="the model id clients use (default: the directory name)")
+    srv.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec", "hybrid"], default="none",
+                     help="draft strategy, as for generate (default: none)")
+    srv.add_argument("--tree", default=None, help="tree shape, as for generate")
+    srv.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec)")
+    srv.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
+    srv.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per request (default: 4096)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; then 429 (default: 64)")
+    srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    srv.add_argument("--buckets", default=None,
+                     help="batch sizes a round runs at, comma-separated (default: powers of two up to --max-batch; "
+                          "--max-batch is always one); fewer buckets, shorter warm-up, more idle rows computed")
+    srv.add_argument("--bucket-trees", default="auto",
+                     help="the tree each batch bucket drafts: auto (on CUDA, a cost model measured at start-up picks "
+                          "for each bucket of 2 or more rows among trees that fit --tree; needs a draft with an "
+                          "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
+                          "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prefill arriving prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA "
+                          "graph at warm-up (less host work per arriving request; a large admission still goes as "
+                          "one batched forward); 0 = always one eager prefill (default: 1024 on CUDA, 0 on a CPU)")
+    srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
+                     help="compile and capture every batch bucket's greedy rounds before serving, so no request "
+                          "waits for it (default: auto = on CUDA)")
+    srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    srv.set_defaults(func=cmd_serve)
+
+    dv = sub.add_parser("draft-vocab", help="reduce a draft's vocabulary to the most frequent tokens of some data",
+                        description="Writes a copy of a LongSpec draft that scores only the --size most frequent "
+                                    "tokens of --data (its training data) when drafting; verification still "
+                                    "covers the whole vocabulary, so the output does not change.")
+    dv.add_argument("--target", required=True, help="HF-format target model directory")
+    dv.add_argument("--draft", required=True, help="draft directory")
+    dv.add_argument("--data", required=True, nargs="+", help="text / JSONL files or source trees (the training data)")
+    dv.add_argument("--size", type=int, default=8192, help="tokens kept (default: 8192)")
+    dv.add_argument("--out", required=True, help="output draft directory")
+    dv.set_defaults(func=cmd_draft_vocab)
+
+    conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
+    conv.add_argument("--gguf", required=True, help="input .gguf file")
+    conv.add_argument("--out", required=True, help="output directory")
+    conv.add_argument("--dtype", default="float32")
+    conv.set_defaults(func=cmd_convert)
+
+    tr = sub.add_parser("train", help="train a LongSpec draft for a target (torchrun for several GPUs)",
+                        description="Trains a LongSpec draft. Data parallel: torchrun --nproc_per_node N "
+                                    "-m longspec.cli train ...")
+    tr.add_argument("--target", required=True, help="HF-format target model directory (frozen)")
+    tr.add_argument("--data", required=True, nargs="+",
+                    help="text files, JSONL files (--text-field) and/or source-tree directories")
+    tr.add_argument("--out", required=True, help="output directory: a draft loadable with load_draft")
+    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per training chunk")
+    tr.add_argument("--batch-size", type=int, default=1, help="chunks per micro-batch per process")
+    tr.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    tr.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, relative to --lr")
+    tr.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    tr.add_argument("--weight-decay", type=float, default=0.0)
+    tr.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    tr.add_argument("--window", type=int, default=512, help="draft self-attention window")
+    tr.add_argument("--max-lag", type=int, default=None,
+                    help="noisy cross-attention lags 1..G (default: the depth of --tree, 5 for the default beam tree)")
+    tr.add_argument("--tree", default="4,16,16,16,16", help="the tree shape the draft will draft (default: 4,16,16,16,16)")
+    tr.add_argument("--no-anchor-offset", action="store_true", help="plain positions 0..n-1 (ablation)")
+    tr.add_argument("--no-noise", action="store_true", help="lag 1 always (ablation)")
+    tr.add_argument("--distill", action="store_true", help="add KL(target || draft) to the loss")
+    tr.add_argument("--distill-weight", type=float, default=1.0,
+                    help="with --distill: loss = (1-w) CE + w KL (default 1: pure distillation)")
+    tr.add_argument("--text-field", default="text", help="text field of JSONL records")
+    tr.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
+    tr.add_argument("--eval-fraction", type=float, default=0.05, help="share of documents held out")
+    tr.add_argument("--exclude", nargs="+", default=[], metavar="PATTERN",
+                    help="glob patterns of top-level entries of source-tree --data to leave out (e.g. the packages "
+                         "you evaluate on: --data SITE --exclude transformers 'rich*')")
+    tr.add_argument("--data-cache", default=None,
+                    help="directory keeping the tokenised data, keyed by the documents, settings and tokenizer: "
+                         "later runs on the same data skip tokenising")
+    tr.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
+    tr.add_argument("--eval-chunks", type=int, default=64, help="held-out chunks per evaluation (0: all)")
+    tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
+    tr.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl row")
+    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
+    tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                    help="the draft's forward and backward and the loss chunks through torch.compile (Inductor): "
+                         "1.8x the tokens/s on the H200 with --distill (default: auto = on CUDA)")
+    tr.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ImportError) as err:  # UsageError is a ValueError
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
