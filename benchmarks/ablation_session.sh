@@ -5,8 +5,10 @@
 # with distillation — then benchmarks/ablations.py compares them on held-out packages (acceptance
 # per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
 # Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl). Training compiles (the CUDA
-# default: ~537k tokens/s per H200), so STEPS=3000 (98M tokens a draft) takes ~4 minutes a run:
-#   STEPS=3000 EVERY=250 RUN_TIMEOUT=280 bash benchmarks/ablation_session.sh    # x2: ~9-10 min
+# default: ~537k tokens/s per H200, 486k with --distill), so a 2500-step draft (82M tokens) takes
+# ~3.5 minutes; on x2 two runs per GPU plus the comparison fit one 600-s call:
+#   STEPS=2500 EVERY=250 RUN_TIMEOUT=250 bash benchmarks/ablation_session.sh
+# A run cut by RUN_TIMEOUT keeps its checkpoint of the last EVERY steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,10 +21,10 @@ HELDOUT=""; for p in requests click rich httpx starlette pydantic jinja2 yaml ur
   [ -d "$SITE/$p" ] && HELDOUT="$HELDOUT $SITE/$p"; done
 train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /root/stage/smol-hf --data $DATA \
   --out "/root/abl/$1" --seq-len 2048 --batch-size $BATCH --steps $STEPS --lr 1e-3 --warmup 20 \
-  --eval-every $EVERY --save-every $STEPS --eval-chunks 32 --log-every 25 --no-progress --device cuda \
+  --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 25 --no-progress --device cuda \
   --dtype bfloat16 --seed 5 "${@:2}"; }
 RUNS=("base" "no-anchor --no-anchor-offset" "no-noise --no-noise" "distill --distill")
-GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l); [ "$GPUS" -ge 1 ] || GPUS=1
 mkdir -p /root/abl
 for ((g = 0; g < GPUS; g++)); do  # GPU g trains runs g, g + GPUS, ... one after another
   ( for ((i = g; i < ${#RUNS[@]}; i += GPUS)); do

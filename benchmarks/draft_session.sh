@@ -23,7 +23,7 @@
 # unpacks the carried chats).
 # Training compiles the draft's forward/backward and the loss chunks (`longspec train`'s CUDA
 # default; 486k against 265k tokens/s eager with --distill, train_bench_distill_compile_h200.log);
-# COMPILE=off trains eagerly. The call limit is 600 s: run `PHASES="chats train"` in one call and
+# COMPILE=off (or 0) trains eagerly. The call limit is 600 s: run `PHASES="chats train"` in one call and
 # `PHASES="train export"` in the next (the machine stays warm 30 s between calls).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -70,11 +70,12 @@ for phase in $PHASES; do
         mkdir -p $RUN && cat $ckpt | tar -x -C $RUN && echo "restored $(cat $RUN/checkpoints/latest)"
       fi
       resume=""; [ -f $RUN/checkpoints/latest ] && resume="--resume"
+      case ${COMPILE:-auto} in 0|off) compile=off ;; 1|on) compile=on ;; *) compile=auto ;; esac
       chats=$(for f in /root/stage/chats.*.jsonl; do [ -s "$f" ] && echo "$f"; done)  # a shard may have failed
       timeout $TRAIN_TIMEOUT torchrun --standalone --nproc_per_node 2 -m longspec.cli train \
         --target /root/stage/smol-hf --data "$SITE" $chats \
         --exclude $EVAL '*.dist-info' --out $RUN --seq-len 2048 --batch-size ${BATCH:-16} \
-        --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile ${COMPILE:-auto} \
+        --steps ${TRAIN_STEPS:-8000} --lr 1e-3 --warmup 200 --window 512 --distill --compile $compile \
         --eval-every 500 --save-every ${SAVE_EVERY:-250} --eval-chunks 64 --log-every 25 --device cuda --dtype bfloat16 \
         --no-progress --data-cache /root/stage/tokens $resume 2>&1 | grep -v "Warning\|warn(" | tee -a /root/stage/train.log
       latest=$(cat $RUN/checkpoints/latest 2>/dev/null || true)

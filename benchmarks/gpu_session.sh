@@ -46,7 +46,7 @@ for step in $STEPS; do
              --seq-len 2048 --batch-size ${BATCH:-16} --steps ${TRAIN_STEPS:-1500} --lr 1e-3 --warmup 100 \
              --window 512 ${MAX_LAG:+--max-lag $MAX_LAG} --eval-every 250 --save-every 250 --eval-chunks 32 --log-every 25 \
              --device cuda --dtype bfloat16 --no-progress --data-cache /root/stage/tokens ${RESUME:+--resume} \
-             ${COMPILE_TRAIN:+--compile} 2>&1 | tee "$OUT/train.log" || true
+             --compile ${COMPILE_TRAIN:-auto} 2>&1 | tee "$OUT/train.log" || true
            cp /root/stage/draft/metrics.jsonl "$OUT/" || true
            latest=$(cat /root/stage/draft/checkpoints/latest 2>/dev/null || true)
            if [ -n "$latest" ]; then  # the newest checkpoint (weights, optimizer, data position), in <= 15 MiB parts

@@ -36,8 +36,9 @@ def test_chunks_write_the_eager_prefills_cache_and_logits(target, length):
 def test_a_prompt_whose_last_chunk_does_not_fit_is_prefilled_eagerly(target):
     chunked = ChunkedPrefill(target, target.new_cache(1, 40), 16, None, cuda_graphs=False)
     assert chunked.fits(32) and not chunked.fits(33)  # 33 tokens: a third chunk padded to slot 48
-    with pytest.raises(ValueError, match=">= 1"):
-        ChunkedPrefill(target, target.new_cache(1, 40), 0, None, cuda_graphs=False)
+    for chunk in (0, 41):  # a chunk longer than the cache would write past its slots
+        with pytest.raises(ValueError, match="1 to 40 tokens"):
+            ChunkedPrefill(target, target.new_cache(1, 40), chunk, None, cuda_graphs=False)
 
 
 @pytest.mark.parametrize("proposer", ["none", "hybrid"])

@@ -251,6 +251,8 @@ def cmd_serve(args) -> int:
     name, tree = proposer_choice(args)
     if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0:
         raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0 and --prefill-chunk >= 0")
+    if (args.prefill_chunk or 0) > args.max_len:
+        raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) must not exceed --max-len ({args.max_len})")
     buckets = None
     if args.buckets:
         try:
@@ -283,7 +285,8 @@ def cmd_serve(args) -> int:
         bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
         if notes:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
-    chunk = args.prefill_chunk if args.prefill_chunk is not None else (1024 if target.device.type == "cuda" else 0)
+    chunk = (args.prefill_chunk if args.prefill_chunk is not None
+             else min(1024, args.max_len) if target.device.type == "cuda" else 0)
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
                           prefill_chunk=chunk or None)

@@ -39,8 +39,8 @@ class ChunkedPrefill:
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
 
     def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True):
-        if chunk < 1:
-            raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+        if not 1 <= chunk <= cache.max_len:
+            raise ValueError(f"prefill chunk must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
         self.target, self.cache, self.chunk, self.n_keys = target, cache, chunk, n_keys
         self.cuda_graphs = cuda_graphs
         # tell the attention that the chunk's mask is causal (False: the Triton kernel reads it,
