@@ -21,15 +21,18 @@ def test_expected_tokens_by_hand():
     deeper = [0.4, 0.5, 0.55, 0.6, 0.7, 0.8]
     beam = TreeSpec.parse("2,2")
     assert expected_tokens(beam, [ROW, deeper]) == pytest.approx(1 + 0.6 + 0.6 * 0.5)
-    # the lookup chain takes one slot per level: draft top-1 there, combined independently
-    level1, level2 = 1 - 0.5 * 0.5, 1 - 0.6 * 0.5
+    # the lookup chain takes one slot per level: draft top-1 there, combined halfway between
+    # independent hits and the better of the two (HIT_CORRELATION)
+    assert auto.HIT_CORRELATION == 0.5
+    level1 = 0.5 * 0.5 + 0.5 * (1 - 0.5 * 0.5)  # draft top-1 0.5, lookup 0.5
+    level2 = 0.5 * 0.5 + 0.5 * (1 - 0.6 * 0.5)  # draft top-1 0.4, lookup 0.5
     assert expected_tokens(beam, [ROW, deeper], [0.5, 0.5]) == pytest.approx(1 + level1 + level1 * level2)
     assert expected_tokens(TreeSpec.chain(2), lookup=[0.3, 0.6]) == pytest.approx(1 + 0.3 + 0.3 * 0.6)
     # widths between measured columns interpolate; deeper levels reuse the last row
     assert expected_tokens(TreeSpec.parse("6"), [ROW]) == pytest.approx(1 + 0.75)
     assert expected_tokens(TreeSpec.parse("1,1,1"), [ROW]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     # a level of one node holds the lookup's candidate or the draft's: the better rate
-    level1 = 1 - 0.5 * 0.1
+    level1 = 0.5 * 0.9 + 0.5 * (1 - 0.5 * 0.1)  # the first level (2 slots): draft top-1 0.5, lookup 0.9
     assert expected_tokens(TreeSpec.parse("2,1,1"), [ROW], [0.9, 0.8, 0.3]) == pytest.approx(
         1 + level1 + level1 * 0.8 + level1 * 0.8 * 0.5)
 
@@ -169,6 +172,47 @@ def test_retuner_follows_the_generated_texts_repeats(tiny, tmp_path):
                         init_draft(DraftConfig.for_target(target, window=16), target)) is None  # no table
 
 
+def test_the_hybrids_retuner_moves_to_a_lookup_chain_where_the_text_repeats(tiny, tmp_path, monkeypatch):
+    """The hybrid's retuner rates the lookup chains too (its lookup drafts them alone): with
+    drafting costly, generated text that repeats the prompt verbatim gets a chain, text that does
+    not gets plain rounds."""
+    target, draft = tiny
+    monkeypatch.setattr(draft.config, "acceptance", [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6)
+    ids = list(range(100))
+    costs = tmp_path / "costs.json"
+    pld = {f"pld chain:{n}": 0.01 for n in auto.LOOKUP_CHAINS}
+    fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 50 for m in range(1, 80)},
+               {**pld, **{f"hybrid {t}": 5.0 for t in auto.CANDIDATE_TREES}})
+    retune = auto.retuner(target, ids, "hybrid", TreeSpec.parse("4,4,4,4,4"), draft, costs_file=str(costs))
+    # it starts with the lookup alone (here: no repeats in the prompt, so plain rounds)
+    assert retune.proposer == "hybrid" and set(pld) <= set(retune.trees) and retune.start is None
+    repeating = retune(ids + ids[10:60], len(ids))
+    assert repeating is not None and repeating.kind == "chain" and repeating.depth >= 3
+    assert retune(ids + list(range(200, 250)), len(ids)) is None
+
+
+def test_hybrid_chain_rounds_are_the_lookups_own(tiny):
+    """A hybrid engine switched to a chain drafts what prompt lookup alone drafts: the same
+    tokens and the same accepted counts round by round, and beam trees can return after it."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+
+    target, draft = tiny
+    prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 3
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = Generator(target).generate([prompt], config).sequences[0]
+    alone = Generator(target, PromptLookup(), "chain:4").generate([prompt], config)
+    chain = Scripted(TreeSpec.parse("4,4,4,1,1"), TreeSpec.chain(4), [TreeSpec.chain(4)] * 8)
+    hybrid = Generator(target, LongSpecProposer(draft, PromptLookup()), "4,4,4,1,1", retune=chain)
+    out = hybrid.generate([prompt], config)
+    assert out.sequences[0] == alone.sequences[0] == plain
+    assert out.stats["accepted_hist"][:5] == alone.stats["accepted_hist"] and out.stats["tau"] > 1.0
+    back = Scripted(TreeSpec.parse("4,4,4,1,1"), TreeSpec.chain(4), [TreeSpec.parse("3,3,1"), TreeSpec.chain(2)] * 4)
+    hybrid.retune = back
+    assert hybrid.generate([prompt], config).sequences[0] == plain
+
+
 def test_lookup_acceptance_prior():
     text = list(range(50)) + [1, 2, 3]  # 3 generated positions: 2 hits (after 1 comes 2, after 2 comes 3)
     assert lookup_acceptance(text, depths=1, tail=3)[0] == pytest.approx(2 / 3, abs=1e-3)
@@ -202,7 +246,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
         script = [TreeSpec.chain(4), TreeSpec.chain(2), TreeSpec.chain(2), None]
     else:
         proposer, biggest = LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("4,4,4,1,1")
-        script = [TreeSpec.parse("2,2"), None, TreeSpec.parse("3,3,3,1,1"), TreeSpec.parse("2,2")]
+        script = [TreeSpec.parse("2,2"), None, TreeSpec.chain(3), TreeSpec.parse("3,3,3,1,1"), TreeSpec.parse("2,2")]
     retune = Scripted(biggest, None, script)
     gen = Generator(target, proposer, biggest, retune=retune)
     out = gen.generate([prompt], config)
@@ -232,6 +276,20 @@ def test_retuning_needs_a_proposer_and_the_hybrid_its_draft(tiny):
         Engine(target, None, None, max_len=64).use_tree(None)
     with pytest.raises(ValueError, match="draft"):
         auto.retuner(target, list(range(40)), "hybrid", TreeSpec.parse("2,2"), None)
+
+
+def test_costs_are_interpolated_between_the_powers_of_two_around_the_prompt(tiny, tmp_path, monkeypatch):
+    target, _ = tiny
+    monkeypatch.setattr(target.config, "max_position_embeddings", 8192)
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    costs = tmp_path / "costs.json"
+    at = {2048: ({"1": 40.0, "6": 60.0}, 2.0), 4096: ({"1": 60.0, "6": 100.0}, 4.0)}
+    costs.write_text(json.dumps({f"{device_key(target)} | {c}": {"target_ms": t, "draft_ms": {"pld chain:5": d}}
+                                 for c, (t, d) in at.items()}))
+    chain = TreeSpec.chain(5)
+    for n, plain, verify, draft in ((3072, 50.0, 80.0, 3.0), (2048, 40.0, 60.0, 2.0), (4096, 60.0, 100.0, 4.0)):
+        _, _, used = auto.choose(target, {"pld chain:5": (chain, None, 2.0)}, n, str(costs))
+        assert used["target_ms"] == {"1": plain, "6": verify} and used["draft_ms"] == {"pld chain:5": draft}
 
 
 def test_step_costs_made_monotone():

@@ -121,8 +121,9 @@ def test_auto_proposer_on_the_default_model(tmp_path):
     auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert auto["proposer"] in ("none", "pld", "hybrid") and auto["auto"].startswith("cost model")
     costs = json.loads((tmp_path / "costs.json").read_text())
-    (entry,) = costs.values()  # one device / model / context bucket
-    assert {"1", "2", "11", "69"} <= set(entry["target_ms"]) and "hybrid 4,16,16,16,16" in entry["draft_ms"]
+    assert 1 <= len(costs) <= 2  # one device / model, at the powers of two around the prompt's length
+    for entry in costs.values():
+        assert {"1", "2", "11", "69"} <= set(entry["target_ms"]) and "hybrid 4,16,16,16,16" in entry["draft_ms"]
     assert again["proposer"] == auto["proposer"] and again["tree"] == auto["tree"]  # from the cache
     assert auto["token_ids"] == plain["token_ids"] == again["token_ids"]
 

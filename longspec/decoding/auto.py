@@ -39,6 +39,13 @@ from .tree import TreeSpec
 CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DEFAULT_TREE,
                    "4,4,4,4,4,1,1,1,1,1", HYBRID_TREE)
 LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
+# the draft and the lookup hit on largely the same (easy) tokens: a level holding both is right
+# this far between independent hits (0) and the better of the two alone (1). Fitted on held-out
+# code (transformers/generation, 2k / 3k / 4k / 7.9k tokens, the step-8000 draft, the lookup's
+# rates on the generated text): hybrid `4,16,16,16,16,1,1,1,1,1` measured 5.38 / - / 7.11 / 4.33
+# tokens a round against 6.60 / - / 9.59 / 6.12 predicted as independent and 5.00 / - / 8.69 /
+# 4.56 at 0.5; `4,4,4,4,4,1,1,1,1,1` at 3k 5.00 against 6.45 and 5.04
+HIT_CORRELATION = 0.5
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 
 
@@ -47,9 +54,10 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
     """Tokens a round of ``tree`` emits on average: 1 + sum over depths of the probability that
     every level so far holds the right token. Level d holds it from the draft's top w_d
     (``acceptance`` rows: depth 1.., columns ``ACCEPTANCE_WIDTHS``, interpolated; deeper levels
-    reuse the last row) or, independently, from the lookup chain (``lookup[d-1]``: its hit rate at
-    depth d given a right path so far), which takes one of the level's slots when both are given
-    (a level of one slot holds either: the better of the two rates is assumed)."""
+    reuse the last row) or from the lookup chain (``lookup[d-1]``: its hit rate at depth d given a
+    right path so far), which takes one of the level's slots when both are given; the two are
+    combined with :data:`HIT_CORRELATION` (a level of one slot holds either: the better of the two
+    rates is assumed)."""
     total, alive = 1.0, 1.0
     for depth, width in enumerate(tree.widths):
         hit_lookup = lookup[min(depth, len(lookup) - 1)] if lookup else 0.0
@@ -58,7 +66,8 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
         if width == 1 and lookup:
             alive *= max(hit_draft, hit_lookup)
         else:
-            alive *= 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)
+            either = 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)  # were they independent
+            alive *= HIT_CORRELATION * max(hit_draft, hit_lookup) + (1.0 - HIT_CORRELATION) * either
         total += alive
     return total
 
@@ -213,13 +222,31 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     """``candidates``: {label: (tree, make_proposer, tokens per round)}. Returns (the label with
     the most expected tokens per second, or None when plain decoding is fastest (``allow_plain``);
     its predicted speed-up over plain decoding; the costs used). Costs are measured for ``batch``
-    rows at the prompt's length rounded up to a power of two, once per device / model / dtype
-    (cached in ``costs_file``, default ``<longspec home>/costs.json``)."""
+    rows at the powers of two around the prompt's length (at least 128) and interpolated
+    linearly between them, each measured once per device / model / dtype (cached in
+    ``costs_file``, default ``<longspec home>/costs.json``): a 3000-token prompt measured at 4096
+    alone overstated a plain step on a CPU by 27%."""
     biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
-    context = 1 << max(7, math.ceil(math.log2(max(prompt_len, 1))))
-    context = max(1, min(context, target.config.max_position_embeddings - biggest))
-    key = f"{device_key(target)} | {context}" + (f" | batch {batch}" if batch > 1 else "")
+    cap = max(1, target.config.max_position_embeddings - biggest)
+    n = max(prompt_len, 1)
+    hi = min(1 << max(7, math.ceil(math.log2(n))), cap)
+    lo = min(1 << max(7, math.floor(math.log2(n))), hi)
+    weight = min(max((n - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 0.0
     cached = _read_costs(costs_file)
+    at = {context: _costs_at(target, candidates, context, batch, cached, costs_file) for context in {lo, hi}}
+    costs = {kind: {key: (1 - weight) * at[lo][kind][key] + weight * value
+                    for key, value in at[hi][kind].items() if key in at[lo][kind]}
+             for kind in ("target_ms", "draft_ms")}
+    costs["target_ms"] = monotone(costs["target_ms"])
+    best, gain = fastest({label: (tree, tokens) for label, (tree, _, tokens) in candidates.items()}, costs,
+                         allow_plain)
+    return best, gain, costs
+
+
+def _costs_at(target, candidates: dict, context: int, batch: int, cached: dict, costs_file: Optional[str]) -> dict:
+    """The costs of ``candidates`` at ``context`` from ``cached`` (the file's contents), measuring
+    (and writing back) the ones missing."""
+    key = f"{device_key(target)} | {context}" + (f" | batch {batch}" if batch > 1 else "")
     costs = cached.get(key, {"target_ms": {}, "draft_ms": {}})
     missing = {label: c for label, c in candidates.items() if label not in costs["draft_ms"]}
     if missing:
@@ -228,10 +255,7 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
         costs["draft_ms"].update(fresh["draft_ms"])
         cached[key] = costs
         _write_costs(costs_file, cached)
-    costs = dict(costs, target_ms=monotone(costs["target_ms"]))
-    best, gain = fastest({label: (tree, tokens) for label, (tree, _, tokens) in candidates.items()}, costs,
-                         allow_plain)
-    return best, gain, costs
+    return costs
 
 
 def fastest(rated: dict, costs: dict, allow_plain: bool = True) -> tuple:
@@ -324,8 +348,8 @@ class Retuner:
     prompt far more than the prompt repeats itself: on the README's CPU prompt, lookup chain:5
     accepted 3.07 tokens a round against 1.82 predicted). At ``first`` generated tokens and each
     doubling after, the generator calls this with the text so far and switches to the tree it
-    returns: among the chosen proposer's candidates (trees that fit :attr:`biggest`, the engine's)
-    and plain rounds (``start`` None: plain rounds first), the one the cost model predicts fastest with the lookup's hit rates on the
+    returns: among the chosen proposer's candidates (trees that fit :attr:`biggest`, the engine's;
+    for the hybrid also the lookup chains, which its lookup then drafts alone) and plain rounds (``start`` None: plain rounds first), the one the cost model predicts fastest with the lookup's hit rates on the
     generated positions (each depth pulled towards the prompt's rate by ``prior_weight``
     positions). The costs are the ones :func:`pick` measured. On CUDA a switch would compile
     and capture another round, so :func:`retuner` gives none there."""
@@ -347,7 +371,8 @@ class Retuner:
         then what was generated)."""
         hits = lookup_acceptance(tokens, tail=len(tokens) - n_prompt, prior=self.prompt_hits,
                                  prior_weight=self.prior_weight)
-        rated = {label: (tree, expected_tokens(tree, self.acceptance, hits)) for label, tree in self.trees.items()}
+        rated = {label: (tree, expected_tokens(tree, () if label.startswith("pld") else self.acceptance, hits))
+                 for label, tree in self.trees.items()}
         best, _ = fastest(rated, self.costs)
         return None if best is None else self.trees[best]
 
@@ -356,7 +381,7 @@ def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], dra
             costs_file: Optional[str] = None) -> Optional[Retuner]:
     """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``
     (``draft``: the one given to :func:`pick`, whatever it chose), on a CPU: among the hybrid's
-    trees (a draft with an acceptance table), or among the lookup chains for "pld" and for "none"
+    trees and the lookup chains (a draft with an acceptance table), or among the lookup chains for "pld" and for "none"
     (plain rounds first, with prompt lookup following them, so a generation that turns
     repetitive can switch to a chain). Its ``proposer`` says what to run ("pld" or "hybrid").
     None on CUDA, or for a hybrid without an acceptance table."""
@@ -370,8 +395,18 @@ def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], dra
         draft = None  # pick ran without the draft's candidates
     every = _candidates(ids, draft, hits)
     _, _, costs = choose(target, every, len(ids), costs_file)  # pick's call: its costs, read from the cache
-    candidates = {label: c for label, c in every.items() if label.split()[0] == family}
-    return Retuner(tree, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
+    # the hybrid's candidates include the lookup chains: its lookup drafts a chain alone (the draft
+    # keeping up), where the generated text repeats enough for that to be faster
+    candidates = {label: c for label, c in every.items() if label.split()[0] in (family, "pld")}
+    start = tree
+    if family == "hybrid":
+        # start with the lookup alone (its best chain, or plain rounds): cheap rounds while the
+        # generated text shows how often the lookup hits, which the prompt under-predicts (on the
+        # README's CPU prompt 1.82 tokens a round for chain:5 against 3.07 measured), while the
+        # draft's rates do not depend on the text
+        best, _ = fastest({label: (c[0], c[2]) for label, c in candidates.items() if label.startswith("pld")}, costs)
+        start = None if best is None else candidates[best][0]
+    return Retuner(start, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
 
 
 def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,

@@ -174,7 +174,8 @@ class TreeDrafter(Proposer):
                              f"(depth {tree.depth} > {big.depth} or {tree.num_nodes} > {big.num_nodes} nodes)")
         view = copy.copy(self)
         if self.lookup is not None:
-            self._check_lookup_tree(tree)
+            if tree.kind != "chain":  # a chain: the lookup drafts alone (see LongSpecProposer.propose)
+                self._check_lookup_tree(tree)
             view.lookup = self.lookup.with_tree(tree)
         view._set_tree(tree)
         return view
@@ -485,6 +486,16 @@ class LongSpecProposer(TreeDrafter):
         hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, *self.target_kv,
                                          cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node)
         return self.draft.logits(hidden, reduced=True)
+
+    def propose(self, root):
+        """A round's tree; with a lookup and a chain tree (``with_tree``; ``--proposer auto``
+        switches to one where the lookup alone is predicted faster) the lookup drafts the chain
+        alone and the draft only takes in the re-read block's window K/V, as in a plain round, so
+        beam trees can return later."""
+        if self.lookup is not None and self.spec.kind == "chain":
+            self.decoded(root)
+            return self.lookup.propose(root)
+        return super().propose(root)
 
     def _end_round(self):
         self.ring.drop_pending()
