@@ -334,11 +334,8 @@ def cmd_train(args) -> int:
     """``longspec train``: trains a LongSpec draft; under ``torchrun`` every process runs this."""
     import os
 
-    import torch
-
     from ..training import TrainConfig, train
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = TrainConfig(
         target=args.target, data=args.data, out=args.out, seq_len=args.seq_len, batch_size=args.batch_size,
         grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
@@ -349,7 +346,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
         exclude=args.exclude,
-        compile=args.compile == "on" or (args.compile == "auto" and device.startswith("cuda")),
+        compile={"on": True, "off": False, "auto": None}[args.compile],
         progress=not args.no_progress)
     result = train(config)
     last = result.history[-1] if result.history else {}

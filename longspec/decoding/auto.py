@@ -349,9 +349,10 @@ class Retuner:
     accepted 3.07 tokens a round against 1.82 predicted). At ``first`` generated tokens and each
     doubling after, the generator calls this with the text so far and switches to the tree it
     returns: among the chosen proposer's candidates (trees that fit :attr:`biggest`, the engine's;
-    for the hybrid also the lookup chains, which its lookup then drafts alone) and plain rounds (``start`` None: plain rounds first), the one the cost model predicts fastest with the lookup's hit rates on the
-    generated positions (each depth pulled towards the prompt's rate by ``prior_weight``
-    positions). The costs are the ones :func:`pick` measured. On CUDA a switch would compile
+    for the hybrid also the lookup chains, which its lookup then drafts alone) and plain rounds
+    (``start`` None: plain rounds first), the one the cost model predicts fastest with the
+    lookup's hit rates on the generated positions (each depth pulled towards the prompt's rate by
+    ``prior_weight`` positions). The costs are the ones :func:`pick` measured. On CUDA a switch would compile
     and capture another round, so :func:`retuner` gives none there."""
 
     first = 16
@@ -381,9 +382,9 @@ def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], dra
             costs_file: Optional[str] = None) -> Optional[Retuner]:
     """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``
     (``draft``: the one given to :func:`pick`, whatever it chose), on a CPU: among the hybrid's
-    trees and the lookup chains (a draft with an acceptance table), or among the lookup chains for "pld" and for "none"
-    (plain rounds first, with prompt lookup following them, so a generation that turns
-    repetitive can switch to a chain). Its ``proposer`` says what to run ("pld" or "hybrid").
+    trees and the lookup chains (a draft with an acceptance table; it starts with the best chain),
+    or among the lookup chains for "pld" and for "none" (plain rounds first, with prompt lookup
+    following them, so a generation that turns repetitive can switch to a chain). Its ``proposer`` says what to run ("pld" or "hybrid").
     None on CUDA, or for a hybrid without an acceptance table."""
     if name == "hybrid" and draft is None:
         raise ValueError("retuner: the hybrid needs its draft")
@@ -404,7 +405,8 @@ def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], dra
         # generated text shows how often the lookup hits, which the prompt under-predicts (on the
         # README's CPU prompt 1.82 tokens a round for chain:5 against 3.07 measured), while the
         # draft's rates do not depend on the text
-        best, _ = fastest({label: (c[0], c[2]) for label, c in candidates.items() if label.startswith("pld")}, costs)
+        chains = {label: (c[0], c[2]) for label, c in candidates.items() if label.startswith("pld")}
+        best, _ = fastest(chains, costs)
         start = None if best is None else candidates[best][0]
     return Retuner(start, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
 

@@ -77,7 +77,7 @@ class TrainConfig:
     data_cache: Optional[str] = None  # directory keeping tokenised data for later runs
     exclude: list = field(default_factory=list)  # glob patterns of source-tree entries left out
     progress: bool = True  # tqdm bar on rank 0
-    compile: bool = False  # the draft's forward (and its backward) through torch.compile
+    compile: Optional[bool] = False  # the draft's forward/backward and loss chunks compiled (None: on CUDA)
 
     def validate(self) -> None:
         if self.max_lag is None:
@@ -144,7 +144,8 @@ class Trainer:
         target.requires_grad_(False).eval()
         self.draft = init_draft(DraftConfig.for_target(target, window=config.window), target, seed=config.seed)
         self.draft.float().train()
-        self.loss = DraftLoss(self.draft, config.distill_weight, compile=config.compile)
+        compiled = config.compile if config.compile is not None else env.device.type == "cuda"
+        self.loss = DraftLoss(self.draft, config.distill_weight, compile=compiled)
         self.model = self.loss
         if env.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
