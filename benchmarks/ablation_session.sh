@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 10's ablations (second call of a session, the default model staged as for
-# gpu_session.sh), the runs spread over the host's GPUs (two at a time on nvidia-h200-x2): four drafts for the default model with the same data, seed and steps — the
-# recipe (anchor-offset positions + noisy lags), without anchor offsets, without noisy lags, and
-# with distillation — then benchmarks/ablations.py compares them on held-out packages (acceptance
+# gpu_session.sh), the runs spread over the host's GPUs (two at a time on nvidia-h200-x2): five
+# drafts for the default model with the same data, seed and steps — the recipe (anchor-offset
+# positions + noisy lags), without anchor offsets, without noisy lags, with distillation, and
+# with the target's hidden state as input (--target-feature) — then benchmarks/ablations.py compares them on held-out packages (acceptance
 # per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
 # Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl). Training compiles (the CUDA
 # default: ~537k tokens/s per H200, 486k with --distill), so a 2500-step draft (82M tokens) takes
-# ~3.5 minutes; on x2 two runs per GPU plus the comparison fit one 600-s call:
-#   STEPS=2500 EVERY=250 RUN_TIMEOUT=250 bash benchmarks/ablation_session.sh
+# ~3.5 minutes; on x2 (three runs on one GPU) 1500-step drafts (49M tokens) fit one 600-s call:
+#   STEPS=1500 EVERY=250 RUN_TIMEOUT=170 bash benchmarks/ablation_session.sh
 # A run cut by RUN_TIMEOUT keeps its checkpoint of the last EVERY steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,8 +23,8 @@ HELDOUT=""; for p in requests click rich httpx starlette pydantic jinja2 yaml ur
 train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /root/stage/smol-hf --data $DATA \
   --out "/root/abl/$1" --seq-len 2048 --batch-size $BATCH --steps $STEPS --lr 1e-3 --warmup 20 \
   --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 25 --no-progress --device cuda \
-  --dtype bfloat16 --seed 5 "${@:2}"; }
-RUNS=("base" "no-anchor --no-anchor-offset" "no-noise --no-noise" "distill --distill")
+  --dtype bfloat16 --seed 5 --data-cache /root/abl/data-cache "${@:2}"; }
+RUNS=("base" "no-noise --no-noise" "no-anchor --no-anchor-offset" "distill --distill" "feature --target-feature")
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l); [ "$GPUS" -ge 1 ] || GPUS=1
 mkdir -p /root/abl
 for ((g = 0; g < GPUS; g++)); do  # GPU g trains runs g, g + GPUS, ... one after another
@@ -38,5 +39,6 @@ wait
   for run in "${RUNS[@]}"; do set -- $run; echo "== $1"; grep -v "Warning\|warn(" "/root/abl/$1.log" | tail -3; done
   python3 benchmarks/ablations.py --target /root/stage/smol-hf --heldout $HELDOUT --vocab 8192 --vocab-data $DATA \
     --runs base=/root/abl/base no-anchor=/root/abl/no-anchor no-noise=/root/abl/no-noise distill=/root/abl/distill \
+    feature=/root/abl/feature \
     --out "$OUT"
 } 2>&1 | tee "$OUT/ablations.log"

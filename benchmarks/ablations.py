@@ -1,9 +1,11 @@
 """Issue 10's ablations, summarised: drafts trained with and without anchor-offset positions,
-noisy lags and distillation (by ``benchmarks/ablation_session.sh``), plus the reduced draft
-vocabulary, compared on held-out text by their acceptance (teacher-forced top-k hit rates per
-tree depth, ``longspec.decoding.auto.measure_acceptance``) and the tokens per round those predict
-for the default beam tree and a chain; held-out loss curves plotted (PNG). Prints a table and
-one JSON line last.
+noisy lags and distillation, and with the target's hidden state as an input (``--target-feature``;
+by ``benchmarks/ablation_session.sh``), plus the reduced draft vocabulary, compared on held-out
+text by their acceptance (teacher-forced top-k hit rates per tree depth,
+``longspec.decoding.auto.measure_acceptance``), the tokens per round those predict for the
+default beam tree and a chain, and the T=1 overlap ``sum min(p, q)`` with the target at depths 1
+and 5 (``draft_overlap.py``); held-out loss curves plotted (PNG). Prints a table and one JSON
+line last.
 
     python benchmarks/ablations.py --target DIR --runs base=DIR no-anchor=DIR no-noise=DIR distill=DIR \
         --heldout SITE/requests SITE/click --vocab-data SITE/numpy SITE/networkx --out results/
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_acceptance import source_tokens  # noqa: E402
+from draft_overlap import overlaps  # noqa: E402
 from longspec import load_target  # noqa: E402
 from longspec.decoding.auto import expected_tokens, measure_acceptance  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
@@ -74,21 +77,23 @@ def main(argv=None):
             if vocab:  # the most frequent tokens of the training data, as `longspec draft-vocab` picks them
                 draft.limit_vocab(frequent_tokens(args.vocab_data, tokenizer, vocab, target.config.vocab_size))
             table = measure_acceptance(draft, target, ids, depths=5)
+            ov = overlaps(draft, target, torch.tensor([ids[:2049]], device=target.device), 5)
             rows.append(dict(run=label, final_eval_loss=curves[name][-1][1] if curves[name] else None,
                              top1_depth1=table[0][0], top1_depth5=table[4][0], top4_depth1=table[0][3],
                              tokens_beam=expected_tokens(beam, table), tokens_chain5=expected_tokens(chain, table),
-                             acceptance=table))
+                             overlap_depth1=ov[0]["overlap"], overlap_depth5=ov[-1]["overlap"], acceptance=table))
     base_name, base_curve = next(iter(curves.items()))
     if "no-anchor" in curves and base_curve:  # the paper: 3.93x fewer steps with anchor offsets
         target_loss = curves["no-anchor"][-1][1]
         fast, slow = steps_to(base_curve, target_loss), curves["no-anchor"][-1][0]
         print(f"steps to the no-anchor run's final held-out loss {target_loss:.3f}: baseline {fast}, "
               f"no-anchor {slow}" + (f" ({slow / fast:.2f}x fewer with anchor offsets)" if fast else ""))
-    print(f"{'run':<22} {'eval loss':>9} {'top1@1':>7} {'top1@5':>7} {'top4@1':>7} {'beam tok':>8} {'chain tok':>9}")
+    print(f"{'run':<22} {'eval loss':>9} {'top1@1':>7} {'top1@5':>7} {'top4@1':>7} {'beam tok':>8} {'chain tok':>9} "
+          f"{'T=1 ov@1':>8} {'ov@5':>6}")
     for r in rows:
         loss = f"{r['final_eval_loss']:9.3f}" if r["final_eval_loss"] is not None else f"{'-':>9}"
         print(f"{r['run']:<22} {loss} {r['top1_depth1']:7.3f} {r['top1_depth5']:7.3f} {r['top4_depth1']:7.3f} "
-              f"{r['tokens_beam']:8.2f} {r['tokens_chain5']:9.2f}")
+              f"{r['tokens_beam']:8.2f} {r['tokens_chain5']:9.2f} {r['overlap_depth1']:8.3f} {r['overlap_depth5']:6.3f}")
     try:
         import matplotlib
         matplotlib.use("Agg")

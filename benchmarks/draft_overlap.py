@@ -21,6 +21,24 @@ from longspec import default_draft_path, default_model_path, load_draft, load_ta
 from longspec.training.loss import target_forward  # noqa: E402
 
 
+@torch.no_grad()
+def overlaps(draft, target, ids: torch.Tensor, depths: int) -> list:
+    """Per depth d = 1..``depths`` (lag d): the mean overlap ``sum min(p, q)`` and the top-1
+    agreement of the draft's next-token distribution q with the target's p, teacher-forced over
+    ids [1, T+1] (T = 1 + the predictions)."""
+    inputs, positions = ids[:, :-1], torch.arange(ids.shape[1] - 1, device=ids.device)[None]
+    out = target_forward(target, inputs, positions, want_hidden=True)
+    p_target = torch.softmax(target.logits(out.hidden)[0].float(), -1)
+    rows = []
+    for d in range(1, depths + 1):
+        hidden = draft.forward_train(inputs, positions, out.k, out.v, lag=d, target_hidden=out.hidden)
+        q = torch.softmax(draft.logits(hidden, reduced=True)[0].float(), -1)
+        overlap = float(torch.minimum(p_target, q).sum(-1)[d:].mean())  # the first d see no target KV
+        agree = float((q.argmax(-1) == p_target.argmax(-1))[d:].float().mean())
+        rows.append(dict(depth=d, overlap=round(overlap, 4), top1_agreement=round(agree, 4)))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="model directory (default: the default model)")
@@ -42,22 +60,14 @@ def main(argv=None):
     ids = torch.tensor(tokenizer(text)["input_ids"][:args.tokens + 1], device=device)[None]
     if ids.shape[1] < args.depths + 2:
         raise SystemExit(f"too little text under {args.prompt_dir}")
-    inputs, positions = ids[:, :-1], torch.arange(ids.shape[1] - 1, device=device)[None]
-    rows, tau, survive = [], 1.0, 1.0
-    with torch.no_grad():
-        out = target_forward(target, inputs, positions, want_hidden=True)
-        p_target = torch.softmax(target.logits(out.hidden)[0].float(), -1)
-        for d in range(1, args.depths + 1):
-            hidden = draft.forward_train(inputs, positions, out.k, out.v, lag=d)
-            q = torch.softmax(draft.logits(hidden, reduced=True)[0], -1)
-            overlap = float(torch.minimum(p_target, q).sum(-1)[d:].mean())  # the first d see no target KV
-            agree = float((q.argmax(-1) == p_target.argmax(-1))[d:].float().mean())
-            survive *= overlap
-            tau += survive
-            rows.append(dict(depth=d, overlap=overlap, top1_agreement=agree))
-            print(f"depth {d}: overlap {overlap:.3f}, top-1 agreement {agree:.3f}")
+    rows = overlaps(draft, target, ids, args.depths)
+    tau, survive = 1.0, 1.0
+    for row in rows:
+        survive *= row["overlap"]
+        tau += survive
+        print(f"depth {row['depth']}: overlap {row['overlap']:.3f}, top-1 agreement {row['top1_agreement']:.3f}")
     print(f"chain:{args.depths} at T=1, predicted tau (independent depths): {tau:.2f}")
-    print(json.dumps({"tokens": int(inputs.shape[1]), "depths": rows, "chain_tau_t1": tau}))
+    print(json.dumps({"tokens": int(ids.shape[1] - 1), "depths": rows, "chain_tau_t1": tau}))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from longspec.models.checkpoint import load_draft, save_draft
 from longspec.models.draft import DraftCache, DraftConfig, init_draft
 
 
-def noisy_draft(target, window=8, seed=0, std=0.2):
-    """A random draft with weights large enough to make confident (mostly wrong) proposals."""
-    draft = init_draft(DraftConfig.for_target(target, window=window), target, seed=seed)
+def noisy_draft(target, window=8, seed=0, std=0.2, **config):
+    """A random draft with weights large enough to make confident (mostly wrong) proposals
+    (``config``: DraftConfig overrides, e.g. ``target_feature=True``)."""
+    draft = init_draft(DraftConfig.for_target(target, window=window, **config), target, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
@@ -90,6 +91,39 @@ def test_training_forward_equals_incremental_inference(targets, name, lag, impl)
             steps.append(draft.forward_step(ids[:, i:i + 1], positions[:, i:i + 1], index, torch.full((2, 1), -1),
                                             torch.ones(2, 1, dtype=torch.bool), ring, k, v, cross_limit=index - lag + 1))
     assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
+
+
+@pytest.mark.parametrize("lag", [1, 3, 30])
+def test_target_feature_training_equals_incremental_inference(targets, lag):
+    """A target-feature draft: forward_train with the target's hidden states (query t gets
+    position t-g's) == forward_step token by token given that one hidden state; without them
+    either path raises a clear error."""
+    target = targets["llama"]
+    draft = noisy_draft(target, window=5, seed=2, target_feature=True)
+    assert draft.feature_proj.weight.abs().sum() > 0
+    t = 20
+    ids = torch.randint(0, 160, (2, t), generator=torch.Generator().manual_seed(lag))
+    positions = torch.arange(t)[None].expand(2, -1)
+    cache = target.new_cache(2, t)
+    with torch.no_grad():
+        hidden = target.forward_hidden(ids, positions, cache, torch.ones(t, t, dtype=torch.bool).tril()[None])
+        k, v = cache.k[-1], cache.v[-1]
+        train = draft.forward_train(ids, positions, k, v, lag=lag, target_hidden=hidden)
+        ring = DraftCache(draft.config, 2, tree_size=3, dtype=torch.float32, device="cpu")
+        steps = []
+        for i in range(t):
+            index = torch.full((2, 1), i)
+            feature = hidden[:, i - lag] if i >= lag else torch.zeros_like(hidden[:, 0])
+            steps.append(draft.forward_step(ids[:, i:i + 1], positions[:, i:i + 1], index, torch.full((2, 1), -1),
+                                            torch.ones(2, 1, dtype=torch.bool), ring, k, v,
+                                            cross_limit=index - lag + 1, feature=feature))
+        assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
+        draft.feature_proj.weight.zero_()  # the feature matters wherever a query has one
+        blind = draft.forward_train(ids, positions, k, v, lag=lag, target_hidden=hidden)
+        assert torch.allclose(train[:, :lag], blind[:, :lag], atol=1e-5)
+        assert lag >= t or not torch.allclose(train[:, lag:], blind[:, lag:], atol=1e-2)
+        with pytest.raises(ValueError, match="target's hidden states"):
+            draft.forward_train(ids, positions, k, v, lag=lag)
 
 
 @pytest.mark.parametrize("tree", ["3,4,4", "chain:4"])

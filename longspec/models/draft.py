@@ -9,6 +9,13 @@ pre-RMSNorm and a residual:
   rotated): only ``q_proj`` (+ RoPE at the query's position) and ``o_proj``;
 * a SwiGLU MLP.
 
+Optionally (``DraftConfig.target_feature``, EAGLE-style) the target's own final-norm hidden state
+at the newest position the cross-attention sees (query ``t`` at lag ``g``: position ``t - g``; at
+inference the last committed token, ``KVCache.last_hidden``) is projected and added to the
+residual stream after the self-attention. It enters after the window's K/V are computed, so those
+still depend on the token and its position only (``window_kv`` stays exact) and memory stays
+constant.
+
 Two forward paths share the weights: ``forward_train`` (teacher-forced chunk, noisy lag ``g``:
 query ``t`` sees target KV ``0..t-g``; the first ``g`` queries get a zero cross-attention output)
 and ``forward_step`` (incremental, over a :class:`DraftCache`). A test pins that they agree.
@@ -57,6 +64,9 @@ class DraftConfig:
     # measured top-k hit rates per tree depth (rows) and width (``decoding.auto.ACCEPTANCE_WIDTHS``)
     # on held-out text: what ``--proposer auto`` predicts acceptance from
     acceptance: list = field(default_factory=list)
+    # add a projection of the target's last committed hidden state after the self-attention
+    # (see the module docstring); needs the target's hidden states at inference
+    target_feature: bool = False
 
     @classmethod
     def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
@@ -134,6 +144,8 @@ class LongSpecDraft(nn.Module):
         self.self_attn = Projections(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                      qkv_bias=config.qkv_bias, o_bias=False)
         self.post_self_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.target_feature:
+            self.feature_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.cross_attn = CrossAttention(config)
         self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=False)
@@ -184,6 +196,15 @@ class LongSpecDraft(nn.Module):
         q, k, v = self.self_attn.rotated_qkv(self.input_layernorm(x), cos, sin)
         return q, k, v, cos, sin
 
+    def _add_feature(self, x, feature):
+        """x [B, T, H] plus the projected target feature ([B, T, H] or [B, H] for all T)."""
+        if not self.config.target_feature:
+            return x
+        if feature is None:
+            raise ValueError("this draft takes the target's hidden states (target_feature): pass them")
+        f = self.feature_proj(feature.to(x.dtype))
+        return x + (f[:, None] if f.dim() == 2 else f)
+
     def _cross_query(self, x, cos, sin):
         c = self.config
         return apply_rotary(_heads(self.cross_attn.q_proj(self.post_self_attention_layernorm(x)),
@@ -198,11 +219,14 @@ class LongSpecDraft(nn.Module):
         x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))
         return x + self.mlp(self.post_cross_attention_layernorm(x))
 
-    def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1) -> torch.Tensor:
+    def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1,
+                      target_hidden=None) -> torch.Tensor:
         """Teacher-forced chunk. input_ids, positions [B, T]; target_k, target_v [B, Hkv, T, D]: the
         target's last-layer K/V for the same tokens and positions; ``lag`` g >= 1: query t sees
-        target KV 0..t-g (a shifted causal attention, no dense mask). Self-attention is causal
-        within a window of W tokens. Returns the draft hidden states [B, T, H]."""
+        target KV 0..t-g (a shifted causal attention, no dense mask); target_hidden [B, T, H]: the
+        target's final-norm hidden states (``target_feature`` drafts: query t gets position t-g's,
+        the first g none). Self-attention is causal within a window of W tokens. Returns the draft
+        hidden states [B, T, H]."""
         b, t = input_ids.shape
         x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
@@ -210,6 +234,9 @@ class LongSpecDraft(nn.Module):
         window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
         o = masked_attention(q, k, v, window[None])  # on CUDA off SDPA's math path (masked + GQA)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
+        if self.config.target_feature:  # position t - lag's, zero for the first lag queries
+            x = self._add_feature(x, None if target_hidden is None else
+                                  F.pad(target_hidden[:, :max(t - lag, 0)], (0, 0, min(lag, t), 0)))
         cq = self._cross_query(x, cos, sin)
         cross = torch.zeros_like(cq)
         if lag < t:
@@ -219,19 +246,20 @@ class LongSpecDraft(nn.Module):
         return self._finish(x, cross)
 
     def forward_step(self, input_ids, positions, index, node, valid, cache: DraftCache, target_k, target_v,
-                     cross_limit, tree_mask=None, slot=None) -> torch.Tensor:
+                     cross_limit, tree_mask=None, slot=None, feature=None) -> torch.Tensor:
         """Incremental forward. input_ids, positions, index (sequence index: the token's slot in
         the target cache, for a tree node root index + depth), node (-1 for committed tokens, else
         tree node number) and valid: [B, T]; target_k/v [B, Hkv, S, D] (the target's last layer
         cache); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
-        [B, T, N] for pending nodes; slot: see ``DraftCache.write``. Writes this step's K/V into
-        ``cache`` first. Returns hidden [B, T, H]."""
+        [B, T, N] for pending nodes; slot: see ``DraftCache.write``; feature [B, H] or [B, T, H]
+        (``target_feature`` drafts): the target's final-norm hidden state at the last slot the
+        cross-attention sees. Writes this step's K/V into ``cache`` first. Returns hidden [B, T, H]."""
         x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
         cache.write(k, v, index, node, valid, slot)
         impl = self.target.attention_impl
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
-        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
+        x = self._add_feature(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), feature)
         cq = self._cross_query(x, cos, sin)
         cross = attend_prefix(cq, target_k, target_v, cross_limit, impl)
         return self._finish(x, cross)
@@ -244,15 +272,16 @@ class LongSpecDraft(nn.Module):
 
 
 def init_draft(config: DraftConfig, target: TargetModel, seed: int = 0) -> LongSpecDraft:
-    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms), on the
-    target's device and dtype."""
+    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms; the
+    target-feature projection zero, so a draft warm-started from one without it starts out the
+    same), on the target's device and dtype."""
     torch.manual_seed(seed)
     draft = LongSpecDraft(config, target)
     for name, p in draft.named_parameters():
         with torch.no_grad():
             if "norm" in name:
                 p.fill_(1.0)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name.startswith("feature_proj"):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)
