@@ -3,7 +3,7 @@
 # gpu_session.sh), the runs spread over the host's GPUs (two at a time on nvidia-h200-x2): five
 # drafts for the default model with the same data, seed and steps — the recipe (anchor-offset
 # positions + noisy lags), without anchor offsets, without noisy lags, with distillation, and
-# with the target's hidden state as input (--target-feature) — then benchmarks/ablations.py compares them on held-out packages (acceptance
+# with a learned vector per lag (--lag-embedding); RUNS picks others, GPUS the GPUs — then benchmarks/ablations.py compares them on held-out packages (acceptance
 # per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
 # Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl). Training compiles (the CUDA
 # default: ~537k tokens/s per H200, 486k with --distill), so a 2500-step draft (82M tokens) takes
@@ -24,21 +24,22 @@ train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /ro
   --out "/root/abl/$1" --seq-len 2048 --batch-size $BATCH --steps $STEPS --lr 1e-3 --warmup 20 \
   --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 25 --no-progress --device cuda \
   --dtype bfloat16 --seed 5 --data-cache /root/abl/data-cache "${@:2}"; }
-RUNS=("base" "no-noise --no-noise" "no-anchor --no-anchor-offset" "distill --distill" "feature --target-feature")
-GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l); [ "$GPUS" -ge 1 ] || GPUS=1
+# RUNS: ';'-separated "name [train options]" (the first is the baseline of the comparison)
+IFS=';' read -r -a RUNS <<< "${RUNS:-base;no-noise --no-noise;no-anchor --no-anchor-offset;distill --distill;lag-emb --lag-embedding}"
+read -r -a gpus <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}"
+[ ${#gpus[@]} -ge 1 ] || gpus=(0)
 mkdir -p /root/abl
-for ((g = 0; g < GPUS; g++)); do  # GPU g trains runs g, g + GPUS, ... one after another
-  ( for ((i = g; i < ${#RUNS[@]}; i += GPUS)); do
+for ((g = 0; g < ${#gpus[@]}; g++)); do  # the g-th GPU trains runs g, g + #GPUs, ... one after another
+  ( for ((i = g; i < ${#RUNS[@]}; i += ${#gpus[@]})); do
       set -- ${RUNS[$i]}
-      CUDA_VISIBLE_DEVICES=$g train "$@" > "/root/abl/$1.log" 2>&1
+      CUDA_VISIBLE_DEVICES=${gpus[$g]} train "$@" > "/root/abl/$1.log" 2>&1
       cp "/root/abl/$1/metrics.jsonl" "$OUT/metrics_$1.jsonl" 2>/dev/null
     done ) &
 done
 wait
+names=(); for run in "${RUNS[@]}"; do set -- $run; names+=("$1=/root/abl/$1"); done
 {
   for run in "${RUNS[@]}"; do set -- $run; echo "== $1"; grep -v "Warning\|warn(" "/root/abl/$1.log" | tail -3; done
-  python3 benchmarks/ablations.py --target /root/stage/smol-hf --heldout $HELDOUT --vocab 8192 --vocab-data $DATA \
-    --runs base=/root/abl/base no-anchor=/root/abl/no-anchor no-noise=/root/abl/no-noise distill=/root/abl/distill \
-    feature=/root/abl/feature \
-    --out "$OUT"
+  python3 benchmarks/ablations.py --target /root/stage/smol-hf --heldout $HELDOUT --vocab ${VOCAB:-8192} \
+    --vocab-data $DATA --runs "${names[@]}" --out "$OUT"
 } 2>&1 | tee "$OUT/ablations.log"

@@ -53,6 +53,7 @@ def main(argv=None):
     p.add_argument("--runs", nargs="+", required=True, help="name=DRAFT_DIR (the first is the baseline)")
     p.add_argument("--heldout", nargs="+", required=True, help="held-out source directories")
     p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=2048, help="tokens per teacher-forced chunk (positions 0..chunk-1)")
     p.add_argument("--vocab", type=int, default=8192, help="also the baseline with this reduced draft vocabulary "
                    "(0: not), taken from --vocab-data")
     p.add_argument("--vocab-data", nargs="*", default=[], help="the training data (for the reduced vocabulary)")
@@ -76,7 +77,7 @@ def main(argv=None):
             draft = load_draft(run_dir, target).float()
             if vocab:  # the most frequent tokens of the training data, as `longspec draft-vocab` picks them
                 draft.limit_vocab(frequent_tokens(args.vocab_data, tokenizer, vocab, target.config.vocab_size))
-            table = measure_acceptance(draft, target, ids, depths=5)
+            table = measure_acceptance(draft, target, ids, depths=5, chunk=args.chunk)
             ov = overlaps(draft, target, torch.tensor([ids[:2049]], device=target.device), 5)
             rows.append(dict(run=label, final_eval_loss=curves[name][-1][1] if curves[name] else None,
                              top1_depth1=table[0][0], top1_depth5=table[4][0], top4_depth1=table[0][3],

@@ -31,7 +31,7 @@ def overlaps(draft, target, ids: torch.Tensor, depths: int) -> list:
     p_target = torch.softmax(target.logits(out.hidden)[0].float(), -1)
     rows = []
     for d in range(1, depths + 1):
-        hidden = draft.forward_train(inputs, positions, out.k, out.v, lag=d, target_hidden=out.hidden)
+        hidden = draft.forward_train(inputs, positions, out.k, out.v, lag=d)
         q = torch.softmax(draft.logits(hidden, reduced=True)[0].float(), -1)
         overlap = float(torch.minimum(p_target, q).sum(-1)[d:].mean())  # the first d see no target KV
         agree = float((q.argmax(-1) == p_target.argmax(-1))[d:].float().mean())

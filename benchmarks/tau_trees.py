@@ -79,6 +79,7 @@ def main(argv=None):
 
     target_dir = args.target or str(default_model_dir())
     target = load_target(target_dir, dtype=args.dtype, device=args.device)
+    target.compile_steps = False  # an accuracy measurement: eager steps, no CUDA graphs (no compile time)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if args.text == "code":
         if not args.prompt_dir:
@@ -91,14 +92,14 @@ def main(argv=None):
     greedy = args.temperature == 0
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=args.temperature,
                               seed=None if greedy else args.seed)
-    plain = Generator(target).generate([prompt], config).sequences[0] if greedy else None
+    plain = Generator(target, cuda_graphs=False).generate([prompt], config).sequences[0] if greedy else None
     make = {"pld": PromptLookup, "longspec": lambda: LongSpecProposer(draft), "streaming": StreamingSelfSpec,
             "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}
     rows = []
     for setting in args.settings.split(";"):
         name, tree = setting.split()
         t0 = time.perf_counter()
-        out = Generator(target, make[name](), tree).generate([prompt], config)
+        out = Generator(target, make[name](), tree, cuda_graphs=False).generate([prompt], config)
         row = dict(proposer=name, tree=tree, tau=out.stats["tau"],
                    same_as_plain=out.sequences[0] == plain if greedy else None, seconds=time.perf_counter() - t0)
         rows.append(row)

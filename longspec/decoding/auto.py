@@ -126,15 +126,12 @@ def measure_acceptance(draft, target, token_ids: Sequence[int], depths: int = 6,
         if piece.numel() < depths + 2:
             break
         inputs, nxt = piece[None, :-1], piece[1:]
-        t = inputs.shape[1]
-        cache = target.new_cache(1, t)
-        positions = torch.arange(t, device=ids.device)[None]
-        causal = torch.ones(1, t, t, dtype=torch.bool, device=ids.device).tril()
-        hidden = target.forward_hidden(inputs, positions, cache, causal, causal=True)
-        k, v = target.last_layer_kv(cache)
+        cache = target.new_cache(1, inputs.shape[1])
+        target.prefill(inputs, torch.tensor([inputs.shape[1]]), cache)
+        k, v = (x[:, :, :inputs.shape[1]] for x in target.last_layer_kv(cache))
+        positions = torch.arange(inputs.shape[1], device=ids.device)[None]
         for d in range(depths):
-            logits = draft.logits(draft.forward_train(inputs, positions, k, v, lag=d + 1, target_hidden=hidden),
-                                  reduced=True)[0]
+            logits = draft.logits(draft.forward_train(inputs, positions, k, v, lag=d + 1), reduced=True)[0]
             true = logits.gather(1, nxt[:, None])
             ranks = (logits > true).sum(1).masked_fill(true[:, 0] == float("-inf"), logits.shape[1])
             ranks = ranks[d + 1:]  # the true token's rank (never drafted: outside the draft vocabulary)

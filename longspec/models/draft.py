@@ -9,12 +9,12 @@ pre-RMSNorm and a residual:
   rotated): only ``q_proj`` (+ RoPE at the query's position) and ``o_proj``;
 * a SwiGLU MLP.
 
-Optionally (``DraftConfig.target_feature``, EAGLE-style) the target's own final-norm hidden state
-at the newest position the cross-attention sees (query ``t`` at lag ``g``: position ``t - g``; at
-inference the last committed token, ``KVCache.last_hidden``) is projected and added to the
-residual stream after the self-attention. It enters after the window's K/V are computed, so those
-still depend on the token and its position only (``window_kv`` stays exact) and memory stays
-constant.
+Optionally (``DraftConfig.lags`` > 0) the block knows the lag it drafts at: a learned vector per
+lag ``1..lags`` (deeper lags share the last) is added to the residual after the self-attention.
+Training draws one lag per batch; at inference a query's lag is its index minus its cross-attention
+limit plus one (1 for the root, ``d + 1`` at tree depth ``d``), so nothing else changes. It enters
+after the window's K/V, which still depend on the token and its position only (``window_kv``
+stays exact).
 
 Two forward paths share the weights: ``forward_train`` (teacher-forced chunk, noisy lag ``g``:
 query ``t`` sees target KV ``0..t-g``; the first ``g`` queries get a zero cross-attention output)
@@ -64,9 +64,8 @@ class DraftConfig:
     # measured top-k hit rates per tree depth (rows) and width (``decoding.auto.ACCEPTANCE_WIDTHS``)
     # on held-out text: what ``--proposer auto`` predicts acceptance from
     acceptance: list = field(default_factory=list)
-    # add a projection of the target's last committed hidden state after the self-attention
-    # (see the module docstring); needs the target's hidden states at inference
-    target_feature: bool = False
+    # > 0: a learned vector per cross-attention lag 1..lags added after the self-attention
+    lags: int = 0
 
     @classmethod
     def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
@@ -144,8 +143,8 @@ class LongSpecDraft(nn.Module):
         self.self_attn = Projections(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                      qkv_bias=config.qkv_bias, o_bias=False)
         self.post_self_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.target_feature:
-            self.feature_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        if config.lags:
+            self.lag_embedding = nn.Embedding(config.lags, config.hidden_size)
         self.cross_attn = CrossAttention(config)
         self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=False)
@@ -196,14 +195,13 @@ class LongSpecDraft(nn.Module):
         q, k, v = self.self_attn.rotated_qkv(self.input_layernorm(x), cos, sin)
         return q, k, v, cos, sin
 
-    def _add_feature(self, x, feature):
-        """x [B, T, H] plus the projected target feature ([B, T, H] or [B, H] for all T)."""
-        if not self.config.target_feature:
+    def _add_lag(self, x, lag):
+        """x [B, T, H] plus the vector of each query's lag (an int, or [B, T] long) when ``lags``."""
+        if not self.config.lags:
             return x
-        if feature is None:
-            raise ValueError("this draft takes the target's hidden states (target_feature): pass them")
-        f = self.feature_proj(feature.to(x.dtype))
-        return x + (f[:, None] if f.dim() == 2 else f)
+        if isinstance(lag, int):
+            return x + self.lag_embedding.weight[min(max(lag, 1), self.config.lags) - 1].to(x.dtype)
+        return x + self.lag_embedding(lag.clamp(1, self.config.lags) - 1).to(x.dtype)
 
     def _cross_query(self, x, cos, sin):
         c = self.config
@@ -219,24 +217,18 @@ class LongSpecDraft(nn.Module):
         x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))
         return x + self.mlp(self.post_cross_attention_layernorm(x))
 
-    def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1,
-                      target_hidden=None) -> torch.Tensor:
+    def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1) -> torch.Tensor:
         """Teacher-forced chunk. input_ids, positions [B, T]; target_k, target_v [B, Hkv, T, D]: the
         target's last-layer K/V for the same tokens and positions; ``lag`` g >= 1: query t sees
-        target KV 0..t-g (a shifted causal attention, no dense mask); target_hidden [B, T, H]: the
-        target's final-norm hidden states (``target_feature`` drafts: query t gets position t-g's,
-        the first g none). Self-attention is causal within a window of W tokens. Returns the draft
-        hidden states [B, T, H]."""
+        target KV 0..t-g (a shifted causal attention, no dense mask). Self-attention is causal
+        within a window of W tokens. Returns the draft hidden states [B, T, H]."""
         b, t = input_ids.shape
         x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
         idx = torch.arange(t, device=x.device)
         window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
         o = masked_attention(q, k, v, window[None])  # on CUDA off SDPA's math path (masked + GQA)
-        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
-        if self.config.target_feature:  # position t - lag's, zero for the first lag queries
-            x = self._add_feature(x, None if target_hidden is None else
-                                  F.pad(target_hidden[:, :max(t - lag, 0)], (0, 0, min(lag, t), 0)))
+        x = self._add_lag(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), lag)
         cq = self._cross_query(x, cos, sin)
         cross = torch.zeros_like(cq)
         if lag < t:
@@ -246,20 +238,19 @@ class LongSpecDraft(nn.Module):
         return self._finish(x, cross)
 
     def forward_step(self, input_ids, positions, index, node, valid, cache: DraftCache, target_k, target_v,
-                     cross_limit, tree_mask=None, slot=None, feature=None) -> torch.Tensor:
+                     cross_limit, tree_mask=None, slot=None) -> torch.Tensor:
         """Incremental forward. input_ids, positions, index (sequence index: the token's slot in
         the target cache, for a tree node root index + depth), node (-1 for committed tokens, else
         tree node number) and valid: [B, T]; target_k/v [B, Hkv, S, D] (the target's last layer
         cache); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
-        [B, T, N] for pending nodes; slot: see ``DraftCache.write``; feature [B, H] or [B, T, H]
-        (``target_feature`` drafts): the target's final-norm hidden state at the last slot the
-        cross-attention sees. Writes this step's K/V into ``cache`` first. Returns hidden [B, T, H]."""
+        [B, T, N] for pending nodes; slot: see ``DraftCache.write``. Writes this step's K/V into
+        ``cache`` first. Returns hidden [B, T, H]."""
         x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
         cache.write(k, v, index, node, valid, slot)
         impl = self.target.attention_impl
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
-        x = self._add_feature(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), feature)
+        x = self._add_lag(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), index - cross_limit + 1)
         cq = self._cross_query(x, cos, sin)
         cross = attend_prefix(cq, target_k, target_v, cross_limit, impl)
         return self._finish(x, cross)
@@ -272,16 +263,16 @@ class LongSpecDraft(nn.Module):
 
 
 def init_draft(config: DraftConfig, target: TargetModel, seed: int = 0) -> LongSpecDraft:
-    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms; the
-    target-feature projection zero, so a draft warm-started from one without it starts out the
-    same), on the target's device and dtype."""
+    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms; zero lag
+    vectors, so a draft warm-started from one without them starts out the same), on the target's
+    device and dtype."""
     torch.manual_seed(seed)
     draft = LongSpecDraft(config, target)
     for name, p in draft.named_parameters():
         with torch.no_grad():
             if "norm" in name:
                 p.fill_(1.0)
-            elif name.endswith("bias") or name.startswith("feature_proj"):
+            elif name.endswith("bias") or name.startswith("lag_embedding"):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)

@@ -23,8 +23,8 @@ from ..models.target import compile_step
 @dataclass
 class TargetOutputs:
     """Last-layer K/V [B, Hkv, T, D] (rotated, as the target caches them) and, for
-    distillation and ``target_feature`` drafts, the target's LM-head input [B, T, H] (its
-    final-norm hidden states: the chunked loss computes the logits from them)."""
+    distillation, the target's LM-head input [B, T, H] (its final-norm hidden states: the chunked
+    loss computes the logits from them)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -165,21 +165,17 @@ class DraftLoss(nn.Module):
     torch.compile, one graph per lag and batch shape, and the elementwise work of each chunk of
     the vocabulary loss too."""
 
-    def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096, compile: bool = False,
-                 distill: bool = False):
+    def __init__(self, draft, distill_weight: float = 1.0, chunk: int = 4096, compile: bool = False):
         super().__init__()
         self.draft = draft
-        self.distill, self.distill_weight = distill, distill_weight
+        self.distill_weight = distill_weight
         self.chunk = chunk
         self._forward_train = compile_step(draft.forward_train) if compile else draft.forward_train
         self._chunk_terms = compile_step(_chunk_terms) if compile else _chunk_terms
 
     def forward(self, input_ids, positions, target_k, target_v, lag: int, target_hidden=None) -> LossSums:
-        """``target_hidden`` [B, T, H]: the target's LM-head input (for distillation, and the input
-        of a ``target_feature`` draft). The loss over the big vocabulary runs in chunks
-        (:func:`head_loss_sums`)."""
-        feature = target_hidden if self.draft.config.target_feature else None
-        hidden = self._forward_train(input_ids, positions, target_k, target_v, lag=lag, target_hidden=feature)
+        """``target_hidden`` [B, T, H]: the target's LM-head input (for distillation). The loss over
+        the big vocabulary runs in chunks (:func:`head_loss_sums`)."""
+        hidden = self._forward_train(input_ids, positions, target_k, target_v, lag=lag)
         return head_loss_sums(self.draft.head_input(hidden), self.draft.target.lm_head.weight, input_ids, lag,
-                              target_hidden if self.distill else None, self.distill_weight, self.chunk,
-                              self._chunk_terms)
+                              target_hidden, self.distill_weight, self.chunk, self._chunk_terms)

@@ -61,7 +61,8 @@ class TrainConfig:
     noise: bool = True
     distill: bool = False  # objective (1 - w) CE + w KL(target || draft)
     distill_weight: float = 1.0  # w
-    target_feature: bool = False  # the draft also reads the target's last hidden state (DraftConfig.target_feature)
+    lag_embedding: bool = False  # the draft learns a vector per lag 1..max_lag (DraftConfig.lags)
+    intermediate_size: Optional[int] = None  # the draft's MLP width (default: the target's)
     init_from: Optional[str] = None  # a draft directory whose weights start the run (warm start)
     text_field: str = "text"
     eval_fraction: float = 0.05  # share of documents held out (by sha256 of the name)
@@ -128,17 +129,21 @@ def sample_chunks(first: int, count: int, n_chunks: int, seed: int) -> torch.Ten
 
 
 def warm_start(draft, path: str, target) -> None:
-    """Copies the weights of the draft at ``path`` into ``draft`` (same window; a target-feature
-    draft may start from one without: its projection stays zero, so it starts out the same) and
-    its head setting. Raises ValueError when the two do not fit."""
+    """Copies the weights of the draft at ``path`` into ``draft`` (same shapes; a draft with lag
+    vectors may start from one without: they start at zero, so it starts out the same) and its
+    head setting. Raises ValueError when the two do not fit."""
     from ..models.checkpoint import load_draft
 
     source = load_draft(path, target)
     if source.config.window != draft.config.window:
         raise ValueError(f"--init-from {path}: window {source.config.window}, this run's is {draft.config.window}")
-    missing, unexpected = draft.load_state_dict(
-        {k: v for k, v in source.state_dict().items() if k != "vocab_subset"}, strict=False)
-    if unexpected or set(missing) - {"feature_proj.weight", "vocab_subset"}:
+    weights = {k: v for k, v in source.state_dict().items() if k != "vocab_subset"}
+    shapes = {k: v.shape for k, v in draft.state_dict().items()}
+    wrong = sorted(k for k, v in weights.items() if k in shapes and v.shape != shapes[k])
+    if wrong:
+        raise ValueError(f"--init-from {path}: {', '.join(wrong)} have other shapes than this run's draft")
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lag_embedding.weight", "vocab_subset"}:
         raise ValueError(f"--init-from {path}: the draft's weights do not fit this run's draft "
                          f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     draft.config.head_norm = source.config.head_norm
@@ -161,14 +166,15 @@ class Trainer:
     def __init__(self, config: TrainConfig, env: distributed.DistEnv, target, data: PackedData):
         self.config, self.env, self.target, self.data = config, env, target, data
         target.requires_grad_(False).eval()
-        self.draft = init_draft(DraftConfig.for_target(target, window=config.window,
-                                                       target_feature=config.target_feature),
+        widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
+        self.draft = init_draft(DraftConfig.for_target(target, window=config.window, **widths,
+                                                       lags=config.max_lag if config.lag_embedding else 0),
                                 target, seed=config.seed)
         if config.init_from:
             warm_start(self.draft, config.init_from, target)
         self.draft.float().train()
         compiled = config.compile if config.compile is not None else env.device.type == "cuda"
-        self.loss = DraftLoss(self.draft, config.distill_weight, compile=compiled, distill=config.distill)
+        self.loss = DraftLoss(self.draft, config.distill_weight, compile=compiled)
         self.model = self.loss
         if env.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -210,8 +216,7 @@ class Trainer:
         b, t = ids.shape
         if self.cache is None or self.cache.batch_size != b or self.cache.max_len != t:
             self.cache = self.target.new_cache(b, t)
-        tgt = target_forward(self.target, ids, positions, cache=self.cache,
-                             want_hidden=self.config.distill or self.config.target_feature)
+        tgt = target_forward(self.target, ids, positions, want_hidden=self.config.distill, cache=self.cache)
         with self._autocast():
             return model(ids, positions, tgt.k, tgt.v, lag, tgt.hidden)
 
