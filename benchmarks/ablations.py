@@ -33,9 +33,9 @@ from longspec.models.checkpoint import load_draft  # noqa: E402
 from longspec.training.data import frequent_tokens  # noqa: E402
 
 
-def eval_curve(run_dir: Path) -> list:
-    """(step, eval_loss) rows of a run's metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
+def eval_curve(run: Path) -> list:
+    """(step, eval_loss) rows of a run's metrics.jsonl (``run``: its directory or the file)."""
+    path = run if run.suffix == ".jsonl" else run / "metrics.jsonl"
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -47,18 +47,47 @@ def steps_to(curve: list, loss: float):
     return next((step for step, value in curve if value <= loss), None)
 
 
+def plot(curves: dict, out: str) -> None:
+    """Held-out loss against step, one line per run, to OUT/ablations.png (from the first
+    evaluation after step 0: an untrained draft's loss would flatten the rest)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    for name, curve in curves.items():
+        curve = [(step, loss) for step, loss in curve if step > 0]
+        if curve:
+            plt.plot(*zip(*curve), marker="o", label=name)
+    plt.xlabel("step")
+    plt.ylabel("held-out loss")
+    plt.yscale("log")
+    plt.legend()
+    plt.savefig(Path(out) / "ablations.png", dpi=120)
+    print("plot:", Path(out) / "ablations.png")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True)
+    p.add_argument("--target")
     p.add_argument("--runs", nargs="+", required=True, help="name=DRAFT_DIR (the first is the baseline)")
-    p.add_argument("--heldout", nargs="+", required=True, help="held-out source directories")
+    p.add_argument("--heldout", nargs="+", default=[], help="held-out source directories")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=2048, help="tokens per teacher-forced chunk (positions 0..chunk-1)")
     p.add_argument("--vocab", type=int, default=8192, help="also the baseline with this reduced draft vocabulary "
                    "(0: not), taken from --vocab-data")
     p.add_argument("--vocab-data", nargs="*", default=[], help="the training data (for the reduced vocabulary)")
     p.add_argument("--out", default=".")
+    p.add_argument("--plot-only", action="store_true", help="only the held-out loss plot; --runs may name "
+                   "metrics.jsonl files (e.g. runs of several calls)")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot({name: eval_curve(Path(path)) for name, path in (item.split("=", 1) for item in args.runs)}, args.out)
+        return
+    if not args.target or not args.heldout:
+        p.error("--target and --heldout are needed (except with --plot-only)")
     from transformers import AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,22 +124,7 @@ def main(argv=None):
         loss = f"{r['final_eval_loss']:9.3f}" if r["final_eval_loss"] is not None else f"{'-':>9}"
         print(f"{r['run']:<22} {loss} {r['top1_depth1']:7.3f} {r['top1_depth5']:7.3f} {r['top4_depth1']:7.3f} "
               f"{r['tokens_beam']:8.2f} {r['tokens_chain5']:9.2f} {r['overlap_depth1']:8.3f} {r['overlap_depth5']:6.3f}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        for name, curve in curves.items():
-            if curve:
-                plt.plot(*zip(*curve), marker="o", label=name)
-        plt.xlabel("step")
-        plt.ylabel("held-out loss")
-        plt.yscale("log")
-        plt.legend()
-        plt.savefig(Path(args.out) / "ablations.png", dpi=120)
-        print("plot:", Path(args.out) / "ablations.png")
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plot(curves, args.out)
     print(json.dumps({"heldout": args.heldout, "tokens": len(ids), "results": rows}))
 
 

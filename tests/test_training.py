@@ -462,24 +462,26 @@ def test_trained_draft_is_lossless_and_beats_untrained(target, corpus, tmp_path)
     assert sum(taus["trained"]) > sum(taus["untrained"]) + 0.5, (taus, result.history[-1])
 
 
-def test_warm_start_adds_lag_vectors_to_a_trained_draft(target, corpus, tmp_path):
-    """``--init-from`` a plain draft + ``--lag-embedding``: the run starts where the plain draft
-    ended (the lag vectors start at zero), then learns them; its output directory is a draft with
-    lag vectors. A draft of another window or MLP width is refused."""
+def test_warm_start_continues_a_trained_draft_and_a_wider_draft_trains(target, corpus, tmp_path):
+    """``--init-from`` a trained draft: the run starts at that draft's held-out loss and improves
+    on it. A draft of another window or MLP width is refused; ``--intermediate-size`` trains and
+    saves a draft of that width."""
     plain = train(small_config(tmp_path / "plain", corpus, steps=30), tokenizer=CharTokenizer(), target=target)
-    warm = train(small_config(tmp_path / "warm", corpus, steps=30, eval_every=30, lag_embedding=True,
+    warm = train(small_config(tmp_path / "warm", corpus, steps=30, eval_every=30, lr=1e-3,
                               init_from=str(tmp_path / "plain")), tokenizer=CharTokenizer(), target=target)
     evals = [r["eval_loss"] for r in warm.history if "eval_loss" in r]
     assert evals[0] == pytest.approx(plain.history[-1]["eval_loss"], rel=1e-5)
     assert evals[-1] < evals[0]
-    draft = load_draft(tmp_path / "warm", target)
-    assert draft.config.lags == 3 and draft.lag_embedding.weight.abs().sum() > 0
     with pytest.raises(ValueError, match="window"):
         train(small_config(tmp_path / "other", corpus, window=8, init_from=str(tmp_path / "plain")),
               tokenizer=CharTokenizer(), target=target)
     with pytest.raises(ValueError, match="other shapes"):
         train(small_config(tmp_path / "wide", corpus, intermediate_size=96, init_from=str(tmp_path / "plain")),
               tokenizer=CharTokenizer(), target=target)
+    train(small_config(tmp_path / "wide2", corpus, steps=2, intermediate_size=96), tokenizer=CharTokenizer(),
+          target=target)
+    wide = load_draft(tmp_path / "wide2", target)
+    assert wide.config.intermediate_size == 96 and wide.mlp.down_proj.weight.shape[1] == 96
 
 
 def test_lag_range_follows_the_tree_depth(tmp_path):

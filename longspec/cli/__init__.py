@@ -147,12 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--distill", action="store_true", help="add KL(target || draft) to the loss")
     tr.add_argument("--distill-weight", type=float, default=1.0,
                     help="with --distill: loss = (1-w) CE + w KL (default 1: pure distillation)")
-    tr.add_argument("--lag-embedding", action="store_true",
-                    help="the draft learns one vector per lag 1..--max-lag, so it knows the tree depth it drafts at")
     tr.add_argument("--intermediate-size", type=int, default=None,
                     help="the draft MLP's width (default: the target's)")
     tr.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
-                    help="start from this draft's weights (e.g. add --lag-embedding to a trained draft)")
+                    help="start from this draft's weights (fine-tune a trained or published draft on your data)")
     tr.add_argument("--text-field", default="text", help="text field of JSONL records")
     tr.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
     tr.add_argument("--eval-fraction", type=float, default=0.05, help="share of documents held out")

@@ -9,13 +9,6 @@ pre-RMSNorm and a residual:
   rotated): only ``q_proj`` (+ RoPE at the query's position) and ``o_proj``;
 * a SwiGLU MLP.
 
-Optionally (``DraftConfig.lags`` > 0) the block knows the lag it drafts at: a learned vector per
-lag ``1..lags`` (deeper lags share the last) is added to the residual after the self-attention.
-Training draws one lag per batch; at inference a query's lag is its index minus its cross-attention
-limit plus one (1 for the root, ``d + 1`` at tree depth ``d``), so nothing else changes. It enters
-after the window's K/V, which still depend on the token and its position only (``window_kv``
-stays exact).
-
 Two forward paths share the weights: ``forward_train`` (teacher-forced chunk, noisy lag ``g``:
 query ``t`` sees target KV ``0..t-g``; the first ``g`` queries get a zero cross-attention output)
 and ``forward_step`` (incremental, over a :class:`DraftCache`). A test pins that they agree.
@@ -64,8 +57,6 @@ class DraftConfig:
     # measured top-k hit rates per tree depth (rows) and width (``decoding.auto.ACCEPTANCE_WIDTHS``)
     # on held-out text: what ``--proposer auto`` predicts acceptance from
     acceptance: list = field(default_factory=list)
-    # > 0: a learned vector per cross-attention lag 1..lags added after the self-attention
-    lags: int = 0
 
     @classmethod
     def for_target(cls, target: TargetModel, window: int = 512, **overrides) -> "DraftConfig":
@@ -143,8 +134,6 @@ class LongSpecDraft(nn.Module):
         self.self_attn = Projections(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                      qkv_bias=config.qkv_bias, o_bias=False)
         self.post_self_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.lags:
-            self.lag_embedding = nn.Embedding(config.lags, config.hidden_size)
         self.cross_attn = CrossAttention(config)
         self.post_cross_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=False)
@@ -195,14 +184,6 @@ class LongSpecDraft(nn.Module):
         q, k, v = self.self_attn.rotated_qkv(self.input_layernorm(x), cos, sin)
         return q, k, v, cos, sin
 
-    def _add_lag(self, x, lag):
-        """x [B, T, H] plus the vector of each query's lag (an int, or [B, T] long) when ``lags``."""
-        if not self.config.lags:
-            return x
-        if isinstance(lag, int):
-            return x + self.lag_embedding.weight[min(max(lag, 1), self.config.lags) - 1].to(x.dtype)
-        return x + self.lag_embedding(lag.clamp(1, self.config.lags) - 1).to(x.dtype)
-
     def _cross_query(self, x, cos, sin):
         c = self.config
         return apply_rotary(_heads(self.cross_attn.q_proj(self.post_self_attention_layernorm(x)),
@@ -228,7 +209,7 @@ class LongSpecDraft(nn.Module):
         idx = torch.arange(t, device=x.device)
         window = (idx[:, None] >= idx[None, :]) & (idx[:, None] - idx[None, :] < self.config.window)
         o = masked_attention(q, k, v, window[None])  # on CUDA off SDPA's math path (masked + GQA)
-        x = self._add_lag(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), lag)
+        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
         cross = torch.zeros_like(cq)
         if lag < t:
@@ -250,7 +231,7 @@ class LongSpecDraft(nn.Module):
         cache.write(k, v, index, node, valid, slot)
         impl = self.target.attention_impl
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
-        x = self._add_lag(x + self.self_attn.o_proj(_merge_heads(o, x.dtype)), index - cross_limit + 1)
+        x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
         cross = attend_prefix(cq, target_k, target_v, cross_limit, impl)
         return self._finish(x, cross)
@@ -263,16 +244,15 @@ class LongSpecDraft(nn.Module):
 
 
 def init_draft(config: DraftConfig, target: TargetModel, seed: int = 0) -> LongSpecDraft:
-    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms; zero lag
-    vectors, so a draft warm-started from one without them starts out the same), on the target's
-    device and dtype."""
+    """A freshly initialised draft (std 0.02 linear weights, zero biases, unit norms), on the
+    target's device and dtype."""
     torch.manual_seed(seed)
     draft = LongSpecDraft(config, target)
     for name, p in draft.named_parameters():
         with torch.no_grad():
             if "norm" in name:
                 p.fill_(1.0)
-            elif name.endswith("bias") or name.startswith("lag_embedding"):
+            elif name.endswith("bias"):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)

@@ -61,7 +61,6 @@ class TrainConfig:
     noise: bool = True
     distill: bool = False  # objective (1 - w) CE + w KL(target || draft)
     distill_weight: float = 1.0  # w
-    lag_embedding: bool = False  # the draft learns a vector per lag 1..max_lag (DraftConfig.lags)
     intermediate_size: Optional[int] = None  # the draft's MLP width (default: the target's)
     init_from: Optional[str] = None  # a draft directory whose weights start the run (warm start)
     text_field: str = "text"
@@ -129,9 +128,9 @@ def sample_chunks(first: int, count: int, n_chunks: int, seed: int) -> torch.Ten
 
 
 def warm_start(draft, path: str, target) -> None:
-    """Copies the weights of the draft at ``path`` into ``draft`` (same shapes; a draft with lag
-    vectors may start from one without: they start at zero, so it starts out the same) and its
-    head setting. Raises ValueError when the two do not fit."""
+    """Copies the weights of the draft at ``path`` into ``draft`` (a warm start: fine-tuning a
+    trained or published draft on other data) and its head setting. Raises ValueError when the two
+    do not fit (window, shapes)."""
     from ..models.checkpoint import load_draft
 
     source = load_draft(path, target)
@@ -143,7 +142,7 @@ def warm_start(draft, path: str, target) -> None:
     if wrong:
         raise ValueError(f"--init-from {path}: {', '.join(wrong)} have other shapes than this run's draft")
     missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - {"lag_embedding.weight", "vocab_subset"}:
+    if unexpected or set(missing) - {"vocab_subset"}:
         raise ValueError(f"--init-from {path}: the draft's weights do not fit this run's draft "
                          f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     draft.config.head_norm = source.config.head_norm
@@ -167,9 +166,8 @@ class Trainer:
         self.config, self.env, self.target, self.data = config, env, target, data
         target.requires_grad_(False).eval()
         widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
-        self.draft = init_draft(DraftConfig.for_target(target, window=config.window, **widths,
-                                                       lags=config.max_lag if config.lag_embedding else 0),
-                                target, seed=config.seed)
+        self.draft = init_draft(DraftConfig.for_target(target, window=config.window, **widths), target,
+                                seed=config.seed)
         if config.init_from:
             warm_start(self.draft, config.init_from, target)
         self.draft.float().train()
