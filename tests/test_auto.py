@@ -140,8 +140,12 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
         key + " | batch 16": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
-    assert chosen == {4: TreeSpec.parse("2,2,2"), 16: None}
-    assert lines[0].startswith(f"bucket 1: {big} (") and lines[1].startswith("bucket 4: 2,2,2 (")
+    # batch 1: every size costs the same, so the most tokens a round wins (a deeper candidate than
+    # the engine's own tree, with this table)
+    most = max(fits, key=lambda t: auto.expected_tokens(t, draft.config.acceptance))
+    assert most != big and most.fits_in(big)
+    assert chosen == {1: most, 4: TreeSpec.parse("2,2,2"), 16: None}
+    assert lines[0].startswith(f"bucket 1: {most} (") and lines[1].startswith("bucket 4: 2,2,2 (")
     assert lines[2] == "bucket 16: plain decoding (no tree predicted faster)"
     # a smaller engine tree bounds the candidates; chains do not suit the hybrid's lookup chain
     chosen, _ = auto.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
