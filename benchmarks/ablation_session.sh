@@ -3,7 +3,8 @@
 # gpu_session.sh), the runs spread over the host's GPUs (two at a time on nvidia-h200-x2): five
 # drafts for the default model with the same data, seed and steps — the recipe (anchor-offset
 # positions + noisy lags), without anchor offsets, without noisy lags, with distillation, and
-# with a 3x wider MLP (--intermediate-size 4608); RUNS picks others, GPUS the GPUs — then benchmarks/ablations.py compares them on held-out packages (acceptance
+# with a 3x wider MLP (--intermediate-size 4608); RUNS picks others (';'-separated), GPUS the GPUs
+# (space-separated indices) — then benchmarks/ablations.py compares them on held-out packages (acceptance
 # per depth, predicted tokens per round, the reduced vocabulary) and plots the held-out loss.
 # Results under $OUT (ablations.log, ablations.png, metrics_*.jsonl). Training compiles (the CUDA
 # default: ~537k tokens/s per H200, 486k with --distill), so a 2500-step draft (82M tokens) takes
@@ -25,7 +26,8 @@ train() { timeout ${RUN_TIMEOUT:-240} python3 -m longspec.cli train --target /ro
   --eval-every $EVERY --save-every $EVERY --eval-chunks 32 --log-every 25 --no-progress --device cuda \
   --dtype bfloat16 --seed 5 --data-cache /root/abl/data-cache "${@:2}"; }
 # RUNS: ';'-separated "name [train options]" (the first is the baseline of the comparison)
-IFS=';' read -r -a RUNS <<< "${RUNS:-base;no-noise --no-noise;no-anchor --no-anchor-offset;distill --distill;wide --intermediate-size 4608}"
+IFS=';' read -r -a given <<< "${RUNS:-base;no-noise --no-noise;no-anchor --no-anchor-offset;distill --distill;wide --intermediate-size 4608}"
+RUNS=(); for run in "${given[@]}"; do [ -n "${run// }" ] && RUNS+=("$run"); done  # empty entries skipped
 read -r -a gpus <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}"
 [ ${#gpus[@]} -ge 1 ] || gpus=(0)
 mkdir -p /root/abl

@@ -1,6 +1,6 @@
 """Issue 10's ablations, summarised: drafts trained with and without anchor-offset positions,
-noisy lags and distillation, and with the target's hidden state as an input (``--target-feature``;
-by ``benchmarks/ablation_session.sh``), plus the reduced draft vocabulary, compared on held-out
+noisy lags and distillation, and with other widths (by ``benchmarks/ablation_session.sh``), plus
+the reduced draft vocabulary, compared on held-out
 text by their acceptance (teacher-forced top-k hit rates per tree depth,
 ``longspec.decoding.auto.measure_acceptance``), the tokens per round those predict for the
 default beam tree and a chain, and the T=1 overlap ``sum min(p, q)`` with the target at depths 1
@@ -107,8 +107,9 @@ def main(argv=None):
             if vocab:  # the most frequent tokens of the training data, as `longspec draft-vocab` picks them
                 draft.limit_vocab(frequent_tokens(args.vocab_data, tokenizer, vocab, target.config.vocab_size))
             table = measure_acceptance(draft, target, ids, depths=5, chunk=args.chunk)
-            ov = overlaps(draft, target, torch.tensor([ids[:2049]], device=target.device), 5)
-            rows.append(dict(run=label, final_eval_loss=curves[name][-1][1] if curves[name] else None,
+            ov = overlaps(draft, target, torch.tensor([ids[:args.chunk + 1]], device=target.device), 5)
+            rows.append(dict(run=label, step=curves[name][-1][0] if curves[name] else None,
+                             final_eval_loss=curves[name][-1][1] if curves[name] else None,
                              top1_depth1=table[0][0], top1_depth5=table[4][0], top4_depth1=table[0][3],
                              tokens_beam=expected_tokens(beam, table), tokens_chain5=expected_tokens(chain, table),
                              overlap_depth1=ov[0]["overlap"], overlap_depth5=ov[-1]["overlap"], acceptance=table))
@@ -118,11 +119,11 @@ def main(argv=None):
         fast, slow = steps_to(base_curve, target_loss), curves["no-anchor"][-1][0]
         print(f"steps to the no-anchor run's final held-out loss {target_loss:.3f}: baseline {fast}, "
               f"no-anchor {slow}" + (f" ({slow / fast:.2f}x fewer with anchor offsets)" if fast else ""))
-    print(f"{'run':<22} {'eval loss':>9} {'top1@1':>7} {'top1@5':>7} {'top4@1':>7} {'beam tok':>8} {'chain tok':>9} "
+    print(f"{'run':<22} {'step':>5} {'eval loss':>9} {'top1@1':>7} {'top1@5':>7} {'top4@1':>7} {'beam tok':>8} {'chain tok':>9} "
           f"{'T=1 ov@1':>8} {'ov@5':>6}")
     for r in rows:
         loss = f"{r['final_eval_loss']:9.3f}" if r["final_eval_loss"] is not None else f"{'-':>9}"
-        print(f"{r['run']:<22} {loss} {r['top1_depth1']:7.3f} {r['top1_depth5']:7.3f} {r['top4_depth1']:7.3f} "
+        print(f"{r['run']:<22} {r['step'] or '-':>5} {loss} {r['top1_depth1']:7.3f} {r['top1_depth5']:7.3f} {r['top4_depth1']:7.3f} "
               f"{r['tokens_beam']:8.2f} {r['tokens_chain5']:9.2f} {r['overlap_depth1']:8.3f} {r['overlap_depth5']:6.3f}")
     plot(curves, args.out)
     print(json.dumps({"heldout": args.heldout, "tokens": len(ids), "results": rows}))

@@ -25,7 +25,7 @@ from longspec.training.loss import target_forward  # noqa: E402
 def overlaps(draft, target, ids: torch.Tensor, depths: int) -> list:
     """Per depth d = 1..``depths`` (lag d): the mean overlap ``sum min(p, q)`` and the top-1
     agreement of the draft's next-token distribution q with the target's p, teacher-forced over
-    ids [1, T+1] (T = 1 + the predictions)."""
+    ids [1, T+1] (T inputs; depth d is averaged over its T - d predictions that see target KV)."""
     inputs, positions = ids[:, :-1], torch.arange(ids.shape[1] - 1, device=ids.device)[None]
     out = target_forward(target, inputs, positions, want_hidden=True)
     p_target = torch.softmax(target.logits(out.hidden)[0].float(), -1)
@@ -35,7 +35,7 @@ def overlaps(draft, target, ids: torch.Tensor, depths: int) -> list:
         q = torch.softmax(draft.logits(hidden, reduced=True)[0].float(), -1)
         overlap = float(torch.minimum(p_target, q).sum(-1)[d:].mean())  # the first d see no target KV
         agree = float((q.argmax(-1) == p_target.argmax(-1))[d:].float().mean())
-        rows.append(dict(depth=d, overlap=round(overlap, 4), top1_agreement=round(agree, 4)))
+        rows.append(dict(depth=d, overlap=overlap, top1_agreement=agree))
     return rows
 
 

@@ -475,13 +475,48 @@ def test_warm_start_continues_a_trained_draft_and_a_wider_draft_trains(target, c
     with pytest.raises(ValueError, match="window"):
         train(small_config(tmp_path / "other", corpus, window=8, init_from=str(tmp_path / "plain")),
               tokenizer=CharTokenizer(), target=target)
-    with pytest.raises(ValueError, match="other shapes"):
+    with pytest.raises(ValueError, match="intermediate_size"):
         train(small_config(tmp_path / "wide", corpus, intermediate_size=96, init_from=str(tmp_path / "plain")),
               tokenizer=CharTokenizer(), target=target)
+    with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
+        train(small_config(tmp_path / "zero", corpus, intermediate_size=0), tokenizer=CharTokenizer(), target=target)
     train(small_config(tmp_path / "wide2", corpus, steps=2, intermediate_size=96), tokenizer=CharTokenizer(),
           target=target)
     wide = load_draft(tmp_path / "wide2", target)
     assert wide.config.intermediate_size == 96 and wide.mlp.down_proj.weight.shape[1] == 96
+
+
+def test_warm_start_keeps_the_source_drafts_architecture_and_float32_weights(tiny_model_factory, target, corpus,
+                                                                             tmp_path):
+    """The draft a warm start (or a resume) begins with has its source's head setting, reduced
+    vocabulary and MLP width, no stale acceptance table, and its float32 weights exactly, also
+    under a bfloat16 target; a resumed warm-started run no longer needs the source."""
+    from longspec.models.checkpoint import save_draft
+    from longspec.training.trainer import initial_draft
+
+    train(small_config(tmp_path / "plain", corpus, steps=5, intermediate_size=40), tokenizer=CharTokenizer(),
+          target=target)
+    source = load_draft(tmp_path / "plain", target, dtype=torch.float32)
+    source.config.head_norm, source.config.acceptance = False, [[0.5] * 6]
+    source.limit_vocab([3, 5, 7, 11])
+    save_draft(source, tmp_path / "source")
+    _, path = tiny_model_factory("train-llama", "llama", max_position_embeddings=256, seed=5)
+    bf16_target = load_target(path, dtype=torch.bfloat16)
+    config = small_config(tmp_path / "run", corpus, init_from=str(tmp_path / "source"))
+    draft = initial_draft(config, bf16_target, tmp_path / "source")
+    c = draft.config
+    assert (c.head_norm, c.draft_vocab, c.intermediate_size, c.acceptance) == (False, 4, 40, [])
+    assert draft.vocab_subset.tolist() == [3, 5, 7, 11]
+    want = load_draft(tmp_path / "source", target, dtype=torch.float32).state_dict()
+    for name, value in draft.state_dict().items():
+        assert value.dtype == want[name].dtype and torch.equal(value, want[name]), name
+    run = small_config(tmp_path / "run", corpus, steps=4, save_every=2, init_from=str(tmp_path / "source"))
+    train(run, tokenizer=CharTokenizer(), target=target)
+    import shutil
+    shutil.rmtree(tmp_path / "source")
+    resumed = train(small_config(tmp_path / "run", corpus, steps=6, save_every=2, resume=True),
+                    tokenizer=CharTokenizer(), target=target)
+    assert resumed.step == 6 and not resumed.draft.config.head_norm and resumed.draft.config.draft_vocab == 4
 
 
 def test_lag_range_follows_the_tree_depth(tmp_path):

@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -191,11 +191,11 @@ def _published_name(key: str):
     return None
 
 
-def load_draft(path: Union[str, Path], target):
+def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = None):
     """Loads a draft for ``target`` from a directory written by :func:`save_draft`, or a
     published LongSpec draft checkpoint (one decoder layer with ``self_attn``, ``cross_attn``,
     ``mlp`` and three norms; cross-attention k/v weights are ignored). Raises ValueError when the
-    draft does not fit the target."""
+    draft does not fit the target. ``dtype``: of the draft's weights (default: the target's)."""
     from .draft import DraftConfig, LongSpecDraft
 
     path = Path(path)
@@ -231,7 +231,7 @@ def load_draft(path: Union[str, Path], target):
         rename = _published_name
     with torch.device("meta"):
         draft = LongSpecDraft(config, target)
-    draft = draft.to_empty(device=target.device).to(target.dtype)
+    draft = draft.to_empty(device=target.device).to(dtype or target.dtype)
     load_state(draft, files, rename=rename)
     draft.fuse_projections()
     return draft.eval()

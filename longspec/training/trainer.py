@@ -89,6 +89,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
         for name in ("warmup", "eval_every", "save_every", "eval_chunks", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -127,25 +129,27 @@ def sample_chunks(first: int, count: int, n_chunks: int, seed: int) -> torch.Ten
     return out
 
 
-def warm_start(draft, path: str, target) -> None:
-    """Copies the weights of the draft at ``path`` into ``draft`` (a warm start: fine-tuning a
-    trained or published draft on other data) and its head setting. Raises ValueError when the two
-    do not fit (window, shapes)."""
+def initial_draft(config: TrainConfig, target, source: Optional[Path] = None):
+    """The float32 draft a run starts from: a fresh one (``source`` None), or one with the
+    architecture (head norm, biases, MLP width, reduced vocabulary) and float32 weights of the
+    draft at ``source``: a resumed run's checkpoint, or ``--init-from``'s draft (a warm start;
+    its stale acceptance table is dropped). Raises ValueError when it does not fit this run."""
     from ..models.checkpoint import load_draft
 
-    source = load_draft(path, target)
-    if source.config.window != draft.config.window:
-        raise ValueError(f"--init-from {path}: window {source.config.window}, this run's is {draft.config.window}")
-    weights = {k: v for k, v in source.state_dict().items() if k != "vocab_subset"}
-    shapes = {k: v.shape for k, v in draft.state_dict().items()}
-    wrong = sorted(k for k, v in weights.items() if k in shapes and v.shape != shapes[k])
-    if wrong:
-        raise ValueError(f"--init-from {path}: {', '.join(wrong)} have other shapes than this run's draft")
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - {"vocab_subset"}:
-        raise ValueError(f"--init-from {path}: the draft's weights do not fit this run's draft "
-                         f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
-    draft.config.head_norm = source.config.head_norm
+    if source is None:
+        widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
+        return init_draft(DraftConfig.for_target(target, window=config.window, **widths), target,
+                          seed=config.seed).float()
+    loaded = load_draft(source, target, dtype=torch.float32)
+    c = loaded.config
+    for name, ours, theirs in (("window", config.window, c.window),
+                               ("intermediate_size", config.intermediate_size or c.intermediate_size,
+                                c.intermediate_size)):
+        if ours != theirs:
+            raise ValueError(f"{source}: the draft there has {name} {theirs}, this run asks for {ours}")
+    draft = init_draft(dataclasses.replace(c, acceptance=[]), target, seed=config.seed).float()
+    draft.load_state_dict(loaded.state_dict())  # the unfused training layout, the same names
+    return draft
 
 
 @dataclass
@@ -162,15 +166,14 @@ class TrainResult:
 class Trainer:
     """Holds a run's state; :func:`train` is the entry point."""
 
-    def __init__(self, config: TrainConfig, env: distributed.DistEnv, target, data: PackedData):
+    def __init__(self, config: TrainConfig, env: distributed.DistEnv, target, data: PackedData,
+                 checkpoint: Optional[Path] = None):
+        """``checkpoint``: the run's checkpoint to resume (its draft's architecture is used; the
+        caller loads its state)."""
         self.config, self.env, self.target, self.data = config, env, target, data
         target.requires_grad_(False).eval()
-        widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
-        self.draft = init_draft(DraftConfig.for_target(target, window=config.window, **widths), target,
-                                seed=config.seed)
-        if config.init_from:
-            warm_start(self.draft, config.init_from, target)
-        self.draft.float().train()
+        source = checkpoint if checkpoint is not None else (Path(config.init_from) if config.init_from else None)
+        self.draft = initial_draft(config, target, source).train()
         compiled = config.compile if config.compile is not None else env.device.type == "cuda"
         self.loss = DraftLoss(self.draft, config.distill_weight, compile=compiled)
         self.model = self.loss
@@ -400,7 +403,7 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
         raise ValueError(f"{out} already holds a training run (checkpoint {checkpoint.name}): pass --resume to "
                          f"continue it, or choose another --out")
     env.barrier()
-    trainer = Trainer(config, env, target, data)
+    trainer = Trainer(config, env, target, data, checkpoint)
     log = MetricsLog(out, enabled=env.is_main)
     if checkpoint is not None:
         trainer.load_state(load_checkpoint(checkpoint, trainer.draft))
