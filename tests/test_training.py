@@ -517,6 +517,7 @@ def test_warm_start_keeps_the_source_drafts_architecture_and_float32_weights(tin
     resumed = train(small_config(tmp_path / "run", corpus, steps=6, save_every=2, resume=True),
                     tokenizer=CharTokenizer(), target=target)
     assert resumed.step == 6 and not resumed.draft.config.head_norm and resumed.draft.config.draft_vocab == 4
+    assert resumed.draft.vocab_subset.tolist() == [3, 5, 7, 11]
 
 
 def test_lag_range_follows_the_tree_depth(tmp_path):

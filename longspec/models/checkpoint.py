@@ -191,12 +191,28 @@ def _published_name(key: str):
     return None
 
 
-def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = None):
+def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = None, fuse: bool = True):
     """Loads a draft for ``target`` from a directory written by :func:`save_draft`, or a
     published LongSpec draft checkpoint (one decoder layer with ``self_attn``, ``cross_attn``,
     ``mlp`` and three norms; cross-attention k/v weights are ignored). Raises ValueError when the
-    draft does not fit the target. ``dtype``: of the draft's weights (default: the target's)."""
-    from .draft import DraftConfig, LongSpecDraft
+    draft does not fit the target. ``dtype``: of the draft's weights (default: the target's);
+    ``fuse``: q/k/v and gate/up in one product each, for inference (training keeps them apart)."""
+    from .draft import LongSpecDraft
+
+    config, files, rename = read_draft_config(path, target)
+    with torch.device("meta"):
+        draft = LongSpecDraft(config, target)
+    draft = draft.to_empty(device=target.device).to(dtype or target.dtype)
+    load_state(draft, files, rename=rename)
+    if fuse:
+        draft.fuse_projections()
+    return draft.eval()
+
+
+def read_draft_config(path: Union[str, Path], target) -> tuple:
+    """(DraftConfig, safetensors files, key rename or None) of the draft at ``path`` (see
+    :func:`load_draft`), without loading its weights."""
+    from .draft import DraftConfig
 
     path = Path(path)
     raw = read_config(path)
@@ -229,9 +245,4 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
             raise ValueError(f"draft/target mismatch: the draft has hidden_size={hidden}, "
                              f"the target {target.config.hidden_size}")
         rename = _published_name
-    with torch.device("meta"):
-        draft = LongSpecDraft(config, target)
-    draft = draft.to_empty(device=target.device).to(dtype or target.dtype)
-    load_state(draft, files, rename=rename)
-    draft.fuse_projections()
-    return draft.eval()
+    return config, files, rename

@@ -129,26 +129,29 @@ def sample_chunks(first: int, count: int, n_chunks: int, seed: int) -> torch.Ten
     return out
 
 
-def initial_draft(config: TrainConfig, target, source: Optional[Path] = None):
+def initial_draft(config: TrainConfig, target, source: Optional[Path] = None, resume: bool = False):
     """The float32 draft a run starts from: a fresh one (``source`` None), or one with the
-    architecture (head norm, biases, MLP width, reduced vocabulary) and float32 weights of the
-    draft at ``source``: a resumed run's checkpoint, or ``--init-from``'s draft (a warm start;
-    its stale acceptance table is dropped). Raises ValueError when it does not fit this run."""
-    from ..models.checkpoint import load_draft
+    architecture (head norm, biases, MLP width, reduced vocabulary) of the draft at ``source``:
+    ``--init-from``'s draft with its float32 weights (a warm start; its stale acceptance table is
+    dropped), or with ``resume`` the run's checkpoint, whose weights the caller loads next (with
+    its trainer state). Raises ValueError when it does not fit this run."""
+    from ..models.checkpoint import load_draft, read_draft_config
 
     if source is None:
         widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
         return init_draft(DraftConfig.for_target(target, window=config.window, **widths), target,
                           seed=config.seed).float()
-    loaded = load_draft(source, target, dtype=torch.float32)
-    c = loaded.config
+    c = read_draft_config(source, target)[0]
     for name, ours, theirs in (("window", config.window, c.window),
                                ("intermediate_size", config.intermediate_size or c.intermediate_size,
                                 c.intermediate_size)):
         if ours != theirs:
             raise ValueError(f"{source}: the draft there has {name} {theirs}, this run asks for {ours}")
-    draft = init_draft(dataclasses.replace(c, acceptance=[]), target, seed=config.seed).float()
-    draft.load_state_dict(loaded.state_dict())  # the unfused training layout, the same names
+    if resume:
+        return init_draft(c, target, seed=config.seed).float()
+    torch.manual_seed(config.seed)  # as init_draft seeds a fresh run
+    draft = load_draft(source, target, dtype=torch.float32, fuse=False)
+    draft.config.acceptance = []
     return draft
 
 
@@ -173,7 +176,7 @@ class Trainer:
         self.config, self.env, self.target, self.data = config, env, target, data
         target.requires_grad_(False).eval()
         source = checkpoint if checkpoint is not None else (Path(config.init_from) if config.init_from else None)
-        self.draft = initial_draft(config, target, source).train()
+        self.draft = initial_draft(config, target, source, resume=checkpoint is not None).train()
         compiled = config.compile if config.compile is not None else env.device.type == "cuda"
         self.loss = DraftLoss(self.draft, config.distill_weight, compile=compiled)
         self.model = self.loss
