@@ -11,73 +11,212 @@ from typing import Optional
 import torch
 
 from .attention import triton_kernels
+from .attention.paged import LayerKV, physical_slots
 from .config import ModelConfig
 
 
-@torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's cache
+DEFAULT_BLOCK_SIZE = 256  # tokens per block of a shared pool (a multiple of the kernels' key block)
+
+
+class PoolExhausted(ValueError):
+    """The KV block pool has too few free blocks for a request (a server waits; a call fails)."""
+
+
+class BlockPool:
+    """The K/V storage of every target layer, in fixed-size blocks shared by the rows of a cache:
+    ``k``, ``v`` [L, Hkv, P, D] with ``P = (num_blocks + 1) * block_size`` slots; slot ``s`` of
+    block ``n`` is ``n * block_size + s``. The last block (:attr:`scratch`) is never handed out:
+    rows that own no block point there, so their (ignored) writes never touch another row's data.
+    Blocks are handed out and returned on the host (:meth:`allocate`, :meth:`release`)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.num_layers, config.num_kv_heads, (num_blocks + 1) * block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = [True] * num_blocks
+
+    @property
+    def scratch(self) -> int:
+        return self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return sum(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def allocate(self, n: int, prefer: Optional[int] = None) -> list:
+        """``n`` free blocks, taken: ``prefer .. prefer + n - 1`` when all free, else the lowest run
+        of ``n`` consecutive free blocks, else the lowest ``n`` free ones. Raises
+        :class:`PoolExhausted` when fewer than ``n`` are free."""
+        free = self._free
+        if n > self.num_free:
+            raise PoolExhausted(f"KV pool exhausted: {n} blocks of {self.block_size} tokens needed, "
+                                f"{self.num_free} of {self.num_blocks} free")
+        if prefer is not None and prefer + n <= self.num_blocks and all(free[prefer:prefer + n]):
+            blocks = list(range(prefer, prefer + n))
+        else:
+            run, blocks = 0, None
+            for i, f in enumerate(free):
+                run = run + 1 if f else 0
+                if run == n:
+                    blocks = list(range(i - n + 1, i + 1))
+                    break
+            if blocks is None:
+                blocks = [i for i, f in enumerate(free) if f][:n]
+        for i in blocks:
+            free[i] = False
+        return blocks
+
+    def release(self, blocks) -> None:
+        for i in blocks:
+            if self._free[i]:
+                raise RuntimeError(f"KV pool: block {i} released twice")
+            self._free[i] = True
+
+
+@torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's storage
 def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-          slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Writes k_new, v_new [B, Hkv, M, D] into one layer of a :class:`KVCache` (k_layer, v_layer
-    [B, Hkv, S, D]) at ``slots`` [B, M] (from ``KVCache.new_slots``); rows = ``arange(B)[:, None]``.
-    On CUDA with Triton, one kernel writes both (two indexed copies otherwise)."""
-    if k_layer.is_cuda and triton_kernels.store_fits(k_layer, v_layer, k_new, v_new):
-        triton_kernels.store_kv(k_layer, v_layer, k_new, v_new, slots)
+             slots: torch.Tensor) -> None:
+    """Writes k_new, v_new [B, Hkv, M, D] into one layer of a :class:`BlockPool` (k_layer, v_layer
+    [Hkv, P, D]) at physical ``slots`` [B, M] (``KVCache.physical``). On CUDA with Triton, one
+    kernel writes both (two indexed copies otherwise)."""
+    b = k_new.shape[0]
+    k_rows, v_rows = k_layer[None].expand(b, -1, -1, -1), v_layer[None].expand(b, -1, -1, -1)  # batch stride 0
+    if k_layer.is_cuda and triton_kernels.store_fits(k_rows, v_rows, k_new, v_new):
+        triton_kernels.store_kv(k_rows, v_rows, k_new, v_new, slots)
         return
-    k_layer.transpose(1, 2)[rows, slots] = k_new.transpose(1, 2)
-    v_layer.transpose(1, 2)[rows, slots] = v_new.transpose(1, 2)
+    flat = slots.reshape(-1)
+    k_layer[:, flat] = k_new.transpose(0, 1).reshape(k_layer.shape[0], -1, k_layer.shape[-1])
+    v_layer[:, flat] = v_new.transpose(0, 1).reshape(v_layer.shape[0], -1, v_layer.shape[-1])
 
 
 @torch.compiler.disable  # as it is in compiled rounds: Inductor turned this indexed write into a
 # view of the cache into two copies of the whole cache (0.9 ms of a 3 ms round at batch 16 on the
 # H200, ``benchmarks/results/steps_batch16_h200.log``)
-def move_tokens(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copies the K/V of slots ``src`` [B, K] to slots ``dst`` [B, K] of every layer of a
-    :class:`KVCache`'s ``k``, ``v`` [L, B, Hkv, S, D] (rows = ``arange(B)[:, None]``): one gather
-    of the kept tokens, then one scatter, so overlapping slots are read before any is written."""
+def move_tokens(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies the K/V of physical slots ``src`` [N] to slots ``dst`` [N] of every layer of a
+    :class:`BlockPool`'s ``k``, ``v`` [L, Hkv, P, D]: one gather of the kept tokens, then one
+    scatter, so overlapping slots are read before any is written."""
     for store in (k, v):
-        view = store.permute(1, 3, 0, 2, 4)  # [B, S, L, Hkv, D]
-        view[rows, dst] = view[rows, src]
+        store[:, :, dst] = store[:, :, src]
 
 
 class KVCache:
-    """Keys and values of every target layer for a batch of sequences.
+    """Keys and values of every target layer for a batch of sequences, in a :class:`BlockPool`.
 
-    ``k``, ``v``: [L, B, Hkv, S, D] (S = ``max_len`` slots); ``lengths`` [B] long: row b holds
-    committed tokens in slots ``0..lengths[b]-1``. New tokens (a prefill chunk, a decode token or
-    a verification tree) are written after them and stay *pending* (``pending`` tokens per row,
-    at slots ``lengths[b] + 0..pending-1``) until ``advance`` commits a prefix of them, ``commit``
-    moves chosen ones to consecutive slots after the prefix, or ``discard`` drops them. A tree
-    can be grown level by level: each forward sees the pending tokens through its tree mask."""
+    Row b's logical slot s lives in pool block ``table[b, s // block_size]``; ``lengths`` [B] long:
+    row b holds committed tokens in logical slots ``0..lengths[b]-1``. New tokens (a prefill
+    chunk, a decode token or a verification tree) are written after them and stay *pending*
+    (``pending`` tokens per row, at slots ``lengths[b] + 0..pending-1``) until ``advance`` commits
+    a prefix of them, ``commit`` moves chosen ones to consecutive slots after the prefix, or
+    ``discard`` drops them. A tree can be grown level by level: each forward sees the pending
+    tokens through its tree mask.
+
+    Built alone (``pool`` None) the cache owns a pool of one block of ``max_len`` slots per row,
+    each row owning its block for good (dense: the rows are a strided view of the pool). Built
+    over a shared ``pool``, each row holds ``max_len / block_size`` table entries; rows own no
+    blocks until :meth:`assign` gives them some (an engine admitting a request), and
+    :meth:`unassign` returns them."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
+                 dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if config.sliding_window is not None and max_len > config.sliding_window:
             raise ValueError(
                 f"this model uses sliding-window attention (window {config.sliding_window}), which longspec "
                 f"does not implement: contexts up to {config.sliding_window} tokens only (asked for {max_len})")
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if pool is None:
+            pool = BlockPool(config, batch_size, max_len, dtype, device)
+        device = pool.k.device
+        max_blocks = -(-max_len // pool.block_size)
+        self.pool, self.block_size = pool, pool.block_size
+        self.max_len = max_blocks * pool.block_size
+        home = torch.arange(batch_size * max_blocks, device=device).view(batch_size, max_blocks)
+        # dense: the pool holds every row's home blocks, so each row owns them for good
+        self.dense = pool.num_blocks >= batch_size * max_blocks
+        if self.dense:
+            pool.allocate(batch_size * max_blocks, prefer=0)
+            self.table = home
+        else:
+            self.table = torch.full((batch_size, max_blocks), pool.scratch, dtype=torch.long, device=device)
+        self.blocks: list = [None] * batch_size  # per row: the blocks :meth:`assign` gave it (host)
+        self.row0 = 0  # the first row's index in the cache this one is a view of
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.max_len = max_len
         self.pending = 0
 
     def rows(self, start: int, stop: int) -> "KVCache":
-        """A cache over batch rows ``start..stop-1`` sharing this one's storage (and lengths)."""
+        """A cache over batch rows ``start..stop-1`` sharing this one's pool, table and lengths."""
         view = KVCache.__new__(KVCache)
-        view.k, view.v, view.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
-        view.max_len, view.pending = self.max_len, 0
+        view.__dict__.update(self.__dict__)
+        view.table, view.lengths = self.table[start:stop], self.lengths[start:stop]
+        view.blocks = self.blocks  # shared bookkeeping, indexed by the full cache's rows
+        view.row0, view.pending = self.row0 + start, 0
         return view
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.table.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.pool.nbytes
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer ``i`` (negative: from the last) as attention reads it."""
+        return LayerKV(self.pool.k[i], self.pool.v[i], self.table, self.block_size,
+                       self.row0 if self.dense else None)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys of every layer as [L, B, Hkv, S, D] (S = ``max_len``): a view for a dense cache."""
+        return torch.stack([self.layer(i).dense(self.max_len)[0] for i in range(self.pool.k.shape[0])]) \
+            if not self.dense else self._dense_all(self.pool.k)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Values of every layer as [L, B, Hkv, S, D] (see :attr:`k`)."""
+        return torch.stack([self.layer(i).dense(self.max_len)[1] for i in range(self.pool.v.shape[0])]) \
+            if not self.dense else self._dense_all(self.pool.v)
+
+    def _dense_all(self, store: torch.Tensor) -> torch.Tensor:
+        b, cap, start = self.batch_size, self.max_len, self.row0 * self.max_len
+        return store[:, :, start:start + b * cap].unflatten(2, (b, cap)).transpose(1, 2)
+
+    def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        """Logical slots [B or 1, M] of these rows -> physical pool slots [B, M] (a slot past a
+        row's capacity -> the scratch block)."""
+        return physical_slots(self.table, self.block_size, slots, self.pool.scratch * self.block_size)
+
+    def assign(self, row: int, n_slots: int) -> None:
+        """Gives row ``row`` room for ``n_slots`` tokens: blocks from the pool (its home blocks when
+        free), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the pool
+        has too few free blocks, ValueError past the row's capacity."""
+        if n_slots > self.max_len:
+            raise ValueError(f"{n_slots} tokens do not fit a row of the KV cache ({self.max_len} slots)")
+        if self.dense:
+            return
+        self.unassign(row)
+        max_blocks = self.table.shape[1]
+        blocks = self.pool.allocate(max(1, -(-n_slots // self.block_size)), prefer=(self.row0 + row) * max_blocks)
+        self.blocks[row] = blocks
+        entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)
+        entries[:len(blocks)] = torch.tensor(blocks)
+        self.table[row].copy_(entries)
+
+    def unassign(self, row: int) -> None:
+        """Returns row ``row``'s blocks to the pool (a dense cache's rows keep theirs)."""
+        if self.dense or self.blocks[row] is None:
+            return
+        self.pool.release(self.blocks[row])
+        self.blocks[row] = None
+        self.table[row].fill_(self.pool.scratch)
 
     def check_room(self, n_new: int, longest: Optional[int] = None) -> None:
         """Raises a clear error if ``n_new`` more tokens do not fit in every row (``longest``:
@@ -87,7 +226,7 @@ class KVCache:
             raise ValueError(f"KV cache full: {need} tokens needed, the cache holds {self.max_len}")
 
     def new_slots(self, count: int) -> torch.Tensor:
-        """[B, count] slots of ``count`` new tokens written after the pending ones."""
+        """[B, count] logical slots of ``count`` new tokens written after the pending ones."""
         offsets = torch.arange(self.pending, self.pending + count, device=self.lengths.device)
         return self.lengths[:, None] + offsets[None, :]
 
@@ -108,10 +247,9 @@ class KVCache:
         k = nodes.shape[1]
         cols = torch.arange(k, device=nodes.device)[None, :]
         keep = cols < n[:, None]
-        src = self.lengths[:, None] + torch.where(keep, nodes, cols)
-        dst = self.lengths[:, None] + cols
-        rows = torch.arange(nodes.shape[0], device=nodes.device)[:, None]
-        move_tokens(self.k, self.v, rows, src, dst)
+        src = self.physical(self.lengths[:, None] + torch.where(keep, nodes, cols))
+        dst = self.physical(self.lengths[:, None] + cols)
+        move_tokens(self.pool.k, self.pool.v, src.reshape(-1), dst.reshape(-1))
         self.advance(n)
 
 

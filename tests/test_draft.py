@@ -82,13 +82,15 @@ def test_training_forward_equals_incremental_inference(targets, name, lag, impl)
     with torch.no_grad():
         target.forward_hidden(ids, positions, cache, torch.ones(t, t, dtype=torch.bool).tril()[None])
         k, v = cache.k[-1], cache.v[-1]
+        target_kv = target.last_layer_kv(cache)
         train = draft.forward_train(ids, positions, k, v, lag=lag)
         ring = DraftCache(draft.config, 2, tree_size=3, dtype=torch.float32, device="cpu")
         steps = []
         for i in range(t):
             index = torch.full((2, 1), i)
             steps.append(draft.forward_step(ids[:, i:i + 1], positions[:, i:i + 1], index, torch.full((2, 1), -1),
-                                            torch.ones(2, 1, dtype=torch.bool), ring, k, v, cross_limit=index - lag + 1))
+                                            torch.ones(2, 1, dtype=torch.bool), ring, target_kv,
+                                                cross_limit=index - lag + 1))
     assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
 
 

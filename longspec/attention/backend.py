@@ -24,6 +24,7 @@ import torch
 from . import reference
 from .fast import causal_attention, masked_attention
 from . import triton_kernels
+from .paged import LayerKV
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 
@@ -40,15 +41,22 @@ class AttentionMeta:
 
     impl: str
     lengths: torch.Tensor
-    slots: torch.Tensor
+    slots: torch.Tensor  # [B, M] physical pool slots of the new tokens
     tree_mask: torch.Tensor
     pending: int
     n_keys: int
+    table: torch.Tensor  # [B, max_blocks]: the rows' block table (see ``KVCache``)
+    block_size: int
+    dense_row0: Optional[int]  # the rows are a strided view of the pool from this row (None: paged)
     causal: bool = False
     tree_causal: bool = False  # the tree mask is lower-right causal (the Triton kernel computes it)
     key_mask: Optional[torch.Tensor] = None
     key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
-    rows: Optional[torch.Tensor] = None  # arange(B)[:, None], for the cache writes
+
+    def layer(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> LayerKV:
+        """One layer of the pool (k_layer, v_layer [Hkv, P, D]) as these rows read it: a
+        :class:`~longspec.cache.LayerKV`."""
+        return LayerKV(k_layer, v_layer, self.table, self.block_size, self.dense_row0)
 
     @classmethod
     def build(cls, cache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool = False,
@@ -70,8 +78,8 @@ class AttentionMeta:
             causal = causal and impl != "reference" and fewest == used and cache.pending == 0
         else:
             causal = False
-        meta = cls(impl, cache.lengths, cache.new_slots(n_new), tree_mask, cache.pending, n_keys, causal, tree_causal)
-        meta.rows = torch.arange(cache.batch_size, device=tree_mask.device)[:, None]
+        meta = cls(impl, cache.lengths, cache.physical(cache.new_slots(n_new)), tree_mask, cache.pending, n_keys,
+                   cache.table, cache.block_size, cache.row0 if cache.dense else None, causal, tree_causal)
         if impl not in ("triton", "reference") and not causal:  # the Triton kernel reads tree_mask itself
             slots = torch.arange(n_keys, device=tree_mask.device)
             rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
@@ -84,23 +92,25 @@ class AttentionMeta:
         return meta
 
 
-def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_layer: torch.Tensor,
-           v_layer: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """q [B, Hq, M, D]; k_new, v_new [B, Hkv, M, D] (already written to the cache);
-    k_layer, v_layer [B, Hkv, S, D]: one layer of the cache. Returns o [B, Hq, M, D]."""
+def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """q [B, Hq, M, D]; k_layer, v_layer [Hkv, P, D]: one layer of the pool, the new tokens' K/V
+    already written. Returns o [B, Hq, M, D]."""
+    kv = meta.layer(k_layer, v_layer)
+    if meta.impl == "triton" and not meta.causal:
+        k, v, table, block_size = kv.for_kernel()
+        return triton_kernels.tree_attention(q, k, v, meta.lengths, meta.tree_mask, causal=meta.tree_causal,
+                                             table=table, block_size=block_size)
+    k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
     if meta.causal:
-        return causal_attention(q, k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys])
-    if meta.impl == "triton":
-        return triton_kernels.tree_attention(q, k_layer, v_layer, meta.lengths, meta.tree_mask,
-                                             causal=meta.tree_causal)
-    k, v = k_layer[:, :, :meta.n_keys], v_layer[:, :, :meta.n_keys]
+        return causal_attention(q, k, v)
     if meta.impl == "sdpa":
         return masked_attention(q, k, v, meta.key_mask)
     if meta.impl == "matmul":
         return matmul_attention(q, k, v, bias=meta.key_bias)
+    rows = torch.arange(q.shape[0], device=q.device)[:, None]
     tree_slots = meta.lengths[:, None] + torch.arange(meta.pending + q.shape[2], device=q.device)[None, :]
-    k_tree = k_layer.transpose(1, 2)[meta.rows, tree_slots].transpose(1, 2)
-    v_tree = v_layer.transpose(1, 2)[meta.rows, tree_slots].transpose(1, 2)
+    k_tree = k.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
+    v_tree = v.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
     return reference.hybrid_attention(q, k, v, meta.lengths, k_tree, v_tree, meta.tree_mask)
 
 
@@ -121,12 +131,18 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.masked_fill(empty[:, None, :, None], 0.0)
 
 
-def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor, impl: str) -> torch.Tensor:
-    """Query i of row b sees slots ``0..limits[b, i]-1`` of k, v [B, Hkv, S, D] (the draft's
+def attend_prefix(q: torch.Tensor, kv: LayerKV, limits: torch.Tensor, impl: str,
+                  n_keys: Optional[int] = None) -> torch.Tensor:
+    """Query i of row b sees slots ``0..limits[b, i]-1`` of the cache layer ``kv`` (a
+    :class:`~longspec.cache.LayerKV`: the draft's
     cross-attention into the target cache, each query at its own lag); a query that sees none
-    gets zeros. q [B, Hq, M, D], limits [B, M]. Triton: the split-KV kernel, no [B, M, S] mask."""
+    gets zeros. q [B, Hq, M, D], limits [B, M]. Triton: the split-KV kernel through the block
+    table, no [B, M, S] mask; otherwise over the first ``n_keys`` slots (default: the capacity)."""
     if impl == "triton":
-        return triton_kernels.prefix_attention(q, k.to(q.dtype), v.to(q.dtype), limits)
+        k, v, table, block_size = kv.for_kernel()
+        return triton_kernels.prefix_attention(q, k.to(q.dtype), v.to(q.dtype), limits, table=table,
+                                               block_size=block_size)
+    k, v = kv.dense(kv.capacity if n_keys is None else n_keys)
     visible = torch.arange(k.shape[2], device=q.device) < limits[..., None]
     return attend_masked(q, k, v, visible, impl, may_be_empty=True)
 

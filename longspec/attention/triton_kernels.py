@@ -65,23 +65,31 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _block(DESC, base, row0, lo, blk, stride, d, TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
+    def _block(DESC, base, desc_row, first, stride, d, TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
                BLOCK_N: tl.constexpr):
-        """Key block ``blk`` of a chunk starting at ``lo``, every slot inside the row's prefix:
+        """The BLOCK_N keys from storage slot ``first`` on, every one inside the row's prefix:
         K as [HEAD_D, BLOCK_N] (TRANSPOSED, the q.k operand) or V as [BLOCK_N, HEAD_D]; through the
-        TMA descriptor DESC (rows ``row0 + blk * BLOCK_N ..`` of the cache as [B * HKV * CAP,
-        HEAD_D]) or plain loads from ``base``."""
+        TMA descriptor DESC (rows ``desc_row ..`` of the storage as [rows, HEAD_D]) or plain loads
+        from ``base``."""
         if TMA:
-            x = DESC.load([row0 + blk * BLOCK_N, 0])
+            x = DESC.load([desc_row, 0])
             if TRANSPOSED:
                 x = x.T
         else:
-            n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n = first + tl.arange(0, BLOCK_N)
             if TRANSPOSED:
                 x = tl.load(base + n[None, :] * stride + d[:, None])
             else:
                 x = tl.load(base + n[:, None] * stride + d[None, :])
         return x
+
+    @triton.jit
+    def _slot(TBL, b, n, stbl_b, BS, PAGED: tl.constexpr):
+        """Storage slot of a row's logical slot(s) ``n``: through the block table (PAGED) or ``n``."""
+        if PAGED:
+            return tl.load(TBL + b * stbl_b + n // BS) * BS + n % BS
+        else:
+            return n
 
     @triton.jit
     def _rows(Q, LIM, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, M, G, length,
@@ -118,12 +126,13 @@ if triton is not None:
             tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, OP, LP, OUT,
-                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m,
+    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, TBL, OP, LP, OUT,
+                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, qk_scale,
+                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, CAUSAL: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
+                        PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                        PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         d = tl.arange(0, HEAD_D)
@@ -135,23 +144,31 @@ if triton is not None:
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
         first_end = tl.min(tl.where(row_ok, row_end, CAP), 0)
         last_end = tl.max(tl.where(row_ok, row_end, 0), 0)
+        # paged: K, V are the pool's layer [HKV, P, D] (no batch stride) and a row's slots go through
+        # its block table; a key block never crosses a pool block (BS is a multiple of BLOCK_N)
         k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
         lo = split * CHUNK
         every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
-        row0 = ((b * HKV + h) * CAP + lo).to(tl.int32)  # TMA: KD, VD describe the caches as [B * HKV * CAP, HEAD_D]
+        # TMA: KD, VD describe the (contiguous) storage as [rows * HKV * S, HEAD_D], S slots a head
+        if PAGED:
+            desc0 = (h * (sk_h // HEAD_D)).to(tl.int32)
+        else:
+            desc0 = ((b * HKV + h) * (sk_h // HEAD_D)).to(tl.int32)
         for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-            k = _block(KD, k_base, row0, lo, blk, sk_s, d, True, TMA, BLOCK_N)
-            v = _block(VD, v_base, row0, lo, blk, sv_s, d, False, TMA, BLOCK_N)
+            first = _slot(TBL, b, lo + blk * BLOCK_N, stbl_b, BS, PAGED)
+            k = _block(KD, k_base, desc0 + first.to(tl.int32), first, sk_s, d, True, TMA, BLOCK_N)
+            v = _block(VD, v_base, desc0 + first.to(tl.int32), first, sv_s, d, False, TMA, BLOCK_N)
             m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
                                             False, PRECISION)
         start = lo + n_full * BLOCK_N
         for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
             n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < any_end
-            k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
-            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+            p = _slot(TBL, b, start + blk * BLOCK_N, stbl_b, BS, PAGED) + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + p[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
@@ -162,8 +179,9 @@ if triton is not None:
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
-                k = tl.load(k_base + n[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
-                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+                p = _slot(TBL, b, tl.where(n_ok, n, 0), stbl_b, BS, PAGED)
+                k = tl.load(k_base + p[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+                v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
                 if CAUSAL:
                     seen = row_ok[:, None] & n_ok[None, :] & (j[None, :] <= i[:, None] + N_TREE - M)
                 else:
@@ -269,12 +287,25 @@ def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_
     return max(1, -(-capacity // chunk)), chunk
 
 
-def _check(q, k_cache, v_cache, config):
+def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
+    """Checks the inputs (``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through
+    the rows' block table [B, max_blocks] of ``block_size``-slot blocks); returns the config."""
     b, hq, m, d = q.shape
-    hkv = k_cache.shape[1]
     if triton is None:
         raise RuntimeError("the Triton attention kernels need the triton package (pip install triton)")
-    if k_cache.dim() != 4 or hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+    c = config or DEFAULT_CONFIG
+    if table is not None:
+        hkv = k_cache.shape[0]
+        if k_cache.dim() != 3 or hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[2] != d:
+            raise ValueError(f"Triton attention: q {tuple(q.shape)} does not match the pool layer {tuple(k_cache.shape)}")
+        if table.dim() != 2 or table.shape[0] != b or table.dtype.is_floating_point:
+            raise ValueError(f"Triton attention: the block table must be integers [{b}, blocks], got "
+                             f"{tuple(table.shape)} {table.dtype}")
+        if block_size < 1 or block_size % c.block_n:
+            raise ValueError(f"Triton attention: block size {block_size} must be a multiple of the key block "
+                             f"{c.block_n}")
+    elif k_cache.dim() != 4 or q.shape[1] % k_cache.shape[1] or k_cache.shape != v_cache.shape \
+            or k_cache.shape[0] != b or k_cache.shape[3] != d:
         raise ValueError(f"Triton attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
     if d & (d - 1) or d < 16:
         raise ValueError(f"Triton attention: head_dim {d} must be a power of two >= 16")
@@ -282,19 +313,21 @@ def _check(q, k_cache, v_cache, config):
         raise ValueError(f"Triton attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("Triton attention: the head dimension must be contiguous")
-    c = config or DEFAULT_CONFIG
     if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
             or c.programs < 0 or c.per_sm < 0 or c.min_chunk < 1):
         raise ValueError(f"Triton attention: bad kernel config {c} (block sizes: powers of two >= 16)")
     return c
 
 
-def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool, causal: bool = False
-            ) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool, causal: bool = False,
+            table: Optional[torch.Tensor] = None, block_size: int = 0) -> torch.Tensor:
     """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``causal``: the tree
-    mask is lower-right causal (computed, not read; key blocks after a tile's last query skipped)."""
+    mask is lower-right causal (computed, not read; key blocks after a tile's last query skipped).
+    ``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
     b, hq, m, d = q.shape
-    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    paged = table is not None
+    hkv = k_cache.shape[0 if paged else 1]
+    cap = table.shape[1] * block_size if paged else k_cache.shape[2]
     c, g = config, hq // hkv
     rows = g * m
     block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
@@ -324,15 +357,20 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     tma = block_q >= 128 and _tma_hardware(q.device) if c.tma is None else c.tma
     tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
     kd, vd = ((_descriptors(t.view(-1, d), [c.block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
+    if paged:  # the pool layer as a cache of one row of P slots, shared by every row (batch stride 0)
+        k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
+        tbl, tbl_stride = table, table.stride(0)
+    else:
+        k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+        tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
         _partial_kernel[grid](
-            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits, mask, o_part, lse_part, out,
-            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *lim_strides, *tm_strides,
+            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits, mask, tbl, o_part, lse_part,
+            out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *tm_strides, tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, n_splits, cap, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, CAUSAL=causal,
+            hkv, m, g, n_tree, chunk, n_splits, cap, block_size, LOG2E / math.sqrt(d),
+            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, CAUSAL=causal, PAGED=paged,
             BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
@@ -345,8 +383,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
 
 @torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                   tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False
-                   ) -> torch.Tensor:
+                   tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False,
+                   table: Optional[torch.Tensor] = None, block_size: int = 0) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
     the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
 
@@ -354,30 +392,36 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     long; tree_mask [B or 1, M, N_TREE] bool or int8. ``causal``: the caller vouches that the mask
     is lower-right causal (query i sees tree tokens j <= i + N_TREE - M, a prefill chunk): the
     kernel computes it instead of reading it and skips the key blocks no query of a tile sees.
+    ``table`` [B, max_blocks] (paged): k_cache, v_cache are a pool layer [Hkv, P, D] and row b's
+    slot s is pool slot ``table[b, s // block_size] * block_size + s % block_size``.
     Returns o [B, Hq, M, D] in q's dtype, a view of a [B, M, Hq, D] tensor (so the output
     projection's reshape is free)."""
-    c = _check(q, k_cache, v_cache, config)
+    c = _check(q, k_cache, v_cache, config, table, block_size)
     m = q.shape[2]
     if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
     if causal and tree_mask.shape[2] < m:
         raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {tree_mask.shape[2]}, M {m}")
-    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, causal=causal)
+    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, causal=causal, table=table,
+                   block_size=block_size)
 
 
 @torch.compiler.disable
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, limits: torch.Tensor,
-                     config: Optional[KernelConfig] = None) -> torch.Tensor:
+                     config: Optional[KernelConfig] = None, table: Optional[torch.Tensor] = None,
+                     block_size: int = 0) -> torch.Tensor:
     """Query i of row b sees cache slots ``0..limits[b, i]-1`` (the draft's cross-attention into
     the target cache, each query at its own lag); a query that sees no slot gets zeros.
 
-    q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D]; limits [B, M] integer (clamped to [0, S]).
+    q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D], or a pool layer read through ``table`` as in
+    :func:`tree_attention`; limits [B, M] integer (clamped to [0, S]).
     Returns o [B, Hq, M, D] as :func:`tree_attention`."""
-    c = _check(q, k_cache, v_cache, config)
+    c = _check(q, k_cache, v_cache, config, table, block_size)
     if limits.shape != (q.shape[0], q.shape[2]) or limits.dtype.is_floating_point:
         raise ValueError(f"prefix_attention: limits must be integers [B, M] = {(q.shape[0], q.shape[2])}, "
                          f"got {tuple(limits.shape)} {limits.dtype}")
-    return _launch(q, k_cache, v_cache, limits.amax(1), limits, None, c, with_prefix=True)
+    return _launch(q, k_cache, v_cache, limits.amax(1), limits, None, c, with_prefix=True, table=table,
+                   block_size=block_size)
 
 
 @torch.compiler.disable

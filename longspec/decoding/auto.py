@@ -130,7 +130,7 @@ def measure_acceptance(draft, target, token_ids: Sequence[int], depths: int = 6,
         inputs, nxt = piece[None, :-1], piece[1:]
         cache = target.new_cache(1, inputs.shape[1])
         target.prefill(inputs, torch.tensor([inputs.shape[1]]), cache)
-        k, v = (x[:, :, :inputs.shape[1]] for x in target.last_layer_kv(cache))
+        k, v = target.last_layer_kv(cache).dense(inputs.shape[1])
         positions = torch.arange(inputs.shape[1], device=ids.device)[None]
         for d in range(depths):
             logits = draft.logits(draft.forward_train(inputs, positions, k, v, lag=d + 1), reduced=True)[0]

@@ -476,7 +476,7 @@ class LongSpecProposer(TreeDrafter):
         ids, index, valid = self._reread_block(root)
         self.target_kv = self.target.last_layer_kv(self.cache)  # committed slots: fixed during the round
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
-                                         *self.target_kv, cross_limit=index)
+                                         self.target_kv, cross_limit=index)
         self.root_index = self.cache.lengths.clone()
         return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True)
 
@@ -485,7 +485,7 @@ class LongSpecProposer(TreeDrafter):
         node = torch.arange(n_prev, mask.shape[-1], device=tokens.device)[None, :].expand_as(tokens)
         valid = torch.ones_like(tokens, dtype=torch.bool)
         cross_limit = self.cache.lengths[:, None].expand_as(tokens)
-        hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, *self.target_kv,
+        hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, self.target_kv,
                                          cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node)
         return self.draft.logits(hidden, reduced=True)
 

@@ -44,9 +44,9 @@ class StreamingSelfSpec(TreeDrafter):
         src = torch.where(j < self.sinks, j, recent_start + j - self.sinks)
         n = torch.minimum(lengths, torch.full_like(lengths, span))
         src = torch.where(j < n[:, None], src, 0)
-        rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None]
-        for store, view in ((self.cache.k, self.view.k), (self.cache.v, self.view.v)):
-            view.permute(1, 3, 0, 2, 4)[:, :span] = store.permute(1, 3, 0, 2, 4)[rows, src]
+        src, dst = self.cache.physical(src), self.view.physical(j)
+        for store, view in ((self.cache.pool.k, self.view.pool.k), (self.cache.pool.v, self.view.pool.v)):
+            view[:, :, dst.reshape(-1)] = store[:, :, src.reshape(-1)]
         self.view.lengths.copy_(n)
         self.view.discard()
 

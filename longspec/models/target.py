@@ -134,11 +134,11 @@ class Attention(Projections):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_layer, v_layer, meta: AttentionMeta):
-        """x [B, T, H]; cos/sin [B, T, D]; k_layer, v_layer [B, Hkv, S, D]: this layer's cache;
-        ``meta``: what the new tokens see -> [B, T, H]."""
+        """x [B, T, H]; cos/sin [B, T, D]; k_layer, v_layer [Hkv, P, D]: this layer of the KV
+        pool; ``meta``: where the new tokens go and what they see -> [B, T, H]."""
         q, k, v = self.rotated_qkv(x, cos, sin, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
-        store_kv(k_layer, v_layer, k, v, meta.slots, meta.rows)
-        o = attend(q, k, v, k_layer, v_layer, meta)
+        store_kv(k_layer, v_layer, k, v, meta.slots)
+        o = attend(q, k_layer, v_layer, meta)
         b, _, t, _ = o.shape
         return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
 
@@ -257,8 +257,10 @@ class TargetModel(nn.Module):
                    fusion_intact([m.gate_proj, m.up_proj], m._fused)
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.model.layers))
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.config, batch_size, max_len, self.dtype, self.device)
+    def new_cache(self, batch_size: int, max_len: int, pool=None) -> KVCache:
+        """A KV cache of ``batch_size`` rows of ``max_len`` slots: its own dense pool, or rows
+        over a shared :class:`~longspec.cache.BlockPool` (``pool``)."""
+        return KVCache(self.config, batch_size, max_len, self.dtype, self.device, pool=pool)
 
     # the small interface a draft reads the target through
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -273,9 +275,10 @@ class TargetModel(nn.Module):
         return self.lm_head(hidden).float()
 
     @staticmethod
-    def last_layer_kv(cache: KVCache) -> tuple:
-        """K, V [B, Hkv, S, D] of the last layer's cache (as stored: keys already rotated)."""
-        return cache.k[-1], cache.v[-1]
+    def last_layer_kv(cache: KVCache):
+        """The last layer's K/V (as stored: keys already rotated), a
+        :class:`~longspec.cache.LayerKV` (``.dense(n)``: [B, Hkv, n, D])."""
+        return cache.layer(-1)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        tree_mask: torch.Tensor, rope_seq_len: Optional[torch.Tensor] = None,
@@ -293,7 +296,7 @@ class TargetModel(nn.Module):
         cos, sin = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
         run = compiled_layer() if self.compile_steps and n_keys is not None and self.fused else run_layer
         for i, layer in enumerate(self.model.layers):
-            x = run(layer, x, cos, sin, cache.k[i], cache.v[i], meta)
+            x = run(layer, x, cos, sin, cache.pool.k[i], cache.pool.v[i], meta)
         cache.pending += input_ids.shape[1]
         return self.final_norm(x)
 

@@ -1,0 +1,58 @@
+"""Reading a paged KV cache: a layer of the :class:`~longspec.cache.BlockPool` seen through the
+rows' block table (:class:`LayerKV`), and the map from a row's logical slots to the pool's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class LayerKV:
+    """One layer of a :class:`KVCache` as attention reads it: the pool's ``k``, ``v`` [Hkv, P, D],
+    the rows' block ``table`` [B, max_blocks] and ``block_size``; ``dense_row0``: the first row's
+    index when every row owns its home blocks (row r: blocks ``r * max_blocks ..``), so the rows
+    are a strided view of the pool with no copy (None: read through the table)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    block_size: int
+    dense_row0: Optional[int] = None
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row (``max_blocks * block_size``)."""
+        return self.table.shape[1] * self.block_size
+
+    def for_kernel(self, key_block: int = 64) -> tuple:
+        """(k, v, table, block_size) for the Triton kernels: the pool layer read through the table
+        where a block holds whole key blocks of ``key_block`` slots, else (dense rows of another
+        size) the rows' strided view [B, Hkv, S, D] with no table."""
+        if self.block_size % key_block == 0 or self.dense_row0 is None:
+            return self.k, self.v, self.table, self.block_size
+        return (*self.dense(self.capacity), None, 0)
+
+    def dense(self, n_keys: int) -> tuple:
+        """k, v [B, Hkv, n_keys, D] of the rows' slots ``0..n_keys-1``: a view of the pool when the
+        rows are dense, else gathered through the table (a copy)."""
+        b, cap = self.table.shape[0], self.capacity
+        if self.dense_row0 is not None:
+            start = self.dense_row0 * cap
+            return tuple(x[:, start:start + b * cap].view(x.shape[0], b, cap, x.shape[2]).transpose(0, 1)[:, :, :n_keys]
+                         for x in (self.k, self.v))
+        slots = physical_slots(self.table, self.block_size, torch.arange(n_keys, device=self.table.device)[None, :],
+                               (self.k.shape[1] // self.block_size - 1) * self.block_size)
+        return tuple(x[:, slots].transpose(0, 1) for x in (self.k, self.v))
+
+
+def physical_slots(table: torch.Tensor, block_size: int, slots: torch.Tensor, scratch: int = 0) -> torch.Tensor:
+    """Logical ``slots`` [B or 1, M] of rows with block ``table`` [B, max_blocks] -> physical
+    slots [B, M] of the pool; a slot outside the row's capacity maps to physical slot ``scratch``
+    (the pool's scratch block: a stray write never lands in another row)."""
+    cap = table.shape[1] * block_size
+    inside = (slots >= 0) & (slots < cap)
+    s = torch.where(inside, slots, 0).expand(table.shape[0], -1)
+    phys = table.gather(1, s // block_size) * block_size + s % block_size
+    return torch.where(inside, phys, scratch)
