@@ -70,10 +70,18 @@ def test_measure_acceptance_table(tiny):
     draft.config.draft_vocab = 0
 
 
+def cost_contexts(target) -> set:
+    """The contexts costs are measured at (the same whatever the prompt and the candidates)."""
+    cap = target.config.max_position_embeddings - auto.COST_MARGIN
+    return {min(c, cap) for c in auto.COST_CONTEXTS}
+
+
 def fake_costs(target, path, prompt_len, target_ms, draft_ms):
-    context = 1 << max(7, (prompt_len - 1).bit_length())
-    context = min(context, target.config.max_position_embeddings - 69)
-    path.write_text(json.dumps({f"{device_key(target)} | {context}": {"target_ms": target_ms, "draft_ms": draft_ms}}))
+    """Cached costs at every context a choice among the hybrid's or the lookup's candidates reads
+    (they are the same whatever the prompt's length)."""
+    contexts = cost_contexts(target)
+    path.write_text(json.dumps({f"{device_key(target)} | {c}": {"target_ms": target_ms, "draft_ms": draft_ms}
+                                for c in contexts}))
 
 
 def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
@@ -127,12 +135,13 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     costs = tmp_path / "costs.json"
     chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))  # measured
     entries = json.loads(costs.read_text())
-    assert sorted(k.rsplit("|", 1)[-1].strip() for k in entries) == ["128", "batch 4"]
+    (context,) = cost_contexts(target)
+    assert sorted(k.rsplit("|", 1)[-1].strip() for k in entries) == sorted(["batch 4", str(context)])
     assert len(lines) == 2 and set(chosen) <= {1, 4}
     fits = [big, *(TreeSpec.parse(t) for t in auto.CANDIDATE_TREES)]
     labels = {f"hybrid {t}" for t in fits}
     sizes = {str(t.num_nodes) for t in fits} | {"1"}
-    key = f"{device_key(target)} | 128"
+    key = f"{device_key(target)} | {context}"
     costs.write_text(json.dumps({
         key: {"target_ms": {m: 1.0 for m in sizes}, "draft_ms": {label: 0.01 for label in labels}},
         key + " | batch 4": {"target_ms": {m: 1 + float(m) / 8 for m in sizes},

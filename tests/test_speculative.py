@@ -518,30 +518,37 @@ def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
     assert Engine(target, Whole(), TreeSpec.parse("chain:2"), max_batch=4, max_len=64).buckets == [4]
 
 
-def test_a_replaced_engine_is_freed_at_once(targets):
-    """A generator that needs a new engine releases the old one (its caches) without waiting for
-    a garbage collection: the engine holds no reference cycle once closed."""
+def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targets):
+    """Calls with other prompt lengths, max_new_tokens and sampling settings reuse the generator's
+    engine (its pool, proposer state and graphs); a call with more prompts than it has rows
+    replaces it, and the old one is released (its caches) without waiting for a garbage
+    collection: the engine holds no reference cycle once closed."""
     import gc
     import weakref
 
     target = targets["llama"]
     gen = Generator(target, PromptLookup(), "2,2")
     gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
-    old = weakref.ref(gen._engine)
+    first = gen._engine
+    gen.generate([prompts_for(1, seed=2)[0][:7]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    gen.generate([prompts_for(1, seed=3)[0]], GenerationConfig(max_new_tokens=4, temperature=0.7, seed=1))
+    assert gen._engine is first
+    assert Generator(target, gen.proposer, "2,2")._engine is None  # (built on its first call)
+    old = weakref.ref(first)
+    del first
     gc.disable()
     try:
-        gen.generate([prompts_for(1, seed=2)[0]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
-        assert old() is None
+        gen.generate(prompts_for(2, seed=4), GenerationConfig(max_new_tokens=9, ignore_eos=True))
+        assert old() is None and len(gen._engine.rows) == 2
     finally:
         gc.enable()
 
 
 @pytest.mark.parametrize("kind", ["pld", "hybrid"])
 def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, monkeypatch):
-    """A proposer kept by the generator for its next engine no longer holds the old engine's KV
-    cache (and views of it) while the new one is allocated: peak memory stays one cache; nor once
-    the generator is gone."""
-    import gc
+    """A proposer kept for the target's next engine (one with more rows) no longer holds the old
+    engine's KV pool (and views of it) while the new one is allocated: peak memory stays one
+    pool. A later generator of the same target and proposer reuses the engine."""
     import weakref
 
     from longspec.models.draft import DraftConfig, init_draft
@@ -551,22 +558,22 @@ def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, mon
                 LongSpecProposer(init_draft(DraftConfig.for_target(target, window=16), target, seed=0), PromptLookup()))
     gen = Generator(target, proposer, "2,2")
     gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
-    old_cache = weakref.ref(gen._engine.cache.k)
+    old_pool = weakref.ref(gen._engine.pool.k)
     alive_at_allocation = []
     new_cache = target.new_cache
 
     def recording_new_cache(*args, **kwargs):
-        alive_at_allocation.append(old_cache() is not None)
+        alive_at_allocation.append(old_pool() is not None)
         return new_cache(*args, **kwargs)
 
     monkeypatch.setattr(target, "new_cache", recording_new_cache)
-    gen.generate([prompts_for(1, seed=2)[0]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    gen.generate(prompts_for(2, seed=2), GenerationConfig(max_new_tokens=9, ignore_eos=True))
     assert alive_at_allocation == [False]
-    # the generator dropped, the caller's proposer keeps nothing of its engine
-    last_cache = weakref.ref(gen._engine.cache.k)
+    engine = gen._engine
     del gen
-    gc.collect()
-    assert last_cache() is None and proposer.cache is None
+    again = Generator(target, proposer, "2,2")
+    again.generate([prompts_for(1, seed=3)[0]], GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    assert again._engine is engine and alive_at_allocation == [False]
 
 
 def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):

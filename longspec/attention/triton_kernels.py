@@ -311,7 +311,7 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
         raise ValueError(f"Triton attention: head_dim {d} must be a power of two >= 16")
     if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise ValueError(f"Triton attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
-    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("Triton attention: the head dimension must be contiguous")
     if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
             or c.programs < 0 or c.per_sm < 0 or c.min_chunk < 1):

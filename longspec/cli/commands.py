@@ -85,7 +85,6 @@ def cmd_generate(args) -> int:
         raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
     text = _prompt_text(args)
     name, tree = proposer_choice(args)
-    draft = None
 
     from transformers import AutoTokenizer
 
@@ -100,17 +99,23 @@ def cmd_generate(args) -> int:
         ids = tokenizer(ids, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(text).input_ids
-    note, retune = "", None
     if name == "auto":
-        name, tree, draft, note, retune = resolve_auto(args, target, ids)
-    slots = round_slots(retune.biggest if retune else tree)
+        from ..convert import DEFAULT_DRAFT
+
+        gen = Generator(target, proposer="auto", draft=args.draft or (DEFAULT_DRAFT if not args.target else None))
+    else:
+        gen = Generator(target, proposer=make_proposer(args, name, target), tree=tree)
+    plan = gen.plan([ids], config)
+    retune, note = plan.retune, plan.note
+    if name == "auto":
+        name, tree = plan.name, plan.start
+    slots = round_slots(plan.tree)
     need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
     if need > limit:
         raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
                          + (f" and the tree ({slots} nodes)" if tree is not None else "")
                          + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
                          "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
-    proposer = make_proposer(args, name, target, draft)
     if not args.json:
         about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
                  "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
@@ -118,8 +123,7 @@ def cmd_generate(args) -> int:
         print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{shown}"
               f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
-    out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
-                    retune=retune).generate([ids], config, streamer=streamer)
+    out = gen.generate([ids], config, streamer=streamer, plan=plan)
     streamer.out.write("\n")
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
@@ -138,6 +142,7 @@ def cmd_generate(args) -> int:
 def proposer_choice(args):
     """(proposer name, TreeSpec or None) from --proposer / --tree / --draft, checked without loading
     anything."""
+    from ..decoding.generator import default_tree
     from ..decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
@@ -163,52 +168,14 @@ def proposer_choice(args):
         raise UsageError(str(err)) from None
 
 
-def default_tree(proposer: str) -> str:
-    """pld: a 5-token chain; longspec: the paper's beam tree; hybrid: that tree plus five levels
-    of one node, which the lookup chain fills when the text repeats (README: choosing the proposer)."""
-    from ..decoding.sequence import DEFAULT_TREE, HYBRID_TREE
-
-    return {"pld": "chain:5", "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
-
-
-def resolve_auto(args, target, ids: list) -> tuple:
-    """``--proposer auto``: (proposer name, tree, loaded draft or None, why, the retuner or None),
-    see :func:`longspec.decoding.auto.pick` and :func:`~longspec.decoding.auto.retuner`; the
-    draft is --draft, or the one shipped for the default model."""
-    from ..convert import DEFAULT_DRAFT
-    from ..decoding.auto import pick, retuner
-    from ..decoding.sequence import cache_need, round_slots
-    from ..models.checkpoint import load_draft
-
-    draft_dir = args.draft or (DEFAULT_DRAFT if not args.target else None)
-    loaded = load_draft(draft_dir, target) if draft_dir else None
-    name, tree, draft, note = pick(target, ids, loaded)
-    retune = retuner(target, ids, name, tree, loaded)
-    limit = target.config.max_position_embeddings
-    if retune is not None and cache_need(len(ids), args.max_new_tokens, round_slots(retune.biggest)) <= limit:
-        name, note = retune.proposer, note + "; retuned while generating"
-    else:  # (near the context's end the biggest candidate tree may not fit: no retuning)
-        retune = None
-    return name, tree, draft, note, retune
-
-
 def make_proposer(args, name, target, draft=None):
     """The proposer object for ``name`` (loads the draft for longspec / hybrid unless given), or None."""
-    from ..decoding.proposers import LongSpecProposer, PromptLookup
-    from ..decoding.streaming import StreamingSelfSpec
-
-    if name == "none":
-        return None
-    if name == "pld":
-        return PromptLookup()
-    if name == "streaming":
-        return StreamingSelfSpec(window=args.window)
     from ..convert import DEFAULT_DRAFT
-    from ..models.checkpoint import load_draft
+    from ..decoding.generator import build_proposer
 
-    if draft is None:
-        draft = load_draft(args.draft or DEFAULT_DRAFT, target)
-    return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
+    if name in ("longspec", "hybrid") and draft is None:
+        draft = args.draft or DEFAULT_DRAFT
+    return build_proposer(name, target, draft, window=args.window)
 
 
 def cmd_self_distill(args) -> int:

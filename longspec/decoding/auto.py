@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -48,6 +49,8 @@ LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
 # tokens a round against 6.60 / - / 9.59 / 6.12 predicted as independent and 5.00 / - / 8.69 /
 # 4.56 at 0.5; `4,4,4,4,4,1,1,1,1,1` at 3k 5.00 against 6.45 and 5.04
 HIT_CORRELATION = 0.5
+COST_CONTEXTS = (1024, 8192)  # where step costs are measured (once per device, model and dtype)
+COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 
 
@@ -182,7 +185,9 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
     biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
     cache = target.new_cache(batch, -(-(context + biggest) // 64) * 64)
     prompt = torch.randint(0, vocab, (batch, context), device=device)
-    target.prefill(prompt, torch.full((batch,), context, device=device), cache)
+    for store in (cache.pool.k, cache.pool.v):  # random K/V (no prefill: a step's time does not depend on them)
+        store.normal_()
+    cache.lengths.fill_(context)
     n_keys = cache.max_len if device.type == "cuda" else None
     out = {"target_ms": {}, "draft_ms": {}}
     for m in sorted({1} | {tree.num_nodes for tree, _, _ in candidates.values()}):
@@ -224,16 +229,16 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     """``candidates``: {label: (tree, make_proposer, tokens per round)}. Returns (the label with
     the most expected tokens per second, or None when plain decoding is fastest (``allow_plain``);
     its predicted speed-up over plain decoding; the costs used). Costs are measured for ``batch``
-    rows at the powers of two around the prompt's length (at least 128) and interpolated
-    linearly between them, each measured once per device / model / dtype (cached in
-    ``costs_file``, default ``<longspec home>/costs.json``): a 3000-token prompt measured at 4096
-    alone overstated a plain step on a CPU by 27%."""
-    biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
-    cap = max(1, target.config.max_position_embeddings - biggest)
+    rows at the two contexts of :data:`COST_CONTEXTS` (capped by the model's) and interpolated
+    linearly in the prompt's length (a step's cost is a constant plus its attention's, linear in
+    the context), each measured once per device / model / dtype (cached in ``costs_file``,
+    default ``<longspec home>/costs.json``), so every later prompt, whatever its length, is
+    decided without measuring anything."""
+    # the same contexts for every candidate set (the cache keys), below the model's last positions
+    cap = max(1, target.config.max_position_embeddings - COST_MARGIN)
     n = max(prompt_len, 1)
-    hi = min(1 << max(7, math.ceil(math.log2(n))), cap)
-    lo = min(1 << max(7, math.floor(math.log2(n))), hi)
-    weight = min(max((n - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 0.0
+    lo, hi = min(COST_CONTEXTS[0], cap), min(COST_CONTEXTS[1], cap)
+    weight = max((n - lo) / (hi - lo), 0.0) if hi > lo else 0.0  # (beyond hi: extrapolated)
     cached = _read_costs(costs_file)
     at = {context: _costs_at(target, candidates, context, batch, cached, costs_file) for context in {lo, hi}}
     costs = {kind: {key: (1 - weight) * at[lo][kind][key] + weight * value
@@ -342,6 +347,33 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     name = label.split()[0]
     return (name, candidates[label][0], draft if name == "hybrid" else None,
             f"cost model: {gain:.2f}x plain decoding predicted")
+
+
+@dataclass
+class Plan:
+    """What ``--proposer auto`` runs for a prompt: ``name`` ("none", "pld" or "hybrid"), its
+    ``tree`` (None: plain rounds), the ``draft`` if the hybrid is chosen, ``note`` (why), and the
+    :class:`Retuner` that switches trees while generating, if any (``name`` is then the proposer
+    that runs every candidate)."""
+
+    name: str
+    tree: Optional[TreeSpec]
+    draft: object
+    note: str
+    retune: Optional["Retuner"] = None
+
+
+def resolve(target, ids: Sequence[int], draft, max_new_tokens: int, max_len: Optional[int] = None) -> Plan:
+    """``--proposer auto`` for prompt ``ids``: :func:`pick`'s choice, with a :func:`retuner` when
+    its biggest candidate fits ``max_len`` (default: the model's context) with ``max_new_tokens``."""
+    from .sequence import cache_need, round_slots
+
+    name, tree, chosen_draft, note = pick(target, ids, draft)
+    retune = retuner(target, ids, name, tree, draft)
+    limit = max_len or target.config.max_position_embeddings
+    if retune is not None and cache_need(len(ids), max_new_tokens, round_slots(retune.biggest)) <= limit:
+        return Plan(retune.proposer, tree, chosen_draft, note + "; retuned while generating", retune)
+    return Plan(name, tree, chosen_draft, note)  # (near the context's end the biggest tree may not fit)
 
 
 class Retuner:

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
-from ..cache import KVCache
+from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from .prefill import ChunkedPrefill
@@ -55,16 +55,31 @@ class Engine:
     e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
     decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
     ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens, graph-captured
-    per row on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill)."""
+    per row on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill).
+
+    The target's KV cache is a :class:`~longspec.cache.BlockPool` of ``block_size``-token blocks
+    (default 256, or the row's length rounded up to 64 when shorter) shared by the rows: a
+    sequence takes the blocks it can use (prompt, ``max_new_tokens``, one round's tree) when it
+    joins and returns them when it leaves. ``pool_tokens``: the pool's size (default: ``max_len``
+    for every row, so every request that fits a row is admitted); a smaller pool admits a request
+    only while it has the blocks (:class:`~longspec.cache.PoolExhausted` otherwise, see
+    :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
+    block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
+    and the kind of round only: its CUDA graphs serve every later request."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
                  buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, pool_tokens: Optional[int] = None,
+                 block_size: Optional[int] = None):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
-        self.max_len = -(-max_len // 64) * 64 if device.type == "cuda" else max_len  # aligned key masks
+        block = block_size or min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64)
+        if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
+            raise ValueError(f"an engine needs max_len, block_size and pool_tokens >= 1, got {max_len}, {block_size}, "
+                             f"{pool_tokens}")
+        self.max_len = -(-max_len // block) * block  # whole blocks (multiples of 64: aligned key masks)
         if proposer is not None and self.max_len < tree.num_nodes:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")
         if proposer is not None and not proposer.narrowable:
@@ -81,7 +96,9 @@ class Engine:
         if set(self.bucket_trees) - set(self.buckets):
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
-        self.cache = target.new_cache(max_batch, self.max_len)
+        num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
+        self.pool = BlockPool(target.config, num_blocks, block, target.dtype, device)
+        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool)
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
         self.step_keys = self.max_len if device.type == "cuda" else None
@@ -134,10 +151,13 @@ class Engine:
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
         for s in seqs:
-            need = cache_need(len(s.prompt), s.max_new_tokens, self.room())
+            need = self.need(s)
             if need > self.max_len:
                 raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
                                  f"{need} cache slots, the engine has {self.max_len}")
+        if not self.can_admit(seqs):
+            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs)} blocks of "
+                                f"{self.pool.block_size} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
         start = 0
         while start < len(seqs):  # runs of consecutive free rows
             stop = start + 1
@@ -146,7 +166,47 @@ class Engine:
             self._prefill(seqs[start:stop], free[start], streamer)
             start = stop
 
+    def need(self, s: Sequence) -> int:
+        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
+        return cache_need(len(s.prompt), s.max_new_tokens, self.room())
+
+    def blocks_needed(self, seqs: list) -> int:
+        """Pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own theirs)."""
+        if self.cache.dense:
+            return 0
+        return sum(max(1, -(-self.need(s) // self.pool.block_size)) for s in seqs)
+
+    def can_admit(self, seqs: list) -> bool:
+        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
+        return self.blocks_needed(seqs) <= (self.pool.num_free if not self.cache.dense else 0)
+
     def _prefill(self, seqs: list, row0: int, streamer) -> None:
+        n = len(seqs)
+        try:
+            for i, s in enumerate(seqs):
+                self.cache.assign(row0 + i, self.need(s))
+            logits = self._prefill_rows(seqs, row0)
+        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks)
+            for i in range(n):
+                self.cache.unassign(row0 + i)
+            raise
+        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
+        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
+        self.root[row0:row0 + n] = first
+        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
+            s.row = row0 + i
+            self.rows[s.row] = s
+            self._emit(s, [t], streamer)
+            if self.proposer is not None:
+                self.proposer.add(s.row, s.prompt, t)
+            if not s.done:
+                self.active[s.row] = 1
+            else:
+                self._release(s)
+
+    def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
+        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned) -> logits [n, V] after
+        each prompt's last token."""
         device, n = self.target.device, len(seqs)
         rows = self.cache.rows(row0, row0 + n)
         rows.lengths.zero_()
@@ -162,19 +222,7 @@ class Engine:
                 ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
             lens = torch.tensor([len(s.prompt) for s in seqs])
             logits = self.target.prefill(ids.to(device), lens.to(device), rows)
-        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
-        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
-        self.root[row0:row0 + n] = first
-        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
-            s.row = row0 + i
-            self.rows[s.row] = s
-            self._emit(s, [t], streamer)
-            if self.proposer is not None:
-                self.proposer.add(s.row, s.prompt, t)
-            if not s.done:
-                self.active[s.row] = 1
-            else:
-                self._release(s)
+        return logits
 
     def cancel(self, s: Sequence) -> None:
         """Ends a sequence now (a client went away, a stop string was met): its row is free for
@@ -189,6 +237,7 @@ class Engine:
         self.rows[s.row] = None
         self.active[s.row] = 0
         self.cache.lengths[s.row] = 0
+        self.cache.unassign(s.row)
 
     def _emit(self, s: Sequence, tokens: list, streamer) -> None:
         kept = s.extend(tokens)
@@ -365,6 +414,16 @@ class Engine:
         if v.tree is not None and hasattr(v.proposer, "sample_children"):
             v.proposer.sample_children = not self.greedy_round and v.tree.is_static
         return v, self.runner(n)
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket of at least ``n`` rows."""
+        return next((b for b in self.buckets if b >= n), self.buckets[-1])
+
+    def capture_seconds(self) -> float:
+        """Seconds spent so far preparing rounds and prefill chunks: compilation (on their eager
+        first runs) and CUDA-graph capture."""
+        chunks = self.chunked_prefill.runners.values() if self.chunked_prefill is not None else ()
+        return sum(r.capture_s for r in [*self.all_runners, *chunks])
 
     def bucket(self) -> int:
         """The smallest bucket that holds every active row."""

@@ -1,8 +1,15 @@
-"""The public generation API: :class:`Generator`, a thin loop over an
-:class:`~longspec.decoding.engine.Engine` (prefill, rounds until every row is done, statistics)."""
+"""The public generation API: :class:`Generator`, a thin front over a long-lived
+:class:`~longspec.decoding.engine.Engine`.
+
+One engine per (target, proposer, tree, context) lives as long as its target, shared by every
+``Generator`` of that target: its KV block pool, its proposer's state and its captured CUDA
+graphs serve every later call whatever the prompt's length, ``max_new_tokens`` or sampling
+settings (those are per-row tensors), so only the first call of a process pays compilation and
+capture."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -10,8 +17,22 @@ import torch
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
-from .sequence import DEFAULT_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
+from .sampling import RowSampling
+from .sequence import DEFAULT_TREE, HYBRID_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
+
+PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
+PLD_TREE = "chain:5"
+PLD_BIGGEST = "chain:10"  # the longest lookup chain ``auto`` may pick
+
+
+
+def _engines(target: TargetModel) -> dict:
+    """{engine key: (proposer, engine)}: the target's engines in this process, kept on the target
+    (the engines refer to it: they go with it)."""
+    if "_longspec_engines" not in target.__dict__:
+        target.__dict__["_longspec_engines"] = {}
+    return target.__dict__["_longspec_engines"]
 
 
 class _Clock:
@@ -26,33 +47,103 @@ class _Clock:
         return time.perf_counter()
 
 
-class Generator:
-    """Generates with a target model, autoregressively when ``proposer`` is None, else
-    speculatively with ``proposer`` drafting trees of shape ``tree`` (a :class:`TreeSpec` or its
-    string form; default the paper's beam tree ``4,16,16,16,16``).
+def default_tree(proposer: str) -> str:
+    """pld: a 5-token chain; longspec and streaming: the paper's beam tree; hybrid: that tree plus
+    five levels of one node, which the lookup chain fills when the text repeats."""
+    return {"pld": PLD_TREE, "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
 
-    ``max_len`` caps the KV cache (prompt + new tokens + tree); it defaults to the target's
-    ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
-    :class:`~longspec.decoding.auto.Retuner` (``--proposer auto`` on a CPU): a lone prompt starts
-    with its ``start`` tree and switches trees as it says while generating (``tree`` is then the
-    biggest it may pick). The last engine is kept
-    and reused by a call with the same batch size, cache size and sampling settings (its CUDA
-    graphs too)."""
+
+def default_draft(target: TargetModel):
+    """The draft shipped for the default model when ``target`` is it, else None."""
+    from pathlib import Path
+
+    from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
+    from ..models.checkpoint import load_draft
+
+    shipped_for = home_dir() / "models" / DEFAULT_NAME
+    if target.path is None or Path(target.path).resolve() != shipped_for.resolve():
+        return None
+    return load_draft(DEFAULT_DRAFT, target)
+
+
+def build_proposer(name: str, target: TargetModel, draft=None, window: int = 512):
+    """The proposer object for ``name`` (one of :data:`PROPOSERS` but "auto"; "none": None).
+    ``draft``: a loaded LongSpec draft or a checkpoint folder, needed by "longspec" and "hybrid"
+    (default: the draft shipped for the default model)."""
+    from .proposers import LongSpecProposer, PromptLookup
+    from .streaming import StreamingSelfSpec
+
+    if name == "none":
+        return None
+    if name == "pld":
+        return PromptLookup()
+    if name == "streaming":
+        return StreamingSelfSpec(window=window)
+    if name not in ("longspec", "hybrid"):
+        raise ValueError(f"unknown proposer {name!r}; expected one of {', '.join(PROPOSERS)}")
+    draft = _load_draft(draft, target)
+    if draft is None:
+        raise ValueError(f"proposer {name!r} needs a LongSpec draft for this target: pass draft=<checkpoint folder> "
+                         "(only the default model ships one)")
+    return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
+
+
+def _load_draft(draft, target):
+    if draft is None:
+        return default_draft(target)
+    if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
+        from ..models.checkpoint import load_draft
+
+        return load_draft(draft, target)
+    return draft
+
+
+class Generator:
+    """Generates with a target model, autoregressively or speculatively.
+
+    ``proposer``: None or "none" (plain decoding), a name ("pld", "streaming", "longspec",
+    "hybrid", or "auto": the cost model picks plain decoding, prompt lookup or the hybrid for each
+    call, as ``longspec generate`` does), or a :class:`~longspec.decoding.proposers.Proposer`.
+    ``draft``: the LongSpec draft of "longspec" / "hybrid" / "auto" (loaded, or a checkpoint
+    folder; default: the one shipped for the default model). ``tree``: the tree to draft (a
+    :class:`TreeSpec` or its string form; default per proposer, see :func:`default_tree`).
+
+    ``max_len`` caps a row of the KV cache (prompt + new tokens + tree); it defaults to the
+    target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
+    :class:`~longspec.decoding.auto.Retuner` (a lone prompt switches trees as it says while
+    generating; ``tree`` is then the biggest it may pick).
+
+    Calls run on a long-lived engine shared by every Generator of the target with the same
+    proposer, tree and ``max_len`` (see the module docstring): after the first call, new prompt
+    lengths, ``max_new_tokens`` and sampling settings capture and compile nothing."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, retune=None):
-        if proposer is None and tree is not None:
-            raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
-        if proposer is not None:
-            tree = TreeSpec.coerce(DEFAULT_TREE if tree is None else tree)
+                 cuda_graphs: Optional[bool] = None, retune=None, draft=None):
+        if proposer is None or proposer == "none":
+            proposer = None
+            if tree is not None:
+                raise ValueError("a tree shape needs a proposer (Generator(target, proposer=..., tree=...))")
+        elif isinstance(proposer, str):
+            if proposer not in PROPOSERS:
+                raise ValueError(f"unknown proposer {proposer!r}; expected one of {', '.join(PROPOSERS)}")
+            if proposer == "auto":
+                if tree is not None:
+                    raise ValueError("proposer 'auto' chooses its tree itself: leave tree out")
+                draft = _load_draft(draft, target)
+            else:
+                proposer = build_proposer(proposer, target, draft)
+        if proposer is not None and proposer != "auto":
+            tree = TreeSpec.coerce(default_tree(_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
-        self.target, self.proposer, self.tree, self.retune = target, proposer, tree, retune
+        self.target, self.proposer, self.tree, self.retune, self.draft = target, proposer, tree, retune, draft
         self.max_len = max_len or target.config.max_position_embeddings
         self.cuda_graphs = cuda_graphs
-        self._engine: Optional[Engine] = None
-        self._engine_key = None
+        self._engine: Optional[Engine] = None  # the engine of the last call
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
+        if isinstance(prompts, (str, bytes)) or (len(prompts) > 0 and isinstance(prompts[0], (str, bytes))):
+            raise TypeError("Generator.generate takes token ids (a list of ints, or a list of such lists), not text: "
+                            "tokenize first, e.g. AutoTokenizer.from_pretrained(target.path)(text).input_ids")
         if len(prompts) == 0:
             raise ValueError("no prompts given")
         if isinstance(prompts[0], int) or (torch.is_tensor(prompts) and prompts.dim() == 1):
@@ -65,57 +156,87 @@ class Generator:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
+        return prompts
+
+    def _check_room(self, prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> None:
         longest = max(map(len, prompts))
-        need = cache_need(longest, config.max_new_tokens, round_slots(self.tree))
+        need = cache_need(longest, config.max_new_tokens, round_slots(tree))
         if need > self.max_len:
-            tree = f" and {round_slots(self.tree)} tree slots" if self.proposer is not None else ""
+            about = f" and {round_slots(tree)} tree slots" if tree is not None else ""
             raise ValueError(
-                f"prompt of {longest} tokens with max_new_tokens {config.max_new_tokens}{tree} needs {need} "
+                f"prompt of {longest} tokens with max_new_tokens {config.max_new_tokens}{about} needs {need} "
                 f"positions, over the maximum length {self.max_len} (the model's context; shorten the prompt, "
                 "lower max_new_tokens, use a smaller tree, or pass Generator(max_len=...))")
-        return prompts, need
 
-    def engine(self, batch: int, need: int, config: GenerationConfig) -> Engine:
-        """An engine for ``batch`` rows of ``need`` slots (the kept one when it fits exactly)."""
-        sampling = (config.temperature, config.top_k, config.top_p)
-        key = (batch, need, sampling)
-        taken = self.proposer is not None and owner_of(self.proposer) is not self._engine
-        if self._engine is None or self._engine_key != key or taken:  # (taken: begun by another engine)
-            if self._engine is not None:  # free the old caches first
-                self._engine.close()
-            self._engine = None
-            # one bucket: rows that finish early stay in the batch (no second capture / compile)
-            self._engine = Engine(self.target, self.proposer, self.tree, batch, need, config, self.cuda_graphs,
-                                  buckets=[batch])
-            self._engine_key = key
-        engine = self._engine
-        engine.config = config
-        if config.seed is not None:
-            engine.uniforms.generator = torch.Generator(device=self.target.device).manual_seed(config.seed)
+    def plan(self, prompts: list, config: GenerationConfig) -> "CallPlan":
+        """What a call on ``prompts`` runs: this Generator's proposer and tree, or for "auto" what
+        the cost model picks on the first prompt (:func:`~longspec.decoding.auto.resolve`)."""
+        if self.proposer != "auto":
+            start = self.retune.start if self.retune else self.tree
+            return CallPlan(self.proposer, self.tree, start, self.retune)
+        from .auto import resolve
+
+        chosen = resolve(self.target, prompts[0], self.draft, config.max_new_tokens, self.max_len)
+        if chosen.name == "none" and chosen.retune is None:
+            return CallPlan(None, None, None, None, chosen.note, "none")
+        family = chosen.retune.proposer if chosen.retune is not None else chosen.name
+        biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_BIGGEST)
+        start = chosen.retune.start if chosen.retune is not None else chosen.tree
+        return CallPlan(_shared_proposer(self.target, family, self.draft), biggest, start, chosen.retune, chosen.note,
+                        family)
+
+    def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
+        """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
+        with at least ``batch`` rows (built on first use, or grown to a power of two)."""
+        engines = _engines(self.target)
+        key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs)
+        engine = engines[key][1] if key in engines else None
+        if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
+            batch = max(batch, len(engine.rows))
+            engine.close()  # frees its pool once the last reference below is gone
+            del engines[key]
+            self._engine = engine = None
+        if engine is None:
+            rows = 1 << max(0, batch - 1).bit_length()
+            engine = Engine(self.target, proposer, tree, rows, self.max_len, RowSampling.zeros(rows, self.target.device),
+                            self.cuda_graphs)
+            engines[key] = (proposer, engine)
         return engine
 
     @torch.inference_mode()
     def generate(self, prompts: Prompts, config: Optional[GenerationConfig] = None,
-                 streamer: Optional[Streamer] = None) -> GenerationOutput:
+                 streamer: Optional[Streamer] = None, plan: Optional["CallPlan"] = None) -> GenerationOutput:
         """Generates up to ``config.max_new_tokens`` tokens after each prompt (a list of token ids
         or a list of such lists; rows may differ in length). A row stops at its first EOS token,
         which is included in its output. ``streamer(row, tokens)`` is called as tokens appear.
 
         With a proposer, each round drafts a tree, verifies it in one target forward and commits
         the accepted tokens' K/V; the output is the target's own (greedy: token for token;
-        sampling: the same distribution). Finished rows leave the batch."""
+        sampling: the same distribution). Finished rows leave the batch. ``plan``: what
+        :meth:`plan` returned for these prompts, if the caller has it already."""
         config = config or GenerationConfig()
-        prompts, need = self._prepare(prompts, config)
-        engine = self.engine(len(prompts), max(need, round_slots(self.tree)), config)
-        eos = frozenset(config.eos_ids(self.target.config))
-        seqs = [Sequence(p, config.max_new_tokens, eos) for p in prompts]
+        prompts = self._prepare(prompts, config)
+        if self.proposer != "auto":
+            self._check_room(prompts, config, self.tree)
         clock = _Clock(self.target.device)
+        t_plan = time.perf_counter()
+        plan = plan or self.plan(prompts, config)
+        proposer, tree, start, retune, note = plan.proposer, plan.tree, plan.start, plan.retune, plan.note
+        plan_s = time.perf_counter() - t_plan
+        self._check_room(prompts, config, tree)
+        engine = self._engine = self.engine(proposer, tree, len(prompts))
+        if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
+            engine.use_tree(start)
+        engine.uniforms.generator = (None if config.seed is None else
+                                     torch.Generator(device=self.target.device).manual_seed(config.seed))
+        eos = frozenset(config.eos_ids(self.target.config))
+        seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
+                         top_p=config.top_p or 1.0) for p in prompts]
+        captures_before = engine.capture_seconds()
         times_before = engine.phase_times()
-        trees, retune = [], self.retune
-        if retune is not None:  # the start tree for every batch; switches follow one prompt only
-            engine.use_tree(retune.start)
-            trees, check = [(0, str(retune.start))], retune.first
-            retune = retune if len(seqs) == 1 else None
+        trees = [(0, str(start))] if retune is not None or self.proposer == "auto" else []
+        check = retune.first if retune is not None else None
+        retune = retune if len(seqs) == 1 else None  # switches follow one prompt only
         t0 = clock()
         engine.add(seqs, streamer)
         t_prefill = clock()
@@ -124,10 +245,10 @@ class Generator:
             engine.step(streamer)
             rounds += 1
             if retune is not None and len(seqs[0].tokens) >= check and engine.has_active:
-                tree = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
-                if str(tree) != trees[-1][1]:
-                    engine.use_tree(tree)
-                    trees.append((len(seqs[0].tokens), str(tree)))
+                switch = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
+                if str(switch) != trees[-1][1]:
+                    engine.use_tree(switch)
+                    trees.append((len(seqs[0].tokens), str(switch)))
                 check *= 2
         t_end = clock()
         n_new = sum(len(s.tokens) for s in seqs)
@@ -135,18 +256,57 @@ class Generator:
         stats = dict(prompt_tokens=sum(map(len, prompts)), new_tokens=n_new, prefill_s=t_prefill - t0,
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
-                     capture_s=sum(r.capture_s for r in engine.all_runners),
+                     capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if trees:
             stats["trees"] = trees  # (tokens generated, tree from then on: "None" = plain rounds)
+        if note:
+            stats["auto"] = note
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
-        if self.proposer is not None:
-            hist = [0] * (self.tree.depth + 1)
+        if proposer is not None:
+            hist = [0] * (tree.depth + 1)
             for s in seqs:
                 for n, c in enumerate(s.accepted_hist):
                     hist[n] += c
             n_rounds = sum(hist)
             stats.update(tau=sum((n + 1) * c for n, c in enumerate(hist)) / max(n_rounds, 1), accepted_hist=hist,
-                         draft_s=phase_s[0], verify_s=phase_s[1],
-                         other_s=max(t_end - t_prefill - phase_s[0] - phase_s[1], 0.0))
+                         draft_s=phase_s[0], verify_s=phase_s[-1],
+                         other_s=max(t_end - t_prefill - sum(phase_s), 0.0))
         return GenerationOutput([s.tokens for s in seqs], stats)
+
+
+@dataclass
+class CallPlan:
+    """What one ``Generator.generate`` call runs: ``proposer`` (None: plain decoding), the
+    engine's ``tree`` (the biggest its rounds may draft), the tree of its first rounds
+    (``start``; None: plain rounds), the ``retune`` that may switch trees while generating,
+    ``note`` (why, for "auto") and ``name`` (the proposer's name, for "auto")."""
+
+    proposer: object
+    tree: Optional[TreeSpec]
+    start: Optional[TreeSpec]
+    retune: object = None
+    note: str = ""
+    name: str = ""
+
+
+def _family(proposer) -> str:
+    """The name of a proposer object's kind (for its default tree)."""
+    from .proposers import LongSpecProposer, PromptLookup
+    from .streaming import StreamingSelfSpec
+
+    if isinstance(proposer, LongSpecProposer):
+        return "hybrid" if proposer.lookup is not None else "longspec"
+    if isinstance(proposer, StreamingSelfSpec):
+        return "streaming"
+    return "pld" if isinstance(proposer, PromptLookup) else "longspec"
+
+
+def _shared_proposer(target: TargetModel, name: str, draft):
+    """The proposer ``auto`` runs for ``name`` ("pld" or "hybrid" over ``draft``): one per
+    target and draft in this process, so that its engine (and graphs) are reused."""
+    engines = _engines(target)
+    key = ("proposer", name, None if name == "pld" else id(draft))
+    if key not in engines:
+        engines[key] = (build_proposer(name, target, draft), draft)  # (the draft kept alive with it)
+    return engines[key][0]

@@ -375,8 +375,10 @@ class PromptLookup(TreeDrafter):
         position f, ``matched * (W + 1) + f`` where the ``matched`` (>= min_ngram) tokens before f
         equal the context's last ones, else -1)."""
         b, n, d = path.shape
-        width = self.capacity + d
-        ctx = torch.cat([self.hist[:, None, :self.capacity].expand(b, n, -1),
+        # on CUDA the whole history (fixed shapes, for graphs); elsewhere the part in use
+        used = self.capacity if path.is_cuda else max(1, int(self.hist_len.max()))
+        width = used + d
+        ctx = torch.cat([self.hist[:, None, :used].expand(b, n, -1),
                          torch.full((b, n, d), -1, dtype=torch.long, device=path.device)], -1)
         if d:
             at = self.hist_len[:, None, None] + torch.arange(d, device=path.device)
@@ -426,7 +428,7 @@ class LongSpecProposer(TreeDrafter):
 
     def release(self):
         super().release()
-        self.ring = self.reread = self.reread_count = self.target_kv = self.root_index = None
+        self.ring = self.reread = self.reread_count = self.target_kv = self.root_index = self.cross_keys = None
 
     def add(self, row, prompt, first_token):
         """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a
@@ -475,8 +477,10 @@ class LongSpecProposer(TreeDrafter):
         b, device = root.shape[0], root.device
         ids, index, valid = self._reread_block(root)
         self.target_kv = self.target.last_layer_kv(self.cache)  # committed slots: fixed during the round
+        # cross-attention keys: the capacity on CUDA (fixed shapes), the slots in use elsewhere
+        self.cross_keys = None if root.is_cuda else max(1, int(self.cache.lengths.max()))
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
-                                         self.target_kv, cross_limit=index)
+                                         self.target_kv, cross_limit=index, cross_keys=self.cross_keys)
         self.root_index = self.cache.lengths.clone()
         return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True)
 
@@ -486,7 +490,8 @@ class LongSpecProposer(TreeDrafter):
         valid = torch.ones_like(tokens, dtype=torch.bool)
         cross_limit = self.cache.lengths[:, None].expand_as(tokens)
         hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, self.target_kv,
-                                         cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node)
+                                         cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node,
+                                         cross_keys=self.cross_keys)
         return self.draft.logits(hidden, reduced=True)
 
     def propose(self, root):

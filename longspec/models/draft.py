@@ -219,12 +219,13 @@ class LongSpecDraft(nn.Module):
         return self._finish(x, cross)
 
     def forward_step(self, input_ids, positions, index, node, valid, cache: DraftCache, target_kv,
-                     cross_limit, tree_mask=None, slot=None) -> torch.Tensor:
+                     cross_limit, tree_mask=None, slot=None, cross_keys=None) -> torch.Tensor:
         """Incremental forward. input_ids, positions, index (sequence index: the token's slot in
         the target cache, for a tree node root index + depth), node (-1 for committed tokens, else
         tree node number) and valid: [B, T]; target_kv: the target cache's last layer (a
         :class:`~longspec.cache.LayerKV`); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
-        [B, T, N] for pending nodes; slot: see ``DraftCache.write``. Writes this step's K/V into
+        [B, T, N] for pending nodes; slot: see ``DraftCache.write``; cross_keys: target slots the
+        cross-attention reads at most (default: the cache's capacity; ``cross_limit`` must not pass it). Writes this step's K/V into
         ``cache`` first. Returns hidden [B, T, H]."""
         x = self.target.embed(input_ids)
         q, k, v, cos, sin = self._qkv(x, positions)
@@ -233,7 +234,7 @@ class LongSpecDraft(nn.Module):
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
-        cross = attend_prefix(cq, target_kv, cross_limit, impl)
+        cross = attend_prefix(cq, target_kv, cross_limit, impl, cross_keys)
         return self._finish(x, cross)
 
     def window_kv(self, input_ids, positions):

@@ -1,0 +1,212 @@
+"""Speed on a user's workload: different requests one after another in one process, and
+``longspec generate`` in a fresh process.
+
+Protocol, the same for every method, in one process: one warm-up call on an unrelated prompt of
+``--warmup-length`` tokens, then pass 1 (``--lengths``: prompts of different lengths, each from
+another project under ``--prompt-dirs``, each length new to the process), then pass 2 (the same
+prompts again). Every call is timed on the wall clock from the call to its last token, prefill
+included, and reports what it spent compiling and capturing. Methods: ours (plain decoding, the
+LongSpec draft, the hybrid, ``auto``: what ``longspec generate`` runs by default) and
+transformers' ``generate`` with its compiled static cache and its dynamic cache on the same
+model. Greedy outputs are compared with our plain decoding. Then, with ``--fresh-process``, the
+wall time of ``longspec generate`` on the longest prompt in a new process, with cold on-disk
+compile caches (a new folder) and with warm ones (the same folder again).
+
+    python benchmarks/bench_workload.py --target DIR --draft DIR --prompt-dirs A,B,C,D \
+        --lengths 2000,5000,7600 --warmup-length 1000 --max-new-tokens 128 --fresh-process
+
+Prints a table per pass and one JSON line last."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longspec import GenerationConfig, load_target  # noqa: E402
+from longspec.decoding.generator import Generator  # noqa: E402
+from longspec.models.checkpoint import load_draft  # noqa: E402
+
+
+def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
+    """Source files of ``directory`` (sorted, with path headers) concatenated, cut to n_tokens."""
+    parts, total = [], 0
+    for path in sorted(directory.rglob("*.py")):
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(f"# ==== {path.relative_to(directory)} ====\n{text}")
+        total += len(text) // 3
+        if total > n_tokens * 2:
+            break
+    ids = tokenizer("".join(parts)).input_ids
+    if len(ids) < n_tokens:
+        raise ValueError(f"{directory} holds only {len(ids)} tokens, {n_tokens} asked")
+    return ids[:n_tokens]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ours(target, proposer, draft, config):
+    """A call of ours: (tokens, stats) with the wall time of the whole call."""
+    gen = Generator(target, proposer=proposer, draft=draft)
+
+    def call(prompt):
+        sync()
+        t = time.perf_counter()
+        out = gen.generate([prompt], config)
+        sync()
+        stats = out.stats
+        return out.sequences[0], {"wall_s": time.perf_counter() - t, "prefill_s": stats["prefill_s"],
+                                  "capture_s": stats["capture_s"], "plan_s": stats.get("plan_s", 0.0),
+                                  "tau": stats.get("tau", 1.0), "trees": stats.get("trees"),
+                                  "auto": stats.get("auto")}
+    return call
+
+
+def transformers_call(model, config, **kwargs):
+    """A call of transformers' generate (greedy, exactly max_new_tokens)."""
+    def call(prompt):
+        ids = torch.tensor([prompt], device=model.device)
+        sync()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.max_new_tokens,
+                             min_new_tokens=config.max_new_tokens, do_sample=False, **kwargs)
+        sync()
+        return out[0, len(prompt):].tolist(), {"wall_s": time.perf_counter() - t}
+    return call
+
+
+def fresh_process(args, prompt_text: str, cache_dir: str) -> dict:
+    """``longspec generate`` (the default proposer, auto) in a new process: its wall time, model
+    load included, with the compile caches under ``cache_dir``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt_text)
+    env = dict(os.environ, LONGSPEC_HOME=cache_dir, TORCHINDUCTOR_CACHE_DIR=str(Path(cache_dir) / "inductor"),
+               TRITON_CACHE_DIR=str(Path(cache_dir) / "triton"))
+    cmd = [sys.executable, "-m", "longspec.cli", "generate", "--target", args.target, "--prompt-file", f.name,
+           "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    t = time.perf_counter()
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    os.unlink(f.name)
+    if run.returncode != 0:
+        return {"wall_s": wall, "error": run.stderr[-2000:]}
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "proposer": out.get("proposer"), "tree": out.get("tree"),
+            "tokens_per_s": out["stats"].get("tokens_per_s"), "capture_s": out["stats"].get("capture_s")}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", help="the LongSpec draft (longspec, hybrid and auto)")
+    p.add_argument("--prompt-dirs", required=True,
+                   help="comma-separated source trees: the warm-up prompt from the first, one prompt per length "
+                        "from each of the others (text the draft never saw)")
+    p.add_argument("--lengths", default="2000,5000,7600")
+    p.add_argument("--warmup-length", type=int, default=1000)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="plain,longspec,hybrid,auto,hf-static,hf-dynamic")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--fresh-process", action="store_true", help="also time `longspec generate` in new processes")
+    p.add_argument("--out", help="also write the JSON results to this file")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    draft = load_draft(args.draft, target) if args.draft else None
+    load_s = time.perf_counter() - t0
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    dirs = [Path(d) for d in args.prompt_dirs.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if len(dirs) < len(lengths) + 1:
+        raise SystemExit(f"--prompt-dirs needs {len(lengths) + 1} folders (warm-up + one per length)")
+    warmup = code_prompt(tokenizer, dirs[0], args.warmup_length)
+    prompts = [code_prompt(tokenizer, d, n) for d, n in zip(dirs[1:], lengths)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    methods = args.methods.split(",")
+    hf = None
+    calls = {}
+    for name in methods:
+        if name.startswith("hf-"):
+            if hf is None:
+                hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype),
+                                                          attn_implementation="sdpa").to(device).eval()
+            kwargs = {"cache_implementation": "static"} if name == "hf-static" else {}
+            calls[name] = transformers_call(hf, config, **kwargs)
+        else:
+            calls[name] = ours(target, None if name == "plain" else name, draft, config)
+    rows, reference = [], {}
+    for name in methods:  # ours first: transformers' compiled graphs come after
+        gc.collect()
+        call = calls[name]
+        for stage, prompt in [("warm-up", warmup)] + [("pass 1", x) for x in prompts] + [("pass 2", x) for x in prompts]:
+            tokens, res = call(prompt)
+            key = len(prompt)
+            if name == "plain":
+                reference.setdefault(key, tokens)
+            res.update(method=name, stage=stage, prompt_tokens=len(prompt),
+                       ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
+                       same_as_plain=tokens == reference.get(key) if key in reference else None)
+            rows.append(res)
+            print(f"{name:<11} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s"
+                  f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
+                  f"  same-as-plain {res['same_as_plain']}  {res.get('auto') or ''}", flush=True)
+    base = {stage: statistics.median(r["wall_s"] for r in rows if r["method"] == "hf-static" and r["stage"] == stage)
+            for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}
+    summary = []
+    for name in methods:
+        line = {"method": name}
+        for stage in ("warm-up", "pass 1", "pass 2"):
+            mine = [r for r in rows if r["method"] == name and r["stage"] == stage]
+            wall = statistics.median(r["wall_s"] for r in mine)
+            line[stage] = wall
+            if stage in base:
+                line[f"{stage} vs hf-static"] = base[stage] / wall
+            if stage != "warm-up" and "capture_s" in mine[0]:
+                line[f"{stage} max capture share"] = max(r["capture_s"] / r["wall_s"] for r in mine)
+        summary.append(line)
+    print(f"\nmedian wall seconds per call ({args.max_new_tokens} new tokens, prefill included); ratio: "
+          "transformers' compiled static cache / this method")
+    for line in summary:
+        ratio = "".join(f"  x{line[f'{s} vs hf-static']:5.2f}" if f"{s} vs hf-static" in line else "" for s in
+                        ("pass 1", "pass 2"))
+        print(f"{line['method']:<11} first call {line['warm-up']:7.2f}  pass 1 {line['pass 1']:7.3f}  "
+              f"pass 2 {line['pass 2']:7.3f}{ratio}")
+    fresh = {}
+    if args.fresh_process:
+        text = tokenizer.decode(prompts[-1])
+        with tempfile.TemporaryDirectory() as cache_dir:
+            fresh["cold"] = fresh_process(args, text, cache_dir)
+            fresh["warm"] = fresh_process(args, text, cache_dir)
+        print(f"longspec generate, fresh process, {lengths[-1]}-token prompt: cold caches "
+              f"{fresh['cold']['wall_s']:.1f} s, warm {fresh['warm']['wall_s']:.1f} s ({fresh['warm']})")
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    result = {"device": device_name, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+              "load_s": load_s, "summary": summary, "fresh_process": fresh, "calls": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

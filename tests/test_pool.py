@@ -1,0 +1,171 @@
+"""The KV block pool: allocation, release and exhaustion; the attention kernels reading K/V through
+a block table against the dense cache; engines over a small shared pool (rows of very different
+lengths in one batch) giving plain decoding's tokens for every proposer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec import GenerationConfig, load_target
+from longspec.attention import reference
+from longspec.attention.triton_kernels import available, prefix_attention, tree_attention
+from longspec.cache import BlockPool, KVCache, PoolExhausted
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.decoding.tree import TreeSpec
+from longspec.models.draft import DraftConfig, init_draft
+
+TRITON = [pytest.param("triton", marks=pytest.mark.skipif(not available(), reason="needs triton"))]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    _, path = tiny_model_factory("pool-llama", "llama", max_position_embeddings=512, seed=5)
+    return load_target(path)
+
+
+def test_pool_allocates_home_runs_then_scattered_blocks_and_refuses_past_its_size(target):
+    pool = BlockPool(target.config, num_blocks=8, block_size=4)
+    assert pool.allocate(3, prefer=2) == [2, 3, 4]
+    assert pool.allocate(2) == [0, 1]  # the lowest run of two
+    assert pool.allocate(2, prefer=4) == [5, 6]  # home taken: the lowest run
+    pool.release([0, 3])  # (3 was never given out alone: blocks are returned one by one)
+    assert pool.allocate(2) == [0, 3] and pool.num_free == 1  # no run of two left: scattered
+    with pytest.raises(PoolExhausted, match="2 blocks of 4 tokens needed, 1 of 8 free"):
+        pool.allocate(2)
+    with pytest.raises(RuntimeError, match="released twice"):
+        pool.release([7, 7])
+    assert pool.scratch == 8 and pool.k.shape[2] == 9 * 4  # the scratch block is never handed out
+
+
+def test_rows_over_a_shared_pool_compute_what_dense_rows_do(target):
+    """Prefill, a verified tree and its commit on rows whose blocks are scattered over a shared
+    pool give the logits and K/V of a cache that owns one dense block per row."""
+    torch.manual_seed(0)
+    dense = target.new_cache(3, 48)
+    pool = BlockPool(target.config, num_blocks=17, block_size=8)  # under 3 rows x 6 blocks: paged
+    paged = target.new_cache(3, 48, pool=pool)
+    pool.allocate(5)  # the rows' blocks do not start at the pool's start
+    for row, n in enumerate((40, 9, 25)):
+        paged.assign(row, n + 6)
+    assert not paged.dense and len(set(sum(paged.blocks, []))) == sum(len(b) for b in paged.blocks)
+    lens = torch.tensor([37, 3, 20])
+    ids = torch.randint(0, 160, (3, 37))
+    for cache in (dense, paged):
+        cache.lengths.zero_()
+    first = [target.prefill(ids, lens, c) for c in (dense, paged)]
+    torch.testing.assert_close(first[0], first[1], atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, 160, (3, 4))
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
+    positions = lens[:, None] + torch.tensor([0, 1, 1, 2])
+    for impl in ["sdpa", "reference", "matmul"]:
+        target.attention_impl = impl
+        out = [target.verify(tokens, positions, mask, c, n_keys=48 if impl == "matmul" else None) for c in (dense, paged)]
+        torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+        for c in (dense, paged):
+            c.discard()
+    target.attention_impl = "sdpa"
+    for c in (dense, paged):
+        target.verify(tokens, positions, mask, c)
+        c.commit(torch.tensor([[0, 1, 3, 0], [0, 2, 0, 0], [0, 0, 0, 0]]), torch.tensor([3, 2, 1]))
+    assert torch.equal(dense.lengths, paged.lengths)
+    for layer in range(target.config.num_layers):
+        for a, b in zip(dense.layer(layer).dense(41), paged.layer(layer).dense(41)):
+            for row, n in enumerate(dense.lengths.tolist()):
+                torch.testing.assert_close(a[row, :, :n], b[row, :, :n], atol=1e-5, rtol=1e-5)
+    for row in range(3):
+        paged.unassign(row)
+    assert pool.num_free == 12 and (paged.table == pool.scratch).all()
+
+
+@pytest.mark.parametrize("impl", TRITON)
+@pytest.mark.parametrize("lengths,m,hq,hkv,d", [([0], 1, 2, 2, 16), ([130, 3, 64], 5, 4, 1, 16),
+                                                ([300, 17], 16, 8, 2, 32)])
+def test_triton_kernels_read_through_the_block_table(impl, lengths, m, hq, hkv, d):
+    """The split-KV tree kernel and the per-query-limit prefix kernel over a pool layer read
+    through a shuffled block table == the reference over the rows gathered into a dense cache."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(sum(lengths) + m)
+    b, bs = len(lengths), 64
+    blocks_per_row = -(-(max(lengths) + m) // bs)
+    n_blocks = b * blocks_per_row + 3
+    table = torch.randperm(n_blocks, generator=gen)[:b * blocks_per_row].view(b, blocks_per_row)
+    k_pool = torch.randn(hkv, (n_blocks + 1) * bs, d, generator=gen)
+    v_pool = torch.randn(hkv, (n_blocks + 1) * bs, d, generator=gen)
+    slots = table[:, :, None] * bs + torch.arange(bs)  # [B, blocks, bs]
+    k = k_pool[:, slots.view(b, -1)].transpose(0, 1)  # [B, Hkv, cap, D] gathered
+    v = v_pool[:, slots.view(b, -1)].transpose(0, 1)
+    q = torch.randn(b, hq, m, d, generator=gen)
+    lens = torch.tensor(lengths)
+    mask = torch.rand(b, m, m, generator=gen) < 0.5
+    mask |= torch.eye(m, dtype=torch.bool)
+    rows = torch.arange(b)[:, None]
+    tree_slots = lens[:, None] + torch.arange(m)
+    k_tree, v_tree = (x.transpose(1, 2)[rows, tree_slots].transpose(1, 2) for x in (k, v))
+    ref = reference.hybrid_attention(q.double(), k.double(), v.double(), lens, k_tree.double(), v_tree.double(), mask)
+    to = dict(device=device)
+    ours = tree_attention(q.to(**to), k_pool.to(**to), v_pool.to(**to), lens.to(**to), mask.to(**to),
+                          table=table.to(**to), block_size=bs).double().cpu()
+    assert (ours - ref).norm() / ref.norm() < 1e-5
+    limits = torch.stack([torch.randint(0, n + 1, (m,), generator=gen) for n in lengths])
+    ref, _ = reference.prefix_attention(q.double(), k.double(), v.double(), limits)
+    ours = prefix_attention(q.to(**to), k_pool.to(**to), v_pool.to(**to), limits.to(**to), table=table.to(**to),
+                            block_size=bs).double().cpu()
+    assert (ours - ref).norm() / max(ref.norm(), 1e-9) < 1e-5
+    with pytest.raises(ValueError, match="multiple of the key block"):
+        tree_attention(q.to(**to), k_pool.to(**to), v_pool.to(**to), lens.to(**to), mask.to(**to),
+                       table=table.to(**to), block_size=48)
+
+
+def proposers(target):
+    draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=2)
+    return {"pld": (PromptLookup(), "chain:4"), "longspec": (LongSpecProposer(draft), "3,4,4"),
+            "hybrid": (LongSpecProposer(draft, PromptLookup()), "3,4,4,1,1"),
+            "streaming": (StreamingSelfSpec(window=8, sinks=2), "2,2")}
+
+
+SLOW_ON_CPU = pytest.mark.skipif(False, reason="") if torch.cuda.is_available() else pytest.mark.slow
+ENGINE_CASES = [(name, "sdpa") for name in ("pld", "longspec", "hybrid", "streaming")] + [
+    pytest.param("pld", impl.values[0], marks=impl.marks) for impl in TRITON] + [
+    pytest.param(name, impl.values[0], marks=[*impl.marks, SLOW_ON_CPU])  # (the draft's kernels: minutes interpreted)
+    for impl in TRITON for name in ("longspec", "hybrid", "streaming")]
+
+
+@pytest.mark.parametrize("name,impl", ENGINE_CASES)
+def test_an_engine_over_a_small_pool_decodes_rows_of_very_different_lengths_exactly(target, name, impl):
+    """Rows of 5 and 300 prompt tokens share a pool that cannot hold two full rows; a third
+    request waits for blocks (the pool refuses it) and is admitted once a row is done. Every row's
+    greedy tokens equal plain decoding's, and every block goes back to the pool."""
+    target.attention_impl = impl
+    try:
+        gen = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (5, 300, 120)]
+        prompts[1][150:200] = prompts[1][:50]  # something for the lookups to find
+        config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+        plain = [Generator(target).generate([p], config).sequences[0] for p in prompts]
+        proposer, tree = proposers(target)[name]
+        engine = Engine(target, proposer, TreeSpec.parse(tree), max_batch=3, max_len=512, pool_tokens=448,
+                        block_size=64, cuda_graphs=False)
+        assert not engine.cache.dense and engine.pool.num_blocks == 7
+        seqs = [Sequence(p, 12) for p in prompts]
+        engine.add(seqs[:2])
+        with pytest.raises(PoolExhausted, match="KV pool exhausted"):
+            engine.add(seqs[2:])
+        assert not engine.can_admit(seqs[2:])
+        while engine.has_active:
+            engine.step()
+            if engine.can_admit(seqs[2:]) and seqs[2].row < 0:
+                engine.add(seqs[2:])
+        assert [s.tokens for s in seqs] == plain
+        assert engine.pool.num_free == engine.pool.num_blocks
+    finally:
+        target.attention_impl = "sdpa"
+
+
+def test_a_prompt_longer_than_a_row_is_refused_before_any_block_is_taken(target):
+    engine = Engine(target, None, None, max_batch=2, max_len=128, pool_tokens=192, block_size=64)
+    with pytest.raises(ValueError, match="needs 203 cache slots, the engine has 128"):
+        engine.add([Sequence(list(range(100)) * 2, 4)])
+    assert not engine.cache.dense and engine.pool.num_free == 3 and not engine.has_active
