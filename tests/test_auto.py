@@ -291,18 +291,22 @@ def test_retuning_needs_a_proposer_and_the_hybrid_its_draft(tiny):
         auto.retuner(target, list(range(40)), "hybrid", TreeSpec.parse("2,2"), None)
 
 
-def test_costs_are_interpolated_between_the_powers_of_two_around_the_prompt(tiny, tmp_path, monkeypatch):
+def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path, monkeypatch):
+    """Costs measured once at the two contexts of COST_CONTEXTS are interpolated (and past the
+    second, extrapolated) linearly in the prompt's length: no prompt length measures anything."""
     target, _ = tiny
-    monkeypatch.setattr(target.config, "max_position_embeddings", 8192)
+    monkeypatch.setattr(target.config, "max_position_embeddings", 16384)
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
-    at = {2048: ({"1": 40.0, "6": 60.0}, 2.0), 4096: ({"1": 60.0, "6": 100.0}, 4.0)}
+    at = {1024: ({"1": 40.0, "6": 60.0}, 2.0), 8192: ({"1": 68.0, "6": 116.0}, 9.0)}
     costs.write_text(json.dumps({f"{device_key(target)} | {c}": {"target_ms": t, "draft_ms": {"pld chain:5": d}}
                                  for c, (t, d) in at.items()}))
     chain = TreeSpec.chain(5)
-    for n, plain, verify, draft in ((3072, 50.0, 80.0, 3.0), (2048, 40.0, 60.0, 2.0), (4096, 60.0, 100.0, 4.0)):
+    for n, plain, verify, draft in ((4608, 54.0, 88.0, 5.5), (1024, 40.0, 60.0, 2.0), (300, 40.0, 60.0, 2.0),
+                                    (8192, 68.0, 116.0, 9.0), (15360, 96.0, 172.0, 16.0)):
         _, _, used = auto.choose(target, {"pld chain:5": (chain, None, 2.0)}, n, str(costs))
-        assert used["target_ms"] == {"1": plain, "6": verify} and used["draft_ms"] == {"pld chain:5": draft}
+        assert used["target_ms"] == pytest.approx({"1": plain, "6": verify})
+        assert used["draft_ms"] == pytest.approx({"pld chain:5": draft})
 
 
 def test_step_costs_made_monotone():
