@@ -272,3 +272,40 @@ def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
 
+
+
+def test_steady_state_compiles_and_captures_nothing(model):
+    """After a warm-up (a greedy and a sampled call per generator), 20 requests of varied prompt
+    lengths, max_new_tokens and sampling settings, on engines that already have their trees,
+    cause no Dynamo compilation and no CUDA-graph capture, and give plain decoding's tokens."""
+    import torch._dynamo
+
+    _, path = model
+    target = load_target(path, dtype=torch.bfloat16, device="cuda")
+    assert target.compile_steps and target.attention_impl == "triton"  # the CUDA defaults
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    plain = Generator(target)
+    gens = [plain, Generator(target, LongSpecProposer(draft, PromptLookup()), "3,4,4,1,1"),
+            Generator(target, PromptLookup(), "chain:4")]
+    gen = torch.Generator().manual_seed(0)
+    for g in gens:
+        for temperature in (0.0, 0.8):
+            g.generate([torch.randint(0, 160, (50,), generator=gen).tolist()],
+                       GenerationConfig(max_new_tokens=8, temperature=temperature, seed=1))
+
+    def graphs():
+        return sum(len(r.graphs or []) for g in gens for r in g._engine.all_runners)
+
+    frames, captured = dict(torch._dynamo.utils.counters["frames"]), graphs()
+    for i in range(20):
+        g = gens[i % 3]
+        prompt = torch.randint(0, 160, (10 + 23 * i,), generator=gen).tolist()
+        greedy = i % 2 == 0
+        config = GenerationConfig(max_new_tokens=5 + 3 * i, temperature=0.0 if greedy else 0.9, top_k=20 * (i % 3),
+                                  seed=i, ignore_eos=True)
+        out = g.generate([prompt], config)
+        assert out.stats["capture_s"] == 0.0, i
+        if greedy and g is not plain:
+            assert out.sequences == plain.generate([prompt], config).sequences, i
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames, "something was compiled in steady state"
+    assert graphs() == captured

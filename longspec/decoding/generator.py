@@ -189,7 +189,9 @@ class Generator:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
         with at least ``batch`` rows (built on first use, or grown to a power of two)."""
         engines = _engines(self.target)
-        key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs)
+        # (the attention and compilation settings are the engine's too: its steps and graphs use them)
+        key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
+               self.target.attention_impl, self.target.compile_steps)
         engine = engines[key][1] if key in engines else None
         if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
             batch = max(batch, len(engine.rows))
