@@ -143,7 +143,7 @@ def main(argv=None):
     warmup = code_prompt(tokenizer, dirs[0], args.warmup_length)
     prompts = [code_prompt(tokenizer, d, n) for d, n in zip(dirs[1:], lengths)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
     hf = None
     calls = {}
     for name in methods:
@@ -171,9 +171,9 @@ def main(argv=None):
             print(f"{name:<11} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s"
                   f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
                   f"  same-as-plain {res['same_as_plain']}  {res.get('auto') or ''}", flush=True)
+    summary = []
     base = {stage: statistics.median(r["wall_s"] for r in rows if r["method"] == "hf-static" and r["stage"] == stage)
             for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}
-    summary = []
     for name in methods:
         line = {"method": name}
         for stage in ("warm-up", "pass 1", "pass 2"):
@@ -185,8 +185,9 @@ def main(argv=None):
             if stage != "warm-up" and "capture_s" in mine[0]:
                 line[f"{stage} max capture share"] = max(r["capture_s"] / r["wall_s"] for r in mine)
         summary.append(line)
-    print(f"\nmedian wall seconds per call ({args.max_new_tokens} new tokens, prefill included); ratio: "
-          "transformers' compiled static cache / this method")
+    if summary:
+        print(f"\nmedian wall seconds per call ({args.max_new_tokens} new tokens, prefill included); ratio: "
+              "transformers' compiled static cache / this method")
     for line in summary:
         ratio = "".join(f"  x{line[f'{s} vs hf-static']:5.2f}" if f"{s} vs hf-static" in line else "" for s in
                         ("pass 1", "pass 2"))
