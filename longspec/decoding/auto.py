@@ -50,6 +50,8 @@ LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
 # 4.56 at 0.5; `4,4,4,4,4,1,1,1,1,1` at 3k 5.00 against 6.45 and 5.04
 HIT_CORRELATION = 0.5
 COST_CONTEXTS = (1024, 8192)  # where step costs are measured (once per device, model and dtype)
+GPU_CANDIDATE_TREES = (HYBRID_TREE,)
+GPU_LOOKUP_CHAINS = (5,)
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 
@@ -316,17 +318,21 @@ def _write_costs(costs_file: Optional[str], data: dict) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
 
 
-def _candidates(ids: Sequence[int], draft, hits: Sequence[float]) -> dict:
+def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool = False) -> dict:
     """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
     make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
-    and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``."""
+    and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
+    fewer: the hybrid's default tree with a draft, else a 5-token lookup chain: each tree an
+    engine drafts is compiled and captured once, and a choice among many would capture again
+    for a later prompt; the rounds are short there, so a tree's exact shape matters less."""
     from .proposers import LongSpecProposer, PromptLookup
 
     candidates = {}
-    for n in LOOKUP_CHAINS:
+    chains, trees = (LOOKUP_CHAINS, CANDIDATE_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
+    for n in chains if draft is None or not on_cuda else ():
         tree = TreeSpec.chain(n)
         candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
-    for shape in CANDIDATE_TREES if draft is not None else ():
+    for shape in trees if draft is not None else ():
         tree = TreeSpec.parse(shape)
         candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                         expected_tokens(tree, draft.config.acceptance, hits))
@@ -340,7 +346,7 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding."""
     if draft is not None and not draft.config.acceptance:
         return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
-    candidates = _candidates(ids, draft, lookup_acceptance(ids))
+    candidates = _candidates(ids, draft, lookup_acceptance(ids), target.device.type == "cuda")
     label, gain, _ = choose(target, candidates, len(ids), costs_file)
     if label is None:
         return "none", None, None, "cost model: plain decoding is fastest here"

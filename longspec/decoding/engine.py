@@ -12,6 +12,7 @@ between rounds without reallocating anything: a finished row is only masked.
 over an engine."""
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class Engine:
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
         self._compiled = target.compile_steps and (proposer is None or proposer.graphable)
         self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round
+        # proposals are compiled only on request: on the H200 a hybrid tree's ten levels took ~30 s
+        # to compile (one frame per level shape) for a draft step about twice as fast
+        self._compile_proposals = self._compiled and os.environ.get("LONGSPEC_COMPILE_PROPOSALS", "0") == "1"
         self.cuda_graphs = proposer is None or proposer.graphable if cuda_graphs is None else cuda_graphs
         self._views: dict = {}
         self.chunked_prefill = (ChunkedPrefill(target, self.cache, prefill_chunk, self.step_keys, self.cuda_graphs)
@@ -272,7 +276,7 @@ class Engine:
                 proposer = self.proposer if full else self.proposer.rows(n, cache)
                 if tree is not None and tree is not self.tree:
                     proposer = proposer.with_tree(tree)
-            propose = None if tree is None else (compile_step(proposer.propose) if self._compiled
+            propose = None if tree is None else (compile_step(proposer.propose) if self._compile_proposals
                                                  else proposer.propose)
             width = 1 if tree is None else tree.depth + 1
             self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
@@ -392,18 +396,26 @@ class Engine:
             self.proposer.release()
 
     @torch.inference_mode()
-    def warm_up(self, sampled: bool = False) -> float:
+    def warm_up(self, sampled: bool = False, trees: Optional[list] = None) -> float:
         """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
-        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round. Call
-        with no sequences in the engine. Returns the seconds it took."""
+        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round;
+        ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
+        default the buckets' own. Call with no sequences in the engine. Returns the seconds it
+        took."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
+        own = {b: self.tree_of(b) for b in self.buckets}
         for row in range(len(self.rows)) if self.chunked_prefill is not None else ():
             self.chunked_prefill.runner(row).prepare()
-        for self.greedy_round in (True, False) if sampled else (True,):
-            for n in self.buckets:
-                self._round(n)[1].prepare()
+        for tree in trees if trees is not None else [_OWN_TREES]:
+            if tree is not _OWN_TREES:
+                self.use_tree(tree)
+            for self.greedy_round in (True, False) if sampled else (True,):
+                for n in self.buckets:
+                    self._round(n)[1].prepare()
+        if trees is not None and len(set(map(str, own.values()))) == 1:
+            self.use_tree(own[self.buckets[0]])
         self.greedy_round = kind
         return time.perf_counter() - t0
 
@@ -455,6 +467,9 @@ class Engine:
             self._emit(s, row[:n], streamer)
             if s.done:
                 self._release(s)
+
+
+_OWN_TREES = object()  # warm_up: each bucket's own tree
 
 
 def batch_buckets(max_batch: int, given: Optional[Seq[int]] = None) -> list:

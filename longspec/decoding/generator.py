@@ -177,17 +177,23 @@ class Generator:
         from .auto import resolve
 
         chosen = resolve(self.target, prompts[0], self.draft, config.max_new_tokens, self.max_len)
-        if chosen.name == "none" and chosen.retune is None:
-            return CallPlan(None, None, None, None, chosen.note, "none")
-        family = chosen.retune.proposer if chosen.retune is not None else chosen.name
-        biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_BIGGEST)
+        on_cuda = self.target.device.type == "cuda"
+        if chosen.retune is not None:
+            family = chosen.retune.proposer
+        elif chosen.name == "none":  # plain rounds: on CUDA in the engine that captured them (see generate)
+            if not on_cuda:
+                return CallPlan(None, None, None, None, chosen.note, "none")
+            family = "hybrid" if self.draft is not None else "pld"
+        else:
+            family = chosen.name
+        biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_TREE if on_cuda else PLD_BIGGEST)
         start = chosen.retune.start if chosen.retune is not None else chosen.tree
         return CallPlan(_shared_proposer(self.target, family, self.draft), biggest, start, chosen.retune, chosen.note,
-                        family)
+                        chosen.name if start is None and chosen.retune is None else family)
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
-        with at least ``batch`` rows (built on first use, or grown to a power of two)."""
+        with at least ``batch`` rows (built on first use, or rebuilt with more rows)."""
         engines = _engines(self.target)
         # (the attention and compilation settings are the engine's too: its steps and graphs use them)
         key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
@@ -199,7 +205,7 @@ class Generator:
             del engines[key]
             self._engine = engine = None
         if engine is None:
-            rows = 1 << max(0, batch - 1).bit_length()
+            rows = batch
             engine = Engine(self.target, proposer, tree, rows, self.max_len, RowSampling.zeros(rows, self.target.device),
                             self.cuda_graphs)
             engines[key] = (proposer, engine)
@@ -227,6 +233,11 @@ class Generator:
         plan_s = time.perf_counter() - t_plan
         self._check_room(prompts, config, tree)
         engine = self._engine = self.engine(proposer, tree, len(prompts))
+        captures_before = engine.capture_seconds()
+        if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
+            # everything auto may switch this engine to, captured now: later calls capture nothing
+            engine.warm_up(trees=[tree, None])
+            engine.auto_ready = True
         if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
@@ -234,7 +245,6 @@ class Generator:
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0) for p in prompts]
-        captures_before = engine.capture_seconds()
         times_before = engine.phase_times()
         trees = [(0, str(start))] if retune is not None or self.proposer == "auto" else []
         check = retune.first if retune is not None else None
