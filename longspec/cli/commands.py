@@ -48,7 +48,13 @@ def _prompt_text(args) -> str:
             raise UsageError(f"--prompt-file {path} is a directory, not a file")
         if not path.is_file():
             raise UsageError(f"--prompt-file {path} not found")
-        text = path.read_text()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--prompt-file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                             f"offset {err.start}): give a text file") from None
+        except OSError as err:
+            raise UsageError(f"--prompt-file {path} cannot be read: {err.strerror or err}") from None
     if not text.strip():
         raise UsageError("the prompt is empty (give some text with --prompt or --prompt-file)")
     return text
@@ -70,12 +76,20 @@ class TextStreamer:
         self.printed = len(text)
 
 
+def status(message: str) -> None:
+    """One line on stderr saying what a step that may take more than a moment is doing."""
+    print(f"[longspec: {message}]", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     from .. import GenerationConfig, Generator, load_target
+    from ..config import ModelConfig
     from ..convert import DEFAULT_NAME, default_model_dir
     from ..decoding.sequence import cache_need, round_slots
+    from ..models.checkpoint import read_config
 
-    # everything that can be checked without the model first
+    # everything that can be checked without the model first: the arguments, then (with the
+    # model's config.json and tokenizer only, no weights) the prompt's length
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
     try:
@@ -87,44 +101,45 @@ def cmd_generate(args) -> int:
     name, tree = proposer_choice(args)
     draft = None
 
-    from transformers import AutoTokenizer
-
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
-    target = load_target(target_dir, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    if args.chat:
-        if not tokenizer.chat_template:
-            raise UsageError(f"the tokenizer in {target_dir} has no chat template; drop --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=False)
-        ids = tokenizer(ids, add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer(text).input_ids
-    note, retune = "", None
+    limit = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
+    ids = _tokenize(target_dir, text, args.chat)
+    note, retune, gain = "", None, None
     if name == "auto":
+        biggest = auto_biggest_slots()
+        if cache_need(len(ids), args.max_new_tokens, 1) <= limit < cache_need(len(ids), args.max_new_tokens, biggest):
+            # near the model's end even the smallest tree may not fit: plain decoding, decided now
+            name, note = "none", "the prompt leaves no room for a speculative tree"
+    check_length(len(ids), args.max_new_tokens, None if name == "auto" else tree, limit)
+
+    about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
+             "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
+    status(f"loading {about} on {device} ({dtype})")
+    target = load_target(target_dir, dtype=dtype, device=device)
+    if name == "auto":
+        status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
+               "10-60 s, cached for later runs)")
         name, tree, draft, note, retune = resolve_auto(args, target, ids)
+        gain = predicted_gain(note)
+        line = auto_line(name, tree, gain, retune)
+    elif note:
+        line = f"auto: plain decoding: {note}"
+    else:
+        line = f"proposer {name}" + (f", tree {tree}" if tree else "")
     slots = round_slots(retune.biggest if retune else tree)
-    need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
-    if need > limit:
-        raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
-                         + (f" and the tree ({slots} nodes)" if tree is not None else "")
-                         + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
-                         "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
+    if cache_need(len(ids), args.max_new_tokens, slots) > limit:  # (auto checked plain decoding's need above)
+        check_length(len(ids), args.max_new_tokens, retune.biggest if retune else tree, limit)
     proposer = make_proposer(args, name, target, draft)
-    if not args.json:
-        about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
-                 "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
-        shown = f" tree {tree}" if tree else " (plain rounds first)" if retune else ""
-        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{shown}"
-              f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
-    streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
+    status(line)
+    streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
                     retune=retune).generate([ids], config, streamer=streamer)
     streamer.out.write("\n")
+    streamer.out.flush()
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
     if args.json:
-        print(json.dumps({"text": tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
+        print(json.dumps({"text": streamer.tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
                           "proposer": name, "tree": str(tree) if tree else None, "auto": note or None,
                           "stats": stats}))
     else:
@@ -133,6 +148,88 @@ def cmd_generate(args) -> int:
         print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}"
               f"{switches}]", file=sys.stderr)
     return 0
+
+
+_TOKENIZERS: dict = {}
+
+
+def tokenizer_for(target_dir):
+    """The checkpoint's own tokenizer (loaded once per process)."""
+    from transformers import AutoTokenizer
+
+    key = str(target_dir)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(target_dir)
+    return _TOKENIZERS[key]
+
+
+def _tokenize(target_dir, text: str, chat: bool) -> list:
+    tokenizer = tokenizer_for(target_dir)
+    if not chat:
+        return tokenizer(text).input_ids
+    if not tokenizer.chat_template:
+        raise UsageError(f"the tokenizer in {target_dir} has no chat template; drop --chat")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def check_length(prompt_len: int, max_new_tokens: int, tree, limit: int) -> None:
+    """A UsageError when the prompt, ``max_new_tokens`` and one round of ``tree`` (None: a decode
+    step) need more positions than the model has (``limit``)."""
+    from ..decoding.sequence import cache_need, round_slots
+
+    slots = round_slots(tree)
+    need = cache_need(prompt_len, max_new_tokens, slots)
+    if need > limit:
+        raise UsageError(f"the prompt ({prompt_len} tokens) with --max-new-tokens {max_new_tokens}"
+                         + (f" and the tree ({slots} nodes)" if tree is not None else "")
+                         + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
+                         "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
+
+
+def auto_biggest_slots() -> int:
+    """The most cache slots a round of any setting ``--proposer auto`` may pick writes."""
+    from ..decoding import auto
+    from ..decoding.tree import TreeSpec
+
+    shapes = [f"chain:{n}" for n in getattr(auto, "LOOKUP_CHAINS", ())] + list(getattr(auto, "CANDIDATE_TREES", ()))
+    return max([TreeSpec.parse(s).num_nodes for s in shapes] or [1])
+
+
+def predicted_gain(note: str):
+    """The predicted speed-up over plain decoding in auto's note ("... 1.62x plain ..."), or None."""
+    import re
+
+    found = re.search(r"([0-9]+(?:\.[0-9]+)?)x plain", note or "")
+    return float(found.group(1)) if found else None
+
+
+def auto_line(name: str, tree, gain, retune=None) -> str:
+    """What ``--proposer auto`` runs and why, in one line, e.g. "auto: prompt lookup, chain of 5
+    (predicted 1.60x plain decoding)"."""
+    predicted = f" (predicted {gain:.2f}x plain decoding)" if gain else ""
+    later = ("; retuned while generating from how often the lookup hits the generated text"
+             if retune is not None else "")
+    start = retune.start if retune is not None else tree
+    if retune is not None and retune.proposer == "pld" and tree is None:
+        return ("auto: plain decoding: no speculative setting is predicted faster on this prompt; prompt lookup "
+                "chains are tried while generating")
+    if name == "none" or (tree is None and retune is None):
+        return "auto: plain decoding: no speculative setting is predicted faster on this prompt"
+    if name == "pld":
+        return f"auto: prompt lookup, {describe_tree(tree)}{predicted}{later}"
+    first = ("" if retune is None or start == tree else
+             f", starting with {'plain rounds' if start is None else 'prompt lookup alone, ' + describe_tree(start)}")
+    return f"auto: LongSpec draft + prompt lookup (hybrid), {describe_tree(tree)}{predicted}{first}{later}"
+
+
+def describe_tree(tree) -> str:
+    """"chain of 5" for a chain, else "tree 4,4,4,4,4"."""
+    text = str(tree)
+    if text.startswith("chain:"):
+        return f"chain of {text.split(':', 1)[1]}"
+    return f"tree {text}"
 
 
 def proposer_choice(args):
