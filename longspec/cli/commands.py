@@ -104,13 +104,15 @@ def cmd_generate(args) -> int:
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     limit = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
     ids = _tokenize(target_dir, text, args.chat)
-    note, retune, gain = "", None, None
+    note, retune = "", None
     if name == "auto":
         biggest = auto_biggest_slots()
         if cache_need(len(ids), args.max_new_tokens, 1) <= limit < cache_need(len(ids), args.max_new_tokens, biggest):
             # near the model's end even the smallest tree may not fit: plain decoding, decided now
             name, note = "none", "the prompt leaves no room for a speculative tree"
     check_length(len(ids), args.max_new_tokens, None if name == "auto" else tree, limit)
+    if name != "auto":
+        status(f"auto: plain decoding: {note}" if note else f"proposer {name}" + (f", tree {tree}" if tree else ""))
 
     about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
              "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
@@ -120,17 +122,15 @@ def cmd_generate(args) -> int:
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
         name, tree, draft, note, retune = resolve_auto(args, target, ids)
-        gain = predicted_gain(note)
-        line = auto_line(name, tree, gain, retune)
-    elif note:
-        line = f"auto: plain decoding: {note}"
+        line = auto_line(name, tree, predicted_gain(note), retune)
     else:
-        line = f"proposer {name}" + (f", tree {tree}" if tree else "")
+        line = None
     slots = round_slots(retune.biggest if retune else tree)
     if cache_need(len(ids), args.max_new_tokens, slots) > limit:  # (auto checked plain decoding's need above)
         check_length(len(ids), args.max_new_tokens, retune.biggest if retune else tree, limit)
     proposer = make_proposer(args, name, target, draft)
-    status(line)
+    if line:
+        status(line)
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
                     retune=retune).generate([ids], config, streamer=streamer)
