@@ -1,6 +1,6 @@
 """The command line as a new user meets it: argument errors exit 2 with a message of ours (no
 traceback) before any model is loaded, the one-time conversion of the default model announces
-itself, the README's Python example runs."""
+itself (the README's examples run in test_docs.py)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -135,14 +135,6 @@ def test_context_error_names_the_options():
     assert run.returncode == 2
     assert "shorten the prompt, lower --max-new-tokens or use a smaller --tree" in run.stderr, run.stderr
     assert "Generator(" not in run.stderr and "Traceback" not in run.stderr
-
-
-def test_readme_python_example_runs():
-    needs_default_model()
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    assert "same tokens as plain decoding: True" in run.stdout
 
 
 def test_help_is_plain_and_names_defaults(capsys):
