@@ -131,6 +131,9 @@ def cmd_generate(args) -> int:
     proposer = make_proposer(args, name, target, draft)
     if line:
         status(line)
+    if target.device.type == "cuda" and getattr(target, "compile_steps", False):
+        status("compiling and capturing the steps of this prompt's shape (a process's first call: seconds to a "
+               "minute; later calls of the same shape replay them)")
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     out = Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,
                     retune=retune).generate([ids], config, streamer=streamer)
@@ -374,11 +377,14 @@ def cmd_serve(args) -> int:
     from ..convert import DEFAULT_NAME, default_model_dir
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    status(f"loading {target_dir} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
     if bucket_trees == "auto":
+        if target.device.type == "cuda":
+            status("choosing each batch bucket's tree (measures step costs once per device, cached)")
         bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
         if notes:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
@@ -388,6 +394,8 @@ def cmd_serve(args) -> int:
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
                           prefill_chunk=chunk or None)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
+        status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
+               "a GPU; the server answers once they are ready)")
         seconds = server.engine.warm_up()
         done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
