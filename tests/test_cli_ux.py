@@ -99,3 +99,25 @@ def test_auto_near_the_models_end_decodes_plainly_and_says_so(capsys, monkeypatc
     lines = capsys.readouterr().err.splitlines()
     assert "[longspec: auto: plain decoding: the prompt leaves no room for a speculative tree]" in lines, lines
     assert lines[-1].startswith("[longspec: loading SmolLM2-135M-Instruct")  # said before the slow step
+
+
+def test_ctrl_c_while_generating_exits_130_without_a_traceback():
+    """A real SIGINT in the middle of a generation (the default model, plain decoding)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    needs_default_model()
+    proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "generate", "--prompt", "def fibonacci(n):",
+                             "--max-new-tokens", "2000", "--proposer", "none", "--threads", "1", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        proc.stdout.read(1)  # text is streaming: the generation runs
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("[longspec: interrupted]") and "Traceback" not in err, err
