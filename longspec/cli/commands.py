@@ -333,8 +333,10 @@ def cmd_self_distill(args) -> int:
     from transformers import AutoTokenizer
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    status(f"loading {target_dir} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    status(f"answering chat requests about the documents into {args.out}")
     try:
         n = self_distill(target, tokenizer, args.docs, args.out, tasks, args.max_doc_tokens, args.max_new_tokens,
                          args.batch, args.temperature, args.top_p, args.seed, limit=args.limit, shard=shard)
@@ -417,8 +419,10 @@ def cmd_draft_vocab(args) -> int:
 
     if args.size < 1:
         raise UsageError(f"--size must be >= 1, got {args.size}")
+    status(f"loading {args.target} and the draft {args.draft}")
     target = load_target(args.target)
     draft = load_draft(args.draft, target)
+    status(f"counting token frequencies in {' '.join(args.data)}")
     ids = frequent_tokens(args.data, load_tokenizer(args.target), args.size, target.config.vocab_size)
     draft.limit_vocab(ids)
     save_draft(draft, args.out)
