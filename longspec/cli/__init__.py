@@ -1,19 +1,28 @@
-"""longspec: lossless speculative decoding for long contexts.
+"""longspec: lossless speculative decoding for long contexts (the LongSpec method).
 
-Commands: generate (text from a prompt), serve (an OpenAI-compatible server), train (a LongSpec
-draft for a target), convert (a GGUF checkpoint into a Hugging Face-format directory)."""
+Commands:
+  generate      text from a prompt (the default model and its shipped draft, or --target DIR)
+  serve         an OpenAI-compatible server with continuous batching
+  train         train a LongSpec draft for a target (torchrun for several GPUs)
+  self-distill  chat requests about documents answered by the target (training data for --distill)
+  draft-vocab   a copy of a draft that drafts over the most frequent tokens only
+  convert       a GGUF checkpoint into a Hugging Face-format directory
+
+`longspec COMMAND --help` lists a command's options. Documentation: docs/ in the repository."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .. import __version__
 from .commands import cmd_convert, cmd_draft_vocab, cmd_generate, cmd_self_distill, cmd_serve, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"longspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text with a target model")
     gen.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
@@ -26,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object last (text, token_ids, stats)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object on stdout at the end (text, token_ids, proposer, tree, auto, "
+                          "stats); the text streamed while generating then goes to stderr, with the status lines")
     gen.add_argument("--proposer", choices=["auto", "none", "pld", "streaming", "longspec", "hybrid"],
                      default="auto",
                      help="draft strategy: auto (the default: the hybrid with the tree a measured cost model "
@@ -180,7 +191,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:  # UsageError is a ValueError
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print("\n[longspec: interrupted]", file=sys.stderr)
+        return 130
+    except UnicodeDecodeError as err:  # (a ValueError): a file that is not text, named where we know it
+        print(f"error: {err.reason} at byte {err.start} (a file that is not UTF-8 text?)", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError) as err:  # UsageError is a ValueError; OSError names its file
         print(f"error: {err}", file=sys.stderr)
         return 2
 

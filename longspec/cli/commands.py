@@ -48,7 +48,13 @@ def _prompt_text(args) -> str:
             raise UsageError(f"--prompt-file {path} is a directory, not a file")
         if not path.is_file():
             raise UsageError(f"--prompt-file {path} not found")
-        text = path.read_text()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--prompt-file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                             f"offset {err.start}): give a text file") from None
+        except OSError as err:
+            raise UsageError(f"--prompt-file {path} cannot be read: {err.strerror or err}") from None
     if not text.strip():
         raise UsageError("the prompt is empty (give some text with --prompt or --prompt-file)")
     return text
@@ -70,12 +76,20 @@ class TextStreamer:
         self.printed = len(text)
 
 
+def status(message: str) -> None:
+    """One line on stderr saying what a step that may take more than a moment is doing."""
+    print(f"[longspec: {message}]", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     from .. import GenerationConfig, Generator, load_target
+    from ..config import ModelConfig
     from ..convert import DEFAULT_NAME, default_model_dir
     from ..decoding.sequence import cache_need, round_slots
+    from ..models.checkpoint import read_config
 
-    # everything that can be checked without the model first
+    # everything that can be checked without the model first: the arguments, then (with the
+    # model's config.json and tokenizer only, no weights) the prompt's length
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
     try:
@@ -86,49 +100,51 @@ def cmd_generate(args) -> int:
     text = _prompt_text(args)
     name, tree = proposer_choice(args)
 
-    from transformers import AutoTokenizer
-
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    limit = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
+    ids = _tokenize(target_dir, text, args.chat)
+    note, retune = "", None
+    if name == "auto":
+        biggest = auto_biggest_slots()
+        if cache_need(len(ids), args.max_new_tokens, 1) <= limit < cache_need(len(ids), args.max_new_tokens, biggest):
+            # near the model's end even the smallest tree may not fit: plain decoding, decided now
+            name, note = "none", "the prompt leaves no room for a speculative tree"
+    check_length(len(ids), args.max_new_tokens, None if name == "auto" else tree, limit)
+    if name != "auto":
+        status(f"auto: plain decoding: {note}" if note else f"proposer {name}" + (f", tree {tree}" if tree else ""))
+
+    about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
+             "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
+    status(f"loading {about} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    if args.chat:
-        if not tokenizer.chat_template:
-            raise UsageError(f"the tokenizer in {target_dir} has no chat template; drop --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=False)
-        ids = tokenizer(ids, add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer(text).input_ids
+    plan, line = None, None
     if name == "auto":
         from ..convert import DEFAULT_DRAFT
 
+        status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
+               "10-60 s, cached for later runs)")
         gen = Generator(target, proposer="auto", draft=args.draft or (DEFAULT_DRAFT if not args.target else None))
+        plan = gen.plan([ids], config)  # what `generate` runs below: the same engine as Generator(proposer="auto")
+        name, tree, note, retune = plan.name, plan.picked, plan.note, plan.retune
+        line = auto_line(name, tree, predicted_gain(note), retune)
     else:
         gen = Generator(target, proposer=make_proposer(args, name, target), tree=tree)
-    plan = gen.plan([ids], config)
-    retune, note = plan.retune, plan.note
-    if name == "auto":
-        name, tree = plan.name, plan.start
-    slots = round_slots(plan.tree)
-    need, limit = cache_need(len(ids), args.max_new_tokens, slots), target.config.max_position_embeddings
-    if need > limit:
-        raise UsageError(f"the prompt ({len(ids)} tokens) with --max-new-tokens {args.max_new_tokens}"
-                         + (f" and the tree ({slots} nodes)" if tree is not None else "")
-                         + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
-                         "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
-    if not args.json:
-        about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
-                 "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
-        shown = f" tree {tree}" if tree else " (plain rounds first)" if retune else ""
-        print(f"[longspec: {about} on {device} ({dtype}), proposer {name}{shown}"
-              f"{f' (auto: {note})' if note else ''}]", file=sys.stderr)
-    streamer = TextStreamer(tokenizer, sys.stderr if args.json else sys.stdout)
+    biggest = plan.tree if plan is not None else tree
+    if cache_need(len(ids), args.max_new_tokens, round_slots(biggest)) > limit:  # (auto checked plain decoding's need above)
+        check_length(len(ids), args.max_new_tokens, biggest, limit)
+    if line:
+        status(line)
+    if target.device.type == "cuda" and getattr(target, "compile_steps", False):
+        status("compiling and capturing the steps of this prompt's shape (a process's first call: seconds to a "
+               "minute; later calls of the same shape replay them)")
+    streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     out = gen.generate([ids], config, streamer=streamer, plan=plan)
     streamer.out.write("\n")
+    streamer.out.flush()
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
     if args.json:
-        print(json.dumps({"text": tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
+        print(json.dumps({"text": streamer.tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
                           "proposer": name, "tree": str(tree) if tree else None, "auto": note or None,
                           "stats": stats}))
     else:
@@ -137,6 +153,88 @@ def cmd_generate(args) -> int:
         print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}"
               f"{switches}]", file=sys.stderr)
     return 0
+
+
+_TOKENIZERS: dict = {}
+
+
+def tokenizer_for(target_dir):
+    """The checkpoint's own tokenizer (loaded once per process)."""
+    from transformers import AutoTokenizer
+
+    key = str(target_dir)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(target_dir)
+    return _TOKENIZERS[key]
+
+
+def _tokenize(target_dir, text: str, chat: bool) -> list:
+    tokenizer = tokenizer_for(target_dir)
+    if not chat:
+        return tokenizer(text).input_ids
+    if not tokenizer.chat_template:
+        raise UsageError(f"the tokenizer in {target_dir} has no chat template; drop --chat")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def check_length(prompt_len: int, max_new_tokens: int, tree, limit: int) -> None:
+    """A UsageError when the prompt, ``max_new_tokens`` and one round of ``tree`` (None: a decode
+    step) need more positions than the model has (``limit``)."""
+    from ..decoding.sequence import cache_need, round_slots
+
+    slots = round_slots(tree)
+    need = cache_need(prompt_len, max_new_tokens, slots)
+    if need > limit:
+        raise UsageError(f"the prompt ({prompt_len} tokens) with --max-new-tokens {max_new_tokens}"
+                         + (f" and the tree ({slots} nodes)" if tree is not None else "")
+                         + f" needs {need} positions; the model has {limit}: shorten the prompt, lower "
+                         "--max-new-tokens" + (" or use a smaller --tree" if tree is not None else ""))
+
+
+def auto_biggest_slots() -> int:
+    """The most cache slots a round of any setting ``--proposer auto`` may pick writes."""
+    from ..decoding import auto
+    from ..decoding.tree import TreeSpec
+
+    shapes = [f"chain:{n}" for n in getattr(auto, "LOOKUP_CHAINS", ())] + list(getattr(auto, "CANDIDATE_TREES", ()))
+    return max([TreeSpec.parse(s).num_nodes for s in shapes] or [1])
+
+
+def predicted_gain(note: str):
+    """The predicted speed-up over plain decoding in auto's note ("... 1.62x plain ..."), or None."""
+    import re
+
+    found = re.search(r"([0-9]+(?:\.[0-9]+)?)x plain", note or "")
+    return float(found.group(1)) if found else None
+
+
+def auto_line(name: str, tree, gain, retune=None) -> str:
+    """What ``--proposer auto`` runs and why, in one line, e.g. "auto: prompt lookup, chain of 5
+    (predicted 1.60x plain decoding)"."""
+    predicted = f" (predicted {gain:.2f}x plain decoding)" if gain else ""
+    later = ("; retuned while generating from how often the lookup hits the generated text"
+             if retune is not None else "")
+    start = retune.start if retune is not None else tree
+    if retune is not None and retune.proposer == "pld" and tree is None:
+        return ("auto: plain decoding: no speculative setting is predicted faster on this prompt; prompt lookup "
+                "chains are tried while generating")
+    if name == "none" or (tree is None and retune is None):
+        return "auto: plain decoding: no speculative setting is predicted faster on this prompt"
+    if name == "pld":
+        return f"auto: prompt lookup, {describe_tree(tree)}{predicted}{later}"
+    first = ("" if retune is None or start == tree else
+             f", starting with {'plain rounds' if start is None else 'prompt lookup alone, ' + describe_tree(start)}")
+    return f"auto: LongSpec draft + prompt lookup (hybrid), {describe_tree(tree)}{predicted}{first}{later}"
+
+
+def describe_tree(tree) -> str:
+    """"chain of 5" for a chain, else "tree 4,4,4,4,4"."""
+    text = str(tree)
+    if text.startswith("chain:"):
+        return f"chain of {text.split(':', 1)[1]}"
+    return f"tree {text}"
 
 
 def proposer_choice(args):
@@ -200,8 +298,10 @@ def cmd_self_distill(args) -> int:
     from transformers import AutoTokenizer
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    status(f"loading {target_dir} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    status(f"answering chat requests about the documents into {args.out}")
     try:
         n = self_distill(target, tokenizer, args.docs, args.out, tasks, args.max_doc_tokens, args.max_new_tokens,
                          args.batch, args.temperature, args.top_p, args.seed, limit=args.limit, shard=shard)
@@ -244,11 +344,14 @@ def cmd_serve(args) -> int:
     from ..convert import DEFAULT_NAME, default_model_dir
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    status(f"loading {target_dir} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
     if bucket_trees == "auto":
+        if target.device.type == "cuda":
+            status("choosing each batch bucket's tree (measures step costs once per device, cached)")
         bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
         if notes:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
@@ -258,6 +361,8 @@ def cmd_serve(args) -> int:
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
                           prefill_chunk=chunk or None)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
+        status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
+               "a GPU; the server answers once they are ready)")
         seconds = server.engine.warm_up()
         done = "compiled and captured" if server.engine.cuda_graphs and target.device.type == "cuda" else "prepared"
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
@@ -279,8 +384,10 @@ def cmd_draft_vocab(args) -> int:
 
     if args.size < 1:
         raise UsageError(f"--size must be >= 1, got {args.size}")
+    status(f"loading {args.target} and the draft {args.draft}")
     target = load_target(args.target)
     draft = load_draft(args.draft, target)
+    status(f"counting token frequencies in {' '.join(args.data)}")
     ids = frequent_tokens(args.data, load_tokenizer(args.target), args.size, target.config.vocab_size)
     draft.limit_vocab(ids)
     save_draft(draft, args.out)

@@ -21,7 +21,6 @@ device at hand, from a measured cost model.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time

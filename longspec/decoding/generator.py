@@ -189,7 +189,7 @@ class Generator:
         biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_TREE if on_cuda else PLD_BIGGEST)
         start = chosen.retune.start if chosen.retune is not None else chosen.tree
         return CallPlan(_shared_proposer(self.target, family, self.draft), biggest, start, chosen.retune, chosen.note,
-                        chosen.name if start is None and chosen.retune is None else family)
+                        chosen.name if start is None and chosen.retune is None else family, chosen.tree)
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
@@ -300,6 +300,7 @@ class CallPlan:
     retune: object = None
     note: str = ""
     name: str = ""
+    picked: Optional[TreeSpec] = None  # the tree auto's cost model picked (a retuner may start elsewhere)
 
 
 def _family(proposer) -> str:

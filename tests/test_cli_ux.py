@@ -1,0 +1,123 @@
+"""What a new user meets at the command line: --version, every command in the top-level help,
+Ctrl-C, file errors that name the file, a prompt too long for the model refused before anything
+slow (whatever the proposer), status lines before slow steps, and auto's one readable line."""
+import time
+
+import pytest
+
+import longspec
+from longspec.cli import commands, main
+from longspec.decoding.tree import TreeSpec
+
+from test_cli import needs_default_model
+
+
+class Loaded(Exception):
+    """Raised by a stand-in for load_target: the command got as far as loading the model."""
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"longspec {longspec.__version__}"
+
+
+def test_top_level_help_names_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for command in ("generate", "serve", "train", "self-distill", "draft-vocab", "convert"):
+        assert f"\n  {command} " in top, command
+
+
+def test_generate_help_documents_json_streams(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "one JSON object on stdout" in text and "goes to stderr" in text
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("longspec.cli.cmd_generate", interrupted)
+    assert main(["generate", "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "[longspec: interrupted]" and "Traceback" not in err
+
+
+def test_file_errors_name_the_file(capsys, tmp_path):
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(bytes(range(256)))
+    assert main(["generate", "--target", "/nonexistent", "--prompt-file", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompt-file {binary} is not UTF-8 text" in err and "codec" not in err, err
+    assert main(["generate", "--target", str(tmp_path / "no-model"), "--prompt", "x"]) == 2
+    assert "no-model" in capsys.readouterr().err
+
+
+def test_auto_line_says_what_runs_and_why():
+    chain = TreeSpec.chain(5)
+    assert commands.auto_line("pld", chain, 1.6) == "auto: prompt lookup, chain of 5 (predicted 1.60x plain decoding)"
+    assert commands.auto_line("none", None, None) == \
+        "auto: plain decoding: no speculative setting is predicted faster on this prompt"
+    hybrid = commands.auto_line("hybrid", TreeSpec.parse("4,4,4,4,4"), 1.41)
+    assert hybrid == "auto: LongSpec draft + prompt lookup (hybrid), tree 4,4,4,4,4 (predicted 1.41x plain decoding)"
+    assert commands.predicted_gain("cost model: 1.62x plain decoding predicted") == 1.62
+    assert commands.predicted_gain("the draft has no acceptance table: default tree") is None
+
+
+def _no_load(*args, **kwargs):
+    raise Loaded
+
+
+@pytest.mark.parametrize("proposer", ["auto", "none", "pld", "hybrid"])
+def test_a_prompt_too_long_fails_before_the_model_loads(capsys, monkeypatch, proposer):
+    """9,000+ tokens for a model of 8,192 positions: refused from config.json and the tokenizer
+    alone, in well under 2 s, with what to change."""
+    needs_default_model()
+    commands.tokenizer_for(longspec.default_model_path())  # (the tokenizer's first load is not what is timed)
+    monkeypatch.setattr(longspec, "load_target", _no_load)
+    prompt = "def add(a, b):\n    return a + b\n\n" * 700
+    start = time.perf_counter()
+    assert main(["generate", "--prompt", prompt, "--proposer", proposer, "--device", "cpu"]) == 2
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert "needs" in err and "the model has 8192: shorten the prompt, lower --max-new-tokens" in err, err
+    assert seconds < 2.0, seconds
+
+
+def test_auto_near_the_models_end_decodes_plainly_and_says_so(capsys, monkeypatch):
+    """Where plain decoding fits but no speculative tree does, auto decides so before loading
+    anything (instead of measuring costs and failing after)."""
+    needs_default_model()
+    ids = commands._tokenize(longspec.default_model_path(), "hello world", chat=False)
+    monkeypatch.setattr(longspec, "load_target", _no_load)
+    with pytest.raises(Loaded):  # it got as far as loading the model: the length passed
+        main(["generate", "--prompt", "hello world", "--max-new-tokens", str(8193 - len(ids)), "--device", "cpu"])
+    lines = capsys.readouterr().err.splitlines()
+    assert "[longspec: auto: plain decoding: the prompt leaves no room for a speculative tree]" in lines, lines
+    assert lines[-1].startswith("[longspec: loading SmolLM2-135M-Instruct")  # said before the slow step
+
+
+def test_ctrl_c_while_generating_exits_130_without_a_traceback():
+    """A real SIGINT in the middle of a generation (the default model, plain decoding)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    needs_default_model()
+    proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "generate", "--prompt", "def fibonacci(n):",
+                             "--max-new-tokens", "2000", "--proposer", "none", "--threads", "1", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        proc.stdout.read(1)  # text is streaming: the generation runs
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("[longspec: interrupted]") and "Traceback" not in err, err
