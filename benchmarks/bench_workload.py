@@ -35,24 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
-
-
-def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
-    """Source files of ``directory`` (sorted, with path headers) concatenated, cut to n_tokens."""
-    parts, total = [], 0
-    for path in sorted(directory.rglob("*.py")):
-        try:
-            text = path.read_text()
-        except (UnicodeDecodeError, OSError):
-            continue
-        parts.append(f"# ==== {path.relative_to(directory)} ====\n{text}")
-        total += len(text) // 3
-        if total > n_tokens * 2:
-            break
-    ids = tokenizer("".join(parts)).input_ids
-    if len(ids) < n_tokens:
-        raise ValueError(f"{directory} holds only {len(ids)} tokens, {n_tokens} asked")
-    return ids[:n_tokens]
+from bench_generate import code_prompt  # noqa: E402  (this script's folder is on the path)
 
 
 def sync():

