@@ -29,17 +29,22 @@ class BlockPool:
     rows that own no block point there, so their (ignored) writes never touch another row's data.
     Blocks are handed out and returned on the host (:meth:`allocate`, :meth:`release`)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu",
+                 scratch_slots: Optional[int] = None):
+        """``scratch_slots``: the scratch block's size (default a whole block, as rows that own
+        nothing need; 1 for a pool whose rows own their blocks for good)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (config.num_layers, config.num_kv_heads, (num_blocks + 1) * block_size, config.head_dim)
+        extra = block_size if scratch_slots is None else scratch_slots
+        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size + extra, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = [True] * num_blocks
 
     @property
     def scratch(self) -> int:
+        """The scratch block's id (its first slot: ``scratch * block_size``)."""
         return self.num_blocks
 
     @property
@@ -132,8 +137,8 @@ class KVCache:
             raise ValueError(
                 f"this model uses sliding-window attention (window {config.sliding_window}), which longspec "
                 f"does not implement: contexts up to {config.sliding_window} tokens only (asked for {max_len})")
-        if pool is None:
-            pool = BlockPool(config, batch_size, max_len, dtype, device)
+        if pool is None:  # one block per row, owned for good: a one-slot scratch for stray slots
+            pool = BlockPool(config, batch_size, max_len, dtype, device, scratch_slots=1)
         device = pool.k.device
         max_blocks = -(-max_len // pool.block_size)
         self.pool, self.block_size = pool, pool.block_size
@@ -146,7 +151,7 @@ class KVCache:
             self.table = home
         else:
             self.table = torch.full((batch_size, max_blocks), pool.scratch, dtype=torch.long, device=device)
-        self.blocks: list = [None] * batch_size  # per row: the blocks :meth:`assign` gave it (host)
+        self.blocks: list = [None] * batch_size  # per row (of this cache; views index it by row0 + row): its blocks
         self.row0 = 0  # the first row's index in the cache this one is a view of
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.pending = 0
@@ -171,7 +176,7 @@ class KVCache:
     def layer(self, i: int) -> LayerKV:
         """Layer ``i`` (negative: from the last) as attention reads it."""
         return LayerKV(self.pool.k[i], self.pool.v[i], self.table, self.block_size,
-                       self.row0 if self.dense else None)
+                       self.row0 if self.dense else None, self.pool.scratch * self.block_size)
 
     @property
     def k(self) -> torch.Tensor:
@@ -205,17 +210,17 @@ class KVCache:
         self.unassign(row)
         max_blocks = self.table.shape[1]
         blocks = self.pool.allocate(max(1, -(-n_slots // self.block_size)), prefer=(self.row0 + row) * max_blocks)
-        self.blocks[row] = blocks
+        self.blocks[self.row0 + row] = blocks
         entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)
         entries[:len(blocks)] = torch.tensor(blocks)
         self.table[row].copy_(entries)
 
     def unassign(self, row: int) -> None:
         """Returns row ``row``'s blocks to the pool (a dense cache's rows keep theirs)."""
-        if self.dense or self.blocks[row] is None:
+        if self.dense or self.blocks[self.row0 + row] is None:
             return
-        self.pool.release(self.blocks[row])
-        self.blocks[row] = None
+        self.pool.release(self.blocks[self.row0 + row])
+        self.blocks[self.row0 + row] = None
         self.table[row].fill_(self.pool.scratch)
 
     def check_room(self, n_new: int, longest: Optional[int] = None) -> None:

@@ -48,6 +48,7 @@ class AttentionMeta:
     table: torch.Tensor  # [B, max_blocks]: the rows' block table (see ``KVCache``)
     block_size: int
     dense_row0: Optional[int]  # the rows are a strided view of the pool from this row (None: paged)
+    scratch: int  # the pool's scratch slot
     causal: bool = False
     tree_causal: bool = False  # the tree mask is lower-right causal (the Triton kernel computes it)
     key_mask: Optional[torch.Tensor] = None
@@ -56,7 +57,7 @@ class AttentionMeta:
     def layer(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> LayerKV:
         """One layer of the pool (k_layer, v_layer [Hkv, P, D]) as these rows read it: a
         :class:`~longspec.cache.LayerKV`."""
-        return LayerKV(k_layer, v_layer, self.table, self.block_size, self.dense_row0)
+        return LayerKV(k_layer, v_layer, self.table, self.block_size, self.dense_row0, self.scratch)
 
     @classmethod
     def build(cls, cache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool = False,
@@ -79,7 +80,8 @@ class AttentionMeta:
         else:
             causal = False
         meta = cls(impl, cache.lengths, cache.physical(cache.new_slots(n_new)), tree_mask, cache.pending, n_keys,
-                   cache.table, cache.block_size, cache.row0 if cache.dense else None, causal, tree_causal)
+                   cache.table, cache.block_size, cache.row0 if cache.dense else None,
+                   cache.pool.scratch * cache.block_size, causal, tree_causal)
         if impl not in ("triton", "reference") and not causal:  # the Triton kernel reads tree_mask itself
             slots = torch.arange(n_keys, device=tree_mask.device)
             rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
@@ -97,7 +99,7 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     already written. Returns o [B, Hq, M, D]."""
     kv = meta.layer(k_layer, v_layer)
     if meta.impl == "triton" and not meta.causal:
-        k, v, table, block_size = kv.for_kernel()
+        k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.tree_attention(q, k, v, meta.lengths, meta.tree_mask, causal=meta.tree_causal,
                                              table=table, block_size=block_size)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
@@ -139,7 +141,7 @@ def attend_prefix(q: torch.Tensor, kv: LayerKV, limits: torch.Tensor, impl: str,
     gets zeros. q [B, Hq, M, D], limits [B, M]. Triton: the split-KV kernel through the block
     table, no [B, M, S] mask; otherwise over the first ``n_keys`` slots (default: the capacity)."""
     if impl == "triton":
-        k, v, table, block_size = kv.for_kernel()
+        k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.prefix_attention(q, k.to(q.dtype), v.to(q.dtype), limits, table=table,
                                                block_size=block_size)
     k, v = kv.dense(kv.capacity if n_keys is None else n_keys)

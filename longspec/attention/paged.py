@@ -20,6 +20,7 @@ class LayerKV:
     table: torch.Tensor
     block_size: int
     dense_row0: Optional[int] = None
+    scratch: int = 0  # the pool's scratch slot (where slots past a row's capacity go)
 
     @property
     def capacity(self) -> int:
@@ -43,7 +44,7 @@ class LayerKV:
             return tuple(x[:, start:start + b * cap].view(x.shape[0], b, cap, x.shape[2]).transpose(0, 1)[:, :, :n_keys]
                          for x in (self.k, self.v))
         slots = physical_slots(self.table, self.block_size, torch.arange(n_keys, device=self.table.device)[None, :],
-                               (self.k.shape[1] // self.block_size - 1) * self.block_size)
+                               self.scratch)
         return tuple(x[:, slots].transpose(0, 1) for x in (self.k, self.v))
 
 

@@ -152,10 +152,7 @@ if triton is not None:
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
         # TMA: KD, VD describe the (contiguous) storage as [rows * HKV * S, HEAD_D], S slots a head
-        if PAGED:
-            desc0 = (h * (sk_h // HEAD_D)).to(tl.int32)
-        else:
-            desc0 = ((b * HKV + h) * (sk_h // HEAD_D)).to(tl.int32)
+        desc0 = ((b * sk_b + h * sk_h) // HEAD_D).to(tl.int32)  # (paged: no batch stride)
         for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
             first = _slot(TBL, b, lo + blk * BLOCK_N, stbl_b, BS, PAGED)
             k = _block(KD, k_base, desc0 + first.to(tl.int32), first, sk_s, d, True, TMA, BLOCK_N)

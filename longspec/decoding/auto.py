@@ -242,7 +242,8 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     weight = max((n - lo) / (hi - lo), 0.0) if hi > lo else 0.0  # (beyond hi: extrapolated)
     cached = _read_costs(costs_file)
     at = {context: _costs_at(target, candidates, context, batch, cached, costs_file) for context in {lo, hi}}
-    costs = {kind: {key: (1 - weight) * at[lo][kind][key] + weight * value
+    # (beyond hi never below the costs measured there: noise must not extrapolate into cheap steps)
+    costs = {kind: {key: max((1 - weight) * at[lo][kind][key] + weight * value, value if weight > 1 else 0.0)
                     for key, value in at[hi][kind].items() if key in at[lo][kind]}
              for kind in ("target_ms", "draft_ms")}
     costs["target_ms"] = monotone(costs["target_ms"])

@@ -62,7 +62,8 @@ class Engine:
     (default 256, or the row's length rounded up to 64 when shorter) shared by the rows: a
     sequence takes the blocks it can use (prompt, ``max_new_tokens``, one round's tree) when it
     joins and returns them when it leaves. ``pool_tokens``: the pool's size (default: ``max_len``
-    for every row, so every request that fits a row is admitted); a smaller pool admits a request
+    for every row, so every request that fits a row is admitted, or on CUDA at most half the free
+    device memory); a smaller pool admits a request
     only while it has the blocks (:class:`~longspec.cache.PoolExhausted` otherwise, see
     :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
     block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
@@ -97,6 +98,11 @@ class Engine:
         if set(self.bucket_trees) - set(self.buckets):
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
+        if pool_tokens is None and device.type == "cuda":  # every row's max_len, within half the free memory
+            per_token = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * \
+                torch.empty((), dtype=target.dtype).element_size()
+            budget = torch.cuda.mem_get_info(device)[0] // 2 // per_token
+            pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
         num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
         self.pool = BlockPool(target.config, num_blocks, block, target.dtype, device)
         self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool)
@@ -190,7 +196,8 @@ class Engine:
             for i, s in enumerate(seqs):
                 self.cache.assign(row0 + i, self.need(s))
             logits = self._prefill_rows(seqs, row0)
-        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks)
+        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
+            self.cache.lengths[row0:row0 + n] = 0
             for i in range(n):
                 self.cache.unassign(row0 + i)
             raise

@@ -107,6 +107,7 @@ class Generator:
     ``draft``: the LongSpec draft of "longspec" / "hybrid" / "auto" (loaded, or a checkpoint
     folder; default: the one shipped for the default model). ``tree``: the tree to draft (a
     :class:`TreeSpec` or its string form; default per proposer, see :func:`default_tree`).
+    ``window``: the recent window of "streaming".
 
     ``max_len`` caps a row of the KV cache (prompt + new tokens + tree); it defaults to the
     target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
@@ -118,7 +119,7 @@ class Generator:
     lengths, ``max_new_tokens`` and sampling settings capture and compile nothing."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, retune=None, draft=None):
+                 cuda_graphs: Optional[bool] = None, retune=None, draft=None, window: int = 512):
         if proposer is None or proposer == "none":
             proposer = None
             if tree is not None:
@@ -126,19 +127,28 @@ class Generator:
         elif isinstance(proposer, str):
             if proposer not in PROPOSERS:
                 raise ValueError(f"unknown proposer {proposer!r}; expected one of {', '.join(PROPOSERS)}")
+            draft = _shared_draft(target, draft) if proposer in ("auto", "longspec", "hybrid") else draft
             if proposer == "auto":
                 if tree is not None:
                     raise ValueError("proposer 'auto' chooses its tree itself: leave tree out")
-                draft = _load_draft(draft, target)
-            else:
-                proposer = build_proposer(proposer, target, draft)
+            else:  # one proposer per name and draft in the process: Generators of it share its engine
+                proposer = _shared_proposer(target, proposer, draft, window)
         if proposer is not None and proposer != "auto":
             tree = TreeSpec.coerce(default_tree(_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree, self.retune, self.draft = target, proposer, tree, retune, draft
-        self.max_len = max_len or target.config.max_position_embeddings
+        # (a sliding-window model: as far as the window, which longspec does not implement beyond)
+        self.max_len = max_len or min(target.config.max_position_embeddings,
+                                      target.config.sliding_window or target.config.max_position_embeddings)
         self.cuda_graphs = cuda_graphs
-        self._engine: Optional[Engine] = None  # the engine of the last call
+        self._key = None  # the key of the last call's engine
+
+    @property
+    def _engine(self) -> Optional[Engine]:
+        """The engine of the last call (held by the target's registry only, so a replaced engine
+        is freed whatever Generator used it)."""
+        found = _engines(self.target).get(self._key)
+        return None if found is None else found[1]
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
         if isinstance(prompts, (str, bytes)) or (len(prompts) > 0 and isinstance(prompts[0], (str, bytes))):
@@ -157,6 +167,24 @@ class Generator:
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         return prompts
+
+    @staticmethod
+    def _rounds(engine: Engine, seqs: list, streamer, retune, trees: list, check) -> int:
+        """Rounds until every row is done, switching trees as ``retune`` says; returns their number."""
+        rounds = 0
+        while engine.has_active:
+            engine.step(streamer)
+            rounds += 1
+            if retune is not None and len(seqs[0].tokens) >= check and engine.has_active:
+                switch = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
+                if str(switch) != trees[-1][1]:
+                    engine.use_tree(switch)
+                    trees.append((len(seqs[0].tokens), str(switch)))
+                check *= 2
+        return rounds
+
+    def _fits(self, prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> bool:
+        return cache_need(max(map(len, prompts)), config.max_new_tokens, round_slots(tree)) <= self.max_len
 
     def _check_room(self, prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> None:
         longest = max(map(len, prompts))
@@ -195,20 +223,22 @@ class Generator:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
         with at least ``batch`` rows (built on first use, or rebuilt with more rows)."""
         engines = _engines(self.target)
-        # (the attention and compilation settings are the engine's too: its steps and graphs use them)
-        key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
-               self.target.attention_impl, self.target.compile_steps)
+        # (the attention, compilation, dtype and device settings are the engine's too: its steps use them)
+        key = ("engine", None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
+               self.target.attention_impl, self.target.compile_steps, str(self.target.dtype), str(self.target.device))
         engine = engines[key][1] if key in engines else None
         if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
             batch = max(batch, len(engine.rows))
-            engine.close()  # frees its pool once the last reference below is gone
-            del engines[key]
-            self._engine = engine = None
+            engine = None
         if engine is None:
-            rows = batch
-            engine = Engine(self.target, proposer, tree, rows, self.max_len, RowSampling.zeros(rows, self.target.device),
+            # an engine of this key, or one that holds this proposer, goes first: its pool is freed first
+            for other in [k for k, (p, _) in engines.items()
+                          if k[0] == "engine" and (k == key or (proposer is not None and p is proposer))]:
+                engines.pop(other)[1].close()
+            engine = Engine(self.target, proposer, tree, batch, self.max_len, RowSampling.zeros(batch, self.target.device),
                             self.cuda_graphs)
             engines[key] = (proposer, engine)
+        self._key = key
         return engine
 
     @torch.inference_mode()
@@ -229,10 +259,13 @@ class Generator:
         clock = _Clock(self.target.device)
         t_plan = time.perf_counter()
         plan = plan or self.plan(prompts, config)
+        if self.proposer == "auto" and plan.tree is not None and self._fits(prompts, config, None) \
+                and not self._fits(prompts, config, plan.tree):  # near the context's end: plain decoding
+            plan = CallPlan(None, None, None, None, "the prompt leaves no room for a speculative tree", "none")
         proposer, tree, start, retune, note = plan.proposer, plan.tree, plan.start, plan.retune, plan.note
         plan_s = time.perf_counter() - t_plan
         self._check_room(prompts, config, tree)
-        engine = self._engine = self.engine(proposer, tree, len(prompts))
+        engine = self.engine(proposer, tree, len(prompts))
         captures_before = engine.capture_seconds()
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing
@@ -250,18 +283,13 @@ class Generator:
         check = retune.first if retune is not None else None
         retune = retune if len(seqs) == 1 else None  # switches follow one prompt only
         t0 = clock()
-        engine.add(seqs, streamer)
-        t_prefill = clock()
-        rounds = 0
-        while engine.has_active:
-            engine.step(streamer)
-            rounds += 1
-            if retune is not None and len(seqs[0].tokens) >= check and engine.has_active:
-                switch = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
-                if str(switch) != trees[-1][1]:
-                    engine.use_tree(switch)
-                    trees.append((len(seqs[0].tokens), str(switch)))
-                check *= 2
+        try:
+            engine.add(seqs, streamer)
+            t_prefill = clock()
+            rounds = self._rounds(engine, seqs, streamer, retune, trees, check)
+        finally:  # a failed or interrupted call leaves the shared engine empty
+            for s in seqs:
+                engine.cancel(s)
         t_end = clock()
         n_new = sum(len(s.tokens) for s in seqs)
         decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
@@ -315,11 +343,23 @@ def _family(proposer) -> str:
     return "pld" if isinstance(proposer, PromptLookup) else "longspec"
 
 
-def _shared_proposer(target: TargetModel, name: str, draft):
-    """The proposer ``auto`` runs for ``name`` ("pld" or "hybrid" over ``draft``): one per
-    target and draft in this process, so that its engine (and graphs) are reused."""
+def _shared_draft(target: TargetModel, draft):
+    """``draft`` loaded once per target and folder in this process (None: the shipped default, if
+    any); a loaded draft is returned as it is."""
+    if draft is not None and not isinstance(draft, (str, bytes)) and not hasattr(draft, "__fspath__"):
+        return draft
     engines = _engines(target)
-    key = ("proposer", name, None if name == "pld" else id(draft))
+    key = ("draft", None if draft is None else str(draft))
     if key not in engines:
-        engines[key] = (build_proposer(name, target, draft), draft)  # (the draft kept alive with it)
+        engines[key] = (_load_draft(draft, target), None)
+    return engines[key][0]
+
+
+def _shared_proposer(target: TargetModel, name: str, draft, window: int = 512):
+    """The proposer for ``name`` over ``draft``: one per target, name and draft in this process,
+    so that its engine (and graphs) serve every Generator that names it."""
+    engines = _engines(target)
+    key = ("proposer", name, None if name in ("pld", "none") else id(draft), window if name == "streaming" else None)
+    if key not in engines:
+        engines[key] = (build_proposer(name, target, draft, window), draft)  # (the draft kept alive with it)
     return engines[key][0]

@@ -115,6 +115,15 @@ class PhaseRunner:
         self._events.clear()
 
     def _capture(self) -> None:
+        """Captures with the process's random numbers, not the caller's seeded generator: a seed's
+        draws do not depend on whether a round was captured before."""
+        seeded, self.uniforms.generator = self.uniforms.generator, None
+        try:
+            self._capture_phases()
+        finally:
+            self.uniforms.generator = seeded
+
+    def _capture_phases(self) -> None:
         t0 = time.perf_counter()
         saved = [t.clone() for t in self.state]
 
