@@ -312,6 +312,9 @@ def cmd_draft_vocab(args) -> int:
 
     if args.size < 1:
         raise UsageError(f"--size must be >= 1, got {args.size}")
+    from ..outdir import check_out_dir
+
+    check_out_dir(args.out, inputs=[args.target, args.draft], force=args.force)
     target = load_target(args.target)
     draft = load_draft(args.draft, target)
     ids = frequent_tokens(args.data, load_tokenizer(args.target), args.size, target.config.vocab_size)
@@ -325,7 +328,7 @@ def cmd_convert(args) -> int:
     from ..convert import convert_gguf
     from ..models.checkpoint import resolve_dtype
 
-    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype))
+    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype), force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -343,7 +346,7 @@ def cmd_train(args) -> int:
         max_lag=args.max_lag, tree=args.tree, anchor_offset=not args.no_anchor_offset, noise=not args.no_noise,
         distill=args.distill, distill_weight=args.distill_weight, intermediate_size=args.intermediate_size, init_from=args.init_from, text_field=args.text_field,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
-        save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
+        save_every=args.save_every, log_every=args.log_every, resume=args.resume, force=args.force, seed=args.seed,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
         exclude=args.exclude,
         compile={"on": True, "off": False, "auto": None}[args.compile],
