@@ -83,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
     srv.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per request (default: 4096)")
-    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; then 429 (default: 64)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row at most; then 429 with "
+                                                                "Retry-After (default: 64)")
+    srv.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes at most; then 413 "
+                                                                   "(default: 8388608, 8 MiB)")
+    srv.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' on /v1 routes "
+                                                     "(default: $LONGSPEC_API_KEY; unset: no key)")
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
