@@ -62,6 +62,7 @@ class Request:
     final: bool = False  # text is complete (cut at a stop string)
     cancelled: bool = False
     created: float = field(default_factory=time.time)
+    checked: float = 0.0  # when the event loop last checked that the client is still connected
 
     def push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -100,9 +101,11 @@ class Worker:
     def stats(self) -> dict:
         """Requests active and waiting; rounds run, seconds spent in them (``Engine.step``), in
         their hand-over of tokens to the requests (part of the rounds) and in all the worker's work
-        between waits (admissions too)."""
+        between waits (admissions too); rows free and rows drawing from their own generator."""
         with self.lock:
             return {"active": len(self.running), "waiting": len(self.waiting), "rounds": self.rounds,
+                    "free_rows": len(self.engine.free_rows()),
+                    "row_generators": len(self.engine.uniforms.row_generators),
                     "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4)}
 
     def stop(self) -> None:
@@ -286,6 +289,7 @@ class Worker:
 # ---- request bodies ----------------------------------------------------------------------------
 UNSUPPORTED_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+TEXT_MARGIN = 4  # a normaliser may merge characters (e.g. NFKC composing accents): a wide margin
 
 
 def _number(body: dict, name: str, kind, default, lo=None, hi=None):
@@ -322,6 +326,15 @@ class Server:
         self.eos = frozenset(engine.target.config.eos_token_ids)
         # positions a request may use: the cache's rows, never beyond the model's positions
         self.max_len = min(engine.max_len, engine.target.config.max_position_embeddings)
+        # the longest token's characters: a text over MARGIN * that * max_len characters has more
+        # tokens than any request may hold, and is refused without tokenising it
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.token_chars = max(map(len, vocab), default=0)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if self.token_chars and chars > TEXT_MARGIN * self.token_chars * self.max_len:
+            raise APIError(400, f"the prompt ({chars} characters) has more tokens than this server holds per request "
+                                f"({self.max_len})", param, "context_length_exceeded")
 
     def parse(self, raw: bytes, chat: bool) -> tuple:
         """Request body (bytes) -> (Sequence, stop strings, seed, stream). Every field is checked
@@ -373,6 +386,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            self._check_chars(len(prompt), "prompt")
             return self.tokenizer(prompt).input_ids
         vocab = self.engine.target.config.vocab_size
         if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
@@ -389,6 +403,7 @@ class Server:
                            "messages")
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                                       add_generation_prompt=True, tokenize=False)

@@ -153,14 +153,19 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
 
 async def _next_event(server: Server, request: Request, http):
     """The request's next event, or None once its client has gone away (the request is then
-    cancelled: its row is free for the next round)."""
+    cancelled: its row is free for the next round). The connection is checked every ``POLL_S``
+    seconds, whether events arrive meanwhile or not."""
+    loop = asyncio.get_running_loop()
     while True:
-        try:
-            return await asyncio.wait_for(request.events.get(), timeout=POLL_S)
-        except asyncio.TimeoutError:
+        if loop.time() - request.checked >= POLL_S:
+            request.checked = loop.time()
             if await http.is_disconnected():
                 server.worker.cancel(request)
                 return None
+        try:
+            return await asyncio.wait_for(request.events.get(), timeout=POLL_S)
+        except asyncio.TimeoutError:
+            continue
 
 
 async def _drain(server: Server, request: Request, http) -> Optional[str]:
