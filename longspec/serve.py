@@ -153,7 +153,7 @@ class Worker:
     def _admit(self, requests: list) -> None:
         """Prefills the admitted requests: those without a seed together (one forward per run of
         consecutive free rows: a wave of arrivals does not stall the running streams once per
-        request), each seeded one alone (its seed reseeds the draws). A failure fails only its
+        request), each seeded one alone (its row gets a generator of its seed). A failure fails only its
         request: a failed group is retried one request at a time."""
         unseeded = [r for r in requests if r.seed is None]
         groups = ([unseeded] if unseeded else []) + [[r] for r in requests if r.seed is not None]

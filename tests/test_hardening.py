@@ -258,3 +258,35 @@ def test_a_damaged_metrics_line_before_the_last_names_the_file(capsys, model_dir
     with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is damaged"):
         train(small_run(out, one_file, steps=4, resume=True), tokenizer=word_tokenizer(),
               target=load_target(model_dir))
+
+
+# ------------------------------------------------------------------------------ seeds per row
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_rows_own_generator_gives_it_the_same_numbers_in_any_batch(static):
+    """A row with its own generator (a seeded server request) draws the same numbers whatever
+    the batch size, the row it sits in and the shared generator's state, eagerly or from a
+    captured round's buffer (refilled before each round)."""
+    from longspec.decoding.sampling import Uniforms
+
+    def rounds(batch: int, row: int, first_row: int = 0) -> list:
+        u = Uniforms(torch.Generator().manual_seed(batch * 31 + row), "cpu")
+        u.seed_row(row, 7)
+        u.first_row = first_row
+        if static:
+            u.make_static(batch * 3)
+            view = u((batch, 3))  # what a capture records
+        out = []
+        for _ in range(3):
+            u.refill()
+            numbers = view if static else u((batch, 3))
+            out.append(numbers[row - first_row].clone())
+        u.drop_row(row)
+        u.refill()
+        assert not torch.equal((view if static else u((batch, 3)))[row - first_row], out[0])
+        return out
+
+    own = torch.Generator().manual_seed(7)
+    expected = [torch.rand(3, generator=own) for _ in range(3)]
+    for batch, row, first_row in [(1, 0, 0), (4, 2, 0), (8, 7, 0), (2, 5, 4)]:
+        assert all(torch.equal(a, b) for a, b in zip(rounds(batch, row, first_row), expected))
