@@ -25,6 +25,7 @@ from .serve import APIError, Request, Server
 POLL_S = 0.5  # seconds between checks that a waiting client is still connected
 DEFAULT_MAX_BODY = 8 << 20  # bytes
 RETRY_AFTER_S = 1
+DISCARD_FACTOR = 8  # a body over the limit is read (and dropped) up to this many limits before the 413
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
@@ -54,6 +55,7 @@ class Guard:
                                          {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            await self._discard(receive, 0)
             return await self._reply(scope, receive, send, 413, self._too_large(), "request_too_large",
                                      {"Connection": "close"})
         received = 0
@@ -64,10 +66,22 @@ class Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:
+                    if message.get("more_body"):
+                        await self._discard(receive, received)
                     raise APIError(413, self._too_large(), code="request_too_large")
             return message
 
         await self.app(scope, limited, send)
+
+    async def _discard(self, receive, received: int) -> None:
+        """Reads and drops the rest of a body that is too large (up to ``DISCARD_FACTOR`` times the
+        limit: beyond that the connection is closed), so that the client, still sending, reads
+        the 413 instead of a reset connection. Holds one chunk at a time."""
+        while received <= DISCARD_FACTOR * self.max_body:
+            message = await receive()
+            received += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
 
     def _too_large(self) -> str:
         return f"the request body is larger than this server takes ({self.max_body} bytes, --max-body)"
