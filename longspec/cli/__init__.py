@@ -119,14 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     dv.add_argument("--data", required=True, nargs="+", help="text / JSONL files or source trees (the training data)")
     dv.add_argument("--size", type=int, default=8192, help="tokens kept (default: 8192)")
     dv.add_argument("--out", required=True, help="output draft directory (new, empty or a longspec draft)")
-    dv.add_argument("--force", action="store_true", help="write into an --out folder that holds other files (never into an input's folder)")
+    dv.add_argument("--force", action="store_true",
+                    help="write into an --out folder that holds other files (never an input's folder)")
     dv.set_defaults(func=cmd_draft_vocab)
 
     conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
     conv.add_argument("--gguf", required=True, help="input .gguf file")
     conv.add_argument("--out", required=True, help="output directory (new, empty or an earlier conversion, which "
                                                     "is replaced)")
-    conv.add_argument("--force", action="store_true", help="write into an --out folder that holds other files (never into an input's folder)")
+    conv.add_argument("--force", action="store_true",
+                      help="write into an --out folder that holds other files (never an input's folder)")
     conv.add_argument("--dtype", default="float32")
     conv.set_defaults(func=cmd_convert)
 
@@ -173,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     tr.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl row")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    tr.add_argument("--force", action="store_true", help="write into an --out folder that holds other files (never into an input's folder)")
+    tr.add_argument("--force", action="store_true",
+                    help="write into an --out folder that holds other files (never an input's folder)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
     tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")

@@ -156,8 +156,8 @@ def check_size(parameters: int, files: list, path: Path) -> None:
     held = sum(f.stat().st_size for f in files)
     if parameters > held:
         names = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
-        raise ValueError(f"{path / 'config.json'} describes {parameters:,} weights (about {4 * parameters / 2**30:,.1f} "
-                         f"GiB in float32), but its weight files ({names}) hold only {held:,} bytes: a wrong size "
+        raise ValueError(f"{path / 'config.json'} describes {parameters:,} weights (about "
+                         f"{4 * parameters / 2**30:,.1f} GiB in float32), but its weight files ({names}) hold only {held:,} bytes: a wrong size "
                          f"in config.json, or corrupt (truncated) weight files")
 
 
