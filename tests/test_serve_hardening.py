@@ -293,7 +293,7 @@ def test_soak(model_dir):
     not, greedy, seeded and sampled, clients that disconnect, hostile bodies (too large, too
     deep, wrong types, no key). Afterwards: greedy outputs equal a lone run, every row is free,
     no row keeps a seed's generator, nothing waits, and the memory after warm-up grew less than
-    15%. Run: ``python -m pytest -m slow -s tests/test_serve_hardening.py -k soak`` (about 8
+    15%. Run: ``python -m pytest -m slow -s tests/test_serve_hardening.py -k soak`` (about 6
     minutes on a 2-core CPU)."""
     import random
 
