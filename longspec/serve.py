@@ -6,16 +6,17 @@ wave's unseeded requests in one batched prefill) and ends cancelled ones; each r
 every active request; text is decoded incrementally (each round's new tokens). Every
 request has its own sampling settings (a ``RowSampling`` engine), so a greedy request gets
 exactly the tokens it would get alone. Text reaches the client through an asyncio queue, as
-server-sent events when ``stream`` is true.
+server-sent events when ``stream`` is true. A seeded request draws its random numbers from its
+own generator, so its text does not depend on the requests decoded beside it.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``. Extensions: ``top_k`` in requests; ``longspec`` (tau, token ids) in responses."""
+Endpoints (:mod:`longspec.serve_http`): ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /health``. Extensions: ``top_k`` in requests; ``longspec`` (tau, token
+ids) in responses."""
 
 import asyncio
 import json
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -61,6 +62,7 @@ class Request:
     final: bool = False  # text is complete (cut at a stop string)
     cancelled: bool = False
     created: float = field(default_factory=time.time)
+    checked: float = 0.0  # when the event loop last checked that the client is still connected
 
     def push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -82,10 +84,12 @@ class Worker:
         self.thread.start()
 
     def submit(self, request: Request) -> None:
+        """Queues ``request``; raises a 429 APIError when ``max_queue`` requests already wait
+        beyond the free rows (``max_queue`` 0: a request is taken only when a row is free)."""
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise APIError(429, f"the server is busy: {len(self.waiting)} requests are waiting",
-                               code="queue_full", kind="rate_limit_error")
+            if len(self.waiting) >= self.max_queue + len(self.engine.free_rows()):
+                raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting)} requests "
+                                    f"are waiting", code="queue_full", kind="rate_limit_error")
             self.waiting.append(request)
             self.lock.notify()
 
@@ -97,9 +101,11 @@ class Worker:
     def stats(self) -> dict:
         """Requests active and waiting; rounds run, seconds spent in them (``Engine.step``), in
         their hand-over of tokens to the requests (part of the rounds) and in all the worker's work
-        between waits (admissions too)."""
+        between waits (admissions too); rows free and rows drawing from their own generator."""
         with self.lock:
             return {"active": len(self.running), "waiting": len(self.waiting), "rounds": self.rounds,
+                    "free_rows": len(self.engine.free_rows()),
+                    "row_generators": len(self.engine.uniforms.row_generators),
                     "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4)}
 
     def stop(self) -> None:
@@ -147,7 +153,7 @@ class Worker:
     def _admit(self, requests: list) -> None:
         """Prefills the admitted requests: those without a seed together (one forward per run of
         consecutive free rows: a wave of arrivals does not stall the running streams once per
-        request), each seeded one alone (its seed reseeds the draws). A failure fails only its
+        request), each seeded one alone (its row gets a generator of its seed). A failure fails only its
         request: a failed group is retried one request at a time."""
         unseeded = [r for r in requests if r.seed is None]
         groups = ([unseeded] if unseeded else []) + [[r] for r in requests if r.seed is not None]
@@ -173,12 +179,24 @@ class Worker:
                         self._finish(request, request.finish_reason or self._reason(request))
 
     def _add(self, group: list) -> None:
-        if group[0].seed is not None:
-            device = self.engine.target.device
-            self.engine.uniforms.generator = torch.Generator(device=device).manual_seed(group[0].seed)
+        """Prefills ``group``; a seeded request (alone in its group) draws from its own generator
+        in the row it takes (the first free one), so its text does not depend on its neighbours."""
         for request in group:
             self.running[id(request.seq)] = request
-        self.engine.add([r.seq for r in group], streamer=self._on_tokens)
+        uniforms = self.engine.uniforms
+        if group[0].seed is None:
+            self.engine.add([r.seq for r in group], streamer=self._on_tokens)
+            return
+        row = self.engine.free_rows()[0]
+        uniforms.seed_row(row, group[0].seed)
+        uniforms.first_row = row  # the prefill's draws: index 0 is this row
+        try:
+            self.engine.add([group[0].seq], streamer=self._on_tokens)
+        except Exception:
+            uniforms.drop_row(row)
+            raise
+        finally:
+            uniforms.first_row = 0
 
     def _on_tokens(self, row: int, tokens: list) -> None:
         start = time.perf_counter()
@@ -243,9 +261,15 @@ class Worker:
         return "length" if len(request.seq.tokens) >= request.seq.max_new_tokens and not (
             request.seq.tokens and request.seq.tokens[-1] in request.seq.eos) else "stop"
 
-    def _finish(self, request: Request, reason: Optional[str]) -> None:
+    def _leave(self, request: Request) -> None:
+        """Ends ``request``'s sequence and frees its row (and the row's generator)."""
         self.engine.cancel(request.seq)
         self.running.pop(id(request.seq), None)
+        if request.seed is not None and request.seq.row >= 0:
+            self.engine.uniforms.drop_row(request.seq.row)
+
+    def _finish(self, request: Request, reason: Optional[str]) -> None:
+        self._leave(request)
         if reason is None:  # cancelled: nobody is listening
             return
         if not request.final:  # characters held back while incomplete (a stop string may end there)
@@ -258,12 +282,16 @@ class Worker:
         request.push(("done", reason))
 
     def _fail(self, request: Request, err: Exception) -> None:
-        self.engine.cancel(request.seq)
-        self.running.pop(id(request.seq), None)
+        self._leave(request)
         request.push(("error", APIError(500, f"generation failed: {err}", kind="server_error")))
 
 
-# ---- HTTP ------------------------------------------------------------------------------------
+# ---- request bodies ----------------------------------------------------------------------------
+UNSUPPORTED_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+TEXT_MARGIN = 4  # a normaliser may merge characters (e.g. NFKC composing accents): a wide margin
+
+
 def _number(body: dict, name: str, kind, default, lo=None, hi=None):
     value = body.get(name, default)
     if value is None:
@@ -275,6 +303,20 @@ def _number(body: dict, name: str, kind, default, lo=None, hi=None):
     return kind(value)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(raw: bytes):
+    """The request body as JSON (NaN, Infinity and nesting too deep to parse refused). Raises APIError."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+
 class Server:
     """Everything the HTTP handlers need: the model name, tokenizer, worker and limits."""
 
@@ -282,52 +324,72 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.worker = Worker(engine, tokenizer, max_queue)
         self.eos = frozenset(engine.target.config.eos_token_ids)
+        # positions a request may use: the cache's rows, never beyond the model's positions
+        self.max_len = min(engine.max_len, engine.target.config.max_position_embeddings)
+        # the longest token's characters: a text over MARGIN * that * max_len characters has more
+        # tokens than any request may hold, and is refused without tokenising it
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.token_chars = max(map(len, vocab), default=0)
 
-    def parse(self, body: dict, chat: bool) -> tuple:
-        """Request body -> (prompt token ids, Sequence, stop strings, seed, stream). Raises APIError."""
+    def _check_chars(self, chars: int, param: str) -> None:
+        if self.token_chars and chars > TEXT_MARGIN * self.token_chars * self.max_len:
+            raise APIError(400, f"the prompt ({chars} characters) has more tokens than this server holds per request "
+                                f"({self.max_len})", param, "context_length_exceeded")
+
+    def parse(self, raw: bytes, chat: bool) -> tuple:
+        """Request body (bytes) -> (Sequence, stop strings, seed, stream). Every field is checked
+        before the prompt is tokenised. Raises APIError. Runs off the event loop."""
+        body = decode_json(raw)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         for name in UNSUPPORTED:
             value = body.get(name)
             if not (value is None or value is False or (name in ("n", "best_of") and value == 1)):
                 raise APIError(400, f"'{name}' is not supported by this server", name)
+        for name in UNSUPPORTED_PENALTIES:
+            if _number(body, name, float, 0.0) != 0:
+                raise APIError(400, f"'{name}' is not supported by this server (only 0)", name)
         model = body.get("model")
         if model not in (None, self.model_name):
-            raise APIError(404, f"model {model!r} not found; this server has {self.model_name!r}", "model",
+            raise APIError(404, f"model {str(model)[:100]!r} not found; this server has {self.model_name!r}", "model",
                            "model_not_found")
-        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
-        room = self.engine.room()
-        fits = max(1, self.engine.max_len - len(ids) + 2 - room)  # the most tokens the request can get
-        max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                             int, fits if chat else 16, lo=1)  # OpenAI's defaults: the context / 16
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise APIError(400, f"'stream' must be true or false, got {stream!r}"[:200], "stream")
+        limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _number(body, limit, int, None, lo=1)
         temperature = _number(body, "temperature", float, 1.0, lo=0.0, hi=100.0)
         top_p = _number(body, "top_p", float, 1.0, lo=0.0, hi=1.0)
         top_k = _number(body, "top_k", int, 0, lo=0)
-        seed = _number(body, "seed", int, None)
+        seed = _number(body, "seed", int, None, *SEED_RANGE)
         try:
             check_sampling_args(temperature, top_k, top_p)
         except ValueError as err:
             raise APIError(400, str(err)) from None
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        room = self.engine.room()
+        if max_tokens is None:  # OpenAI's defaults: what the context leaves (chat) / 16
+            max_tokens = max(1, self.max_len - len(ids) + 2 - room) if chat else 16
         need = cache_need(len(ids), max_tokens, room)
-        if need > self.engine.max_len:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) with max_tokens {max_tokens} needs {need} positions; "
-                                f"this server holds {self.engine.max_len} per request (--max-len)", "max_tokens",
-                           "context_length_exceeded")
+        if need > self.max_len:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) with {limit} {max_tokens} needs {need} positions; "
+                                f"this server holds {self.max_len} per request", limit, "context_length_exceeded")
         seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p)
-        return seq, stop, seed, bool(body.get("stream", False))
+        return seq, stop, seed, bool(stream)
 
     def _prompt_ids(self, body: dict) -> list:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            self._check_chars(len(prompt), "prompt")
             return self.tokenizer(prompt).input_ids
         vocab = self.engine.target.config.vocab_size
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
             return prompt
         raise APIError(400, "'prompt' must be one non-empty string or one list of token ids in the vocabulary",
                        "prompt")
@@ -341,126 +403,13 @@ class Server:
                            "messages")
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                                  add_generation_prompt=True, tokenize=False)
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                      add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - a template that refuses these messages (e.g. roles out of order)
+            raise APIError(400, f"the chat template refused these messages: {err}"[:500], "messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
-
-
-def create_app(server: Server):
-    """The FastAPI application serving ``server``."""
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    app = FastAPI(title="longspec", description="OpenAI-compatible speculative decoding server")
-
-    @app.exception_handler(APIError)
-    async def api_error(_, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", **server.worker.stats()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "longspec"}]}
-
-    async def handle(http: HTTPRequest, chat: bool):
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"the request body is not valid JSON: {err}") from None
-        seq, stop, seed, stream = server.parse(body, chat)
-        request = Request(seq, stop, seed, asyncio.get_running_loop(), asyncio.Queue())
-        server.worker.submit(request)
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        kind = "chat.completion" if chat else "text_completion"
-        if stream:
-            return StreamingResponse(_events(server, request, ident, kind, chat, http),
-                                     media_type="text/event-stream")
-        try:
-            reason = await _drain(request)
-        except asyncio.CancelledError:
-            server.worker.cancel(request)
-            raise
-        choice = ({"index": 0, "message": {"role": "assistant", "content": request.text}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": request.text, "logprobs": None, "finish_reason": reason})
-        return {"id": ident, "object": kind, "created": int(request.created), "model": server.model_name,
-                "choices": [choice], "usage": _usage(request), "longspec": _extension(request)}
-
-    @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        return await handle(http, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest):
-        return await handle(http, chat=True)
-
-    @app.on_event("shutdown")
-    def shutdown():
-        server.worker.stop()
-
-    return app
-
-
-async def _drain(request: Request) -> str:
-    """Waits for a non-streamed request's end; returns its finish reason."""
-    while True:
-        kind, value = await request.events.get()
-        if kind == "done":
-            return value
-        if kind == "error":
-            raise value
-
-
-async def _events(server: Server, request: Request, ident: str, kind: str, chat: bool, http):
-    """Server-sent events of a streamed request; a client that goes away cancels it."""
-    chunk_kind = "chat.completion.chunk" if chat else kind
-
-    def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
-        if chat:
-            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        payload = {"id": ident, "object": chunk_kind, "created": int(request.created), "model": server.model_name,
-                   "choices": [choice]}
-        if reason is not None:
-            payload.update(usage=_usage(request), longspec=_extension(request))
-        return f"data: {json.dumps(payload)}\n\n"
-
-    try:
-        if chat:
-            yield chunk(None, None, first=True)
-        while True:
-            try:
-                kind_, value = await asyncio.wait_for(request.events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
-            if kind_ == "text":
-                yield chunk(value, None)
-            elif kind_ == "done":
-                yield chunk(None, value)
-                yield "data: [DONE]\n\n"
-                return
-            else:
-                yield f"data: {json.dumps(value.body())}\n\n"
-                return
-    finally:
-        if request.finish_reason is None and not request.seq.done:
-            server.worker.cancel(request)
-
-
-def _usage(request: Request) -> dict:
-    prompt, completion = len(request.seq.prompt), len(request.seq.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _extension(request: Request) -> dict:
-    return {"tau": round(request.seq.tau, 4), "token_ids": list(request.seq.tokens)}
 
 
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
@@ -469,7 +418,13 @@ def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, m
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
     ``bucket_trees``: {bucket: smaller tree, or None for plain rounds}; ``prefill_chunk``: prompts
-    prefilled in graph-captured chunks of that many tokens (see :class:`Engine`)."""
+    prefilled in graph-captured chunks of that many tokens (see :class:`Engine`). Raises
+    ValueError for a ``max_len`` beyond the model's positions or a negative ``max_queue``."""
+    positions = target.config.max_position_embeddings
+    if max_len > positions:
+        raise ValueError(f"--max-len {max_len} exceeds the model's {positions} positions (max_position_embeddings)")
+    if max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
     engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,

@@ -94,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: 8)")
     srv.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per request (default: 4096)")
-    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; then 429 (default: 64)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row at most; then 429 with "
+                                                                "Retry-After (default: 64)")
+    srv.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes at most; then 413 "
+                                                                   "(default: 8388608, 8 MiB)")
+    srv.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' on /v1 routes "
+                                                     "(default: $LONGSPEC_API_KEY; unset: no key)")
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
@@ -124,12 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     dv.add_argument("--draft", required=True, help="draft directory")
     dv.add_argument("--data", required=True, nargs="+", help="text / JSONL files or source trees (the training data)")
     dv.add_argument("--size", type=int, default=8192, help="tokens kept (default: 8192)")
-    dv.add_argument("--out", required=True, help="output draft directory")
+    dv.add_argument("--out", required=True, help="output draft directory (new, empty or a longspec draft)")
+    dv.add_argument("--force", action="store_true",
+                    help="write into an --out folder that holds other files (never an input's folder)")
     dv.set_defaults(func=cmd_draft_vocab)
 
     conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
     conv.add_argument("--gguf", required=True, help="input .gguf file")
-    conv.add_argument("--out", required=True, help="output directory")
+    conv.add_argument("--out", required=True, help="output directory (new, empty or an earlier conversion, which "
+                                                    "is replaced)")
+    conv.add_argument("--force", action="store_true",
+                      help="write into an --out folder that holds other files (never an input's folder)")
     conv.add_argument("--dtype", default="float32")
     conv.set_defaults(func=cmd_convert)
 
@@ -176,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     tr.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl row")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    tr.add_argument("--force", action="store_true",
+                    help="write into an --out folder that holds other files (never an input's folder)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
     tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")

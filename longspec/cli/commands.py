@@ -316,8 +316,15 @@ def cmd_serve(args) -> int:
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
     name, tree = proposer_choice(args)
-    if args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0:
-        raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0 and --prefill-chunk >= 0")
+    if (args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0
+            or args.max_body < 1):
+        raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0, --prefill-chunk >= 0 and "
+                         "--max-body >= 1")
+    import os
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LONGSPEC_API_KEY")
+    if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
+        raise UsageError("--api-key (or LONGSPEC_API_KEY) must be printable and not empty")
     if (args.prefill_chunk or 0) > args.max_len:
         raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) must not exceed --max-len ({args.max_len})")
     buckets = None
@@ -329,7 +336,8 @@ def cmd_serve(args) -> int:
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
     from ..decoding.auto import bucket_trees_option, choose_bucket_trees
-    from ..serve import build_server, create_app
+    from ..serve import build_server
+    from ..serve_http import create_app
 
     bucket_trees = bucket_trees_option(args.bucket_trees, name, tree, buckets, args.max_batch)
     try:
@@ -346,6 +354,9 @@ def cmd_serve(args) -> int:
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     status(f"loading {target_dir} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
+    if args.max_len > target.config.max_position_embeddings:
+        raise UsageError(f"--max-len {args.max_len} exceeds the model's {target.config.max_position_embeddings} "
+                         "positions (max_position_embeddings): lower --max-len")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
     proposer = make_proposer(args, name, target)
@@ -371,9 +382,10 @@ def cmd_serve(args) -> int:
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}"
           f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
-          f"{args.max_batch} rows of {args.max_len} tokens)]",
+          f"{args.max_batch} rows of {args.max_len} tokens{', API key required' if api_key else ''})]",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(server, api_key=api_key, max_body=args.max_body), host=args.host, port=args.port,
+                log_level=args.log_level)
     return 0
 
 
@@ -384,6 +396,9 @@ def cmd_draft_vocab(args) -> int:
 
     if args.size < 1:
         raise UsageError(f"--size must be >= 1, got {args.size}")
+    from ..outdir import check_out_dir
+
+    check_out_dir(args.out, inputs=[args.target, args.draft], force=args.force)
     status(f"loading {args.target} and the draft {args.draft}")
     target = load_target(args.target)
     draft = load_draft(args.draft, target)
@@ -399,7 +414,7 @@ def cmd_convert(args) -> int:
     from ..convert import convert_gguf
     from ..models.checkpoint import resolve_dtype
 
-    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype))
+    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype), force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -417,7 +432,7 @@ def cmd_train(args) -> int:
         max_lag=args.max_lag, tree=args.tree, anchor_offset=not args.no_anchor_offset, noise=not args.no_noise,
         distill=args.distill, distill_weight=args.distill_weight, intermediate_size=args.intermediate_size, init_from=args.init_from, text_field=args.text_field,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, eval_chunks=args.eval_chunks,
-        save_every=args.save_every, log_every=args.log_every, resume=args.resume, seed=args.seed,
+        save_every=args.save_every, log_every=args.log_every, resume=args.resume, force=args.force, seed=args.seed,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, data_cache=args.data_cache,
         exclude=args.exclude,
         compile={"on": True, "off": False, "auto": None}[args.compile],

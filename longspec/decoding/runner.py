@@ -115,13 +115,14 @@ class PhaseRunner:
         self._events.clear()
 
     def _capture(self) -> None:
-        """Captures with the process's random numbers, not the caller's seeded generator: a seed's
-        draws do not depend on whether a round was captured before."""
-        seeded, self.uniforms.generator = self.uniforms.generator, None
+        """Captures with the process's random numbers, not the caller's seeded generators (the
+        engine's or a row's): a seed's draws do not depend on whether a round was captured before."""
+        u = self.uniforms
+        seeded, rows, u.generator, u.row_generators = u.generator, u.row_generators, None, {}
         try:
             self._capture_phases()
         finally:
-            self.uniforms.generator = seeded
+            u.generator, u.row_generators = seeded, rows
 
     def _capture_phases(self) -> None:
         t0 = time.perf_counter()

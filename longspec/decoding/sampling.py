@@ -146,19 +146,45 @@ class Uniforms:
     request draws fresh numbers. For CUDA graphs, ``make_static(count)`` turns it into views of
     one buffer that ``refill`` redraws before every replay, so a captured round consumes new
     numbers each time while its kernels stay the same; ``used`` counts what a round asked for.
-    Each set of captured graphs keeps (and puts back before replaying) the buffer it reads."""
+    Each set of captured graphs keeps (and puts back before replaying) the buffer it reads.
+
+    Every draw's first dimension is the batch row (``first_row`` + its index). A row given its
+    own generator (``seed_row``: a seeded request of a server) takes its numbers from it, so what
+    it samples does not depend on the requests beside it; ``drop_row`` ends that when it leaves."""
 
     def __init__(self, generator: Optional[torch.Generator], device):
         self.generator, self.device = generator, torch.device(device)
         self.buffer: Optional[torch.Tensor] = None
         self.used = 0
+        self.first_row = 0  # the batch row of a draw's index 0
+        self.row_generators: dict = {}  # batch row -> its own torch.Generator
+        self._layouts: dict = {}  # id(buffer) -> {start: shape} of the draws a captured round reads
+
+    def seed_row(self, row: int, seed: int) -> None:
+        """From now on batch row ``row`` draws from its own generator, seeded with ``seed``."""
+        self.row_generators[row] = torch.Generator(device=self.device).manual_seed(seed)
+
+    def drop_row(self, row: int) -> None:
+        """Batch row ``row`` draws from the shared generator again."""
+        self.row_generators.pop(row, None)
 
     def __call__(self, shape) -> torch.Tensor:
         n = math.prod(shape)
         start, self.used = self.used, self.used + n
         if self.buffer is None:
-            return torch.rand(shape, generator=self.generator, device=self.device)
+            out = torch.rand(shape, generator=self.generator, device=self.device)
+            self._draw_rows(out, shape)
+            return out
+        # a captured round reads the buffer: ``refill`` puts the own-generator rows' numbers there
+        self._layouts.setdefault(id(self.buffer), {})[start] = tuple(shape)
         return self.buffer[start:start + n].view(shape)
+
+    def _draw_rows(self, out: torch.Tensor, shape) -> None:
+        """Overwrites the numbers of the rows that have their own generator."""
+        for row, generator in self.row_generators.items():
+            b = row - self.first_row
+            if shape and 0 <= b < shape[0]:
+                out[b] = torch.rand(tuple(shape[1:]), generator=generator, device=self.device)
 
     def make_static(self, count: int) -> None:
         """Switches to a new buffer of ``count`` numbers (the one a capture's graphs will read)."""
@@ -174,6 +200,9 @@ class Uniforms:
         """Starts a round: new numbers in the buffer (static) or a new count (eager)."""
         if self.buffer is not None:
             self.buffer.uniform_(0.0, 1.0, generator=self.generator)
+            if self.row_generators:
+                for start, shape in self._layouts.get(id(self.buffer), {}).items():
+                    self._draw_rows(self.buffer[start:start + math.prod(shape)].view(shape), shape)
         self.used = 0
 
 
@@ -197,6 +226,6 @@ def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
     flat = probs.reshape(-1, probs.shape[-1]).float()
     cdf = flat.cumsum(-1)
     # x in (0, total]: the first index with cdf >= x has positive weight
-    x = (1.0 - uniform((flat.shape[0],), generator, flat.device)) * cdf[:, -1]
+    x = (1.0 - uniform(tuple(probs.shape[:-1]), generator, flat.device).reshape(-1)) * cdf[:, -1]
     out = (cdf < x[:, None]).sum(-1).clamp(max=flat.shape[-1] - 1)
     return out.reshape(probs.shape[:-1])

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import ModelConfig
+from ..outdir import temp_prefix
 from .rope import RotaryEmbedding
 from .target import TargetModel
 
@@ -36,9 +37,12 @@ def read_config(path: Union[str, Path]) -> dict:
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 def safetensors_files(path: Path) -> list:
@@ -47,9 +51,16 @@ def safetensors_files(path: Path) -> list:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as err:
             raise ValueError(f"{index} is not a valid safetensors index: {err}") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
+        inside = path.resolve()
+        for name in names:
+            if inside not in (path / name).resolve().parents:
+                raise ValueError(f"{index} names the shard {name!r}, which is not a file inside {path}")
+        files = [path / name for name in names]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -86,6 +97,7 @@ def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IG
                             unexpected.append(key)
                             continue
                         tensor = f.get_tensor(key)
+                        check_finite(key, tensor, file)
                         target = params[name]
                         if tuple(tensor.shape) != tuple(target.shape):
                             raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -117,6 +129,7 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     config = ModelConfig.from_hf(read_config(path))
     dtype = resolve_dtype(dtype)
     files = safetensors_files(path)
+    check_size(config.parameter_count(), files, path)
     with torch.device("meta"):
         model = TargetModel(config)
     model = model.to_empty(device=device).to(dtype)
@@ -134,6 +147,31 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
         model.attention_impl = "triton" if fits else "matmul"
         model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
     return model.eval().requires_grad_(False)
+
+
+def check_size(parameters: int, files: list, path: Path) -> None:
+    """Raises ValueError, before anything is allocated, when the weight files are too small to
+    hold ``parameters`` weights (at least one byte each): a config.json whose sizes do not
+    describe these weights (e.g. a hidden_size of 1e9)."""
+    held = sum(f.stat().st_size for f in files)
+    if parameters > held:
+        names = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        raise ValueError(f"{path / 'config.json'} describes {parameters:,} weights (about "
+                         f"{4 * parameters / 2**30:,.1f} GiB in float32), but its weight files ({names}) hold only {held:,} bytes: a wrong size "
+                         f"in config.json, or corrupt (truncated) weight files")
+
+
+def check_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
+    """Raises ValueError naming the tensor and file when a floating-point tensor holds NaN or
+    infinity: every value of a norm weight, a strided sample of the others (random bytes in a
+    tensor give non-finite values throughout, so a sample finds them)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    if "norm" not in name:
+        flat = flat[::max(1, flat.numel() // 65536)]
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: a damaged checkpoint")
 
 
 DRAFT_FORMAT = "longspec-draft"
@@ -167,7 +205,7 @@ def default_mode(directory: bool = False) -> int:
 def write_atomic(path: Path, write) -> None:
     """Calls ``write(tmp_path)`` on a temporary file next to ``path``, then renames it over ``path``
     (with the permissions an ordinary new file would have)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -219,7 +257,10 @@ def read_draft_config(path: Union[str, Path], target) -> tuple:
     files = safetensors_files(path)
     if raw.get("format") == DRAFT_FORMAT:
         fields = {f for f in DraftConfig.__dataclass_fields__}
-        config = DraftConfig(**{k: v for k, v in raw.items() if k in fields})
+        try:
+            config = DraftConfig(**{k: v for k, v in raw.items() if k in fields})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path / 'config.json'} is not a valid draft config: {err}") from None
         rename = None
     else:  # published checkpoint: architecture from the target, biases from the file
         from safetensors import safe_open
@@ -235,7 +276,8 @@ def read_draft_config(path: Union[str, Path], target) -> tuple:
                 raise ValueError(f"corrupt safetensors file {file}: {err}") from None
         if not any(k.startswith("cross_attn.q_proj") for k in keys):
             raise ValueError(f"{path} holds no LongSpec draft weights (no cross_attn.q_proj)")
-        config = DraftConfig.for_target(target, window=int(raw.get("sliding_window") or raw.get("window") or 512),
+        window = raw.get("sliding_window") or raw.get("window") or 512
+        config = DraftConfig.for_target(target, window=window if isinstance(window, int) else -1,
                                         qkv_bias="self_attn.q_proj.bias" in keys,
                                         cross_q_bias="cross_attn.q_proj.bias" in keys)
         config.target_embedding_sample = []  # published files carry no fingerprint
@@ -245,4 +287,14 @@ def read_draft_config(path: Union[str, Path], target) -> tuple:
             raise ValueError(f"draft/target mismatch: the draft has hidden_size={hidden}, "
                              f"the target {target.config.hidden_size}")
         rename = _published_name
+    check_draft_config(config, path)
     return config, files, rename
+
+
+def check_draft_config(config, path: Path) -> None:
+    """Raises ValueError naming the first field of a draft's config.json that no draft can have
+    (a size or window that is not a positive integer)."""
+    for name in ("window", "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        value = getattr(config, name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path / 'config.json'}: {name} must be a positive integer, got {value!r}")

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..models.checkpoint import default_mode, load_state, save_draft, write_atomic
+from ..outdir import remove_stale, temp_prefix
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -52,7 +53,7 @@ def save_checkpoint(out, step: int, draft, state: dict, keep: int = 2) -> Path:
     root = out / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(name), dir=root))
     os.chmod(tmp, default_mode(directory=True))
     try:
         save_draft(draft, tmp)
@@ -95,11 +96,11 @@ class MetricsLog:
         self.enabled = enabled
 
     def truncate_after(self, step: int) -> None:
-        """Drops rows logged after ``step`` (a resumed run redoes those steps)."""
+        """Drops rows logged after ``step`` (a resumed run redoes those steps), and a last line
+        that a kill cut short."""
         if not (self.enabled and self.path.is_file()):
             return
-        rows = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        rows = [json.dumps(row) for row in self.read() if row.get("step", 0) <= step]
         write_atomic(self.path, lambda f: Path(f).write_text("".join(r + "\n" for r in rows)))
 
     def write(self, row: dict) -> None:
@@ -108,6 +109,27 @@ class MetricsLog:
                 f.write(json.dumps(row) + "\n")
 
     def read(self) -> list:
+        """The rows logged so far. A damaged last line (a kill while it was written) is left
+        out; a damaged line before it raises ValueError naming the file and line."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1)
+                 if line.strip()]
+        rows = []
+        for i, (n, line) in enumerate(lines):
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as err:
+                if i == len(lines) - 1:
+                    break
+                raise ValueError(f"{self.path} line {n} is damaged ({err}): repair or delete that line") from None
+            rows.append(row)
+        return rows
+
+
+def remove_leftovers(out) -> list:
+    """Removes what killed runs left half-written in a run's folder and its checkpoints
+    (temporary checkpoint folders, weight and config files); returns their paths."""
+    return remove_stale(out) + remove_stale(Path(out) / CHECKPOINTS)

@@ -230,7 +230,7 @@ def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional
     bos = getattr(tokenizer, "bos_token_id", None)
     eos = getattr(tokenizer, "eos_token_id", None)
     texts = [doc.text for doc in docs]
-    if getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
+    if texts and getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
         pieces_of = [_file_pieces(text) for text in texts]  # a whole package is one document: by files
         flat = tokenizer([p for pieces in pieces_of for p in pieces], add_special_tokens=False)["input_ids"]
         ends = list(itertools.accumulate(len(pieces) for pieces in pieces_of))
@@ -341,8 +341,10 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
         held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
         if cached is not None and write_cache:
             from ..models.checkpoint import write_atomic
+            from ..outdir import remove_stale
 
             cached.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(cached.parent)  # entries a killed run left half-written
             write_atomic(cached, lambda f: torch.save({"train": train.int(), "eval": held.int()}, f))
     if train.shape[0] == 0:
         raise ValueError(f"the training documents of {', '.join(map(str, config.paths))} hold fewer than "

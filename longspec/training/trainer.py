@@ -27,7 +27,9 @@ import torch
 from ..models.checkpoint import load_target, resolve_dtype
 from ..models.draft import DraftConfig, init_draft
 from . import distributed
-from .checkpoints import MetricsLog, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from ..outdir import check_out_dir
+from .checkpoints import (MetricsLog, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
+                          write_atomic)
 from .data import DataConfig, PackedData, build_data, check_seq_len, load_tokenizer
 from .loss import DraftLoss, target_forward
 from .positions import anchor_offset_positions, sample_lag
@@ -71,6 +73,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10  # steps averaged into one metrics row
     resume: bool = False  # continue from OUT's latest checkpoint (start fresh when there is none)
+    force: bool = False  # write into an OUT that holds other files (never a target's or source's folder)
     seed: int = 0
     device: Optional[str] = None  # default: cuda (cuda:LOCAL_RANK under torchrun) if available
     dtype: Optional[str] = None  # target dtype and autocast dtype; default bf16 on CUDA, fp32 on CPU
@@ -385,7 +388,10 @@ def train(config: TrainConfig, tokenizer=None, target=None,
 
 
 def _run(config, env, tokenizer, target, callback) -> TrainResult:
-    out = Path(config.out)
+    inputs = [config.target, config.tokenizer, config.init_from, getattr(target, "path", None)]
+    out = check_out_dir(config.out, inputs=inputs, force=config.force)
+    if env.is_main:
+        remove_leftovers(out)
     if target is None:
         if not config.target:
             raise ValueError("no target model (--target)")
