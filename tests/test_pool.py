@@ -176,3 +176,11 @@ def test_a_prompt_longer_than_a_row_is_refused_before_any_block_is_taken(target)
     with pytest.raises(ValueError, match="needs 203 cache slots, the engine has 128"):
         engine.add([Sequence(list(range(100)) * 2, 4)])
     assert not engine.cache.dense and engine.pool.num_free == 3 and not engine.has_active
+
+
+def test_prompt_lookup_over_a_history_shorter_than_its_ngrams(target):
+    """On a CPU the lookup searches only the history in use: a one-token prompt (history shorter
+    than its longest n-gram) still drafts, and decodes plain decoding's tokens."""
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    plain = Generator(target).generate([[5]], config).sequences
+    assert Generator(target, "pld").generate([[5]], config).sequences == plain

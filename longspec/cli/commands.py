@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
     from ..config import ModelConfig
     from ..convert import DEFAULT_NAME, default_model_dir
     from ..decoding.sequence import cache_need, round_slots
-    from ..models.checkpoint import read_config
+    from ..models.checkpoint import check_size, read_config, safetensors_files
 
     # everything that can be checked without the model first: the arguments, then (with the
     # model's config.json and tokenizer only, no weights) the prompt's length
@@ -101,7 +101,9 @@ def cmd_generate(args) -> int:
     name, tree = proposer_choice(args)
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
-    limit = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
+    model_config = ModelConfig.from_hf(read_config(target_dir))
+    check_size(model_config.parameter_count(), safetensors_files(target_dir), target_dir)  # (load_target's, early)
+    limit = model_config.max_position_embeddings
     ids = _tokenize(target_dir, text, args.chat)
     note, retune = "", None
     if name == "auto":
@@ -164,7 +166,11 @@ def tokenizer_for(target_dir):
 
     key = str(target_dir)
     if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(target_dir)
+        try:
+            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(target_dir)
+        except (OSError, ValueError, TypeError) as err:  # transformers' messages run over several lines
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UsageError(f"cannot load the tokenizer in {target_dir}: {first}") from None
     return _TOKENIZERS[key]
 
 

@@ -376,7 +376,7 @@ class PromptLookup(TreeDrafter):
         equal the context's last ones, else -1)."""
         b, n, d = path.shape
         # on CUDA the whole history (fixed shapes, for graphs); elsewhere the part in use
-        used = self.capacity if path.is_cuda else max(1, int(self.hist_len.max()))
+        used = self.capacity if path.is_cuda else min(self.capacity, max(int(self.hist_len.max()), self.max_ngram + 1))
         width = used + d
         ctx = torch.cat([self.hist[:, None, :used].expand(b, n, -1),
                          torch.full((b, n, d), -1, dtype=torch.long, device=path.device)], -1)
