@@ -7,9 +7,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,44 +19,10 @@ httpx = pytest.importorskip("httpx")
 
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
+from server_process import Server  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, *args):
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "serve", "--port", str(self.port),
-                                      "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError("server did not start")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
-
-    def client(self, cls=None):
-        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+ServerProcess = Server  # (the server tests' name for it)
 
 
 @pytest.fixture(scope="module")
