@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .attention import triton_kernels
-from .attention.paged import LayerKV, physical_slots
+from .attention.paged import LayerKV, physical_slots, rows_of
 from .config import ModelConfig
 
 
@@ -181,18 +181,16 @@ class KVCache:
     @property
     def k(self) -> torch.Tensor:
         """Keys of every layer as [L, B, Hkv, S, D] (S = ``max_len``): a view for a dense cache."""
-        return torch.stack([self.layer(i).dense(self.max_len)[0] for i in range(self.pool.k.shape[0])]) \
-            if not self.dense else self._dense_all(self.pool.k)
+        return self._all_layers(self.pool.k)
 
     @property
     def v(self) -> torch.Tensor:
         """Values of every layer as [L, B, Hkv, S, D] (see :attr:`k`)."""
-        return torch.stack([self.layer(i).dense(self.max_len)[1] for i in range(self.pool.v.shape[0])]) \
-            if not self.dense else self._dense_all(self.pool.v)
+        return self._all_layers(self.pool.v)
 
-    def _dense_all(self, store: torch.Tensor) -> torch.Tensor:
-        b, cap, start = self.batch_size, self.max_len, self.row0 * self.max_len
-        return store[:, :, start:start + b * cap].unflatten(2, (b, cap)).transpose(1, 2)
+    def _all_layers(self, store: torch.Tensor) -> torch.Tensor:
+        return rows_of(store, self.table, self.block_size, self.row0 if self.dense else None,
+                       self.pool.scratch * self.block_size, self.max_len)
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Logical slots [B or 1, M] of these rows -> physical pool slots [B, M] (a slot past a
@@ -209,11 +207,15 @@ class KVCache:
             return
         self.unassign(row)
         max_blocks = self.table.shape[1]
-        blocks = self.pool.allocate(max(1, -(-n_slots // self.block_size)), prefer=(self.row0 + row) * max_blocks)
+        blocks = self.pool.allocate(self.blocks_for(n_slots), prefer=(self.row0 + row) * max_blocks)
         self.blocks[self.row0 + row] = blocks
         entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)
         entries[:len(blocks)] = torch.tensor(blocks)
         self.table[row].copy_(entries)
+
+    def blocks_for(self, n_slots: int) -> int:
+        """Pool blocks :meth:`assign` takes for ``n_slots`` tokens (none for a dense cache)."""
+        return 0 if self.dense else max(1, -(-n_slots // self.block_size))
 
     def unassign(self, row: int) -> None:
         """Returns row ``row``'s blocks to the pool (a dense cache's rows keep theirs)."""

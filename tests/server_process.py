@@ -12,6 +12,15 @@ import httpx
 import openai
 
 
+def copy_tokenizer(source, dest) -> None:
+    """Copies the tokenizer files of checkpoint folder ``source`` (a Path) into ``dest``."""
+    import shutil
+
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(source / name, dest / name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

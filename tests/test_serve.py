@@ -5,8 +5,6 @@ server still serving; a client that disconnects frees its row; a full queue answ
 default model with its shipped draft."""
 import asyncio
 import json
-import os
-import shutil
 import time
 
 import pytest
@@ -19,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
-from server_process import Server  # noqa: E402
+from server_process import Server, copy_tokenizer  # noqa: E402
 
 
 ServerProcess = Server  # (the server tests' name for it)
@@ -36,9 +34,7 @@ def tiny_dir(tiny_model_factory, tmp_path_factory):
         pytest.skip(str(err))
     smol = default_model_dir()
     _, path = tiny_model_factory("serve-tiny", "llama", vocab_size=49152, max_position_embeddings=1024, seed=3)
-    for name in os.listdir(smol):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(smol / name, path / name)
+    copy_tokenizer(smol, path)
     return path
 
 

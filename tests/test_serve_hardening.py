@@ -6,7 +6,6 @@ queue (429 with Retry-After), and settings the model cannot serve refused. The s
 import asyncio
 import json
 import os
-import shutil
 import threading
 import time
 
@@ -21,7 +20,7 @@ from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.cli import main  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
 
-from server_process import Server  # noqa: E402
+from server_process import Server, copy_tokenizer  # noqa: E402
 
 KEY = "test-key-9f3a"
 
@@ -40,9 +39,7 @@ def model_dir(tiny_model_factory):
     _, path = tiny_model_factory("serve-hard", "llama", vocab_size=49152, hidden_size=256, intermediate_size=1024,
                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                  max_position_embeddings=2048, seed=3, reload=False)
-    for name in os.listdir(smol):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(smol / name, path / name)
+    copy_tokenizer(smol, path)
     return path
 
 

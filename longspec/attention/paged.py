@@ -38,14 +38,21 @@ class LayerKV:
     def dense(self, n_keys: int) -> tuple:
         """k, v [B, Hkv, n_keys, D] of the rows' slots ``0..n_keys-1``: a view of the pool when the
         rows are dense, else gathered through the table (a copy)."""
-        b, cap = self.table.shape[0], self.capacity
-        if self.dense_row0 is not None:
-            start = self.dense_row0 * cap
-            return tuple(x[:, start:start + b * cap].view(x.shape[0], b, cap, x.shape[2]).transpose(0, 1)[:, :, :n_keys]
-                         for x in (self.k, self.v))
-        slots = physical_slots(self.table, self.block_size, torch.arange(n_keys, device=self.table.device)[None, :],
-                               self.scratch)
-        return tuple(x[:, slots].transpose(0, 1) for x in (self.k, self.v))
+        return tuple(rows_of(x, self.table, self.block_size, self.dense_row0, self.scratch, n_keys)
+                     for x in (self.k, self.v))
+
+
+def rows_of(store: torch.Tensor, table: torch.Tensor, block_size: int, dense_row0: Optional[int], scratch: int,
+            n_keys: int) -> torch.Tensor:
+    """Slots ``0..n_keys-1`` of the rows of ``table`` [B, max_blocks] in pool storage ``store``
+    [..., Hkv, P, D] (a layer, or every layer) -> [..., B, Hkv, n_keys, D]: a strided view when the
+    rows own their home blocks from row ``dense_row0`` on, else gathered through the table."""
+    b, cap = table.shape[0], table.shape[1] * block_size
+    if dense_row0 is not None:
+        start = dense_row0 * cap
+        return store[..., start:start + b * cap, :].unflatten(-2, (b, cap)).transpose(-4, -3)[..., :n_keys, :]
+    slots = physical_slots(table, block_size, torch.arange(n_keys, device=table.device)[None, :], scratch)
+    return store[..., slots, :].transpose(-4, -3)
 
 
 def physical_slots(table: torch.Tensor, block_size: int, slots: torch.Tensor, scratch: int = 0) -> torch.Tensor:

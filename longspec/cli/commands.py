@@ -120,17 +120,14 @@ def cmd_generate(args) -> int:
     status(f"loading {about} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
     plan, line = None, None
+    # (the draft: --draft, else the one shipped for the default model)
+    gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
     if name == "auto":
-        from ..convert import DEFAULT_DRAFT
-
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
-        gen = Generator(target, proposer="auto", draft=args.draft or (DEFAULT_DRAFT if not args.target else None))
         plan = gen.plan([ids], config)  # what `generate` runs below: the same engine as Generator(proposer="auto")
         name, tree, note, retune = plan.name, plan.picked, plan.note, plan.retune
         line = auto_line(name, tree, predicted_gain(note), retune)
-    else:
-        gen = Generator(target, proposer=make_proposer(args, name, target), tree=tree)
     biggest = plan.tree if plan is not None else tree
     if cache_need(len(ids), args.max_new_tokens, round_slots(biggest)) > limit:  # (auto checked plain decoding's need above)
         check_length(len(ids), args.max_new_tokens, biggest, limit)
@@ -272,16 +269,6 @@ def proposer_choice(args):
         raise UsageError(str(err)) from None
 
 
-def make_proposer(args, name, target, draft=None):
-    """The proposer object for ``name`` (loads the draft for longspec / hybrid unless given), or None."""
-    from ..convert import DEFAULT_DRAFT
-    from ..decoding.generator import build_proposer
-
-    if name in ("longspec", "hybrid") and draft is None:
-        draft = args.draft or DEFAULT_DRAFT
-    return build_proposer(name, target, draft, window=args.window)
-
-
 def cmd_self_distill(args) -> int:
     """``longspec self-distill``: chat requests about documents answered by the target (JSONL)."""
     from .. import load_target
@@ -365,7 +352,9 @@ def cmd_serve(args) -> int:
                          "positions (max_position_embeddings): lower --max-len")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
-    proposer = make_proposer(args, name, target)
+    from ..decoding.generator import build_proposer
+
+    proposer = build_proposer(name, target, args.draft, window=args.window)  # (default: the shipped draft)
     if bucket_trees == "auto":
         if target.device.type == "cuda":
             status("choosing each batch bucket's tree (measures step costs once per device, cached)")

@@ -182,13 +182,11 @@ class Engine:
 
     def blocks_needed(self, seqs: list) -> int:
         """Pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own theirs)."""
-        if self.cache.dense:
-            return 0
-        return sum(max(1, -(-self.need(s) // self.pool.block_size)) for s in seqs)
+        return sum(self.cache.blocks_for(self.need(s)) for s in seqs)
 
     def can_admit(self, seqs: list) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
-        return self.blocks_needed(seqs) <= (self.pool.num_free if not self.cache.dense else 0)
+        return self.blocks_needed(seqs) <= self.pool.num_free
 
     def _prefill(self, seqs: list, row0: int, streamer) -> None:
         n = len(seqs)

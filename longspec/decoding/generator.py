@@ -183,12 +183,13 @@ class Generator:
                 check *= 2
         return rounds
 
-    def _fits(self, prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> bool:
-        return cache_need(max(map(len, prompts)), config.max_new_tokens, round_slots(tree)) <= self.max_len
+    @staticmethod
+    def _need(prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> int:
+        """Positions the longest prompt needs with ``max_new_tokens`` and one round of ``tree``."""
+        return cache_need(max(map(len, prompts)), config.max_new_tokens, round_slots(tree))
 
     def _check_room(self, prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> None:
-        longest = max(map(len, prompts))
-        need = cache_need(longest, config.max_new_tokens, round_slots(tree))
+        longest, need = max(map(len, prompts)), self._need(prompts, config, tree)
         if need > self.max_len:
             about = f" and {round_slots(tree)} tree slots" if tree is not None else ""
             raise ValueError(
@@ -254,17 +255,16 @@ class Generator:
         :meth:`plan` returned for these prompts, if the caller has it already."""
         config = config or GenerationConfig()
         prompts = self._prepare(prompts, config)
-        if self.proposer != "auto":
-            self._check_room(prompts, config, self.tree)
+        # before anything slow (auto's plan): what plain decoding needs, or this Generator's tree
+        self._check_room(prompts, config, None if self.proposer == "auto" else self.tree)
         clock = _Clock(self.target.device)
         t_plan = time.perf_counter()
         plan = plan or self.plan(prompts, config)
-        if self.proposer == "auto" and plan.tree is not None and self._fits(prompts, config, None) \
-                and not self._fits(prompts, config, plan.tree):  # near the context's end: plain decoding
+        if self.proposer == "auto" and self._need(prompts, config, plan.tree) > self.max_len:
+            # near the context's end (plain decoding fits: checked above)
             plan = CallPlan(None, None, None, None, "the prompt leaves no room for a speculative tree", "none")
         proposer, tree, start, retune, note = plan.proposer, plan.tree, plan.start, plan.retune, plan.note
         plan_s = time.perf_counter() - t_plan
-        self._check_room(prompts, config, tree)
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = engine.capture_seconds()
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
