@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec import load_target
-from longspec.decoding import auto
+from longspec.decoding import auto, bucket_choice
 from longspec.decoding.auto import (ACCEPTANCE_WIDTHS, device_key, expected_tokens, lookup_acceptance,
                                     measure_acceptance, pick)
 from longspec.decoding.tree import TreeSpec
@@ -130,10 +130,10 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     hybrid = LongSpecProposer(draft, PromptLookup())
     big = TreeSpec.parse(auto.HYBRID_TREE)
     draft.config.acceptance = []
-    assert auto.bucket_trees(target, hybrid, big, [1, 4], 100)[0] == {}  # no table: nothing to predict from
+    assert bucket_choice.bucket_trees(target, hybrid, big, [1, 4], 100)[0] == {}  # no table: nothing to predict from
     draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
     costs = tmp_path / "costs.json"
-    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))  # measured
+    chosen, lines = bucket_choice.bucket_trees(target, hybrid, big, [1, 4], 100, costs_file=str(costs))  # measured
     entries = json.loads(costs.read_text())
     (context,) = cost_contexts(target)
     assert sorted(k.rsplit("|", 1)[-1].strip() for k in entries) == sorted(["batch 4", str(context)])
@@ -148,7 +148,7 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
                              "draft_ms": {label: 0.01 for label in labels}},
         key + " | batch 16": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
-    chosen, lines = auto.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
+    chosen, lines = bucket_choice.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
     # batch 1: every size costs the same, so the most tokens a round wins (a deeper candidate than
     # the engine's own tree, with this table)
     most = max(fits, key=lambda t: auto.expected_tokens(t, draft.config.acceptance))
@@ -157,7 +157,7 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     assert lines[0].startswith(f"bucket 1: {most} (") and lines[1].startswith("bucket 4: 2,2,2 (")
     assert lines[2] == "bucket 16: plain decoding (no tree predicted faster)"
     # a smaller engine tree bounds the candidates; chains do not suit the hybrid's lookup chain
-    chosen, _ = auto.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
+    chosen, _ = bucket_choice.bucket_trees(target, hybrid, TreeSpec.parse("3,3,3,3"), [4], 100, costs_file=str(costs))
     assert chosen == {4: TreeSpec.parse("2,2,2")}
     draft.config.acceptance = []
 

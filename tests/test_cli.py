@@ -63,7 +63,7 @@ def test_serve_bucket_errors_come_before_loading(capsys):
     assert "does not fit --tree 2,2" in capsys.readouterr().err
     assert main([*base, "--max-len", "512", "--prefill-chunk", "1024"]) == 2
     assert "--prefill-chunk (1024) must not exceed --max-len (512)" in capsys.readouterr().err
-    from longspec.decoding.auto import bucket_trees_option  # what passes: a tree that fits, or plain rounds
+    from longspec.decoding.bucket_choice import bucket_trees_option  # what passes: a tree that fits, or plain rounds
     assert bucket_trees_option("2=2,2;4=plain", "pld", TreeSpec.parse("2,2,2"), None, 4) == \
         {2: TreeSpec.parse("2,2"), 4: None}
 

@@ -328,7 +328,7 @@ def cmd_serve(args) -> int:
             raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
         if buckets[0] < 1 or buckets[-1] > args.max_batch:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
-    from ..decoding.auto import bucket_trees_option, choose_bucket_trees
+    from ..decoding.bucket_choice import bucket_trees_option, choose_bucket_trees
     from ..serve import build_server
     from ..serve_http import create_app
 
