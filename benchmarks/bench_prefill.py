@@ -69,6 +69,24 @@ def top_kernels(runner, cache, n: int = 8) -> list:
     return sorted(rows, key=lambda r: -r[1])[:n]
 
 
+def hf_prefill_ms(shape: str, lengths: list, dtype, device: str, repeats: int) -> list:
+    """(tokens, ms) of transformers' prefill of a random-weight model of ``shape`` (sdpa, logits of
+    the last position only, as ``generate`` asks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = dict(SHAPES[shape])
+    config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    out = []
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.randint(0, config.vocab_size, (1, n), device=device)
+            out.append((n, wall_ms(lambda: model(ids, logits_to_keep=1), repeats)))
+    del model
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -81,6 +99,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda", help="cpu: wall times only (a smoke test of this script)")
+    p.add_argument("--hf", action="store_true",
+                   help="also time transformers' prefill (the same shape, sdpa, logits of the last position)")
     args = p.parse_args(argv)
     target = random_target(args.shape, getattr(torch, args.dtype), args.device)
     cuda = args.device == "cuda"
@@ -95,7 +115,11 @@ def main(argv=None):
         ms = wall_ms(lambda: (cache.lengths.zero_(), target.prefill(ids, lens, cache)), args.repeats)
         results.append(dict(setting="eager", tokens=n, prefill_ms=ms))
         print(f"{'eager':>20} {n:>6} {ms:11.2f}", flush=True)
-    for choice in args.impls.split(","):
+    if args.hf:
+        for n, ms in hf_prefill_ms(args.shape, lengths, getattr(torch, args.dtype), args.device, args.repeats):
+            results.append(dict(setting="transformers", tokens=n, prefill_ms=ms))
+            print(f"{'transformers sdpa':>20} {n:>6} {ms:11.2f}", flush=True)
+    for choice in [c for c in args.impls.split(",") if c]:
         impl, _, flag = choice.partition("+")
         target.attention_impl = impl
         for chunk in map(int, args.chunks.split(",")):

@@ -281,6 +281,37 @@ def test_a_damaged_metrics_line_before_the_last_names_the_file(capsys, model_dir
 
 # ------------------------------------------------------------------------------ seeds per row
 
+def test_captured_draws_change_nothing_compiled_code_is_guarded_on():
+    """A capture runs a round eagerly (sizing), then on a static buffer twice (warm-up, capture):
+    compiled code that draws from the buffer must not be recompiled by the capture run (a
+    recompilation inside a CUDA-graph capture makes the capture fail). Regression: the static
+    draws recorded their layout in a dict that the compiled code was guarded on."""
+    from torch._dynamo.utils import counters
+
+    from longspec.decoding.sampling import Uniforms, uniform
+
+    u = Uniforms(torch.Generator().manual_seed(0), "cpu")
+    u.seed_row(1, 7)  # a seeded row: its numbers go into the buffer's layout
+    torch._dynamo.reset()
+    draw = torch.compile(lambda x: x + uniform((2, 3), u) + uniform((2,), u)[:, None], backend="eager")
+    x = torch.zeros(2, 3)
+    rows, u.row_generators = u.row_generators, {}  # (a capture swaps the rows' generators out)
+    u.eager()
+    draw(x)  # sizing run
+    u.make_static(u.used)
+    u.refill()
+    draw(x)  # warm-up
+    before = dict(counters["stats"])
+    u.refill()
+    captured = draw(x)  # the capture's run
+    assert dict(counters["stats"]) == before
+    u.row_generators = rows
+    u.refill()  # a replay: the seeded row's numbers come from its own generator
+    own = torch.Generator().manual_seed(7)
+    assert torch.equal(u.buffer[3:6], torch.rand(3, generator=own))
+    assert not torch.equal(draw(x), captured)
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_a_rows_own_generator_gives_it_the_same_numbers_in_any_batch(static):
     """A row with its own generator (a seeded server request) draws the same numbers whatever
@@ -290,11 +321,13 @@ def test_a_rows_own_generator_gives_it_the_same_numbers_in_any_batch(static):
 
     def rounds(batch: int, row: int, first_row: int = 0) -> list:
         u = Uniforms(torch.Generator().manual_seed(batch * 31 + row), "cpu")
-        u.seed_row(row, 7)
         u.first_row = first_row
-        if static:
+        if static:  # as a capture: a sizing run (without the rows' generators), then the static
+            u.eager()  # buffer its graphs read
+            u((batch, 3))
             u.make_static(batch * 3)
-            view = u((batch, 3))  # what a capture records
+            view = u((batch, 3))
+        u.seed_row(row, 7)
         out = []
         for _ in range(3):
             u.refill()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 # cuDNN's fused attention builds a new plan for every new key length (about 5 ms of CPU per call
 # when the cache grows by a token each step, measured on an H200): decoding uses the others.
@@ -32,6 +31,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     query i sees keys ``0..S - M + i`` (lower-right causal: a prefill chunk after S - M cached
     tokens). PyTorch's ``causal_lower_right`` bias runs it on the flash kernel where it can, so no
     [M, S] mask or score matrix is materialised."""
+    from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: ~3 s, only when used)
+
     m, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(_BACKENDS):

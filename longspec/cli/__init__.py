@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "small machine)")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    gen.add_argument("--compile", action="store_true",
+                     help="on CUDA, also fuse the target's steps through torch.compile (Inductor): each step a little "
+                          "faster, but a process pays seconds to load or compile them, which one call rarely wins "
+                          "back; the Python API and the server compile by default (default: off, CUDA graphs only)")
     gen.set_defaults(func=cmd_generate)
 
     sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "

@@ -119,6 +119,7 @@ def cmd_generate(args) -> int:
              "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
     status(f"loading {about} on {device} ({dtype})")
     target = load_target(target_dir, dtype=dtype, device=device)
+    target.compile_steps = target.compile_steps and args.compile  # one call: CUDA graphs of eager steps
     plan, line = None, None
     # (the draft: --draft, else the one shipped for the default model)
     gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
@@ -133,9 +134,9 @@ def cmd_generate(args) -> int:
         check_length(len(ids), args.max_new_tokens, biggest, limit)
     if line:
         status(line)
-    if target.device.type == "cuda" and getattr(target, "compile_steps", False):
-        status("compiling and capturing the steps of this prompt's shape (a process's first call: seconds to a "
-               "minute; later calls of the same shape replay them)")
+    if target.device.type == "cuda":
+        status("compiling and capturing the steps (seconds to a minute the first time on a machine; compiled code "
+               "is kept under the longspec home)" if target.compile_steps else "capturing the steps as CUDA graphs")
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     out = gen.generate([ids], config, streamer=streamer, plan=plan)
     streamer.out.write("\n")

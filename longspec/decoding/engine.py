@@ -370,7 +370,8 @@ class Engine:
             else:
                 phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
                 state += v.proposer.state_tensors()
-            self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs)
+            self.runners[key] = PhaseRunner(phases, state, self.uniforms, self.target.device, self.cuda_graphs,
+                                            reset=v.cache.discard)
         return self.runners[key]
 
     @property

@@ -93,5 +93,5 @@ class ChunkedPrefill:
                 cache.advance(self.real)  # the padding stays pending: dropped
 
             self.runners[row] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
-                                            self.cuda_graphs, timed=False)
+                                            self.cuda_graphs, timed=False, reset=cache.discard)
         return self.runners[row]

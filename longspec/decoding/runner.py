@@ -65,8 +65,10 @@ class PhaseRunner:
     :func:`capture_stream`."""
 
     def __init__(self, phases: Sequence[Callable[[], None]], state: Sequence[torch.Tensor], uniforms: Uniforms,
-                 device: torch.device, cuda_graphs: bool, timed: bool = True):
+                 device: torch.device, cuda_graphs: bool, timed: bool = True,
+                 reset: Optional[Callable[[], None]] = None):
         self.phases, self.state, self.uniforms = list(phases), list(state), uniforms
+        self.reset = reset  # puts back host-side state a phase left half-done (after a failed capture)
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: Optional[list] = None
@@ -148,6 +150,7 @@ class PhaseRunner:
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         self.uniforms.refill()
+        phase = None
         try:
             with collector_paused():
                 for phase in self.phases:
@@ -156,9 +159,13 @@ class PhaseRunner:
                         phase()
                     graphs.append(graph)
         except RuntimeError as err:  # an op that cannot be captured: stay correct, run eagerly
-            warnings.warn(f"CUDA-graph capture failed, this engine runs eagerly: {err}")
+            name = getattr(getattr(phase, "func", phase), "__qualname__", repr(phase))
+            cause = f" (first: {err.__context__})" if err.__context__ is not None else ""
+            warnings.warn(f"CUDA-graph capture of {name} failed, this engine runs eagerly: {err}{cause}")
             graphs, self.cuda_graphs = None, False
             self.uniforms.eager()
+            if self.reset is not None:
+                self.reset()
         restore()
         torch.cuda.synchronize(self.device)
         self.graphs, self.random = graphs, self.uniforms.buffer

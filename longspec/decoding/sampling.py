@@ -159,6 +159,11 @@ class Uniforms:
         self.first_row = 0  # the batch row of a draw's index 0
         self.row_generators: dict = {}  # batch row -> its own torch.Generator
         self._layouts: dict = {}  # id(buffer) -> {start: shape} of the draws a captured round reads
+        # (start, shape) of this round's eager draws: a sizing run's become the layout of the buffer
+        # ``make_static`` makes. Recorded on the eager path only: a captured round's (compiled) draws
+        # must not change Python state that compiled code is guarded on (a guard failing between a
+        # capture's warm-up and the capture recompiles inside the capture, which then fails)
+        self._draws: list = []
 
     def seed_row(self, row: int, seed: int) -> None:
         """From now on batch row ``row`` draws from its own generator, seeded with ``seed``."""
@@ -174,9 +179,9 @@ class Uniforms:
         if self.buffer is None:
             out = torch.rand(shape, generator=self.generator, device=self.device)
             self._draw_rows(out, shape)
+            self._draws.append((start, tuple(shape)))
             return out
         # a captured round reads the buffer: ``refill`` puts the own-generator rows' numbers there
-        self._layouts.setdefault(id(self.buffer), {})[start] = tuple(shape)
         return self.buffer[start:start + n].view(shape)
 
     def _draw_rows(self, out: torch.Tensor, shape) -> None:
@@ -187,14 +192,18 @@ class Uniforms:
                 out[b] = torch.rand(tuple(shape[1:]), generator=generator, device=self.device)
 
     def make_static(self, count: int) -> None:
-        """Switches to a new buffer of ``count`` numbers (the one a capture's graphs will read)."""
+        """Switches to a new buffer of ``count`` numbers (the one a capture's graphs will read),
+        laid out as the draws since the last :meth:`eager` or eager :meth:`refill` (the sizing
+        run's)."""
         self.buffer = torch.rand(max(count, 1), generator=self.generator, device=self.device)
+        self._layouts[id(self.buffer)] = dict(self._draws)
         self.used = 0
 
     def eager(self) -> None:
         """Back to drawing fresh numbers on request (for a sizing run before a capture)."""
         self.buffer = None
         self.used = 0
+        self._draws.clear()
 
     def refill(self) -> None:
         """Starts a round: new numbers in the buffer (static) or a new count (eager)."""
@@ -203,6 +212,8 @@ class Uniforms:
             if self.row_generators:
                 for start, shape in self._layouts.get(id(self.buffer), {}).items():
                     self._draw_rows(self.buffer[start:start + math.prod(shape)].view(shape), shape)
+        else:
+            self._draws.clear()
         self.used = 0
 
 
