@@ -99,3 +99,38 @@ def test_shares():
         Shard.of(dataclasses.replace(cfg, intermediate_size=90), TensorParallel(0, 4))
     with pytest.raises(ValueError, match="KV heads"):
         Shard.of(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), TensorParallel(0, 4))
+
+
+def test_parallel_generator_drives_its_own_workers(models):
+    """The Python API: this process is rank 0, one follower process; greedy and an unseeded
+    sampled call (the driver's seed reaches every rank: they agree, or the call raises)."""
+    path, draft_dir = models["llama"]
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9, 7]
+    want = Generator(load_target(path), "longspec", "2,2", draft=draft_dir).generate(
+        prompt, GenerationConfig(max_new_tokens=8)).sequences
+    with ParallelGenerator(path, 2, proposer="longspec", draft=draft_dir, tree="2,2", threads=1) as gen:
+        assert gen.target.shard.tp.world == 2 and gen.target.model.embed_tokens.num_embeddings == 81
+        assert gen.generate(prompt, GenerationConfig(max_new_tokens=8)).sequences == want
+        sampled = gen.generate(prompt, GenerationConfig(max_new_tokens=8, temperature=1.0))
+        assert len(sampled.sequences[0]) == 8
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # raised on every rank, the group lives on
+            gen.generate([1000], GenerationConfig(max_new_tokens=2))
+        assert gen.generate(prompt, GenerationConfig(max_new_tokens=8)).sequences == want
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.generate(prompt)
+
+
+@pytest.mark.slow
+def test_cli_generate_tensor_parallel(models, tmp_path):
+    from test_training_ddp import save_char_tokenizer
+
+    path = models["llama"][0]
+    save_char_tokenizer(path)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    base = [sys.executable, "-m", "longspec.cli", "generate", "--target", path, "--prompt", "abcabcab",
+            "--max-new-tokens", "6", "--proposer", "pld", "--json", "--threads", "1", "--device", "cpu"]
+    outs = [json.loads(subprocess.run(base + extra, capture_output=True, text=True, env=env, check=True,
+                                      timeout=300).stdout.strip().splitlines()[-1])
+            for extra in ([], ["--tensor-parallel", "2"])]
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and len(outs[0]["token_ids"]) == 6

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "small machine)")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
+    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the target over N processes, one per GPU (cuda:0..N-1, NCCL; on the CPU N gloo "
+                          "processes): for targets that do not fit one GPU (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
     sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "
