@@ -138,23 +138,29 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     check_size(config.parameter_count(), files, path)
     shard = None if tensor_parallel is None else Shard.of(config, tensor_parallel)
     device = device if tensor_parallel is None else tensor_parallel.device
-    with torch.device("meta"):
-        model = TargetModel(config, shard)
-    model = model.to_empty(device=device).to(dtype)
+    with torch.device("meta"):  # (in the target dtype before allocating: a float32 copy may not fit)
+        model = TargetModel(config, shard).to(dtype)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
     load_state(model, files, shard=shard)
     model.path = str(path)
     model.fuse_projections()
-    if torch.device(device).type == "cuda":
-        # the hybrid tree-attention kernels; matmul (GQA-stacked products) where Triton is missing
-        from ..attention import triton_kernels
-        d = config.head_dim
-        fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
-        model.attention_impl = "triton" if fits else "matmul"
-        model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
+    use_device_kernels(model)
     return model.eval().requires_grad_(False)
+
+
+def use_device_kernels(model: TargetModel) -> None:
+    """On CUDA: the Triton tree-attention kernels (matmul, GQA-stacked products, where Triton or
+    the head size does not suit them) and compiled steps; elsewhere the defaults."""
+    if model.device.type != "cuda":
+        return
+    from ..attention import triton_kernels
+    d = model.config.head_dim
+    fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
+    model.attention_impl = "triton" if fits else "matmul"
+    model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
 
 
 def check_size(parameters: int, files: list, path: Path) -> None:
