@@ -9,13 +9,6 @@ and vocabulary split over the processes of a group, one process per device.
 """
 from .group import TensorParallel, from_env
 from .sharding import Shard
+from .workers import ParallelGenerator
 
 __all__ = ["TensorParallel", "Shard", "from_env", "ParallelGenerator"]
-
-
-def __getattr__(name):
-    if name == "ParallelGenerator":  # lazily: it imports the decoding stack
-        from .workers import ParallelGenerator
-
-        return ParallelGenerator
-    raise AttributeError(name)
