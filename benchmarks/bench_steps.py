@@ -58,19 +58,31 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
           "llama-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                            intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
-                           rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)}
+                           rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+          "llama-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+                            intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
+                            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+          # a CPU smoke-test shape (tensor parallelism over up to 4 ranks)
+          "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)}
 
 
-def random_target(shape: str, dtype, device: str = "cuda"):
-    """A target of a known shape with random weights (N(0, 0.02)), on ``device``."""
+def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None):
+    """A target of a known shape with random weights (N(0, 0.02)), on ``device``; with
+    ``tensor_parallel`` (a :class:`~longspec.parallel.TensorParallel`) this rank's share, on its device."""
     from longspec.config import ModelConfig
     from longspec.models.rope import RotaryEmbedding
     from longspec.models.target import TargetModel
+    from longspec.parallel import Shard
 
     config = ModelConfig.from_hf(SHAPES[shape])
+    shard = None if tensor_parallel is None else Shard.of(config, tensor_parallel)
+    device = device if tensor_parallel is None else tensor_parallel.device
     with torch.device("meta"):
-        model = TargetModel(config)
-    model = model.to_empty(device=device).to(dtype)
+        model = TargetModel(config, shard).to(dtype)
+    model = model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)

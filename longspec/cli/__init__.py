@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on CUDA, also fuse the target's steps through torch.compile (Inductor): each step a little "
                           "faster, but a process pays seconds to load or compile them, which one call rarely wins "
                           "back; the Python API and the server compile by default (default: off, CUDA graphs only)")
+    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the target over N processes, one per GPU (cuda:0..N-1, NCCL; on the CPU N gloo "
+                          "processes): for targets that do not fit one GPU (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
     sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "

@@ -99,6 +99,13 @@ def cmd_generate(args) -> int:
         raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
     text = _prompt_text(args)
     name, tree = proposer_choice(args)
+    parallel = _tensor_parallel(args, device)
+    if parallel and name == "auto":  # (auto's cost model times steps per device: not across ranks)
+        from ..decoding.generator import default_tree
+        from ..decoding.tree import TreeSpec
+
+        name = "hybrid" if args.draft or not args.target else "pld"
+        tree = TreeSpec.coerce(default_tree(name))
 
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     model_config = ModelConfig.from_hf(read_config(target_dir))
@@ -117,12 +124,20 @@ def cmd_generate(args) -> int:
 
     about = (f"{DEFAULT_NAME} (135M parameters, dequantised from a 4-bit GGUF: a small demo model, so "
              "expect rough text; on a 2-core CPU about 10-30 tokens/s)" if not args.target else str(target_dir))
-    status(f"loading {about} on {device} ({dtype})")
-    target = load_target(target_dir, dtype=dtype, device=device)
-    target.compile_steps = target.compile_steps and args.compile  # one call: CUDA graphs of eager steps
     plan, line = None, None
-    # (the draft: --draft, else the one shipped for the default model)
-    gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
+    if parallel:
+        from ..parallel import ParallelGenerator
+
+        status(f"loading {about} on {parallel} {device} processes ({dtype}), tensor-parallel")
+        gen = ParallelGenerator(target_dir, parallel, proposer=name, draft=args.draft, tree=tree, dtype=dtype,
+                                device=device, window=args.window, threads=args.threads)
+        target = gen.target
+    else:
+        status(f"loading {about} on {device} ({dtype})")
+        target = load_target(target_dir, dtype=dtype, device=device)
+        target.compile_steps = target.compile_steps and args.compile  # one call: CUDA graphs of eager steps
+        # (the draft: --draft, else the one shipped for the default model)
+        gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
     if name == "auto":
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
@@ -138,7 +153,11 @@ def cmd_generate(args) -> int:
         status("compiling and capturing the steps (seconds to a minute the first time on a machine; compiled code "
                "is kept under the longspec home)" if target.compile_steps else "capturing the steps as CUDA graphs")
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
-    out = gen.generate([ids], config, streamer=streamer, plan=plan)
+    try:
+        out = gen.generate([ids], config, streamer=streamer, **({} if parallel else {"plan": plan}))
+    finally:
+        if parallel:
+            gen.close()
     streamer.out.write("\n")
     streamer.out.flush()
     tokens = out.sequences[0]
@@ -153,6 +172,22 @@ def cmd_generate(args) -> int:
         print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}"
               f"{switches}]", file=sys.stderr)
     return 0
+
+
+def _tensor_parallel(args, device: str) -> int:
+    """--tensor-parallel's process count, checked (0: one process, no tensor parallelism)."""
+    import torch
+
+    n = getattr(args, "tensor_parallel", 1)
+    if n < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {n}")
+    if n == 1:
+        return 0
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--tensor-parallel uses cuda:0..{n - 1}: give --device cuda, not {device}")
+    if device == "cuda" and torch.cuda.device_count() < n:
+        raise UsageError(f"--tensor-parallel {n} needs {n} GPUs, {torch.cuda.device_count()} visible")
+    return n
 
 
 _TOKENIZERS: dict = {}

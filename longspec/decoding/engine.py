@@ -99,12 +99,15 @@ class Engine:
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
         if pool_tokens is None and device.type == "cuda":  # every row's max_len, within half the free memory
-            per_token = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * \
+            kv = target.cache_config  # this rank's KV heads under tensor parallelism
+            per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * \
                 torch.empty((), dtype=target.dtype).element_size()
             budget = torch.cuda.mem_get_info(device)[0] // 2 // per_token
+            if target.shard is not None:  # one pool size on every rank: the same requests fit everywhere
+                budget = min(target.shard.tp.gather_objects(budget))
             pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
         num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
-        self.pool = BlockPool(target.config, num_blocks, block, target.dtype, device)
+        self.pool = BlockPool(target.cache_config, num_blocks, block, target.dtype, device)
         self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool)
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)

@@ -24,7 +24,7 @@ class StreamingSelfSpec(TreeDrafter):
 
     def begin(self, target, cache, tree, config, rng):
         super().begin(target, cache, tree, config, rng)
-        self.view = KVCache(target.config, cache.batch_size, self.sinks + self.window + tree.num_nodes,
+        self.view = KVCache(target.cache_config, cache.batch_size, self.sinks + self.window + tree.num_nodes,
                             target.dtype, target.device)
 
     def rows(self, n, cache):

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..outdir import temp_prefix
+from ..parallel.sharding import Shard, shard_slice
 from .rope import RotaryEmbedding
 from .target import TargetModel
 
@@ -74,11 +75,12 @@ def safetensors_files(path: Path) -> list:
 
 
 def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IGNORED_SUFFIXES,
-               rename=None) -> None:
+               rename=None, shard=None) -> None:
     """Copies tensors from safetensors ``files`` into ``module``'s parameters and buffers (any
     device/dtype), checking that every parameter is present once with the right shape. Keys are
     stripped of ``prefix`` and mapped through ``rename`` (a dict or callable returning None to
-    skip a key). Unexpected keys raise."""
+    skip a key). Unexpected keys raise. ``shard`` (a :class:`~longspec.parallel.Shard`): only this
+    rank's slice of each split tensor is read."""
     from safetensors import SafetensorError, safe_open
 
     params = dict(module.state_dict(keep_vars=True))
@@ -96,7 +98,7 @@ def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IG
                         if name not in params:
                             unexpected.append(key)
                             continue
-                        tensor = f.get_tensor(key)
+                        tensor = f.get_tensor(key) if shard is None else shard_slice(shard, name, f.get_slice(key))
                         check_finite(key, tensor, file)
                         target = params[name]
                         if tuple(tensor.shape) != tuple(target.shape):
@@ -120,8 +122,12 @@ def load_state(module: torch.nn.Module, files: list, prefix: str = "", ignore=IG
 
 
 def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.float32,
-                device: Union[str, torch.device] = "cpu") -> TargetModel:
+                device: Union[str, torch.device] = "cpu", tensor_parallel=None) -> TargetModel:
     """Loads a Llama-family causal LM from a local HF-format directory.
+
+    ``tensor_parallel`` (a :class:`~longspec.parallel.TensorParallel`, this process's rank of a
+    group): loads only this rank's share of the weights onto the rank's device (``device`` is
+    ignored); every rank of the group must call it (see :class:`~longspec.parallel.ParallelGenerator`).
 
     Raises FileNotFoundError for a missing directory/config/weights and ValueError for an
     unsupported architecture or RoPE scaling, a corrupt file, or missing/extra/mis-shaped tensors."""
@@ -130,23 +136,31 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     dtype = resolve_dtype(dtype)
     files = safetensors_files(path)
     check_size(config.parameter_count(), files, path)
-    with torch.device("meta"):
-        model = TargetModel(config)
-    model = model.to_empty(device=device).to(dtype)
+    shard = None if tensor_parallel is None else Shard.of(config, tensor_parallel)
+    device = device if tensor_parallel is None else tensor_parallel.device
+    with torch.device("meta"):  # (in the target dtype before allocating: a float32 copy may not fit)
+        model = TargetModel(config, shard).to(dtype)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
-    load_state(model, files)
+    load_state(model, files, shard=shard)
     model.path = str(path)
     model.fuse_projections()
-    if torch.device(device).type == "cuda":
-        # the hybrid tree-attention kernels; matmul (GQA-stacked products) where Triton is missing
-        from ..attention import triton_kernels
-        d = config.head_dim
-        fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
-        model.attention_impl = "triton" if fits else "matmul"
-        model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
+    use_device_kernels(model)
     return model.eval().requires_grad_(False)
+
+
+def use_device_kernels(model: TargetModel) -> None:
+    """On CUDA: the Triton tree-attention kernels (matmul, GQA-stacked products, where Triton or
+    the head size does not suit them) and compiled steps; elsewhere the defaults."""
+    if model.device.type != "cuda":
+        return
+    from ..attention import triton_kernels
+    d = model.config.head_dim
+    fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
+    model.attention_impl = "triton" if fits else "matmul"
+    model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
 
 
 def check_size(parameters: int, files: list, path: Path) -> None:

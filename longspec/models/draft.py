@@ -100,9 +100,11 @@ ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
 def embedding_sample(target: TargetModel, rows: int = 8, cols: int = 8) -> list:
     """A dtype-robust fingerprint of the target's embedding: ``rows`` evenly spaced rows, first
     ``cols`` values each (float, 5 significant digits)."""
-    emb = target.model.embed_tokens.weight
-    idx = torch.linspace(0, emb.shape[0] - 1, rows, device=emb.device).round().long()
-    return [float(f"{x:.5g}") for x in emb[idx, :cols].float().flatten().tolist()]
+    vocab = target.config.vocab_size
+    idx = torch.linspace(0, vocab - 1, rows, device=target.device).round().long()
+    with torch.no_grad():  # through the lookup: whole rows under tensor parallelism too
+        sample = target.embed(idx)[:, :cols]
+    return [float(f"{x:.5g}") for x in sample.float().flatten().tolist()]
 
 
 class CrossAttention(nn.Module):
@@ -170,6 +172,10 @@ class LongSpecDraft(nn.Module):
         none). ``reduced`` (drafting) with a reduced vocabulary: only those rows of the head are
         computed, the other tokens get -inf; training always scores the whole vocabulary."""
         h = self.head_input(hidden)
+        if reduced and self.config.draft_vocab and self.target.shard is not None:
+            # the head's rows are spread over the ranks: every score, the others masked
+            keep = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=h.device)
+            return self.target.logits(h).masked_fill(~keep.index_fill(0, self.vocab_subset, True), float("-inf"))
         if not (reduced and self.config.draft_vocab):
             return self.target.logits(h)
         subset = self.vocab_subset
@@ -195,8 +201,21 @@ class LongSpecDraft(nn.Module):
         self.mlp.fuse()
 
     def _finish(self, x, cross_o):
-        x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))
+        shard = self.target.shard
+        if shard is not None and cross_o.shape[1] == shard.n_q < self.config.num_heads:
+            x = x + shard.tp.all_reduce(F.linear(_merge_heads(cross_o, x.dtype), self._cross_o_share(shard)))
+        else:
+            x = x + self.cross_attn.o_proj(_merge_heads(cross_o, x.dtype))
         return x + self.mlp(self.post_cross_attention_layernorm(x))
+
+    def _cross_o_share(self, shard) -> torch.Tensor:
+        """The columns of the cross-attention's ``o_proj`` for this rank's query heads
+        [H, n_q * D] (copied once per weight)."""
+        w = self.cross_attn.o_proj.weight
+        if getattr(self, "_o_share", (None,))[0] is not w:
+            d = self.config.head_dim
+            self._o_share = (w, w.detach()[:, shard.q_heads[0] * d:shard.q_heads[1] * d].contiguous())
+        return self._o_share[1]
 
     def forward_train(self, input_ids, positions, target_k, target_v, lag: int = 1) -> torch.Tensor:
         """Teacher-forced chunk. input_ids, positions [B, T]; target_k, target_v [B, Hkv, T, D]: the
@@ -234,6 +253,10 @@ class LongSpecDraft(nn.Module):
         o = attend_masked(q, cache.k, cache.v, cache.visibility(index, node, tree_mask), impl, may_be_empty=True)
         x = x + self.self_attn.o_proj(_merge_heads(o, x.dtype))
         cq = self._cross_query(x, cos, sin)
+        shard = self.target.shard
+        if shard is not None:  # the target's KV heads are spread over the ranks: this rank's query
+            # heads over its KV heads; _finish sums the ranks' shares of o_proj (as the target's layers do)
+            cq = cq[:, shard.q_heads[0]:shard.q_heads[1]]
         cross = attend_prefix(cq, target_kv, cross_limit, impl, cross_keys)
         return self._finish(x, cross)
 

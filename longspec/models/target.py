@@ -12,6 +12,7 @@ checkpoints load without renaming. Three forward modes share one code path:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from ..attention import AttentionMeta, attend
 from ..cache import KVCache, store_kv
 from ..config import ModelConfig
+from ..parallel.sharding import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -73,13 +75,16 @@ def fusion_intact(linears: list, fused: Optional[tuple]) -> bool:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). With a tensor-parallel ``shard``: this rank's columns
+    of gate and up, its rows of down, summed over the ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, shard=None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        local = intermediate if shard is None else shard.n_ffn
+        self.gate_proj = nn.Linear(hidden, local, bias=bias)
+        self.up_proj = nn.Linear(hidden, local, bias=bias)
+        self.down_proj = (nn.Linear(local, hidden, bias=bias) if shard is None else
+                          RowParallelLinear(local, hidden, bias, shard.tp))
         self._fused = None
 
     def fuse(self) -> None:
@@ -127,8 +132,14 @@ class Projections(nn.Module):
 
 
 class Attention(Projections):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.o_bias)
+    """With a tensor-parallel ``shard``: this rank's query heads and the KV heads they read;
+    ``o_proj`` sums the ranks' shares."""
+
+    def __init__(self, cfg: ModelConfig, shard=None):
+        heads, kv_heads = (cfg.num_heads, cfg.num_kv_heads) if shard is None else (shard.n_q, shard.n_kv)
+        super().__init__(cfg.hidden_size, heads, kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.o_bias)
+        if shard is not None:
+            self.o_proj = RowParallelLinear(heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, shard.tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -144,12 +155,12 @@ class Attention(Projections):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, shard)
 
     def forward(self, x, cos, sin, k_layer, v_layer, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_layer, v_layer, meta)
@@ -210,21 +221,27 @@ def compiled_layer():
 class DecoderStack(nn.Module):
     """``model.*`` of a HF checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard is None else
+                             VocabParallelEmbedding(shard, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
-    """The target LLM. Build with :func:`longspec.load_target`; see the module docstring."""
+    """The target LLM. Build with :func:`longspec.load_target`; see the module docstring.
 
-    def __init__(self, cfg: ModelConfig):
+    ``shard`` (a :class:`~longspec.parallel.Shard`): this process is one rank of a tensor-parallel
+    group and holds only its share of the weights and of the KV heads (:attr:`cache_config`); its
+    embeddings, hidden states and logits are whole, the same on every rank."""
+
+    def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderStack(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.shard = cfg, shard
+        self.model = DecoderStack(cfg, shard)
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard is None else
+                        VocabParallelHead(shard, cfg.hidden_size, cfg.vocab_size))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
@@ -251,6 +268,13 @@ class TargetModel(nn.Module):
             layer.mlp.fuse()
 
     @property
+    def cache_config(self) -> ModelConfig:
+        """The config the KV cache is sized by: this rank's KV heads under tensor parallelism."""
+        if self.shard is None:
+            return self.config
+        return dataclasses.replace(self.config, num_kv_heads=self.shard.n_kv)
+
+    @property
     def fused(self) -> bool:
         """Whether every layer's fused projections still hold its parameters."""
         return all(fusion_intact([a.q_proj, a.k_proj, a.v_proj], a._fused) and
@@ -260,7 +284,7 @@ class TargetModel(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, pool=None) -> KVCache:
         """A KV cache of ``batch_size`` rows of ``max_len`` slots: its own dense pool, or rows
         over a shared :class:`~longspec.cache.BlockPool` (``pool``)."""
-        return KVCache(self.config, batch_size, max_len, self.dtype, self.device, pool=pool)
+        return KVCache(self.cache_config, batch_size, max_len, self.dtype, self.device, pool=pool)
 
     # the small interface a draft reads the target through
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -277,7 +301,8 @@ class TargetModel(nn.Module):
     @staticmethod
     def last_layer_kv(cache: KVCache):
         """The last layer's K/V (as stored: keys already rotated), a
-        :class:`~longspec.cache.LayerKV` (``.dense(n)``: [B, Hkv, n, D])."""
+        :class:`~longspec.cache.LayerKV` (``.dense(n)``: [B, Hkv, n, D]); under tensor
+        parallelism this rank's KV heads (``shard.kv_heads``)."""
         return cache.layer(-1)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
