@@ -104,13 +104,17 @@ def test_benchmark_scripts_shown_exist_and_take_their_options():
     assert seen >= 8
 
 
-@pytest.mark.parametrize("example", ["quickstart.py", "stream_requests.py"])
-def test_examples_run(example):
+@pytest.mark.parametrize("example, says", [
+    ("quickstart.py", "same tokens as plain decoding: True"),
+    ("stream_requests.py", "same tokens as plain decoding: True"),
+    pytest.param("tensor_parallel.py", "same tokens as one process: True", marks=pytest.mark.slow),  # (3 processes)
+])
+def test_examples_run(example, says):
     needs_default_model()
     run = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True, text=True,
                          timeout=900, cwd=ROOT, env=ENV)
     assert run.returncode == 0, run.stderr
-    assert "same tokens as plain decoding: True" in run.stdout
+    assert says in run.stdout
 
 
 def test_serving_snippets_work_against_a_server():
