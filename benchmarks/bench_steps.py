@@ -64,7 +64,6 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
 def random_target(shape: str, dtype, device: str = "cuda"):
     """A target of a known shape with random weights (N(0, 0.02)), on ``device``."""
     from longspec.config import ModelConfig
-    from longspec.models.rope import RotaryEmbedding
     from longspec.models.target import TargetModel
 
     config = ModelConfig.from_hf(SHAPES[shape])
@@ -74,7 +73,7 @@ def random_target(shape: str, dtype, device: str = "cuda"):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
+    model.build_rotary(device)
     model.fuse_projections()
     return model.eval().requires_grad_(False)
 
