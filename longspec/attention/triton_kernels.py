@@ -198,8 +198,9 @@ if triton is not None:
             tree_end = N_TREE
             if CAUSAL:  # query i sees tree tokens j <= i + N_TREE - M: none after the tile's last query's
                 tree_end = tl.minimum(N_TREE, tl.max(tl.where(row_ok, i, 0), 0) + 1 + N_TREE - M)
-            # a window: a tree token's slot is at least its position, so none below the lowest start is seen
-            tree_first = tl.maximum(first_start - length, 0) // BLOCK_N
+            tree_first = 0
+            if CAUSAL:  # a causal chunk's slots are its positions: none below the tile's lowest start is seen
+                tree_first = tl.maximum(first_start - length, 0) // BLOCK_N
             for blk in range(tree_first, tl.cdiv(tree_end, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
@@ -209,11 +210,11 @@ if triton is not None:
                 v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
                 if CAUSAL:
                     seen = row_ok[:, None] & n_ok[None, :] & (j[None, :] <= i[:, None] + N_TREE - M)
+                    if HAS_START:  # a causal chunk's window (a tree's is in its mask)
+                        seen = seen & (n[None, :] >= row_start[:, None])
                 else:
                     seen = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
                                    mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-                if HAS_START:  # exact for a causal chunk (slots are positions); else the mask already is
-                    seen = seen & (n[None, :] >= row_start[:, None])
                 s = tl.where(seen, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
                 m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
         _finish(acc, m_i, l_i, rows, row_ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
@@ -462,9 +463,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kernel computes it instead of reading it and skips the key blocks no query of a tile sees.
     ``table`` [B, max_blocks] (paged): k_cache, v_cache are a pool layer [Hkv, P, D] and row b's
     slot s is pool slot ``table[b, s // block_size] * block_size + s % block_size``.
-    ``starts`` [B, M] integer (a sliding window): query i of row b sees no slot below
-    ``starts[b, i]``, in the prefix or (where a causal chunk's slots are its positions) the tree
-    part; key blocks below a tile's lowest start are never read.
+    ``starts`` [B, M] integer (a sliding window): query i of row b sees no prefix slot below
+    ``starts[b, i]``, nor (``causal``: a chunk whose slots are its positions) a tree slot; a tree's
+    window is in its mask. Key blocks below a tile's lowest start are never read.
     Returns o [B, Hq, M, D] in q's dtype, a view of a [B, M, Hq, D] tensor (so the output
     projection's reshape is free)."""
     c = _check(q, k_cache, v_cache, config, table, block_size)
