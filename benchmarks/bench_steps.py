@@ -73,7 +73,6 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     """A target of a known shape with random weights (N(0, 0.02)), on ``device``; with
     ``tensor_parallel`` (a :class:`~longspec.parallel.TensorParallel`) this rank's share, on its device."""
     from longspec.config import ModelConfig
-    from longspec.models.rope import RotaryEmbedding
     from longspec.models.target import TargetModel
     from longspec.parallel import Shard
 
@@ -86,7 +85,7 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
+    model.build_rotary(device)
     model.fuse_projections()
     return model.eval().requires_grad_(False)
 

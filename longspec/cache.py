@@ -133,10 +133,6 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
-        if config.sliding_window is not None and max_len > config.sliding_window:
-            raise ValueError(
-                f"this model uses sliding-window attention (window {config.sliding_window}), which longspec "
-                f"does not implement: contexts up to {config.sliding_window} tokens only (asked for {max_len})")
         if pool is None:  # one block per row, owned for good: a one-slot scratch for stray slots
             pool = BlockPool(config, batch_size, max_len, dtype, device, scratch_slots=1)
         device = pool.k.device

@@ -76,6 +76,8 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     config.architectures = [type(model).__name__]
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if config.model_type == "gemma3_text":
+        gemma3_from_gguf_metadata(config, gguf_file)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -103,6 +105,37 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
             if leftover.exists():
                 shutil.rmtree(leftover)
     return out_dir
+
+
+def gemma3_from_gguf_metadata(config, gguf_file: Path) -> None:
+    """What llama.cpp reads from a Gemma 3 GGUF and transformers (which uses its config's defaults)
+    does not: the softmax scale 1/sqrt(key_length) (``query_pre_attn_scalar``; llama.cpp's rule for
+    every size but 27B, whose scale transformers' default 256 does not give either), and where the
+    file has them the sliding-window pattern (a layer period, or one flag per layer: true =
+    sliding) and the sliding layers' RoPE base. Changes ``config`` in place."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_file).fields
+
+    def value(key):
+        field = fields.get(f"gemma3.{key}")
+        if field is None:
+            return None
+        values = [field.parts[i].tolist() for i in field.data]
+        values = [v[0] if isinstance(v, list) and len(v) == 1 else v for v in values]
+        return values[0] if len(values) == 1 else values
+
+    key_length = value("attention.key_length")
+    config.query_pre_attn_scalar = int(key_length) if key_length else config.head_dim
+    pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        config.layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                              for i in range(config.num_hidden_layers)]
+    elif isinstance(pattern, list) and len(pattern) == config.num_hidden_layers:
+        config.layer_types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    local_base = value("rope.freq_base_swa")
+    if local_base:
+        config.rope_parameters["sliding_attention"]["rope_theta"] = float(local_base)
 
 
 def check_gguf(path: Path) -> None:

@@ -35,6 +35,7 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 TINY = dict(
@@ -60,15 +61,26 @@ HUB_ROPE_TYPE = "hub_rope_type"  # rope_theta + rope_scaling {"rope_type": ...} 
 CONFIG_FORMATS = (ROPE_PARAMETERS, HUB_TYPE, HUB_ROPE_TYPE)
 
 
+# Gemma 3: six layers, the sliding ones (window 8) with their own RoPE base, globals at 2 and 5;
+# head_dim 32 with a softmax scale of its own (query_pre_attn_scalar 24)
+TINY_GEMMA3 = dict(num_hidden_layers=6, head_dim=32, sliding_window=8, max_position_embeddings=256,
+                   query_pre_attn_scalar=24, tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+
+
 def tiny_config(family: str = "llama", rope: Optional[dict] = None, **overrides):
     """A tiny HF config of ``family``; ``rope`` is a ``rope_parameters`` dict (``rope_type`` and
-    its fields; ``rope_theta`` defaults to 10000)."""
+    its fields; ``rope_theta`` defaults to 10000; Gemma 3: of its global layers, 1M by default,
+    the sliding ones having the default RoPE with base 10000)."""
     config_cls, _ = FAMILIES[family]
-    kwargs = dict(TINY)
+    kwargs = dict(TINY, **(TINY_GEMMA3 if family == "gemma3" else {}))
     kwargs.update(overrides)
-    params = {"rope_type": "default", "rope_theta": 10000.0}
+    params = {"rope_type": "default", "rope_theta": 1e6 if family == "gemma3" else 10000.0}
     params.update(rope or {})
     kwargs["rope_parameters"] = params
+    if family == "gemma3":
+        kwargs["rope_parameters"] = {"full_attention": params,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     return config_cls(**kwargs)
 
 

@@ -189,23 +189,26 @@ def test_unknown_dtype(ckpt):
         load_target(ckpt, dtype="float8")
 
 
-def test_mistral_sliding_window_smaller_than_cache(tmp_path):
+def test_mistral_sliding_window_on_every_layer(tmp_path):
+    """Mistral v0.1's window slides on every layer (parity past it: ``test_target_parity.py``);
+    the cache is not limited to it."""
     _, path = build_tiny_model(tmp_path / "mistral", "mistral", reload=False, sliding_window=16)
     target = load_target(path)
-    target.new_cache(1, 16)  # within the window: fine
-    with pytest.raises(ValueError, match="sliding-window"):
-        target.new_cache(1, 17)
+    assert target.config.sliding_window == 16
+    assert target.config.layer_types == ("sliding_attention",) * target.config.num_layers
+    assert target.new_cache(1, 100).max_len == 100
 
 
-def test_sliding_window_settings_that_do_not_limit_the_cache(tmp_path):
+def test_sliding_window_settings_that_slide_nothing(tmp_path):
     """Mistral with ``sliding_window: null`` (v0.2+) and Qwen2 with ``use_sliding_window: false``
-    (the window field is present but unused) load with no limit on the cache."""
+    (the window field is present but unused): every layer global."""
     _, path = build_tiny_model(tmp_path / "mistral", "mistral", reload=False)
     edit_config(path, sliding_window=None)
-    assert load_target(path).new_cache(1, 8192).max_len == 8192
+    assert load_target(path).config.layer_types is None
     _, path = build_tiny_model(tmp_path / "qwen2", "qwen2", reload=False, sliding_window=16,
                                use_sliding_window=False)
-    assert load_target(path).new_cache(1, 100).max_len == 100
+    config = load_target(path).config
+    assert (config.sliding_window, config.layer_types) == (None, None)
 
 
 # ------------------------------------------------------------------------------ prompt / cache

@@ -78,6 +78,12 @@ CASES = {
                                         max_shard_size="40KB"),
     "qwen3-qknorm-dynamic-hub_rope_type": dict(family="qwen3", rope={"rope_type": "dynamic", "factor": 2.0},
                                                config_format=HUB_ROPE_TYPE),
+    # sliding-window layers (window 8, sequences of up to ~100 tokens) among global ones
+    "gemma3-sliding-globals": dict(family="gemma3"),
+    "gemma3-linear-softcap-mqa-window5": dict(family="gemma3", rope={"rope_type": "linear", "factor": 2.0},
+                                              final_logit_softcapping=3.0, num_key_value_heads=1,
+                                              query_pre_attn_scalar=32, sliding_window=5),
+    "mistral-sliding-window6": dict(family="mistral", sliding_window=6),
 }
 NAMES = list(CASES)
 
@@ -163,10 +169,18 @@ def test_checkpoint_and_config_parsed(case):
         assert "rope_parameters" not in cfg and "rope_theta" in cfg
         if rope_type(name) != "default":
             assert ("type" if fmt == HUB_TYPE else "rope_type") in cfg["rope_scaling"]
+    gemma = spec["family"] == "gemma3"
     assert target.config.rope.rope_type == rope_type(name)
-    assert target.config.rope.theta == float((spec.get("rope") or {}).get("rope_theta", 10000.0))
-    assert target.config.model_type == spec["family"]
-    hf_rope = hf.config.rope_parameters
+    assert target.config.rope.theta == float((spec.get("rope") or {}).get("rope_theta", 1e6 if gemma else 10000.0))
+    assert target.config.model_type == {"gemma3": "gemma3_text"}.get(spec["family"], spec["family"])
+    hf_rope = hf.config.rope_parameters["full_attention"] if gemma else hf.config.rope_parameters
+    if gemma:
+        assert target.config.rope_local.theta == 10000.0 and target.config.rope_local.rope_type == "default"
+    window = getattr(hf.config, "sliding_window", None)
+    assert target.config.sliding_window == window
+    if window:
+        assert target.config.layer_types == tuple(getattr(hf.config, "layer_types", None)
+                                                  or ["sliding_attention"] * hf.config.num_hidden_layers)
     for ours_key, hf_key in [("factor", "factor"), ("low_freq_factor", "low_freq_factor"),
                              ("high_freq_factor", "high_freq_factor"), ("beta_fast", "beta_fast"),
                              ("beta_slow", "beta_slow"), ("attention_factor", "attention_factor"),
@@ -177,7 +191,7 @@ def test_checkpoint_and_config_parsed(case):
         assert target.config.rope.original_max_position_embeddings == hf_rope["original_max_position_embeddings"]
     if name == "llama-yarn-orig-top-level":
         assert target.config.rope.original_max_position_embeddings == 8
-    assert target.config.tie_word_embeddings == bool(spec.get("tie_word_embeddings", False))
+    assert target.config.tie_word_embeddings == bool(spec.get("tie_word_embeddings", gemma))
     if spec.get("tie_word_embeddings"):
         assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
     if spec.get("max_shard_size"):

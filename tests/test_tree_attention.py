@@ -19,7 +19,7 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 
 def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None,
-          causal=False):
+          causal=False, window=None, table=None):
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     n_tree = pending + m
@@ -31,6 +31,13 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     masks = random_parents_mask(b, n_tree, gen)[:, pending:]  # the last M rows over P + M tree tokens
     if causal:  # a prefill chunk: query i sees tree tokens j <= i + P (the kernel is told, reads no mask)
         masks = (torch.arange(n_tree)[None, :] <= torch.arange(m)[:, None] + pending).expand(b, m, n_tree)
+    starts = None
+    if window is not None:  # a sliding window: queries at consecutive positions after the pending tokens
+        # (causal), or tree queries at positions length + a random depth < 4 (their mask cut by the caller)
+        depth = torch.arange(m) + pending if causal else torch.randint(0, 4, (m,), generator=gen)
+        starts = lens[:, None] + depth[None, :] - window + 1  # [B, M]
+        tree_slots = lens[:, None, None] + torch.arange(n_tree)[None, None, :]
+        masks = masks & (tree_slots >= starts[..., None]) if causal else masks
     if broadcast:
         masks = masks[:1]
     rows = torch.arange(b)[:, None]
@@ -38,15 +45,31 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     k_tree = k.transpose(1, 2)[rows, slots].transpose(1, 2)
     v_tree = v.transpose(1, 2)[rows, slots].transpose(1, 2)
     ref = reference.hybrid_attention(q.double(), k.double(), v.double(), lens, k_tree.double(), v_tree.double(),
-                                     masks)
+                                     masks, starts)
+    block = None
+    if table is not None:  # the rows' slots through a block table of 64-slot blocks (shuffled) of one pool
+        block = 64
+        k, v = (paged_pool(x, table, block) for x in (k, v))
+        table = table.to(device)
     ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config,
-                          causal=causal)
+                          causal=causal, table=table, block_size=block or 0,
+                          starts=None if starts is None else starts.to(device))
     assert ours.shape == (b, hq, m, d) and ours.dtype == dtype
     ours = ours.double().cpu()
     assert torch.isfinite(ours).all()
     err = (ours - ref).norm() / ref.norm()
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     assert err < tol, f"relative error {err:.2e}"
+
+
+def paged_pool(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows x [B, Hkv, S, D] written into a pool layer [Hkv, P, D] through ``table`` [B, S / block]."""
+    b, hkv, s, d = x.shape
+    pool = torch.full((hkv, (int(table.max()) + 1) * block, d), float("nan"), dtype=x.dtype)
+    for row in range(b):
+        for j, blk in enumerate(table[row].tolist()):
+            pool[:, blk * block:(blk + 1) * block] = x[row, :, j * block:(j + 1) * block]
+    return pool
 
 
 CASES = [  # lengths, M, Hq, Hkv, D
@@ -361,3 +384,72 @@ def test_tma_loads_by_default_for_full_tiles_on_hopper(monkeypatch):
     check([300, 17], 4, 8, 2, 16, torch.float32, device)  # 16 rows
     check([300, 17], 32, 8, 2, 16, torch.float32, device, config=KernelConfig(tma=False))
     assert len(described) == 2
+
+
+WINDOW_CASES = [  # lengths, M, Hq, Hkv, D, window
+    ([40, 0, 7], 3, 4, 2, 16, 8),  # the window inside one key block, a row shorter than it, an empty row
+    ([300, 129], 5, 8, 2, 32, 64),  # windows across key blocks and splits (ragged starts in a tile)
+    ([1000], 16, 4, 1, 16, 100),  # most key blocks below the window (skipped)
+    ([700, 64], 2, 4, 1, 256, 130),  # head_dim 256 (Gemma 3)
+]
+
+
+@pytest.mark.parametrize("lengths,m,hq,hkv,d,window", WINDOW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sliding_window_tree_matches_reference(lengths, m, hq, hkv, d, window, dtype):
+    """Per-query window starts over the prefix (tree queries at different depths), every split and
+    block layout, several launch configs."""
+    device = "cuda" if ON_GPU else "cpu"
+    for config in (None, KernelConfig(block_q=16, block_n=16, programs=8, min_chunk=16)):
+        check(lengths, m, hq, hkv, d, dtype, device, window=window, config=config, seed=len(lengths))
+
+
+@pytest.mark.parametrize("lengths,m,pending,window", [([0], 40, 0, 8), ([37, 100], 33, 0, 16), ([9], 70, 5, 7),
+                                                      ([300], 64, 0, 200)])
+@pytest.mark.parametrize("config", [None, KernelConfig(block_q=16, block_n=16)])
+def test_sliding_window_causal_chunk(lengths, m, pending, window, config):
+    """A prefill chunk of a sliding-window layer: the window cuts the prefix and the chunk itself
+    (chunks longer than the window; tree blocks wholly below a tile's window are skipped)."""
+    check(lengths, m, 4, 2, 32, torch.float32, "cuda" if ON_GPU else "cpu", pending=pending, config=config,
+          causal=True, window=window)
+
+
+def test_sliding_window_through_a_block_table():
+    """Paged rows (shuffled 64-slot blocks) with a window: the skipped and partly seen blocks are
+    found through the table."""
+    table = torch.tensor([[5, 0, 3, 7, 1], [2, 6, 4, 8, 9]])
+    check([250, 90], 4, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=320, window=70,
+          table=table, config=KernelConfig(programs=4))
+
+
+def test_a_window_that_does_not_cut_changes_nothing():
+    """Starts at or below 0 (a window longer than the context) give the plain kernel's output."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 50, 16, generator=gen), \
+        torch.randn(2, 2, 50, 16, generator=gen)
+    lens, mask = torch.tensor([40, 12]), torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    plain = tree_attention(q, k, v, lens, mask)
+    cut = tree_attention(q, k, v, lens, mask, starts=torch.tensor([[0, -5, 0], [-100, 0, 0]]))
+    assert torch.equal(plain, cut)
+    with pytest.raises(ValueError, match="starts"):
+        tree_attention(q, k, v, lens, mask, starts=torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("elem", [2, 4])
+def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
+    """Every launch's tiles, for any number of rows and the default and benchmarked configs, fit
+    the 227 KB of shared memory a block has on the H200 (estimate of the tiles plus Triton's
+    pipeline buffers) and keep the float32 accumulator within 64 registers per thread."""
+    from longspec.attention.triton_kernels import (ACC_ELEMENTS_PER_THREAD, DEFAULT_CONFIG, SHARED_MEMORY_BUDGET,
+                                                   shared_memory_bytes, tile_plan)
+
+    assert SHARED_MEMORY_BUDGET <= 227 * 1024
+    for config in (DEFAULT_CONFIG, KernelConfig(block_q=128), KernelConfig(block_n=128, num_stages=4)):
+        for rows in (1, 4, 16, 64, 100, 256, 1024):
+            block_q, block_n, warps, stages = tile_plan(config, rows, d, elem)
+            assert shared_memory_bytes(block_q, block_n, d, elem, stages or 3) <= SHARED_MEMORY_BUDGET
+            assert block_q * d <= warps * 32 * ACC_ELEMENTS_PER_THREAD
+            assert block_q >= 16 and block_n >= 16 and not block_n & (block_n - 1)
+            if d <= 128 and elem == 2 and config is DEFAULT_CONFIG:  # unchanged where it always fitted
+                assert (block_n, stages) == (64, 0)

@@ -15,6 +15,7 @@ go, their tree mask, how many cache slots to attend over); every layer then call
 change and it can be captured in a CUDA graph), or measured from the lengths (one host sync)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -37,7 +38,10 @@ class AttentionMeta:
     written. ``key_mask`` [B, M, n_keys] spells that out over cache slots for the fused kernels.
     ``causal``: the mask is causal, nothing is pending and every row has the same number of cached
     tokens (a prefill chunk): query i sees slots ``0..n_keys - M + i``, the lower-right causal
-    form, which a flash kernel computes without a mask (no [B, M, n_keys] transient)."""
+    form, which a flash kernel computes without a mask (no [B, M, n_keys] transient).
+    ``window`` (a sliding-window layer, see :meth:`windowed`): query i of row b sees no committed
+    slot below ``starts[b, i]`` and its ``tree_mask`` already leaves out the new tokens outside
+    the window."""
 
     impl: str
     lengths: torch.Tensor
@@ -53,6 +57,8 @@ class AttentionMeta:
     tree_causal: bool = False  # the tree mask is lower-right causal (the Triton kernel computes it)
     key_mask: Optional[torch.Tensor] = None
     key_bias: Optional[torch.Tensor] = None  # matmul: [B, 1, 1, M, n_keys] float32, 0 or -inf
+    window: Optional[int] = None  # a sliding-window layer's window (None: every key)
+    starts: Optional[torch.Tensor] = None  # [B, M] long: the first committed slot each query sees
 
     def layer(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> LayerKV:
         """One layer of the pool (k_layer, v_layer [Hkv, P, D]) as these rows read it: a
@@ -82,15 +88,45 @@ class AttentionMeta:
         meta = cls(impl, cache.lengths, cache.physical(cache.new_slots(n_new)), tree_mask, cache.pending, n_keys,
                    cache.table, cache.block_size, cache.row0 if cache.dense else None,
                    cache.pool.scratch * cache.block_size, causal, tree_causal)
-        if impl not in ("triton", "reference") and not causal:  # the Triton kernel reads tree_mask itself
-            slots = torch.arange(n_keys, device=tree_mask.device)
-            rel = slots[None, :] - cache.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
-            tree = tree_mask.expand(rel.shape[0], -1, -1).gather(
-                2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
-            in_tree = (rel >= 0) & (rel < n_tree)
-            meta.key_mask = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
-            if impl == "matmul":
-                meta.key_bias = mask_bias(meta.key_mask)
+        meta._spell_out()
+        return meta
+
+    def _spell_out(self) -> None:
+        """Sets ``key_mask`` (and ``key_bias``) for the fused PyTorch paths (the Triton kernel and
+        the reference read the tree mask themselves; a causal step needs none)."""
+        if self.impl in ("triton", "reference") or self.causal:
+            return
+        n_new, n_tree = self.tree_mask.shape[-2], self.tree_mask.shape[-1]
+        slots = torch.arange(self.n_keys, device=self.tree_mask.device)
+        rel = slots[None, :] - self.lengths[:, None]  # [B, S]: slot relative to the row's prefix end
+        tree = self.tree_mask.expand(rel.shape[0], -1, -1).gather(
+            2, rel.clamp(0, n_tree - 1)[:, None, :].expand(-1, n_new, -1))
+        in_tree = (rel >= 0) & (rel < n_tree)
+        prefix = (rel < 0)[:, None, :]
+        if self.starts is not None:
+            prefix = prefix & (slots[None, None, :] >= self.starts[..., None])
+        self.key_mask = prefix | (tree & in_tree[:, None, :])
+        if self.impl == "matmul":
+            self.key_bias = mask_bias(self.key_mask)
+
+    def windowed(self, positions: torch.Tensor, window: int, slot_positions: bool = True) -> "AttentionMeta":
+        """This step as a sliding-window layer sees it: a key at position ``p_k`` is visible to a
+        query at ``p_q`` only if ``p_k > p_q - window`` (transformers' sliding-window mask).
+        positions [B, M]: the new tokens'. The new tokens' part of the tree mask is cut by their
+        positions; pending tokens count as inside the window (their depth below a query is less
+        than the window). ``slot_positions``: committed slot s holds position s and the new tokens
+        sit at slots equal to their positions (the target's own cache), so the committed prefix is
+        cut at slot ``p_q - window + 1`` and a causal step stays causal (a band); otherwise (a
+        StreamingLLM view, anchor-offset training) the committed slots are all seen."""
+        n_new, n_tree = self.tree_mask.shape[-2], self.tree_mask.shape[-1]
+        near = positions[:, None, :] > positions[:, :, None] - window  # [B, M(query), M(key)]
+        mask = self.tree_mask.expand(positions.shape[0], -1, -1)
+        mask = torch.cat([mask[..., :n_tree - n_new], mask[..., n_tree - n_new:] & near], -1)
+        meta = dataclasses.replace(self, tree_mask=mask, window=window, key_mask=None, key_bias=None,
+                                   starts=positions - (window - 1) if slot_positions else None)
+        if not slot_positions:
+            meta.causal = meta.tree_causal = False
+        meta._spell_out()
         return meta
 
 
@@ -101,7 +137,9 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     if meta.impl == "triton" and not meta.causal:
         k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.tree_attention(q, k, v, meta.lengths, meta.tree_mask, causal=meta.tree_causal,
-                                             table=table, block_size=block_size)
+                                             table=table, block_size=block_size, starts=meta.starts)
+    if meta.causal and meta.window is not None:
+        return band_attention(q, kv, meta.n_keys, meta.window)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
     if meta.causal:
         return causal_attention(q, k, v)
@@ -113,7 +151,22 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     tree_slots = meta.lengths[:, None] + torch.arange(meta.pending + q.shape[2], device=q.device)[None, :]
     k_tree = k.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
     v_tree = v.transpose(1, 2)[rows, tree_slots].transpose(1, 2)
-    return reference.hybrid_attention(q, k, v, meta.lengths, k_tree, v_tree, meta.tree_mask)
+    return reference.hybrid_attention(q, k, v, meta.lengths, k_tree, v_tree, meta.tree_mask, meta.starts)
+
+
+def band_attention(q: torch.Tensor, kv: LayerKV, n_keys: int, window: int) -> torch.Tensor:
+    """A causal step of a sliding-window layer (every row holds ``n_keys - M`` tokens before the
+    M new ones, at slots equal to their positions): query i sees slots ``n_keys - M + i - window
+    + 1 .. n_keys - M + i``. Only the ``M + window - 1`` slots some query sees are read, so the
+    cost does not grow with the context. q [B, Hq, M, D] -> o [B, Hq, M, D]."""
+    m = q.shape[2]
+    lo = max(0, n_keys - m - window + 1)
+    k, v = kv.dense(n_keys)
+    k, v = k[:, :, lo:], v[:, :, lo:]
+    query = torch.arange(n_keys - m, n_keys, device=q.device)[:, None]
+    key = torch.arange(lo, n_keys, device=q.device)[None, :]
+    band = (key <= query) & (key > query - window)
+    return masked_attention(q, k, v, band[None])
 
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, impl: str,

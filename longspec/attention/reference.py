@@ -9,6 +9,7 @@ over disjoint key sets can be merged exactly. A row with no visible key gets ``o
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -33,15 +34,19 @@ def _masked_softmax_attention(q, k, v, visible):
 
 
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     lengths: torch.Tensor, starts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of every query to the cached prefix.
 
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D]; lengths [B] (keys ``0..lengths[b]-1`` of row
-    b are visible, the rest of the S slots are ignored) or [B, M] (a limit per query).
+    b are visible, the rest of the S slots are ignored) or [B, M] (a limit per query); ``starts``
+    [B, M] (a sliding window): query i of row b sees no key below slot ``starts[b, i]``.
     Returns o [B, Hq, M, D] float32, lse [B, Hq, M] float32."""
     slots = torch.arange(k_cache.shape[2], device=q.device)
     limits = lengths[:, None] if lengths.dim() == 1 else lengths  # [B, 1 or M]
-    visible = (slots[None, None, :] < limits[..., None])[:, None, None]  # [B,1,1,1 or M,S]
+    visible = slots[None, None, :] < limits[..., None]  # [B, 1 or M, S]
+    if starts is not None:
+        visible = visible & (slots[None, None, :] >= starts[..., None])
+    visible = visible[:, None, None]  # [B,1,1,1 or M,S]
     return _masked_softmax_attention(_grouped(q, k_cache.shape[1]), k_cache, v_cache, visible)
 
 
@@ -67,10 +72,11 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return o1 * w1[..., None] + o2 * w2[..., None], lse
 
 
-def hybrid_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask):
-    """Every query sees the whole cached prefix (no mask) plus the tree tokens its mask allows:
-    ``prefix_attention`` and ``tree_attention`` merged by LSE. Returns o [B, Hq, M, D] float32."""
-    o_prefix, lse_prefix = prefix_attention(q, k_cache, v_cache, lengths)
+def hybrid_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, starts=None):
+    """Every query sees the whole cached prefix (no mask; from slot ``starts[b, i]`` on with a
+    sliding window) plus the tree tokens its mask allows: ``prefix_attention`` and
+    ``tree_attention`` merged by LSE. Returns o [B, Hq, M, D] float32."""
+    o_prefix, lse_prefix = prefix_attention(q, k_cache, v_cache, lengths, starts)
     o_tree, lse_tree = tree_attention(q, k_tree, v_tree, tree_mask)
     return merge_attention(o_prefix, lse_prefix, o_tree, lse_tree)[0]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,6 +37,9 @@ try:
     _descriptors = TensorDescriptor.from_tensor
 except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
+
+from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, plan,  # noqa: F401
+                          shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
 
@@ -92,11 +94,12 @@ if triton is not None:
             return n
 
     @triton.jit
-    def _rows(Q, LIM, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, M, G, length,
-              HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
+    def _rows(Q, LIM, START, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, sst_b, sst_m, M, G, length,
+              HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
         """Packed query rows ``first .. first + ROWS - 1`` of KV head h (row = g * M + i): the rows,
-        whether they exist, their queries [ROWS, HEAD_D] and tree index i, and where each one's
-        prefix ends (query i sees prefix slots below min(limit, length) with limits)."""
+        whether they exist, their queries [ROWS, HEAD_D] and tree index i, where each one's prefix
+        ends (query i sees prefix slots below min(limit, length) with limits) and where its window
+        starts (the first slot it sees: START[b, i] with a sliding window, else 0)."""
         rows = first + tl.arange(0, ROWS)
         ok = rows < G * M
         g, i = rows // M, rows % M
@@ -108,7 +111,27 @@ if triton is not None:
                              length)
         else:
             end = tl.zeros([ROWS], tl.int32) + length
-        return rows, ok, i, q, end
+        if HAS_START:
+            start = tl.maximum(tl.load(START + b * sst_b + i * sst_m, mask=ok, other=0).to(tl.int32), 0)
+        else:
+            start = tl.zeros([ROWS], tl.int32)
+        return rows, ok, i, q, end, start
+
+    @triton.jit
+    def _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, begin, end, row_start, row_end, d,
+                      m_i, l_i, acc, qk_scale, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """The key blocks from slot ``begin`` (a multiple of BLOCK_N) to ``end`` of the prefix, each
+        row seeing the slots in ``row_start .. row_end - 1`` (a window's start, a ragged end)."""
+        for blk in range(0, tl.cdiv(tl.maximum(end - begin, 0), BLOCK_N)):
+            n = begin + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            p = _slot(TBL, b, begin + blk * BLOCK_N, stbl_b, BS, PAGED) + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + p[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
+            seen = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_start[:, None])
+            s = tl.where(seen, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
+        return m_i, l_i, acc
 
     @triton.jit
     def _finish(acc, m_i, l_i, rows, ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
@@ -126,19 +149,22 @@ if triton is not None:
             tl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, TM, TBL, OP, LP, OUT,
-                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, stm_b, stm_m, stbl_b,
+    def _partial_kernel(Q, K, V, KD, VD, LEN, LIM, START, TM, TBL, OP, LP, OUT,
+                        sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, sst_b, sst_m,
+                        stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
-                        HAS_LIMIT: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr,
+                        CAUSAL: tl.constexpr,
                         PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
-        rows, row_ok, i, q, row_end = _rows(Q, LIM, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b, slim_m, M, G,
-                                            length, HAS_LIMIT, BLOCK_Q, HEAD_D)
+        rows, row_ok, i, q, row_end, row_start = _rows(Q, LIM, START, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b,
+                                                       slim_m, sst_b, sst_m, M, G, length, HAS_LIMIT, HAS_START,
+                                                       BLOCK_Q, HEAD_D)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, HEAD_D], tl.float32)
@@ -150,29 +176,34 @@ if triton is not None:
         lo = split * CHUNK
         every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
-        n_full = tl.maximum(every_end - lo, 0) // BLOCK_N
+        # a sliding window: no row sees the key blocks below the tile's lowest start (skipped), every
+        # row the ones from its highest start on
+        first_start = tl.min(tl.where(row_ok, row_start, CAP), 0)
+        last_start = tl.max(tl.where(row_ok, row_start, 0), 0)
+        head = tl.maximum(lo, first_start // BLOCK_N * BLOCK_N)
+        full = tl.maximum(head, tl.cdiv(last_start, BLOCK_N) * BLOCK_N)
+        m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, head, tl.minimum(full, any_end),
+                                      row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N, PRECISION)
+        n_full = tl.maximum(every_end - full, 0) // BLOCK_N
         # TMA: KD, VD describe the (contiguous) storage as [rows * HKV * S, HEAD_D], S slots a head
         desc0 = ((b * sk_b + h * sk_h) // HEAD_D).to(tl.int32)  # (paged: no batch stride)
         for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-            first = _slot(TBL, b, lo + blk * BLOCK_N, stbl_b, BS, PAGED)
+            first = _slot(TBL, b, full + blk * BLOCK_N, stbl_b, BS, PAGED)
             k = _block(KD, k_base, desc0 + first.to(tl.int32), first, sk_s, d, True, TMA, BLOCK_N)
             v = _block(VD, v_base, desc0 + first.to(tl.int32), first, sv_s, d, False, TMA, BLOCK_N)
             m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
                                             False, PRECISION)
-        start = lo + n_full * BLOCK_N
-        for blk in range(0, tl.cdiv(tl.maximum(any_end - start, 0), BLOCK_N)):  # the chunk's ragged end
-            n = start + blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < any_end
-            p = _slot(TBL, b, start + blk * BLOCK_N, stbl_b, BS, PAGED) + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + p[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
-            v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.where(n[None, :] < row_end[:, None], tl.dot(q, k, input_precision=PRECISION), float("-inf"))
-            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
+        m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, full + n_full * BLOCK_N,
+                                      any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
+                                      PRECISION)  # the chunk's ragged end
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
             tree_end = N_TREE
             if CAUSAL:  # query i sees tree tokens j <= i + N_TREE - M: none after the tile's last query's
                 tree_end = tl.minimum(N_TREE, tl.max(tl.where(row_ok, i, 0), 0) + 1 + N_TREE - M)
-            for blk in range(0, tl.cdiv(tree_end, BLOCK_N)):
+            tree_first = 0
+            if CAUSAL:  # a causal chunk's slots are its positions: none below the tile's lowest start is seen
+                tree_first = tl.maximum(first_start - length, 0) // BLOCK_N
+            for blk in range(tree_first, tl.cdiv(tree_end, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
@@ -181,6 +212,8 @@ if triton is not None:
                 v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
                 if CAUSAL:
                     seen = row_ok[:, None] & n_ok[None, :] & (j[None, :] <= i[:, None] + N_TREE - M)
+                    if HAS_START:  # a causal chunk's window (a tree's is in its mask)
+                        seen = seen & (n[None, :] >= row_start[:, None])
                 else:
                     seen = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
                                    mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
@@ -229,32 +262,7 @@ if triton is not None:
         tl.store(V + dst, tl.load(VN + b * svn_b + h * svn_h + i[:, None] * svn_m + d[None, :], mask=ok), mask=ok)
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
-    rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
-    plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning 1: the
-    fastest on the H200 for decode and for 64-tree rows, `benchmarks/results/attention_sweep_h200.log`);
-    ``min_chunk``: keys per split-KV program at least (short caches: fewer, longer programs)."""
-
-    block_q: int = 0
-    block_n: int = 64
-    num_warps: int = 0  # 0: 4 for tiles of <= 64 rows, else 8
-    num_stages: int = 0  # 0: Triton's default
-    programs: int = 0
-    per_sm: int = 0
-    merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
-    min_chunk: int = 128
-    # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
-    # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
-    tma: Optional[bool] = None
-    # loop variants timed on the H200 and removed, none faster (README "Hybrid tree attention at the
-    # 8B shape"): the next block's q.k before this block's softmax, lazy rescaling, extra rows riding
-    # along full tiles, Triton's automatic warp specialization of the unmasked loop
-
-
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
-
 
 @functools.lru_cache(maxsize=None)
 def _tma_hardware(device: torch.device) -> bool:
@@ -271,17 +279,6 @@ def _on(device: torch.device):
     """Makes ``device`` current while kernels launch: Triton launches on the current device's
     stream, whatever device the tensors are on (a model on cuda:1 while cuda:0 is current)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:
-    """(n_splits, chunk) for a cache of ``capacity`` slots shared by ``units`` (row tile, KV head,
-    sequence) triples: at most ``programs`` programs in all where the cache is long enough (one
-    full wave: a second, partial one would leave most multiprocessors idle), chunks of at least
-    ``min_chunk`` keys, a multiple of ``block_n``."""
-    want = max(1, programs // units)
-    chunk = max(-(-capacity // want), min_chunk, 1)
-    chunk = -(-chunk // block_n) * block_n
-    return max(1, -(-capacity // chunk)), chunk
 
 
 def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
@@ -317,7 +314,8 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
 
 
 def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool, causal: bool = False,
-            table: Optional[torch.Tensor] = None, block_size: int = 0) -> torch.Tensor:
+            table: Optional[torch.Tensor] = None, block_size: int = 0,
+            starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``causal``: the tree
     mask is lower-right causal (computed, not read; key blocks after a tile's last query skipped).
     ``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
@@ -327,7 +325,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     cap = table.shape[1] * block_size if paged else k_cache.shape[2]
     c, g = config, hq // hkv
     rows = g * m
-    block_q = c.block_q or max(16, min(128, triton.next_power_of_2(rows)))
+    block_q, block_n, num_warps, num_stages = tile_plan(c, rows, d, q.element_size())
     tiles = triton.cdiv(rows, block_q)
     units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
@@ -349,11 +347,12 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             mask = mask.contiguous()
         tm_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1))
     lim_strides = (0, 0) if limits is None else (limits.stride(0), limits.stride(1))
+    start_strides = (0, 0) if starts is None else (starts.stride(0), starts.stride(1))
     op_strides = (0,) * 4 if direct else o_part.stride()[:4]
     lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
     tma = block_q >= 128 and _tma_hardware(q.device) if c.tma is None else c.tma
     tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
-    kd, vd = ((_descriptors(t.view(-1, d), [c.block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
+    kd, vd = ((_descriptors(t.view(-1, d), [block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
     if paged:  # the pool layer as a cache of one row of P slots, shared by every row (batch stride 0)
         k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
         tbl, tbl_stride = table, table.stride(0)
@@ -363,14 +362,16 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
         _partial_kernel[grid](
-            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits, mask, tbl, o_part, lse_part,
-            out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *tm_strides, tbl_stride,
+            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
+            lengths if starts is None else starts, mask, tbl, o_part, lse_part, out,
+            q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *start_strides, *tm_strides,
+            tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, block_size, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, DIRECT=direct, TMA=tma, CAUSAL=causal, PAGED=paged,
-            BLOCK_Q=block_q, BLOCK_N=c.block_n, HEAD_D=d,
+            HAS_LIMIT=limits is not None, HAS_START=starts is not None, DIRECT=direct, TMA=tma, CAUSAL=causal,
+            PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=c.num_warps or (4 if block_q <= 64 else 8), **({"num_stages": c.num_stages} if c.num_stages else {}))
+            num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
             _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
                 o_part, lse_part, out, *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
@@ -381,7 +382,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
 @torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                    tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False,
-                   table: Optional[torch.Tensor] = None, block_size: int = 0) -> torch.Tensor:
+                   table: Optional[torch.Tensor] = None, block_size: int = 0,
+                   starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
     the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
 
@@ -391,16 +393,22 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kernel computes it instead of reading it and skips the key blocks no query of a tile sees.
     ``table`` [B, max_blocks] (paged): k_cache, v_cache are a pool layer [Hkv, P, D] and row b's
     slot s is pool slot ``table[b, s // block_size] * block_size + s % block_size``.
+    ``starts`` [B, M] integer (a sliding window): query i of row b sees no prefix slot below
+    ``starts[b, i]``, nor (``causal``: a chunk whose slots are its positions) a tree slot; a tree's
+    window is in its mask. Key blocks below a tile's lowest start are never read.
     Returns o [B, Hq, M, D] in q's dtype, a view of a [B, M, Hq, D] tensor (so the output
     projection's reshape is free)."""
     c = _check(q, k_cache, v_cache, config, table, block_size)
     m = q.shape[2]
+    if starts is not None and (starts.shape != (q.shape[0], m) or starts.dtype.is_floating_point):
+        raise ValueError(f"tree_attention: starts must be integers [B, M] = {(q.shape[0], m)}, "
+                         f"got {tuple(starts.shape)} {starts.dtype}")
     if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
     if causal and tree_mask.shape[2] < m:
         raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {tree_mask.shape[2]}, M {m}")
     return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, causal=causal, table=table,
-                   block_size=block_size)
+                   block_size=block_size, starts=starts)
 
 
 @torch.compiler.disable

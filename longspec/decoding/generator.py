@@ -141,9 +141,7 @@ class Generator:
             tree = TreeSpec.coerce(default_tree(_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree, self.retune, self.draft = target, proposer, tree, retune, draft
-        # (a sliding-window model: as far as the window, which longspec does not implement beyond)
-        self.max_len = max_len or min(target.config.max_position_embeddings,
-                                      target.config.sliding_window or target.config.max_position_embeddings)
+        self.max_len = max_len or target.config.max_position_embeddings
         self.cuda_graphs = cuda_graphs
         self._key = None  # the key of the last call's engine
 

@@ -61,7 +61,7 @@ class StreamingSelfSpec(TreeDrafter):
     @torch.inference_mode()
     def _forward(self, tokens, positions, mask):
         return self.target.logits(self.target.forward_hidden(tokens, positions, self.view, mask,
-                                                             n_keys=self.view.max_len))
+                                                             n_keys=self.view.max_len, slot_positions=False))
 
     def _end_round(self):
         self.view.discard()

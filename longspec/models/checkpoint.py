@@ -13,7 +13,6 @@ import torch
 from ..config import ModelConfig
 from ..outdir import temp_prefix
 from ..parallel.sharding import Shard, shard_slice
-from .rope import RotaryEmbedding
 from .target import TargetModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -132,7 +131,8 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     Raises FileNotFoundError for a missing directory/config/weights and ValueError for an
     unsupported architecture or RoPE scaling, a corrupt file, or missing/extra/mis-shaped tensors."""
     path = Path(path)
-    config = ModelConfig.from_hf(read_config(path))
+    raw = read_config(path)
+    config = ModelConfig.from_hf(raw)
     dtype = resolve_dtype(dtype)
     files = safetensors_files(path)
     check_size(config.parameter_count(), files, path)
@@ -143,8 +143,8 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
-    load_state(model, files, shard=shard)
+    model.build_rotary(device)
+    load_state(model, files, shard=shard, rename=multimodal_text_name if is_multimodal(raw) else None)
     model.path = str(path)
     model.fuse_projections()
     use_device_kernels(model)
@@ -161,6 +161,24 @@ def use_device_kernels(model: TargetModel) -> None:
     fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
     model.attention_impl = "triton" if fits else "matmul"
     model.compile_steps = True  # fused kernels for decode/verify/propose (compiled once per shape)
+
+
+def is_multimodal(raw: dict) -> bool:
+    """Whether a config.json describes a multimodal checkpoint whose text model is loaded."""
+    from ..config import MULTIMODAL
+
+    return raw.get("model_type") in MULTIMODAL.values() and isinstance(raw.get("text_config"), dict)
+
+
+def multimodal_text_name(key: str) -> Optional[str]:
+    """A multimodal checkpoint's tensor name -> the text model's (None: the vision tower and
+    projector, not loaded). transformers 5 writes ``model.language_model.*``, older versions
+    ``language_model.model.*`` and ``language_model.lm_head.*``."""
+    for prefix, ours in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if key.startswith(prefix):
+            return ours + key[len(prefix):]
+    return None
 
 
 def check_size(parameters: int, files: list, path: Path) -> None:

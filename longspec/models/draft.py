@@ -94,7 +94,7 @@ class DraftConfig:
 
 
 ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def embedding_sample(target: TargetModel, rows: int = 8, cols: int = 8) -> list:
@@ -186,7 +186,7 @@ class LongSpecDraft(nn.Module):
         return full.scatter(-1, subset.expand(*h.shape[:-1], -1), scores)
 
     def _qkv(self, x, positions):
-        cos, sin = (c.to(x.dtype) for c in self.target.rotary(positions))
+        cos, sin = (c.to(x.dtype) for c in self.target.last_layer_rotary(positions))
         q, k, v = self.self_attn.rotated_qkv(self.input_layernorm(x), cos, sin)
         return q, k, v, cos, sin
 

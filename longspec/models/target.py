@@ -1,5 +1,9 @@
-"""One generic Llama-family decoder (Llama 2/3/3.1, Vicuna, LongChat, Mistral, Qwen2/2.5, Qwen3 as
-config flags) running on the static :class:`~longspec.cache.KVCache`.
+"""One generic Llama-family decoder (Llama 2/3/3.1, Vicuna, LongChat, Mistral, Qwen2/2.5, Qwen3,
+Gemma 3 as config flags) running on the static :class:`~longspec.cache.KVCache`.
+
+Gemma 3 is the same block with flags: (1 + w) RMSNorms in float32, four norms per block (after
+attention, around the MLP), GeGLU, q/k norms, embeddings times sqrt(hidden), its own softmax scale,
+and interleaved sliding-window layers with a RoPE base of their own.
 
 Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so
 checkpoints load without renaming. Three forward modes share one code path:
@@ -28,14 +32,17 @@ from .rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised in float32 (one fused kernel where PyTorch has one), scaled by the weight
-        (in x's dtype: a float32 trained weight on bf16 activations would miss the fused kernel)."""
+        (in x's dtype: a float32 trained weight on bf16 activations would miss the fused kernel).
+        ``plus_one`` (Gemma): scaled by ``1 + weight`` in float32, then cast to x's dtype."""
+        if self.plus_one:
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
@@ -74,12 +81,21 @@ def fusion_intact(linears: list, fused: Optional[tuple]) -> bool:
     return torch.compiler.is_compiling() or fused[0].data_ptr() == linears[0].weight.data_ptr()
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). With a tensor-parallel ``shard``: this rank's columns
-    of gate and up, its rows of down, summed over the ranks."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, shard=None):
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (``gelu_pytorch_tanh``). With
+    a tensor-parallel ``shard``: this rank's columns of gate and up, its rows of down, summed over
+    the ranks."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu", shard=None):
         super().__init__()
+        self.act = ACTIVATION_FUNCTIONS[act]
         local = intermediate if shard is None else shard.n_ffn
         self.gate_proj = nn.Linear(hidden, local, bias=bias)
         self.up_proj = nn.Linear(hidden, local, bias=bias)
@@ -93,7 +109,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._fused)
         gate, up = gate_up.chunk(2, dim=-1) if torch.is_tensor(gate_up) else gate_up
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Projections(nn.Module):
@@ -141,13 +157,19 @@ class Attention(Projections):
         if shard is not None:
             self.o_proj = RowParallelLinear(heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, shard.tp)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+        # every attention path scales by 1/sqrt(head_dim): a softmax scale of 1/sqrt(s) instead is
+        # a factor on the queries (Gemma's query_pre_attn_scalar s; 1 when s == head_dim)
+        s = cfg.query_pre_attn_scalar
+        self.q_factor = 1.0 if s is None else (cfg.head_dim / s) ** 0.5
 
     def forward(self, x, cos, sin, k_layer, v_layer, meta: AttentionMeta):
         """x [B, T, H]; cos/sin [B, T, D]; k_layer, v_layer [Hkv, P, D]: this layer of the KV
         pool; ``meta``: where the new tokens go and what they see -> [B, T, H]."""
         q, k, v = self.rotated_qkv(x, cos, sin, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+        if self.q_factor != 1.0:
+            q = q * self.q_factor
         store_kv(k_layer, v_layer, k, v, meta.slots)
         o = attend(q, k_layer, v_layer, meta)
         b, _, t, _ = o.shape
@@ -155,16 +177,29 @@ class Attention(Projections):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. ``sandwich_norms`` (Gemma): ``post_attention_layernorm`` normalises the
+    attention's output (not the MLP's input, as in Llama), ``pre_feedforward_layernorm`` the MLP's
+    input and ``post_feedforward_layernorm`` its output."""
+
     def __init__(self, cfg: ModelConfig, shard=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps, plus_one = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one
+        self.input_layernorm = RMSNorm(h, eps, plus_one)
         self.self_attn = Attention(cfg, shard)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, shard)
+        self.post_attention_layernorm = RMSNorm(h, eps, plus_one)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, plus_one)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, plus_one)
+        self.sandwich = cfg.sandwich_norms
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, shard)
 
     def forward(self, x, cos, sin, k_layer, v_layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_layer, v_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = self.self_attn(self.input_layernorm(x), cos, sin, k_layer, v_layer, meta)
+        if not self.sandwich:
+            x = x + o
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(o)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 def run_layer(layer: DecoderLayer, x, cos, sin, k_layer, v_layer, meta):
@@ -226,7 +261,7 @@ class DecoderStack(nn.Module):
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard is None else
                              VocabParallelEmbedding(shard, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
 
 
 class TargetModel(nn.Module):
@@ -244,13 +279,26 @@ class TargetModel(nn.Module):
                         VocabParallelHead(shard, cfg.hidden_size, cfg.vocab_size))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.build_rotary()
         self.path: Optional[str] = None  # checkpoint directory (for the tokenizer)
         # attention of fixed-shape steps: "sdpa", "matmul", "triton" (load_target's default on CUDA) or
         # "reference" (the oracle)
         self.attention_impl = "sdpa"
         # fixed-shape steps run each layer through torch.compile (load_target's default on CUDA)
         self.compile_steps = False
+
+    def build_rotary(self, device=None) -> None:
+        """The RoPE modules: ``rotary`` (every layer, or the global ones) and ``rotary_local`` (the
+        sliding-window layers, when their RoPE differs; else the same module)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings).to(device)
+        self.rotary_local = self.rotary if cfg.rope_local is None else RotaryEmbedding(
+            cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings).to(device)
+
+    @property
+    def last_layer_rotary(self) -> RotaryEmbedding:
+        """The RoPE of the last layer (whose cached keys the draft's cross-attention reads)."""
+        return self.rotary_local if self.config.is_sliding(-1) else self.rotary
 
     @property
     def device(self) -> torch.device:
@@ -288,15 +336,22 @@ class TargetModel(nn.Module):
 
     # the small interface a draft reads the target through
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [...] -> embeddings [..., H]."""
-        return self.model.embed_tokens(input_ids)
+        """input_ids [...] -> embeddings [..., H] (Gemma: times sqrt(H) rounded to the weights'
+        dtype, as transformers computes it)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale is None:
+            return x
+        return x * float(torch.tensor(self.config.embed_scale, dtype=x.dtype, device="cpu"))  # (a host number)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (after the final norm) -> float32 logits [..., V]."""
-        return self.lm_head(hidden).float()
+        """hidden [..., H] (after the final norm) -> float32 logits [..., V] (soft-capped to
+        ``cap * tanh(logits / cap)`` when the config says so)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def last_layer_kv(cache: KVCache):
@@ -307,21 +362,32 @@ class TargetModel(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        tree_mask: torch.Tensor, rope_seq_len: Optional[torch.Tensor] = None,
-                       causal: bool = False, n_keys: Optional[int] = None) -> torch.Tensor:
+                       causal: bool = False, n_keys: Optional[int] = None,
+                       slot_positions: bool = True) -> torch.Tensor:
         """The shared core: input_ids, positions [B, T]; tree_mask [B or 1, T, P+T] bool over
         the P tokens already pending in the cache and these T. Writes K/V after the pending ones
         (pending, not committed) and returns the final-norm hidden states [B, T, H]. ``causal``
         says that ``tree_mask`` is the plain causal mask (lets a prefill chunk use a causal kernel).
         ``n_keys``: cache slots to attend over, fixed by the caller (no host sync, no room
         check: see :class:`~longspec.attention.AttentionMeta`); such fixed-shape steps use
-        ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference."""
+        ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference.
+        ``slot_positions``: the committed tokens sit at slots equal to their positions and so do the
+        new ones (False for anchor-offset positions or a StreamingLLM view: sliding-window layers then
+        cut only the new tokens by position, see :meth:`AttentionMeta.windowed`)."""
         impl = self.attention_impl if n_keys is not None or self.attention_impl == "reference" else "sdpa"
         meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
-        cos, sin = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
+        cfg = self.config
+        rope = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
+        steps = {False: (meta, *rope)}  # per layer kind (sliding or not): what its layers see
+        if cfg.has_sliding_layers:
+            local = (c.to(x.dtype) for c in self.rotary_local(positions, rope_seq_len)) \
+                if self.rotary_local is not self.rotary else steps[False][1:]
+            steps[True] = (meta.windowed(positions, cfg.sliding_window, slot_positions), *local)
         run = compiled_layer() if self.compile_steps and n_keys is not None and self.fused else run_layer
         for i, layer in enumerate(self.model.layers):
-            x = run(layer, x, cos, sin, cache.pool.k[i], cache.pool.v[i], meta)
+            step_meta, cos, sin = steps[cfg.is_sliding(i)]
+            x = run(layer, x, cos, sin, cache.pool.k[i], cache.pool.v[i], step_meta)
         cache.pending += input_ids.shape[1]
         return self.final_norm(x)
 

@@ -44,7 +44,8 @@ def target_forward(target, input_ids: torch.Tensor, positions: torch.Tensor, wan
     cache.lengths.zero_()
     cache.discard()
     causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()[None]  # [1, T, T]
-    hidden = target.forward_hidden(input_ids, positions, cache, causal, causal=True)  # flash, no mask
+    # flash, no mask (sliding-window layers: the window cut by the anchor-offset positions)
+    hidden = target.forward_hidden(input_ids, positions, cache, causal, causal=True, slot_positions=False)
     k, v = cache.k[-1][:, :, :t].clone(), cache.v[-1][:, :, :t].clone()
     cache.discard()
     return TargetOutputs(k, v, hidden if want_hidden else None)

@@ -1,0 +1,175 @@
+"""Gemma 3 (270M: 32k context, 15 of 18 layers with a 512-token sliding window) on the GPU:
+
+1. parity of our logits with transformers' in bfloat16 on an 8k prompt (the last 256 positions:
+   max abs diff and argmax agreement; float32 in the CPU smoke run);
+2. tau and decode ms/token at each length of ``--lengths`` for plain decoding, prompt lookup,
+   LongSpec (beam tree), the hybrid (draft + lookup), greedy and T=1 (``--temperatures``), and
+   transformers' compiled static-cache ``generate`` (greedy), prompts cut from held-out text
+   (``--prompt-dirs``: folders of Python files, e.g. code and the documentation text of
+   ``pydoc_data``; it is a base model, so completion prompts);
+3. the draft's memory (its ring buffer and reduced head) after a prompt of the shortest and of the
+   longest length: it must not grow with the context.
+
+Prints a line per result and one JSON line last (also written to ``--out``).
+
+    python benchmarks/bench_gemma3.py --target DIR --draft DIR --prompt-dirs SRC_DIR PROSE_DIR \
+        --lengths 2048,8192,16384,32768 --out gemma3.json
+    python benchmarks/bench_gemma3.py --random-tiny --out smoke.json   # CPU smoke run
+
+``--random-tiny`` builds a tiny random Gemma 3 folder (byte-level tokenizer), a random draft and
+uses this repository's sources and docs as prompts: every step runs, the numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import code_prompt, peak_mib, run_hf, run_ours  # noqa: E402
+from longspec import GenerationConfig, load_target  # noqa: E402
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
+from longspec.decoding.tree import TreeSpec  # noqa: E402
+from longspec.models.checkpoint import load_draft, save_draft  # noqa: E402
+from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_random_tiny(folder: Path) -> tuple:
+    """A tiny random Gemma 3 folder (6 layers, window 64, globals at 2 and 5, head_dim 64,
+    byte-level BPE tokenizer of 300 tokens) and a random draft for it: (target dir, draft dir)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    target_dir, draft_dir = folder / "gemma3-tiny", folder / "gemma3-tiny-draft"
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{ch: 3 + i for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                                pad_token="<pad>")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=64, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(target_dir)
+    fast.save_pretrained(target_dir)
+    target = load_target(target_dir)
+    save_draft(init_draft(DraftConfig.for_target(target, window=64), target), draft_dir)
+    return target_dir, draft_dir
+
+
+@torch.no_grad()
+def parity(target, hf, prompt: list, tail: int = 256) -> dict:
+    """Our logits against transformers' over the last ``tail`` positions of ``prompt`` (our prefill
+    of the rest, then the tail as a continuation; transformers in one forward)."""
+    n = len(prompt)
+    ids = torch.tensor([prompt], device=target.device)
+    cache = target.new_cache(1, n)
+    target.prefill(ids[:, :n - tail], torch.tensor([n - tail]), cache)
+    ours = target.prefill(ids[:, n - tail:], torch.tensor([tail]), cache, all_logits=True)[0]
+    theirs = hf(ids, logits_to_keep=tail).logits[0].float()
+    return {"positions": tail, "context": n, "max_abs_diff": float((ours - theirs).abs().max()),
+            "logit_scale": float(theirs.abs().max()),
+            "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
+
+
+def draft_memory(target, draft, prompt: list, tree: TreeSpec) -> dict:
+    """Bytes the draft holds (ring buffer, reduced head rows) and the peak device memory of one
+    drafting round after ``prompt`` is in the target's cache."""
+    cache = target.new_cache(1, len(prompt) + tree.num_nodes + 1)
+    target.prefill(torch.tensor([prompt], device=target.device), torch.tensor([len(prompt)]), cache)
+    proposer = LongSpecProposer(draft)
+    proposer.begin(target, cache, tree, GenerationConfig(), None)
+    proposer.add(0, prompt, prompt[-1])
+    root = torch.tensor([prompt[-1]], device=target.device)
+    _, peak = peak_mib(lambda: proposer.propose(root))
+    return {"context": len(prompt), "ring_bytes": proposer.ring.nbytes, "head_copy_bytes": draft.head_copy_nbytes,
+            "round_peak_mib": peak}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="HF folder of Gemma 3 (Gemma3ForCausalLM)")
+    p.add_argument("--draft", help="its LongSpec draft")
+    p.add_argument("--prompt-dirs", nargs="+", help="held-out text: code and prose folders (never trained on)")
+    p.add_argument("--lengths", default="2048,8192,16384,32768")
+    p.add_argument("--parity-length", type=int, default=8192)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="4,16,16,16,16")
+    p.add_argument("--hybrid-tree", default="4,16,16,16,16,1,1,1,1,1")
+    p.add_argument("--pld-tree", default="chain:5")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--random-tiny", action="store_true", help="CPU smoke run on a tiny random Gemma 3")
+    p.add_argument("--out", required=True, help="JSON file of the results")
+    args = p.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    scratch = None
+    if args.random_tiny:
+        scratch = tempfile.TemporaryDirectory()
+        args.target, args.draft = map(str, build_random_tiny(Path(scratch.name)))
+        args.prompt_dirs = args.prompt_dirs or [str(REPO / "longspec"), str(REPO / "benchmarks")]
+        if args.lengths == p.get_default("lengths"):
+            args.lengths, args.parity_length, args.max_new_tokens, args.repeats = "256,1024", 512, 12, 1
+    if not (args.target and args.draft and args.prompt_dirs):
+        p.error("--target, --draft and --prompt-dirs are needed (or --random-tiny)")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    draft = load_draft(args.draft, target)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, dtype),
+                                              attn_implementation="sdpa").to(args.device).eval()
+    report = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "dtype": dtype,
+              "target": args.target, "draft": args.draft, "results": []}
+    report["parity"] = parity(target, hf, code_prompt(tokenizer, Path(args.prompt_dirs[0]), args.parity_length))
+    print(f"parity at {args.parity_length}: {report['parity']}", flush=True)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    methods = {"plain": (None, None), "pld": (PromptLookup(), args.pld_tree),
+               "longspec": (LongSpecProposer(draft), args.tree),
+               "hybrid": (LongSpecProposer(draft, lookup=PromptLookup()), args.hybrid_tree)}
+    for n in lengths:
+        for directory in args.prompt_dirs:  # one prompt per kind of text
+            prompt = code_prompt(tokenizer, Path(directory), n)
+            for temperature in map(float, args.temperatures.split(",")):
+                config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True,
+                                          temperature=temperature, seed=0 if temperature else None)
+                for name, (proposer, tree) in methods.items():
+                    _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats)
+                    res.update(method=name, context=n, prompts=Path(directory).name, temperature=temperature)
+                    report["results"].append(res)
+                    print(f"{n:>6} {Path(directory).name:<12} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
+                          f"{res['ms_per_token']:7.2f} ms/token", flush=True)
+            start = time.perf_counter()  # on CUDA, transformers compiles static-cache decoding itself
+            _, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, cache_implementation="static")
+            res.update(method="hf-static", context=n, prompts=Path(directory).name, temperature=0.0,
+                       wall_s=time.perf_counter() - start)
+            report["results"].append(res)
+            print(f"{n:>6} {Path(directory).name:<12} T=0 hf-static {res['ms_per_token']:7.2f} ms/token", flush=True)
+    tree = TreeSpec.parse(args.tree)
+    report["draft_memory"] = [draft_memory(target, draft, code_prompt(tokenizer, Path(args.prompt_dirs[0]), n), tree)
+                              for n in (lengths[0], lengths[-1])]
+    print(f"draft memory: {report['draft_memory']}", flush=True)
+    line = json.dumps(report)
+    Path(args.out).write_text(line + "\n")
+    print(line)
+    if scratch is not None:
+        scratch.cleanup()
+
+
+if __name__ == "__main__":
+    main()

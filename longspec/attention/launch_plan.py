@@ -1,0 +1,83 @@
+"""Launch planning of the Triton attention kernels (``triton_kernels.py``): the launch
+parameters (:class:`KernelConfig`), the tile sizes a head dim allows (shared memory and
+registers of one program) and the split-KV plan. Plain Python: importable without Triton."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
+    rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
+    plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning 1: the
+    fastest on the H200 for decode and for 64-tree rows, `benchmarks/results/attention_sweep_h200.log`);
+    ``min_chunk``: keys per split-KV program at least (short caches: fewer, longer programs)."""
+
+    block_q: int = 0
+    block_n: int = 64
+    num_warps: int = 0  # 0: 4 for tiles of <= 64 rows, else 8
+    num_stages: int = 0  # 0: Triton's default
+    programs: int = 0
+    per_sm: int = 0
+    merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
+    min_chunk: int = 128
+    # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
+    # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
+    tma: Optional[bool] = None
+    # loop variants timed on the H200 and removed, none faster (README "Hybrid tree attention at the
+    # 8B shape"): the next block's q.k before this block's softmax, lazy rescaling, extra rows riding
+    # along full tiles, Triton's automatic warp specialization of the unmasked loop
+
+
+# shared memory one program may use: the H200's (H100's) 227 KB per block, less room for Triton's own
+# scratch (the estimate below counts the tiles only)
+SHARED_MEMORY_BUDGET = 200 * 1024
+ACC_ELEMENTS_PER_THREAD = 64  # float32 accumulator registers per thread at most (the rest: q, scores, addresses)
+
+
+def shared_memory_bytes(block_q: int, block_n: int, head_dim: int, elem_size: int, stages: int) -> int:
+    """Shared memory of one program of the partial kernel: the query tile, ``stages`` buffered K
+    and V blocks (Triton's software pipeline) and the probabilities fed to the second product."""
+    return elem_size * (block_q * head_dim + 2 * stages * block_n * head_dim + block_q * block_n)
+
+
+def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int) -> tuple:
+    """(block_q, block_n, num_warps, num_stages) of a launch: the config's, made legal for large
+    head dims. The float32 accumulator [block_q, head_dim] stays within
+    ``ACC_ELEMENTS_PER_THREAD`` registers per thread of 8 warps (head_dim 256: at most 64 rows),
+    and the tiles within ``SHARED_MEMORY_BUDGET`` (smaller key blocks first, then fewer pipeline
+    stages, then fewer rows). ``num_stages`` 0: Triton's default (3 on Hopper), counted as 3."""
+    block_q = c.block_q or max(16, min(128, next_power_of_2(rows)))
+    block_q = max(16, min(block_q, 8 * 32 * ACC_ELEMENTS_PER_THREAD // head_dim))
+    block_n, stages = c.block_n, c.num_stages
+    while shared_memory_bytes(block_q, block_n, head_dim, elem_size, stages or 3) > SHARED_MEMORY_BUDGET:
+        if block_n > 32:
+            block_n //= 2
+        elif (stages or 3) > 2:
+            stages = 2
+        elif block_q > 16:
+            block_q //= 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            stages = 1
+            break
+    warps = c.num_warps or (4 if block_q * head_dim <= 4 * 32 * ACC_ELEMENTS_PER_THREAD and block_q <= 64 else 8)
+    return block_q, block_n, warps, stages
+
+
+def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:
+    """(n_splits, chunk) for a cache of ``capacity`` slots shared by ``units`` (row tile, KV head,
+    sequence) triples: at most ``programs`` programs in all where the cache is long enough (one
+    full wave: a second, partial one would leave most multiprocessors idle), chunks of at least
+    ``min_chunk`` keys, a multiple of ``block_n``."""
+    want = max(1, programs // units)
+    chunk = max(-(-capacity // want), min_chunk, 1)
+    chunk = -(-chunk // block_n) * block_n
+    return max(1, -(-capacity // chunk)), chunk
