@@ -338,9 +338,11 @@ class Server:
     """Everything the HTTP handlers need: the model name, tokenizer, worker and limits
     (``calls``: see :class:`Worker`)."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64, calls=None):
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64, calls=None,
+                 on_stop=None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.worker = Worker(engine, tokenizer, max_queue, calls)
+        self.on_stop = on_stop  # called once the worker has stopped (e.g. stopping worker processes)
         self.eos = frozenset(engine.target.config.eos_token_ids)
         # positions a request may use: the cache's rows, never beyond the model's positions
         self.max_len = min(engine.max_len, engine.target.config.max_position_embeddings)
@@ -348,6 +350,12 @@ class Server:
         # tokens than any request may hold, and is refused without tokenising it
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.token_chars = max(map(len, vocab), default=0)
+
+    def stop(self) -> None:
+        """Stops the worker (the server is shutting down), then calls ``on_stop``."""
+        self.worker.stop()
+        if self.on_stop is not None:
+            self.on_stop()
 
     def _check_chars(self, chars: int, param: str) -> None:
         if self.token_chars and chars > TEXT_MARGIN * self.token_chars * self.max_len:

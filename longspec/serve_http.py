@@ -161,7 +161,7 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
 
     @app.on_event("shutdown")
     def shutdown():
-        server.worker.stop()
+        server.stop()
         parser.shutdown(wait=False, cancel_futures=True)
 
     return app

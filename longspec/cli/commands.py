@@ -401,7 +401,8 @@ def cmd_serve(args) -> int:
         parallel_engine = ParallelEngine(EngineSpec(
             str(target_dir), dtype, device, name, args.draft, None if tree is None else str(tree), args.window,
             args.threads, args.max_batch, args.max_len, buckets, bucket_trees, chunk or None), parallel)
-        server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls)
+        server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
+                        on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
         from ..decoding.generator import build_proposer
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import weakref
@@ -58,7 +59,15 @@ def follow(rank: int, world: int, init_method: str, device: str, build: Callable
             obj, error = None, err
         if any(tp.gather_objects(None if error is None else repr(error))):
             return
-        while (call := tp.broadcast()) is not None:
+        while True:
+            try:
+                call = tp.broadcast()
+            except RuntimeError as err:  # (gloo: "Connection closed by peer")
+                print(f"[longspec: tensor-parallel rank {rank}: rank 0 is gone, stopping ({str(err)[:200]})]",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            if call is None:
+                return
             tp.gather_objects(digest(*run_call(obj, call)))
     finally:
         tp.close()
