@@ -76,9 +76,6 @@ class EngineCalls:
         """``Engine.warm_up`` (the seconds it took differ between ranks: not returned)."""
         self.engine.warm_up(sampled, trees)
 
-    def use_tree(self, tree) -> None:
-        self.engine.use_tree(tree)
-
     def seed_shared(self, seed: int) -> None:
         """The rows without their own generator draw from one seeded with ``seed`` (the same on
         every rank of a tensor-parallel group: their samples agree)."""

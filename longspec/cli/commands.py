@@ -395,12 +395,14 @@ def cmd_serve(args) -> int:
              else min(1024, args.max_len) if device.startswith("cuda") else 0)
     parallel_engine = None
     if parallel:
+        import torch
+
         from ..parallel.serving import EngineSpec, ParallelEngine
 
         status(f"loading {target_dir} on {parallel} {device} processes ({dtype}), tensor-parallel")
         parallel_engine = ParallelEngine(EngineSpec(
             str(target_dir), dtype, device, name, args.draft, None if tree is None else str(tree), args.window,
-            args.threads, args.max_batch, args.max_len, buckets, bucket_trees, chunk or None), parallel)
+            torch.get_num_threads(), args.max_batch, args.max_len, buckets, bucket_trees, chunk or None), parallel)
         server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
                         on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
