@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 
 from .decoding.engine import Engine, Sequence, cache_need
-from .decoding.sampling import RowSampling, check_sampling_args
-from .decoding.tree import TreeSpec
+from .decoding.sampling import check_sampling_args
+from .serve_engine import EngineCalls, build_engine
 
 UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
                "response_format", "top_logprobs")
@@ -61,6 +61,7 @@ class Request:
     finish_reason: Optional[str] = None
     final: bool = False  # text is complete (cut at a stop string)
     cancelled: bool = False
+    error: Optional[Exception] = None  # handing its text over failed (it leaves after the round)
     created: float = field(default_factory=time.time)
     checked: float = 0.0  # when the event loop last checked that the client is still connected
 
@@ -69,14 +70,18 @@ class Request:
 
 
 class Worker:
-    """Runs the engine in a background thread (see the module docstring)."""
+    """Runs the engine in a background thread (see the module docstring). ``calls``: how the
+    engine's state changes (:class:`~longspec.serve_engine.EngineCalls`, or under tensor
+    parallelism the calls every rank repeats); ``engine`` is read directly."""
 
-    def __init__(self, engine: Engine, tokenizer, max_queue: int):
+    def __init__(self, engine: Engine, tokenizer, max_queue: int, calls=None):
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self.calls = calls or EngineCalls(engine)
         self.waiting: deque = deque()
         self.running: dict = {}  # Sequence id -> Request
         self.lock = threading.Condition()
         self.stopped = False
+        self.failure: Optional[str] = None  # the engine cannot run any more (see fail_all)
         # engine rounds; seconds in them, in their hand-over of tokens (detokenising, queueing), in all the work
         self.rounds, self.round_s, self.emit_s, self.busy_s = 0, 0.0, 0.0, 0.0
         self._emitting = 0.0  # hand-over seconds since the last round began (admissions hand over too)
@@ -87,6 +92,8 @@ class Worker:
         """Queues ``request``; raises a 429 APIError when ``max_queue`` requests already wait
         beyond the free rows (``max_queue`` 0: a request is taken only when a row is free)."""
         with self.lock:
+            if self.failure is not None:
+                raise APIError(503, self.failure, code="engine_failed", kind="server_error")
             if len(self.waiting) >= self.max_queue + len(self.engine.free_rows()):
                 raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting)} requests "
                                     f"are waiting", code="queue_full", kind="rate_limit_error")
@@ -114,13 +121,26 @@ class Worker:
             self.lock.notify()
         self.thread.join(timeout=10)
 
+    def fail_all(self, message: str) -> None:
+        """The engine cannot run any more (a tensor-parallel worker died): every request waiting
+        or running gets a 500 error now (even while the engine thread is stuck in a collective),
+        later ones a 503, and the engine thread stops."""
+        error = APIError(500, message, code="engine_failed", kind="server_error")
+        with self.lock:
+            self.failure = message
+            requests = [*self.waiting, *list(self.running.values())]
+            self.waiting.clear()
+            self.lock.notify()
+        for request in requests:
+            request.push(("error", error))
+
     # ---- worker thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self.stopped and not self.waiting and not self.running:
+                while not self.stopped and not self.waiting and not self.running and self.failure is None:
                     self.lock.wait()
-                if self.stopped:
+                if self.stopped or self.failure is not None:
                     return
                 admit = []
                 free = len(self.engine.free_rows())
@@ -130,20 +150,18 @@ class Worker:
                         admit.append(request)
                 cancelled = [r for r in self.running.values() if r.cancelled]
             start = time.perf_counter()
-            for request in cancelled:
-                self._finish(request, None)
             try:
+                for request in cancelled:
+                    self._finish(request, None)
                 self._admit(admit)
                 if self.running:
                     step_start, self._emitting = time.perf_counter(), 0.0
-                    self.engine.step(streamer=self._on_tokens)
+                    self.calls.step(streamer=self._on_tokens)
                     with self.lock:
                         self.rounds += 1
                         self.round_s += time.perf_counter() - step_start
                         self.emit_s += self._emitting
-                    for request in list(self.running.values()):
-                        if request.seq.done:
-                            self._finish(request, request.finish_reason or self._reason(request))
+                    self._settle(list(self.running.values()))
             except Exception as err:  # noqa: BLE001 - a failed round fails its requests, the server lives on
                 for request in list(self.running.values()):
                     self._fail(request, err)
@@ -174,29 +192,25 @@ class Worker:
                                 self._add([request])
                             except Exception as one_err:  # noqa: BLE001 - this request only
                                 self._fail(request, one_err)
-                for request in group:
-                    if request.seq.done and id(request.seq) in self.running:
-                        self._finish(request, request.finish_reason or self._reason(request))
+                self._settle(group)
 
     def _add(self, group: list) -> None:
         """Prefills ``group``; a seeded request (alone in its group) draws from its own generator
         in the row it takes (the first free one), so its text does not depend on its neighbours."""
         for request in group:
             self.running[id(request.seq)] = request
-        uniforms = self.engine.uniforms
-        if group[0].seed is None:
-            self.engine.add([r.seq for r in group], streamer=self._on_tokens)
-            return
-        row = self.engine.free_rows()[0]
-        uniforms.seed_row(row, group[0].seed)
-        uniforms.first_row = row  # the prefill's draws: index 0 is this row
-        try:
-            self.engine.add([group[0].seq], streamer=self._on_tokens)
-        except Exception:
-            uniforms.drop_row(row)
-            raise
-        finally:
-            uniforms.first_row = 0
+        self.calls.add([r.seq for r in group], group[0].seed, streamer=self._on_tokens)
+
+    def _settle(self, requests: list) -> None:
+        """After an engine call: the requests that finished (or met a stop string, or failed to
+        hand their text over) in it leave. (Never from a streamer: calls do not nest.)"""
+        for request in requests:
+            if id(request.seq) not in self.running:
+                continue
+            if request.error is not None:
+                self._fail(request, request.error)
+            elif request.seq.done or request.finish_reason is not None:
+                self._finish(request, request.finish_reason or self._reason(request))
 
     def _on_tokens(self, row: int, tokens: list) -> None:
         start = time.perf_counter()
@@ -207,22 +221,21 @@ class Worker:
 
     def _hand_over(self, row: int) -> None:
         request = self._by_row(row)
-        if request is None or request.finish_reason is not None:
+        if request is None or request.finish_reason is not None or request.error is not None:
             return
         try:
             new, complete = self._new_text(request)
             text, stopped = self._cut_at_stop(request, request.text + new)
-            if stopped:
+            if stopped:  # (it leaves after the engine call)
                 request.finish_reason, request.final = "stop", True
-                self.engine.cancel(request.seq)
             elif not complete:  # it ends inside a character: wait for the next token
                 return
             request.text = text
             if len(text) > request.sent:
                 request.push(("text", text[request.sent:]))
                 request.sent = len(text)
-        except Exception as err:  # noqa: BLE001 - this request only
-            self._fail(request, err)
+        except Exception as err:  # noqa: BLE001 - this request only (it leaves after the engine call)
+            request.error = err
 
     @staticmethod
     def _cut_at_stop(request: Request, text: str) -> tuple:
@@ -263,10 +276,11 @@ class Worker:
 
     def _leave(self, request: Request) -> None:
         """Ends ``request``'s sequence and frees its row (and the row's generator)."""
-        self.engine.cancel(request.seq)
-        self.running.pop(id(request.seq), None)
-        if request.seed is not None and request.seq.row >= 0:
-            self.engine.uniforms.drop_row(request.seq.row)
+        seq = request.seq
+        held = seq.row >= 0 and self.engine.rows[seq.row] is seq
+        seq.done = True
+        self.running.pop(id(seq), None)
+        self.calls.leave(seq.row, held, request.seed is not None)
 
     def _finish(self, request: Request, reason: Optional[str]) -> None:
         self._leave(request)
@@ -282,8 +296,11 @@ class Worker:
         request.push(("done", reason))
 
     def _fail(self, request: Request, err: Exception) -> None:
-        self._leave(request)
         request.push(("error", APIError(500, f"generation failed: {err}", kind="server_error")))
+        try:
+            self._leave(request)
+        except Exception:  # noqa: BLE001 - the engine itself failed (e.g. a tensor-parallel worker died)
+            pass
 
 
 # ---- request bodies ----------------------------------------------------------------------------
@@ -318,11 +335,14 @@ def decode_json(raw: bytes):
 
 
 class Server:
-    """Everything the HTTP handlers need: the model name, tokenizer, worker and limits."""
+    """Everything the HTTP handlers need: the model name, tokenizer, worker and limits
+    (``calls``: see :class:`Worker`)."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64):
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64, calls=None,
+                 on_stop=None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.worker = Worker(engine, tokenizer, max_queue)
+        self.worker = Worker(engine, tokenizer, max_queue, calls)
+        self.on_stop = on_stop  # called once the worker has stopped (e.g. stopping worker processes)
         self.eos = frozenset(engine.target.config.eos_token_ids)
         # positions a request may use: the cache's rows, never beyond the model's positions
         self.max_len = min(engine.max_len, engine.target.config.max_position_embeddings)
@@ -330,6 +350,12 @@ class Server:
         # tokens than any request may hold, and is refused without tokenising it
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.token_chars = max(map(len, vocab), default=0)
+
+    def stop(self) -> None:
+        """Stops the worker (the server is shutting down), then calls ``on_stop``."""
+        self.worker.stop()
+        if self.on_stop is not None:
+            self.on_stop()
 
     def _check_chars(self, chars: int, param: str) -> None:
         if self.token_chars and chars > TEXT_MARGIN * self.token_chars * self.max_len:
@@ -420,13 +446,7 @@ def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, m
     ``bucket_trees``: {bucket: smaller tree, or None for plain rounds}; ``prefill_chunk``: prompts
     prefilled in graph-captured chunks of that many tokens (see :class:`Engine`). Raises
     ValueError for a ``max_len`` beyond the model's positions or a negative ``max_queue``."""
-    positions = target.config.max_position_embeddings
-    if max_len > positions:
-        raise ValueError(f"--max-len {max_len} exceeds the model's {positions} positions (max_position_embeddings)")
     if max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
-    tree = TreeSpec.coerce(tree) if proposer is not None else None
-    sampling = RowSampling.zeros(max_batch, target.device)
-    engine = Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
-                    bucket_trees=bucket_trees, prefill_chunk=prefill_chunk)
+    engine = build_engine(target, proposer, tree, max_batch, max_len, buckets, bucket_trees, prefill_chunk)
     return Server(engine, tokenizer, model_name, max_queue)

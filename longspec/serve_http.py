@@ -119,6 +119,8 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
 
     @app.get("/health")
     async def health():
+        if server.worker.failure is not None:  # (load balancers: take this server out)
+            return JSONResponse({"status": "failed", **error_body(503, server.worker.failure)}, status_code=503)
         return {"status": "ok", **server.worker.stats()}
 
     @app.get("/v1/models")
@@ -159,7 +161,7 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
 
     @app.on_event("shutdown")
     def shutdown():
-        server.worker.stop()
+        server.stop()
         parser.shutdown(wait=False, cancel_futures=True)
 
     return app

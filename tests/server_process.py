@@ -63,6 +63,24 @@ class Server:
         return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=self.key or "none", max_retries=0,
                                       timeout=300)
 
+    def descendants(self) -> list:
+        """Pids of the server's live child processes and theirs (Linux /proc)."""
+        parents = {}
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if entry.isdigit() and fields[0] != "Z":
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+        out, todo = [], [self.proc.pid]
+        while todo:
+            kids = parents.get(todo.pop(), [])
+            out += kids
+            todo += kids
+        return out
+
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

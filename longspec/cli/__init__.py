@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")
+    srv.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the target over N processes, one per GPU (cuda:0..N-1, NCCL; on the CPU N gloo "
+                          "processes); this process serves HTTP and the others repeat its engine calls. "
+                          "--bucket-trees auto keeps --tree in every bucket there (default: 1)")
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     srv.set_defaults(func=cmd_serve)
 

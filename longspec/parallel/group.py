@@ -80,6 +80,9 @@ class TensorParallel:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
 def device_for(device_type: str, rank: int) -> torch.device:
     """Rank ``rank``'s device: ``cuda:rank`` on CUDA, else the CPU."""
     return torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
@@ -87,7 +90,8 @@ def device_for(device_type: str, rank: int) -> torch.device:
 
 def join(rank: int, world: int, init_method: str, device_type: str = "cpu", timeout_s: float = 600.0) -> TensorParallel:
     """Joins (creates) the default process group as ``rank`` of ``world``: NCCL on CUDA (one
-    device per rank), gloo on the CPU; on CUDA a gloo group carries the host objects."""
+    device per rank), gloo on the CPU; a gloo group without a practical timeout carries the host
+    objects."""
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process: tensor parallelism "
                            "starts its own (use longspec.parallel.from_env() under torchrun)")
@@ -98,7 +102,9 @@ def join(rank: int, world: int, init_method: str, device_type: str = "cpu", time
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
-    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    # the host objects' group: followers wait there for the driver's next call, as long as a
+    # server stays idle (the model's collectives keep ``timeout_s``)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, world, device, None, control)
 
 

@@ -1,0 +1,82 @@
+"""The engine of ``longspec serve`` and the calls its worker makes on it.
+
+:class:`EngineCalls` is every state-changing call the server's worker makes on its engine, made
+between rounds (never from a streamer inside one) with plain arguments: rows, prompts and
+settings, not the worker's own objects. Under tensor parallelism
+(:class:`~longspec.parallel.mirror.Driver`) every rank holds an ``EngineCalls`` and rank 0's
+calls are repeated on the others in the same order, so their engines stay the same; each call
+returns the tokens it emitted, which the ranks compare."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .decoding.engine import Engine
+from .decoding.sampling import RowSampling
+from .decoding.tree import TreeSpec
+
+
+def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: int = 4096, buckets=None,
+                 bucket_trees=None, prefill_chunk: Optional[int] = None) -> Engine:
+    """A serving engine: ``max_batch`` rows of ``max_len`` slots with per-request sampling (see
+    :func:`~longspec.serve.build_server`). Raises ValueError for a ``max_len`` beyond the model's
+    positions."""
+    positions = target.config.max_position_embeddings
+    if max_len > positions:
+        raise ValueError(f"--max-len {max_len} exceeds the model's {positions} positions (max_position_embeddings)")
+    tree = TreeSpec.coerce(tree) if proposer is not None else None
+    sampling = RowSampling.zeros(max_batch, target.device)
+    return Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
+                  bucket_trees=bucket_trees, prefill_chunk=prefill_chunk)
+
+
+class EngineCalls:
+    """The calls a server's worker makes on ``engine`` (see the module docstring)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def add(self, seqs: list, seed: Optional[int] = None, streamer=None) -> list:
+        """Prefills ``seqs`` (``Engine.add``); with ``seed`` (one sequence) it draws from its own
+        generator of that seed in the row it takes (the first free one), so its text does not
+        depend on its neighbours. Returns [(row, tokens)] of the sequences."""
+        if seed is None:
+            self.engine.add(seqs, streamer=streamer)
+        else:
+            uniforms = self.engine.uniforms
+            row = self.engine.free_rows()[0]
+            uniforms.seed_row(row, seed)
+            uniforms.first_row = row  # the prefill's draws: index 0 is this row
+            try:
+                self.engine.add(seqs, streamer=streamer)
+            except Exception:
+                uniforms.drop_row(row)
+                raise
+            finally:
+                uniforms.first_row = 0
+        return [(s.row, s.tokens) for s in seqs]
+
+    def step(self, streamer=None) -> list:
+        """One round (``Engine.step``). Returns [(row, its new tokens)]."""
+        seqs = [s for s in self.engine.rows if s is not None]
+        before = [len(s.tokens) for s in seqs]
+        self.engine.step(streamer=streamer)
+        return [(s.row, s.tokens[n:]) for s, n in zip(seqs, before)]
+
+    def leave(self, row: int, held: bool, seeded: bool) -> None:
+        """A request leaves: ends the sequence in ``row`` if it still ``held`` it (it had not
+        finished), and ``seeded``: the row's own generator goes."""
+        if held:
+            self.engine.cancel(self.engine.rows[row])
+        if seeded and row >= 0:
+            self.engine.uniforms.drop_row(row)
+
+    def warm_up(self, sampled: bool = False, trees: Optional[list] = None) -> None:
+        """``Engine.warm_up`` (the seconds it took differ between ranks: not returned)."""
+        self.engine.warm_up(sampled, trees)
+
+    def seed_shared(self, seed: int) -> None:
+        """The rows without their own generator draw from one seeded with ``seed`` (the same on
+        every rank of a tensor-parallel group: their samples agree)."""
+        self.engine.uniforms.generator = torch.Generator(device=self.engine.target.device).manual_seed(seed)
