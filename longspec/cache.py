@@ -6,7 +6,7 @@ change from step to step, so a step can be captured in a CUDA graph. Finished ro
 removed: the engine stops advancing them."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -127,10 +127,13 @@ class KVCache:
     each row owning its block for good (dense: the rows are a strided view of the pool). Built
     over a shared ``pool``, each row holds ``max_len / block_size`` table entries; rows own no
     blocks until :meth:`assign` gives them some (an engine admitting a request), and
-    :meth:`unassign` returns them."""
+    :meth:`unassign` returns them. A pool with a block for every row is used densely unless
+    ``paged`` (rows that share blocks: a prefix cache). ``allocator`` hands the blocks out: the
+    pool, or a :class:`~longspec.prefix_cache.PrefixCache` over it."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None):
+                 dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None,
+                 paged: bool = False):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if config.sliding_window is not None and max_len > config.sliding_window:
@@ -145,7 +148,8 @@ class KVCache:
         self.max_len = max_blocks * pool.block_size
         home = torch.arange(batch_size * max_blocks, device=device).view(batch_size, max_blocks)
         # dense: the pool holds every row's home blocks, so each row owns them for good
-        self.dense = pool.num_blocks >= batch_size * max_blocks
+        self.dense = not paged and pool.num_blocks >= batch_size * max_blocks
+        self.allocator = pool
         if self.dense:
             pool.allocate(batch_size * max_blocks, prefer=0)
             self.table = home
@@ -197,17 +201,20 @@ class KVCache:
         row's capacity -> the scratch block)."""
         return physical_slots(self.table, self.block_size, slots, self.pool.scratch * self.block_size)
 
-    def assign(self, row: int, n_slots: int) -> None:
-        """Gives row ``row`` room for ``n_slots`` tokens: blocks from the pool (its home blocks when
-        free), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the pool
-        has too few free blocks, ValueError past the row's capacity."""
+    def assign(self, row: int, n_slots: int, shared: Seq[int] = ()) -> None:
+        """Gives row ``row`` room for ``n_slots`` tokens: blocks from the allocator (its home
+        blocks when free), after ``shared`` (blocks of a cached prefix the row already holds: its
+        first slots), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the
+        pool has too few free blocks, ValueError past the row's capacity."""
         if n_slots > self.max_len:
             raise ValueError(f"{n_slots} tokens do not fit a row of the KV cache ({self.max_len} slots)")
         if self.dense:
             return
         self.unassign(row)
         max_blocks = self.table.shape[1]
-        blocks = self.pool.allocate(self.blocks_for(n_slots), prefer=(self.row0 + row) * max_blocks)
+        fresh = self.allocator.allocate(self.blocks_for(n_slots) - len(shared),
+                                        prefer=(self.row0 + row) * max_blocks + len(shared))
+        blocks = [*shared, *fresh]
         self.blocks[self.row0 + row] = blocks
         entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)
         entries[:len(blocks)] = torch.tensor(blocks)
@@ -221,7 +228,7 @@ class KVCache:
         """Returns row ``row``'s blocks to the pool (a dense cache's rows keep theirs)."""
         if self.dense or self.blocks[self.row0 + row] is None:
             return
-        self.pool.release(self.blocks[self.row0 + row])
+        self.allocator.release(self.blocks[self.row0 + row])
         self.blocks[self.row0 + row] = None
         self.table[row].fill_(self.pool.scratch)
 

@@ -24,6 +24,7 @@ import torch
 from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
+from ..prefix_cache import PrefixCache
 from .prefill import ChunkedPrefill
 from .proposers import Proposer
 from .runner import PhaseRunner
@@ -67,13 +68,20 @@ class Engine:
     only while it has the blocks (:class:`~longspec.cache.PoolExhausted` otherwise, see
     :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
     block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
-    and the kind of round only: its CUDA graphs serve every later request."""
+    and the kind of round only: its CUDA graphs serve every later request.
+
+    ``prefix_cache``: full blocks of the prompts (and of finished requests' text) stay indexed by
+    content (:class:`~longspec.prefix_cache.PrefixCache`): a prompt that starts with cached blocks
+    reuses them and prefills only the rest, with the same output; idle cached blocks are evicted,
+    least recently used first, when a request needs blocks. Rows are then always paged (read
+    through their block tables). Off for models with dynamic NTK RoPE (a prefix's K/V depend on
+    the prompt's length there)."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
                  buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None,
                  prefill_chunk: Optional[int] = None, pool_tokens: Optional[int] = None,
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, prefix_cache: bool = False):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
@@ -105,7 +113,11 @@ class Engine:
             pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
         num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
         self.pool = BlockPool(target.config, num_blocks, block, target.dtype, device)
-        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool)
+        prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
+        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache)
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        if self.prefix is not None:
+            self.cache.allocator = self.prefix
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
         self.step_keys = self.max_len if device.type == "cuda" else None
@@ -180,25 +192,46 @@ class Engine:
         """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
         return cache_need(len(s.prompt), s.max_new_tokens, self.room())
 
-    def blocks_needed(self, seqs: list) -> int:
-        """Pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own theirs)."""
-        return sum(self.cache.blocks_for(self.need(s)) for s in seqs)
+    def _hits(self, seqs: list) -> list:
+        """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
+        return [self.prefix.match(s.prompt) if self.prefix is not None else [] for s in seqs]
+
+    def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
+        """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
+        theirs), besides the cached blocks their prompts start with (``hits``)."""
+        hits = self._hits(seqs) if hits is None else hits
+        return sum(self.cache.blocks_for(self.need(s)) - len(h) for s, h in zip(seqs, hits))
 
     def can_admit(self, seqs: list) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
-        return self.blocks_needed(seqs) <= self.pool.num_free
+        hits = self._hits(seqs)
+        room = self.cache.allocator.num_free
+        if self.prefix is not None:
+            room -= self.prefix.pinned_by(hits)
+        return self.blocks_needed(seqs, hits) <= room
 
     def _prefill(self, seqs: list, row0: int, streamer) -> None:
-        n = len(seqs)
+        n, hits, assigned = len(seqs), self._hits(seqs), 0
         try:
+            for h in hits if self.prefix is not None else ():  # held before any allocation: none evicts them
+                self.prefix.acquire(h)
             for i, s in enumerate(seqs):
-                self.cache.assign(row0 + i, self.need(s))
-            logits = self._prefill_rows(seqs, row0)
+                self.cache.assign(row0 + i, self.need(s), shared=hits[i])
+                assigned += 1
+            logits = self._prefill_rows(seqs, row0, [len(h) * self.pool.block_size for h in hits])
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
             self.cache.lengths[row0:row0 + n] = 0
             for i in range(n):
-                self.cache.unassign(row0 + i)
+                if i < assigned:
+                    self.cache.unassign(row0 + i)
+                elif hits[i]:
+                    self.prefix.release(hits[i])
             raise
+        for i, s in enumerate(seqs):
+            s.cached_tokens = len(hits[i]) * self.pool.block_size
+            if self.prefix is not None:
+                self.prefix.count(len(s.prompt), hits[i])
+                self.prefix.register(self.cache.blocks[row0 + i], s.prompt)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -213,25 +246,26 @@ class Engine:
             else:
                 self._release(s)
 
-    def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
-        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned) -> logits [n, V] after
-        each prompt's last token."""
+    def _prefill_rows(self, seqs: list, row0: int, cached: list) -> torch.Tensor:
+        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first ``cached[i]``
+        tokens of prompt i in cached blocks) -> logits [n, V] after each prompt's last token."""
         device, n = self.target.device, len(seqs)
         rows = self.cache.rows(row0, row0 + n)
-        rows.lengths.zero_()
+        rows.lengths.copy_(torch.tensor(cached))
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
+        rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
         chunked = self.chunked_prefill
-        if chunked is not None and chunked.takes([len(s.prompt) for s in seqs]):
-            logits = torch.cat([chunked(row0 + i, s.prompt) for i, s in enumerate(seqs)])
-        else:  # one forward over the right-padded prompts
-            ids = torch.zeros(n, max(len(s.prompt) for s in seqs), dtype=torch.long)
-            for i, s in enumerate(seqs):
-                ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
-            lens = torch.tensor([len(s.prompt) for s in seqs])
-            logits = self.target.prefill(ids.to(device), lens.to(device), rows)
-        return logits
+        if chunked is not None and chunked.takes([len(r) for r in rest], cached):
+            return torch.cat([chunked(row0 + i, r) for i, r in enumerate(rest)])
+        if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
+            return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
+                                                  rows.rows(i, i + 1)) for i, r in enumerate(rest)])
+        ids = torch.zeros(n, max(map(len, rest)), dtype=torch.long)  # one forward over the right-padded prompts
+        for i, r in enumerate(rest):
+            ids[i, :len(r)] = torch.tensor(r)
+        return self.target.prefill(ids.to(device), torch.tensor(list(map(len, rest))).to(device), rows)
 
     def cancel(self, s: Sequence) -> None:
         """Ends a sequence now (a client went away, a stop string was met): its row is free for
@@ -245,6 +279,8 @@ class Engine:
         inside the cache."""
         self.rows[s.row] = None
         self.active[s.row] = 0
+        if self.prefix is not None:  # its committed tokens whose ids it knows (not tokens cut off after a stop)
+            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])])
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
 
