@@ -18,6 +18,40 @@ from .config import ModelConfig
 DEFAULT_BLOCK_SIZE = 256  # tokens per block of a shared pool (a multiple of the kernels' key block)
 
 
+def token_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one token's K/V over every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device) -> int:
+    """Bytes of memory free now on ``device`` (a CUDA device's, else the machine's available RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device) -> int:
+    """Tokens of a KV pool of ``memory``: GiB ("8", "8GiB", "0.5G") or a fraction of the memory
+    free now ("0.9" or "90%"; a bare number below 1 is a fraction). Raises ValueError."""
+    text = memory.strip().lower()
+    try:
+        if text.endswith("%"):
+            size = float(text[:-1]) / 100 * free_memory(device)
+        else:
+            number = float(text.removesuffix("gib").removesuffix("gb").removesuffix("g"))
+            gib = text[-1:] in ("b", "g") or number >= 1
+            size = number * (1 << 30) if gib else number * free_memory(device)
+    except ValueError:
+        raise ValueError(f"KV memory must be GiB (e.g. 8 or 8GiB) or a fraction of free memory (e.g. 0.9 or "
+                         f"90%), got {memory!r}") from None
+    if not size > 0:
+        raise ValueError(f"KV memory must be more than zero, got {memory!r}")
+    return int(size // token_bytes(config, dtype))
+
+
 class PoolExhausted(ValueError):
     """The KV block pool has too few free blocks for a request (a server waits; a call fails)."""
 

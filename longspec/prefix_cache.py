@@ -44,6 +44,7 @@ from typing import Optional
 from .cache import BlockPool, PoolExhausted
 
 ROOT = -1  # the parent of a prompt's first block
+PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
 
 
 @dataclass

@@ -363,9 +363,20 @@ def cmd_serve(args) -> int:
             print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
     chunk = (args.prefill_chunk if args.prefill_chunk is not None
              else min(1024, args.max_len) if target.device.type == "cuda" else 0)
+    pool_tokens = None
+    if args.kv_memory is not None:
+        from ..cache import pool_tokens_for
+
+        try:
+            pool_tokens = pool_tokens_for(args.kv_memory, target.config, target.dtype, target.device)
+        except ValueError as err:
+            raise UsageError(f"--kv-memory: {err}") from None
+        if pool_tokens < args.max_len:
+            raise UsageError(f"--kv-memory {args.kv_memory} holds {pool_tokens} tokens of K/V, less than one request "
+                             f"of --max-len {args.max_len}: give more memory or lower --max-len")
     server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                           max_len=args.max_len, max_queue=args.max_queue, buckets=buckets, bucket_trees=bucket_trees,
-                          prefill_chunk=chunk or None)
+                          prefill_chunk=chunk or None, prefix_cache=args.prefix_cache, pool_tokens=pool_tokens)
     if args.warm_up == "on" or (args.warm_up == "auto" and target.device.type == "cuda"):
         status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
                "a GPU; the server answers once they are ready)")
@@ -377,7 +388,9 @@ def cmd_serve(args) -> int:
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}"
           f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
-          f"{args.max_batch} rows of {args.max_len} tokens{', API key required' if api_key else ''})]",
+          f"{args.max_batch} rows of {args.max_len} tokens, KV pool {server.engine.pool.num_blocks} blocks of "
+          f"{server.engine.pool.block_size} tokens, prefix cache {'on' if server.engine.prefix else 'off'}"
+          f"{', API key required' if api_key else ''})]",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(server, api_key=api_key, max_body=args.max_body), host=args.host, port=args.port,
                 log_level=args.log_level)

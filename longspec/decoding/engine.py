@@ -21,10 +21,10 @@ from typing import Callable, Optional, Sequence as Seq
 
 import torch
 
-from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted
+from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted, free_memory, token_bytes
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
-from ..prefix_cache import PrefixCache
+from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from .prefill import ChunkedPrefill
 from .proposers import Proposer
 from .runner import PhaseRunner
@@ -75,7 +75,9 @@ class Engine:
     reuses them and prefills only the rest, with the same output; idle cached blocks are evicted,
     least recently used first, when a request needs blocks. Rows are then always paged (read
     through their block tables). Off for models with dynamic NTK RoPE (a prefix's K/V depend on
-    the prompt's length there)."""
+    the prompt's length there). Its blocks default to 64 tokens: a hit reuses all but at most 63
+    tokens of a shared prefix (the Triton kernels read the table once per 64 keys whatever the
+    block size)."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
@@ -85,7 +87,7 @@ class Engine:
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
-        block = block_size or min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64)
+        block = block_size or (PREFIX_BLOCK_SIZE if prefix_cache else min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64))
         if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
             raise ValueError(f"an engine needs max_len, block_size and pool_tokens >= 1, got {max_len}, {block_size}, "
                              f"{pool_tokens}")
@@ -107,9 +109,7 @@ class Engine:
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
         if pool_tokens is None and device.type == "cuda":  # every row's max_len, within half the free memory
-            per_token = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * \
-                torch.empty((), dtype=target.dtype).element_size()
-            budget = torch.cuda.mem_get_info(device)[0] // 2 // per_token
+            budget = free_memory(device) // 2 // token_bytes(target.config, target.dtype)
             pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
         num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
         self.pool = BlockPool(target.config, num_blocks, block, target.dtype, device)
