@@ -135,15 +135,34 @@ class PrefixCache:
             self.idle.pop(b, None)
             self.refs[b] = self.refs.get(b, 0) + 1
 
+    def assign(self, cache, rows, seqs: list, needs: list) -> None:
+        """Gives rows ``rows`` of ``cache`` (a :class:`~longspec.cache.KVCache` allocating from
+        this cache) room for ``seqs`` (``needs`` slots each): the cached blocks each prompt
+        starts with, held before any fresh block is allocated (so no allocation evicts them), then
+        fresh blocks; sets each sequence's ``cached_tokens`` and indexes nothing yet (see
+        :meth:`register`). On an error the held blocks of rows not assigned yet are let go (the
+        caller unassigns the others)."""
+        hits = [self.match(s.prompt) for s in seqs]
+        for h in hits:
+            self.acquire(h)
+        done = 0
+        try:
+            for row, s, need, hit in zip(rows, seqs, needs, hits):
+                cache.assign(row, need, shared=hit)
+                s.cached_tokens = len(hit) * self.block_size
+                done += 1
+        except BaseException:
+            for hit in hits[done:]:
+                self.release(hit)
+            raise
+        for s, hit in zip(seqs, hits):
+            self.prompt_tokens += len(s.prompt)
+            self.hit_tokens += s.cached_tokens
+
     def pinned_by(self, hits: list) -> int:
         """Idle blocks among ``hits`` (lists of blocks from :meth:`match`): a request that takes
         them cannot evict them for its fresh blocks."""
         return len({b for h in hits for b in h if b in self.idle})
-
-    def count(self, prompt_len: int, hit: list) -> None:
-        """Counts an admitted request's prompt and its cached tokens (the hit rate)."""
-        self.prompt_tokens += prompt_len
-        self.hit_tokens += len(hit) * self.block_size
 
     def register(self, blocks: list, tokens: list) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed

@@ -15,9 +15,8 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -27,7 +26,7 @@ from ..models.target import TargetModel, compile_step
 from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from .prefill import ChunkedPrefill
 from .proposers import Proposer
-from .runner import PhaseRunner
+from .runner import PhaseRunner, RoundRows, batch_buckets
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
 from .sequence import Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
@@ -211,27 +210,21 @@ class Engine:
         return self.blocks_needed(seqs, hits) <= room
 
     def _prefill(self, seqs: list, row0: int, streamer) -> None:
-        n, hits, assigned = len(seqs), self._hits(seqs), 0
+        n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
-            for h in hits if self.prefix is not None else ():  # held before any allocation: none evicts them
-                self.prefix.acquire(h)
-            for i, s in enumerate(seqs):
-                self.cache.assign(row0 + i, self.need(s), shared=hits[i])
-                assigned += 1
-            logits = self._prefill_rows(seqs, row0, [len(h) * self.pool.block_size for h in hits])
+            if self.prefix is None:
+                for row, s in zip(rows, seqs):
+                    self.cache.assign(row, self.need(s))
+            else:
+                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs])
+            logits = self._prefill_rows(seqs, row0)
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
             self.cache.lengths[row0:row0 + n] = 0
-            for i in range(n):
-                if i < assigned:
-                    self.cache.unassign(row0 + i)
-                elif hits[i]:
-                    self.prefix.release(hits[i])
+            for row in rows:
+                self.cache.unassign(row)
             raise
-        for i, s in enumerate(seqs):
-            s.cached_tokens = len(hits[i]) * self.pool.block_size
-            if self.prefix is not None:
-                self.prefix.count(len(s.prompt), hits[i])
-                self.prefix.register(self.cache.blocks[row0 + i], s.prompt)
+        for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
+            self.prefix.register(self.cache.blocks[row], s.prompt)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -246,11 +239,13 @@ class Engine:
             else:
                 self._release(s)
 
-    def _prefill_rows(self, seqs: list, row0: int, cached: list) -> torch.Tensor:
-        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first ``cached[i]``
-        tokens of prompt i in cached blocks) -> logits [n, V] after each prompt's last token."""
+    def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
+        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first
+        ``cached_tokens`` of each prompt in cached blocks) -> logits [n, V] after each prompt's
+        last token."""
         device, n = self.target.device, len(seqs)
         rows = self.cache.rows(row0, row0 + n)
+        cached = [s.cached_tokens for s in seqs]
         rows.lengths.copy_(torch.tensor(cached))
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
@@ -279,7 +274,7 @@ class Engine:
         inside the cache."""
         self.rows[s.row] = None
         self.active[s.row] = 0
-        if self.prefix is not None:  # its committed tokens whose ids it knows (not tokens cut off after a stop)
+        if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
             self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])])
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
@@ -511,29 +506,3 @@ class Engine:
 
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree
-
-
-def batch_buckets(max_batch: int, given: Optional[Seq[int]] = None) -> list:
-    """Batch sizes a round may run at, ascending: ``given`` (default: powers of two below
-    ``max_batch``), and always ``max_batch``."""
-    if given is None:
-        given = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
-    return sorted(set(given) | {max_batch})
-
-
-@dataclass
-class RoundRows:
-    """Batch rows ``0..n-1`` of an engine, as one round over that bucket sees them: views that
-    share the engine's storage (``proposer``: its proposer over the same rows, ``propose`` its
-    possibly compiled ``propose``)."""
-
-    n: int
-    cache: KVCache
-    root: torch.Tensor
-    active: torch.Tensor
-    out_tokens: torch.Tensor
-    out_counts: torch.Tensor
-    proposer: object = None
-    propose: Optional[Callable] = None
-    tree: Optional[TreeSpec] = None  # what the bucket's rounds draft
-    draft_tree: object = None
