@@ -6,7 +6,8 @@ Traces:
 * **document**: a long document (``--context`` tokens) and ``--questions`` questions about it,
   each request = document + question;
 * **chat**: a conversation growing turn by turn, each turn's prompt = the previous prompt + the
-  answer it got + a new user message (``--turns`` turns, starting from half the document).
+  answer it got + a new user message (``--turns`` turns, starting from the document's second
+  half).
 
 Per request: prompt tokens, tokens read from the cache (``usage.prompt_tokens_details``), time to
 first token (TTFT) with and without the cache, and decode milliseconds per token. For each
@@ -155,7 +156,7 @@ def run_trace(url: str, trace: dict, kind: str, max_tokens: int, replay: list = 
         for q in trace["questions"]:
             out.append({"prompt": doc + q, "shared": len(doc), **stream(url, doc + q, max_tokens)})
         return out
-    prompt, shared = doc[:len(doc) // 2], 0
+    prompt, shared = doc[len(doc) // 2:], 0  # (not the document's start: its blocks are cached)
     for k, turn in enumerate(trace["turns"]):
         if replay is not None:
             prompt, shared = replay[k]["prompt"], replay[k]["shared"]

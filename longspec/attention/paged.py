@@ -51,6 +51,16 @@ def rows_of(store: torch.Tensor, table: torch.Tensor, block_size: int, dense_row
     if dense_row0 is not None:
         start = dense_row0 * cap
         return store[..., start:start + b * cap, :].unflatten(-2, (b, cap)).transpose(-4, -3)[..., :n_keys, :]
+    used = table[:, :-(-n_keys // block_size)]  # [B, blocks]
+    if not store.is_cuda and b == 1 and bool((used.diff(dim=1) == 1).all()):
+        # one row in consecutive blocks (a request that reuses no cached block takes its home run): a
+        # view. (Gathered, SmolLM2's 3000 keys cost ~12% of a plain decoding step on a CPU.)
+        start = int(used[0, 0]) * block_size
+        return store[..., start:start + n_keys, :].unsqueeze(-4)
+    if store.shape[-2] % block_size == 0:  # whole blocks at a time: one contiguous copy per block, not per slot
+        # (per slot, advanced indexing took 240 us a layer for 300 keys of SmolLM2 on a CPU: +15% a token)
+        blocks = store.unflatten(-2, (-1, block_size)).index_select(-3, used.reshape(-1))  # [..., Hkv, B*blocks, bs, D]
+        return blocks.unflatten(-3, used.shape).flatten(-3, -2)[..., :n_keys, :].transpose(-4, -3)
     slots = physical_slots(table, block_size, torch.arange(n_keys, device=table.device)[None, :], scratch)
     return store[..., slots, :].transpose(-4, -3)
 
