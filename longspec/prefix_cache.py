@@ -8,10 +8,12 @@ collide). A request takes the longest chain of cached blocks that its prompt sta
 (:meth:`PrefixCache.match`), reference-counted (:meth:`acquire`), and prefills only the tokens
 after them; its prompt's full blocks are indexed after its prefill, and its generated text's when
 it ends (:meth:`register`). A block that no request holds stays cached, least recently used first
-out when the pool needs blocks (:meth:`allocate`); blocks in use are never evicted. The last,
-partly filled block of a prompt is never shared: its tokens are recomputed into a fresh block (at
-most ``block_size - 1`` tokens, plus one: at least the prompt's last token is always recomputed,
-its logits give the first new token).
+out when the pool needs blocks (:meth:`allocate`); blocks in use are never evicted. A block
+is shared only whole: where the prompt goes on into a cached block only part of the way (the
+document's last block, followed by another question), that block's first tokens are copied into
+the row's own first block (copy on write: one copy of at most ``block_size - 1`` tokens' K/V,
+every layer) and the prefill starts after them. At least the prompt's last token is always
+computed: its logits give the first new token.
 
 What a hit keeps exact:
 
@@ -41,10 +43,30 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from .cache import BlockPool, PoolExhausted
+import torch
+
+from .cache import BlockPool, PoolExhausted, move_tokens
 
 ROOT = -1  # the parent of a prompt's first block
 PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
+
+
+@dataclass
+class Hit:
+    """What a prompt finds in the cache: ``blocks`` holding its first tokens, whole, then
+    (``partial``) a block whose first ``partial_tokens`` tokens are its next ones, or None."""
+
+    blocks: list
+    partial: Optional[int] = None
+    partial_tokens: int = 0
+
+    @property
+    def held(self) -> list:
+        """The blocks a row holds while it is admitted."""
+        return self.blocks + ([] if self.partial is None else [self.partial])
+
+    def tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size + self.partial_tokens
 
 
 @dataclass
@@ -65,6 +87,7 @@ class PrefixCache:
     def __init__(self, pool: BlockPool):
         self.pool, self.block_size = pool, pool.block_size
         self.index: dict = {}  # (parent node, tokens) -> block id
+        self.children: dict = {}  # node -> its children's block ids
         self.blocks: dict = {}  # block id -> CachedBlock (indexed blocks only)
         self.refs: dict = {}  # block id -> rows holding it (every block handed out)
         self.idle: OrderedDict = OrderedDict()  # indexed blocks no row holds, least recently used first
@@ -108,7 +131,10 @@ class PrefixCache:
 
     def _evict(self) -> None:
         block, _ = self.idle.popitem(last=False)
-        del self.index[self.blocks.pop(block).key]  # its children are unreachable now: they age out
+        cached = self.blocks.pop(block)
+        del self.index[cached.key]
+        self.children[cached.key[0]].discard(block)
+        self.children.pop(cached.node, None)  # its children are unreachable now: they age out
         self.pool.release([block])
         self.evicted += 1
 
@@ -117,9 +143,11 @@ class PrefixCache:
         size = self.block_size
         return (tuple(tokens[i * size:(i + 1) * size]) for i in range(n_blocks))
 
-    def match(self, prompt: list) -> list:
-        """The cached blocks holding the longest prefix of ``prompt`` in whole blocks, leaving at
-        least its last token to compute (nothing is taken: see :meth:`acquire`)."""
+    def match(self, prompt: list) -> "Hit":
+        """The cached blocks holding the longest prefix of ``prompt`` in whole blocks, then the
+        cached block after them that starts with most of the prompt's next tokens (its first
+        tokens are copied, not shared), leaving at least the prompt's last token to compute.
+        Nothing is taken: see :meth:`acquire`."""
         found, parent = [], ROOT
         for tokens in self._keys(prompt, (len(prompt) - 1) // self.block_size):
             block = self.index.get((parent, tokens))
@@ -127,7 +155,14 @@ class PrefixCache:
                 break
             found.append(block)
             parent = self.blocks[block].node
-        return found
+        rest = prompt[len(found) * self.block_size:len(prompt) - 1]
+        best, common = None, 0
+        for block in self.children.get(parent, ()):
+            n = next((i for i, (a, b) in enumerate(zip(self.blocks[block].key[1], rest)) if a != b),
+                     min(len(rest), self.block_size))
+            if n > common:
+                best, common = block, n
+        return Hit(found, best, common)
 
     def acquire(self, blocks: list) -> None:
         """A row holds ``blocks`` (from :meth:`match`) from now on: they cannot be evicted."""
@@ -144,25 +179,31 @@ class PrefixCache:
         caller unassigns the others)."""
         hits = [self.match(s.prompt) for s in seqs]
         for h in hits:
-            self.acquire(h)
+            self.acquire(h.held)
         done = 0
         try:
             for row, s, need, hit in zip(rows, seqs, needs, hits):
-                cache.assign(row, need, shared=hit)
-                s.cached_tokens = len(hit) * self.block_size
+                cache.assign(row, need, shared=hit.blocks)
+                if hit.partial is not None:  # its first tokens' K/V copied into the row's first fresh block
+                    fresh = cache.blocks[cache.row0 + row][len(hit.blocks)]
+                    offsets = torch.arange(hit.partial_tokens)
+                    move_tokens(self.pool.k, self.pool.v, (hit.partial * self.block_size + offsets).to(self.pool.k.device),
+                                (fresh * self.block_size + offsets).to(self.pool.k.device))
+                    self.release([hit.partial])
+                s.cached_tokens = hit.tokens(self.block_size)
                 done += 1
         except BaseException:
             for hit in hits[done:]:
-                self.release(hit)
+                self.release(hit.held)
             raise
-        for s, hit in zip(seqs, hits):
+        for s in seqs:
             self.prompt_tokens += len(s.prompt)
             self.hit_tokens += s.cached_tokens
 
     def pinned_by(self, hits: list) -> int:
-        """Idle blocks among ``hits`` (lists of blocks from :meth:`match`): a request that takes
-        them cannot evict them for its fresh blocks."""
-        return len({b for h in hits for b in h if b in self.idle})
+        """Idle blocks among ``hits`` (from :meth:`match`): a request that takes them cannot
+        evict them for its fresh blocks."""
+        return len({b for h in hits for b in h.held if b in self.idle})
 
     def register(self, blocks: list, tokens: list) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
@@ -177,6 +218,7 @@ class PrefixCache:
                     raise RuntimeError(f"KV pool: block {block} indexed twice")
                 self.blocks[block] = CachedBlock(next(self._nodes), key)
                 self.index[key] = cached = block
+                self.children.setdefault(parent, set()).add(block)
             parent = self.blocks[cached].node
 
     def stats(self) -> dict:

@@ -17,7 +17,7 @@ from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
-from longspec.prefix_cache import PrefixCache
+from longspec.prefix_cache import Hit, PrefixCache
 
 BLOCK = 16
 
@@ -79,20 +79,23 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     a = cache.allocate(3)
     prompt = list(range(10))  # blocks [0..3], [4..7] full; [8, 9] partial
     cache.register(a, prompt)
-    assert len(cache.blocks) == 2 and cache.match(prompt) == a[:2]
-    assert cache.match(prompt[:8]) == a[:1]  # the last token is always computed: one block, not two
-    assert cache.match(prompt[:4] + [99] + prompt[5:]) == a[:1]  # diverges inside the second block
-    assert cache.match([99] + prompt[1:]) == []
+    assert len(cache.blocks) == 2 and cache.match(prompt) == Hit(a[:2])
+    # the last token is always computed: one whole block, and the next one's first 3 tokens (copied)
+    assert cache.match(prompt[:8]) == Hit(a[:1], a[1], 3)
+    assert cache.match(prompt[:6] + [99, 7, 8]) == Hit(a[:1], a[1], 2)  # diverges inside the second block
+    assert cache.match([99] + prompt[1:]) == Hit([])
     cache.release(a)  # the unindexed third block goes back to the pool; the two indexed ones stay
     assert pool.num_free == 4 and list(cache.idle) == [a[1], a[0]]  # the chain's tail first out
     hit = cache.match(prompt)
-    cache.acquire(hit)  # held: never evicted
+    cache.acquire(hit.held)  # held: never evicted
     assert cache.pinned_by([hit, hit]) == 0 and cache.num_free == 4
+    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 0  # (held blocks)
     with pytest.raises(PoolExhausted, match="5 blocks of 4 tokens needed, 4 of 6 free or evictable"):
         cache.allocate(5)
-    cache.release(hit)
+    cache.release(hit.held)
+    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 2  # (idle: an admission would hold them)
     b = cache.allocate(5)  # takes the four free blocks and evicts the tail block first
-    assert cache.evicted == 1 and a[1] in b and a[0] not in b and cache.match(prompt) == a[:1]
+    assert cache.evicted == 1 and a[1] in b and a[0] not in b and cache.match(prompt) == Hit(a[:1])
     cache.register(b, [7] * 20)  # another content: its own chain
     cache.release(b)
     assert pool.num_free + len(cache.idle) == 6 and not cache.refs
@@ -128,7 +131,9 @@ def test_questions_about_one_document_and_a_chat_decode_what_cold_requests_do(ta
 
     for q in questions:
         check(doc + q)
-    assert engine.prefix.hit_tokens == 2 * 4 * BLOCK  # the first question was cold
+    # the first question was cold; the others share the document's 4 whole blocks and the first
+    # 11 tokens of the first question's fifth block (copied)
+    assert engine.prefix.hit_tokens == 2 * 75
     turn1 = doc + questions[1]
     turn2 = turn1 + cold(target, turn1) + tokens(7, 3)
     s = check(turn2)
@@ -137,16 +142,17 @@ def test_questions_about_one_document_and_a_chat_decode_what_cold_requests_do(ta
 
 
 def test_prompts_that_share_a_prefix_and_diverge_inside_a_block_admitted_together(target):
-    """Two prompts admitted in one batch after a cached prefix: one diverges inside the cached
-    prefix's last block (it reuses one block less), the other after it; rows with different
-    cached lengths are prefilled apart and both decode exactly."""
+    """Two prompts admitted in one batch after a cached prefix: one diverges inside a cached
+    block (it shares the blocks before and copies that block's first tokens), the other inside
+    the partly filled block after the prefix; rows with different cached lengths are prefilled
+    apart and both decode exactly."""
     base = tokens(60, 4)
     engine = engine_for(target, "pld")
     run(engine, [base])
     inside = base[:40] + tokens(12, 5)  # diverges at 40: inside the third block (32..47)
     after = base[:50] + tokens(12, 6)
     seqs = run(engine, [inside, after])
-    assert [s.cached_tokens for s in seqs] == [2 * BLOCK, 3 * BLOCK]
+    assert [s.cached_tokens for s in seqs] == [40, 50]
     assert [s.tokens for s in seqs] == [cold(target, inside), cold(target, after)]
     assert_no_leak(engine)
 
@@ -162,12 +168,12 @@ def test_requests_sharing_a_prefix_run_while_another_prefix_is_evicted(target):
     assert len(engine.prefix.idle) == 8 and engine.pool.num_free == 6
     sharing = [Sequence(x + tokens(4, 20), 10), Sequence(x + tokens(9, 21), 10)]
     engine.add(sharing)  # 4 cached blocks each, held twice, and 2 fresh blocks each
-    held = set(engine.prefix.match(x + [0]))
+    held = set(engine.prefix.match(x + [0]).blocks)
     assert all(engine.prefix.refs[b] == 2 for b in held) and not held & set(engine.prefix.idle)
     long = Sequence(tokens(70, 9), 10)
     assert engine.can_admit([long])
     engine.add([long])
-    assert engine.prefix.evicted > 0 and engine.prefix.match(y + [0]) == [] and set(engine.prefix.match(x + [0])) == held
+    assert engine.prefix.evicted > 0 and engine.prefix.match(y + [0]) == Hit([]) and set(engine.prefix.match(x + [0]).blocks) == held
     while engine.has_active:
         engine.step()
     assert [s.tokens for s in sharing + [long]] == [cold(target, s.prompt) for s in sharing + [long]]

@@ -23,7 +23,7 @@ import torch
 from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted, free_memory, token_bytes
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
-from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
+from ..prefix_cache import PREFIX_BLOCK_SIZE, Hit, PrefixCache
 from .prefill import ChunkedPrefill
 from .proposers import Proposer
 from .runner import PhaseRunner, RoundRows, batch_buckets
@@ -193,13 +193,13 @@ class Engine:
 
     def _hits(self, seqs: list) -> list:
         """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
-        return [self.prefix.match(s.prompt) if self.prefix is not None else [] for s in seqs]
+        return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
 
     def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
         """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
         theirs), besides the cached blocks their prompts start with (``hits``)."""
         hits = self._hits(seqs) if hits is None else hits
-        return sum(self.cache.blocks_for(self.need(s)) - len(h) for s, h in zip(seqs, hits))
+        return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
 
     def can_admit(self, seqs: list) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
