@@ -12,7 +12,8 @@ out when the pool needs blocks (:meth:`allocate`); blocks in use are never evict
 is shared only whole: where the prompt goes on into a cached block only part of the way (the
 document's last block, followed by another question), that block's first tokens are copied into
 the row's own first block (copy on write: one copy of at most ``block_size - 1`` tokens' K/V,
-every layer) and the prefill starts after them. At least the prompt's last token is always
+every layer, taken before the admission allocates, so that block need not be held) and the
+prefill starts after them. At least the prompt's last token is always
 computed: its logits give the first new token.
 
 What a hit keeps exact:
@@ -45,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from .cache import BlockPool, PoolExhausted, move_tokens
+from .cache import BlockPool, PoolExhausted
 
 ROOT = -1  # the parent of a prompt's first block
 PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
@@ -59,11 +60,6 @@ class Hit:
     blocks: list
     partial: Optional[int] = None
     partial_tokens: int = 0
-
-    @property
-    def held(self) -> list:
-        """The blocks a row holds while it is admitted."""
-        return self.blocks + ([] if self.partial is None else [self.partial])
 
     def tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size + self.partial_tokens
@@ -178,23 +174,26 @@ class PrefixCache:
         :meth:`register`). On an error the held blocks of rows not assigned yet are let go (the
         caller unassigns the others)."""
         hits = [self.match(s.prompt) for s in seqs]
+        copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
         for h in hits:
-            self.acquire(h.held)
+            self.acquire(h.blocks)
+            slots = torch.arange(h.partial_tokens, device=self.pool.k.device)
+            copies.append(None if h.partial is None else
+                          (slots, self.pool.k[:, :, h.partial * self.block_size + slots],
+                           self.pool.v[:, :, h.partial * self.block_size + slots]))
         done = 0
         try:
-            for row, s, need, hit in zip(rows, seqs, needs, hits):
+            for row, s, need, hit, copy in zip(rows, seqs, needs, hits, copies):
                 cache.assign(row, need, shared=hit.blocks)
-                if hit.partial is not None:  # its first tokens' K/V copied into the row's first fresh block
-                    fresh = cache.blocks[cache.row0 + row][len(hit.blocks)]
-                    offsets = torch.arange(hit.partial_tokens)
-                    move_tokens(self.pool.k, self.pool.v, (hit.partial * self.block_size + offsets).to(self.pool.k.device),
-                                (fresh * self.block_size + offsets).to(self.pool.k.device))
-                    self.release([hit.partial])
+                if copy is not None:  # into the row's first fresh block
+                    slots, k, v = copy
+                    fresh = cache.blocks[cache.row0 + row][len(hit.blocks)] * self.block_size + slots
+                    self.pool.k[:, :, fresh], self.pool.v[:, :, fresh] = k, v
                 s.cached_tokens = hit.tokens(self.block_size)
                 done += 1
         except BaseException:
             for hit in hits[done:]:
-                self.release(hit.held)
+                self.release(hit.blocks)
             raise
         for s in seqs:
             self.prompt_tokens += len(s.prompt)
@@ -203,7 +202,7 @@ class PrefixCache:
     def pinned_by(self, hits: list) -> int:
         """Idle blocks among ``hits`` (from :meth:`match`): a request that takes them cannot
         evict them for its fresh blocks."""
-        return len({b for h in hits for b in h.held if b in self.idle})
+        return len({b for h in hits for b in h.blocks if b in self.idle})
 
     def register(self, blocks: list, tokens: list) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed

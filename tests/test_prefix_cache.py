@@ -87,13 +87,14 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     cache.release(a)  # the unindexed third block goes back to the pool; the two indexed ones stay
     assert pool.num_free == 4 and list(cache.idle) == [a[1], a[0]]  # the chain's tail first out
     hit = cache.match(prompt)
-    cache.acquire(hit.held)  # held: never evicted
+    cache.acquire(hit.blocks)  # held: never evicted
     assert cache.pinned_by([hit, hit]) == 0 and cache.num_free == 4
     assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 0  # (held blocks)
     with pytest.raises(PoolExhausted, match="5 blocks of 4 tokens needed, 4 of 6 free or evictable"):
         cache.allocate(5)
-    cache.release(hit.held)
-    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 2  # (idle: an admission would hold them)
+    cache.release(hit.blocks)
+    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 1  # idle: an admission would hold it
+    # (the second block matches only in part: copied before the admission allocates, not held)
     b = cache.allocate(5)  # takes the four free blocks and evicts the tail block first
     assert cache.evicted == 1 and a[1] in b and a[0] not in b and cache.match(prompt) == Hit(a[:1])
     cache.register(b, [7] * 20)  # another content: its own chain
@@ -230,3 +231,17 @@ def test_generator_calls_reuse_the_prefixes_of_earlier_calls(target):
     second = gen.generate([doc + [2, 3]], config)
     assert first.stats["cached_tokens"] == 0 and second.stats["cached_tokens"] >= 128
     assert second.sequences[0] == cold(target, doc + [2, 3], 8)
+
+
+def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_first(target):
+    """The block a prompt goes on into part of the way is copied before the admission allocates,
+    not held: a request whose fresh blocks need that very block evicted is admitted (not refused
+    for want of one block), and its output is exact."""
+    engine = engine_for(target, "none", max_batch=1, max_len=128, pool_tokens=6 * BLOCK)
+    a = tokens(40, 40)
+    run(engine, [a], n=2)  # 2 whole blocks cached
+    prompt = a[:20] + tokens(60, 41)  # the first block whole, the first 4 tokens of the second
+    (s,) = run(engine, [prompt])  # 6 blocks: the shared one and 5 fresh (4 free + the evicted second)
+    assert s.cached_tokens == 20 and engine.prefix.evicted == 1
+    assert s.tokens == cold(target, prompt)
+    assert_no_leak(engine)
