@@ -230,7 +230,7 @@ def main(argv=None) -> int:
             if not cached:  # the goal's yardstick: the uncached part of each cached request, cold
                 for kind, reqs in runs.items():
                     for r, c in zip(reqs, results["cache"][kind]):
-                        if c["shared"]:
+                        if c["cached_tokens"]:
                             r["tail"] = stream(server.url, c["prompt"][c["shared"]:], args.max_tokens)
             import httpx
 

@@ -238,7 +238,7 @@ class KVCache:
     def assign(self, row: int, n_slots: int, shared: Seq[int] = ()) -> None:
         """Gives row ``row`` room for ``n_slots`` tokens: blocks from the allocator (its home
         blocks when free), after ``shared`` (blocks of a cached prefix the row already holds: its
-        first slots), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the
+        first slots; then the blocks after them when free), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the
         pool has too few free blocks, ValueError past the row's capacity."""
         if n_slots > self.max_len:
             raise ValueError(f"{n_slots} tokens do not fit a row of the KV cache ({self.max_len} slots)")
@@ -247,7 +247,7 @@ class KVCache:
         self.unassign(row)
         max_blocks = self.table.shape[1]
         fresh = self.allocator.allocate(self.blocks_for(n_slots) - len(shared),
-                                        prefer=(self.row0 + row) * max_blocks + len(shared))
+                                        prefer=shared[-1] + 1 if shared else (self.row0 + row) * max_blocks)
         blocks = [*shared, *fresh]
         self.blocks[self.row0 + row] = blocks
         entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)

@@ -125,8 +125,12 @@ class PrefixCache:
                 else:
                     self.pool.release([b])
 
-    def _evict(self) -> None:
-        block, _ = self.idle.popitem(last=False)
+    def _evict(self, block: Optional[int] = None) -> None:
+        """Evicts idle block ``block`` (default: the least recently used)."""
+        if block is None:
+            block, _ = self.idle.popitem(last=False)
+        else:
+            del self.idle[block]
         cached = self.blocks.pop(block)
         del self.index[cached.key]
         self.children[cached.key[0]].discard(block)
@@ -154,8 +158,8 @@ class PrefixCache:
         rest = prompt[len(found) * self.block_size:len(prompt) - 1]
         best, common = None, 0
         for block in self.children.get(parent, ()):
-            n = next((i for i, (a, b) in enumerate(zip(self.blocks[block].key[1], rest)) if a != b),
-                     min(len(rest), self.block_size))
+            cached = self.blocks[block].key[1]  # (fewer than block_size tokens: a row's last block)
+            n = next((i for i, (a, b) in enumerate(zip(cached, rest)) if a != b), min(len(rest), len(cached)))
             if n > common:
                 best, common = block, n
         return Hit(found, best, common)
@@ -181,6 +185,11 @@ class PrefixCache:
             copies.append(None if h.partial is None else
                           (slots, self.pool.k[:, :, h.partial * self.block_size + slots],
                            self.pool.v[:, :, h.partial * self.block_size + slots]))
+            if h.partial in self.idle and h.partial - 1 in h.blocks[-1:] and \
+                    not self.children.get(self.blocks[h.partial].node):
+                # the last block of the text a row goes on from (a chat's next turn): the row takes it
+                # over, so its blocks stay consecutive (a CPU reads a lone such row in place)
+                self._evict(h.partial)
         done = 0
         try:
             for row, s, need, hit, copy in zip(rows, seqs, needs, hits, copies):
@@ -204,12 +213,14 @@ class PrefixCache:
         evict them for its fresh blocks."""
         return len({b for h in hits for b in h.blocks if b in self.idle})
 
-    def register(self, blocks: list, tokens: list) -> None:
+    def register(self, blocks: list, tokens: list, last: bool = False) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
-        tokens whose ids are known). A block whose content is cached in another block already
-        stays unindexed (it goes back to the pool when released)."""
-        parent = ROOT
-        for block, key_tokens in zip(blocks, self._keys(tokens, len(tokens) // self.block_size)):
+        tokens whose ids are known); ``last``: the partly filled block after them too (a row that
+        has ended: nothing writes it any more; a later prompt can only copy from it). A block
+        whose content is cached in another block already stays unindexed (it goes back to the
+        pool when released)."""
+        parent, size = ROOT, self.block_size
+        for block, key_tokens in zip(blocks, self._keys(tokens, -(-len(tokens) // size) if last else len(tokens) // size)):
             key = (parent, key_tokens)
             cached = self.index.get(key)
             if cached is None:

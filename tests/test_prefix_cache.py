@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.cache import BlockPool, PoolExhausted
+from longspec.cache import BlockPool, KVCache, PoolExhausted
 from longspec.decoding.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
@@ -104,6 +104,32 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
         cache.release(b[:1])
 
 
+def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_follows_it(target):
+    """An ended row's partly filled last block is indexed too (``last``): a prompt going on from
+    that text copies its tokens and takes the block over (its blocks stay consecutive); a block
+    that other cached blocks follow is copied from and kept."""
+    pool = BlockPool(target.config, num_blocks=10, block_size=4)
+    cache = PrefixCache(pool)
+    rows = KVCache(target.config, 1, 32, pool=pool, paged=True)
+    rows.allocator = cache
+    a = cache.allocate(3)
+    cache.register(a, list(range(10)), last=True)  # [0..3] [4..7] [8, 9]
+    cache.release(a)
+    assert cache.match(list(range(8)) + [8, 7, 7]) == Hit(a[:2], a[2], 1)
+    turn = Sequence(list(range(10)) + [5], 4)
+    cache.assign(rows, [0], [turn], [16])
+    assert turn.cached_tokens == 10 and rows.blocks[0] == a + [a[2] + 1] and a[2] not in cache.blocks
+    rows.unassign(0)
+    b = cache.allocate(4)
+    cache.register(b, [7] * 16)  # four whole blocks
+    cache.release(b)
+    branch = Sequence([7] * 10 + [1, 2], 4)  # into the third block part of the way: it has a follower
+    cache.assign(rows, [0], [branch], [16])
+    assert branch.cached_tokens == 10 and rows.blocks[0][2] != b[2] and b[2] in cache.blocks
+    rows.unassign(0)
+    assert pool.num_free + len(cache.idle) == 10 and not cache.refs
+
+
 # ---- engines -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["none", "pld", "streaming", "longspec", "hybrid"])
@@ -138,7 +164,9 @@ def test_questions_about_one_document_and_a_chat_decode_what_cold_requests_do(ta
     turn1 = doc + questions[1]
     turn2 = turn1 + cold(target, turn1) + tokens(7, 3)
     s = check(turn2)
-    assert s.cached_tokens == (len(turn1) + 9) // BLOCK * BLOCK  # its answer's committed tokens are cached too
+    # every committed token of turn 1 is cached: its answer's last block too (copied); the last token
+    # of the answer was committed only if a round accepted it as a draft (not as the bonus token)
+    assert s.cached_tokens in (len(turn1) + 9, len(turn1) + 10)
     assert_no_leak(engine)
 
 
@@ -159,14 +187,14 @@ def test_prompts_that_share_a_prefix_and_diverge_inside_a_block_admitted_togethe
 
 
 def test_requests_sharing_a_prefix_run_while_another_prefix_is_evicted(target):
-    """A pool of 14 blocks: prefix X's blocks are cached, then prefix Y's, and the pool is full.
+    """A pool of 14 blocks: prefix X's blocks are cached, then prefix Y's.
     Two requests on X are admitted together (holding X's blocks twice), then a long third request
     needs blocks: only Y's idle blocks are evicted, never X's held ones; all three decode exactly."""
     x, y = tokens(64, 7), tokens(64, 8)
     engine = engine_for(target, "longspec", max_batch=3, pool_tokens=14 * BLOCK)
     run(engine, [x + [1]], n=2)
     run(engine, [y + [2]], n=2)
-    assert len(engine.prefix.idle) == 8 and engine.pool.num_free == 6
+    assert len(engine.prefix.idle) == 10 and engine.pool.num_free == 4  # 4 whole blocks and a last one each
     sharing = [Sequence(x + tokens(4, 20), 10), Sequence(x + tokens(9, 21), 10)]
     engine.add(sharing)  # 4 cached blocks each, held twice, and 2 fresh blocks each
     held = set(engine.prefix.match(x + [0]).blocks)
@@ -216,7 +244,7 @@ def test_seeded_sampling_draws_the_same_tokens_cached_and_cold(target):
             run(engine, [doc + [5]], n=3)
         engine.uniforms.generator = torch.Generator().manual_seed(5)
         (s,) = run(engine, [doc + [9, 9]], n=12)
-        assert s.cached_tokens == (4 * BLOCK if warm else 0)
+        assert s.cached_tokens == (4 * BLOCK + 6 if warm else 0)  # (then doc's last 6 tokens, copied)
         outputs.append(s.tokens)
         assert_no_leak(engine)
         engine.close()
@@ -239,9 +267,9 @@ def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_first(ta
     for want of one block), and its output is exact."""
     engine = engine_for(target, "none", max_batch=1, max_len=128, pool_tokens=6 * BLOCK)
     a = tokens(40, 40)
-    run(engine, [a], n=2)  # 2 whole blocks cached
+    run(engine, [a], n=2)  # 2 whole blocks cached, and the last one (a's 41st token in it)
     prompt = a[:20] + tokens(60, 41)  # the first block whole, the first 4 tokens of the second
-    (s,) = run(engine, [prompt])  # 6 blocks: the shared one and 5 fresh (4 free + the evicted second)
-    assert s.cached_tokens == 20 and engine.prefix.evicted == 1
+    (s,) = run(engine, [prompt])  # 6 blocks: the shared one and 5 fresh (3 free + the evicted third and second)
+    assert s.cached_tokens == 20 and engine.prefix.evicted == 2
     assert s.tokens == cold(target, prompt)
     assert_no_leak(engine)

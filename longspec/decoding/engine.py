@@ -275,7 +275,8 @@ class Engine:
         self.rows[s.row] = None
         self.active[s.row] = 0
         if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
-            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])])
+            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
+                                 last=True)
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
 
