@@ -192,6 +192,11 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     if args.shape:
         target, tokenizer, model = random_target(args.shape, dtype, args.device), IdTokenizer(), f"random {args.shape}"
+        if target.device.type == "cuda":  # as load_target sets a model up on CUDA
+            from longspec.attention import triton_kernels
+
+            target.attention_impl = "triton" if triton_kernels.available() else "matmul"
+            target.compile_steps = True
     else:
         from transformers import AutoTokenizer
 

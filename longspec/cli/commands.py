@@ -121,7 +121,8 @@ def cmd_generate(args) -> int:
     target = load_target(target_dir, dtype=dtype, device=device)
     plan, line = None, None
     # (the draft: --draft, else the one shipped for the default model)
-    gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
+    # one request: a prefix cache would have nothing to reuse (the engine keeps its dense rows)
+    gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window, prefix_cache=False)
     if name == "auto":
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
