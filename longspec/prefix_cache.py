@@ -179,8 +179,9 @@ class PrefixCache:
         caller unassigns the others)."""
         hits = [self.match(s.prompt) for s in seqs]
         copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
-        for h in hits:
+        for h in hits:  # all held first: a block one prompt holds is never another's to take over
             self.acquire(h.blocks)
+        for h in hits:
             slots = torch.arange(h.partial_tokens, device=self.pool.k.device)
             copies.append(None if h.partial is None else
                           (slots, self.pool.k[:, :, h.partial * self.block_size + slots],

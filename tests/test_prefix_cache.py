@@ -128,6 +128,20 @@ def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_f
     assert branch.cached_tokens == 10 and rows.blocks[0][2] != b[2] and b[2] in cache.blocks
     rows.unassign(0)
     assert pool.num_free + len(cache.idle) == 10 and not cache.refs
+    # admitted together: one prompt holds the second block whole, the other goes into it part of the
+    # way (and would take it over, were it not held)
+    c = cache.allocate(2)
+    cache.register(c, [3] * 8)
+    cache.release(c)
+    rows = KVCache(target.config, 2, 32, pool=pool, paged=True)
+    rows.allocator = cache
+    whole, part = Sequence([3] * 9, 4), Sequence([3] * 6 + [1, 1], 4)
+    cache.assign(rows, [0, 1], [part, whole], [16, 16])
+    assert rows.blocks[1][:2] == c and rows.blocks[0][0] == c[0] and c[1] not in rows.blocks[0]
+    assert (whole.cached_tokens, part.cached_tokens) == (8, 6) and cache.refs[c[1]] == 1
+    rows.unassign(0)
+    rows.unassign(1)
+    assert pool.num_free + len(cache.idle) == 10 and not cache.refs
 
 
 # ---- engines -----------------------------------------------------------------------------------
