@@ -287,3 +287,15 @@ def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_first(ta
     assert s.cached_tokens == 20 and engine.prefix.evicted == 2
     assert s.tokens == cold(target, prompt)
     assert_no_leak(engine)
+
+
+def test_chunked_prefill_after_a_cached_prefix(target):
+    """Prompts prefilled in fixed-size chunks start after their cached tokens (not at a chunk
+    boundary) and decode exactly."""
+    engine = engine_for(target, "pld", prefill_chunk=BLOCK)
+    doc = tokens(70, 50)
+    for q in ([1, 2, 3], tokens(25, 51)):
+        (s,) = run(engine, [doc + q])
+        assert s.tokens == cold(target, doc + q)
+    assert s.cached_tokens == 70 and engine.chunked_prefill.runners  # (the chunks ran)
+    assert_no_leak(engine)
