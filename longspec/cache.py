@@ -75,6 +75,7 @@ class BlockPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = [True] * num_blocks
+        self._n_free = num_blocks
 
     @property
     def scratch(self) -> int:
@@ -83,7 +84,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return sum(self._free)
+        return self._n_free
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +111,7 @@ class BlockPool:
                 blocks = [i for i, f in enumerate(free) if f][:n]
         for i in blocks:
             free[i] = False
+        self._n_free -= n
         return blocks
 
     def release(self, blocks) -> None:
@@ -117,6 +119,7 @@ class BlockPool:
             if self._free[i]:
                 raise RuntimeError(f"KV pool: block {i} released twice")
             self._free[i] = True
+            self._n_free += 1
 
 
 @torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's storage

@@ -133,7 +133,7 @@ class PrefixCache:
             del self.idle[block]
         cached = self.blocks.pop(block)
         del self.index[cached.key]
-        self.children[cached.key[0]].discard(block)
+        self.children.get(cached.key[0], set()).discard(block)  # (none left if the parent went first)
         self.children.pop(cached.node, None)  # its children are unreachable now: they age out
         self.pool.release([block])
         self.evicted += 1

@@ -102,6 +102,10 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     assert pool.num_free + len(cache.idle) == 6 and not cache.refs
     with pytest.raises(RuntimeError, match="released twice"):
         cache.release(b[:1])
+    cache.acquire(b[-1:])
+    cache.release(b[-1:])  # used again: the chain's head is now older than its tail
+    cache.allocate(pool.num_free + len(cache.idle))  # evicts every block, the head before its follower
+    assert not cache.blocks and not cache.idle and not cache.index
 
 
 def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_follows_it(target):
