@@ -59,7 +59,7 @@ def run(engine: Engine, prompts: list, n: int = 10) -> list:
 
 def cold(target, prompt: list, n: int = 10, config: GenerationConfig = None) -> list:
     """The tokens of ``prompt`` decoded alone, plainly, with no cache to reuse."""
-    return Generator(target).generate([prompt], config or GenerationConfig(max_new_tokens=n, ignore_eos=True),
+    return Generator(target, prefix_cache=False).generate([prompt], config or GenerationConfig(max_new_tokens=n, ignore_eos=True),
                                       ).sequences[0]
 
 
@@ -302,4 +302,26 @@ def test_chunked_prefill_after_a_cached_prefix(target):
         (s,) = run(engine, [doc + q])
         assert s.tokens == cold(target, doc + q)
     assert s.cached_tokens == 70 and engine.chunked_prefill.runners  # (the chunks ran)
+    assert_no_leak(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["pld", "hybrid", "streaming"])
+def test_cached_prefixes_through_the_triton_kernels_and_cuda_graphs(tiny_model_factory, name):
+    """On CUDA: 64-token blocks read through the table by the Triton kernels, rounds and prefill
+    chunks captured as CUDA graphs, chunks starting after the cached tokens: the questions after
+    a document and a second turn decode plain decoding's tokens."""
+    target = load_target(tiny_model_factory("prefix-llama", "llama", max_position_embeddings=512, seed=11)[1],
+                         device="cuda")
+    target.compile_steps = False
+    engine = Engine(target, *proposer(target, name), max_batch=2, max_len=512, prefix_cache=True, prefill_chunk=64)
+    doc = tokens(200, 60)
+    for q in (tokens(5, 61), tokens(30, 62), tokens(3, 63)):
+        (s,) = run(engine, [doc + q])
+        assert s.tokens == cold(target, doc + q)
+    turn2 = doc + q + s.tokens + tokens(9, 64)
+    (s,) = run(engine, [turn2])
+    assert s.cached_tokens >= len(doc) + 3 and s.tokens == cold(target, turn2)
+    assert engine.runners and all(r.graphs is not None for r in engine.runners.values())
     assert_no_leak(engine)
