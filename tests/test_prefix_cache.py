@@ -325,3 +325,14 @@ def test_cached_prefixes_through_the_triton_kernels_and_cuda_graphs(tiny_model_f
     assert s.cached_tokens >= len(doc) + 3 and s.tokens == cold(target, turn2)
     assert engine.runners and all(r.graphs is not None for r in engine.runners.values())
     assert_no_leak(engine)
+
+
+def test_a_sequence_cancelled_while_its_tokens_go_out_is_released_once(target):
+    """A streamer that cancels its sequence (a stop string) while the round hands the tokens over:
+    the row is released once, its blocks cached, none leaked."""
+    engine = engine_for(target, "pld")
+    seq = Sequence(tokens(40, 70), 10)
+    engine.add([seq])
+    engine.step(streamer=lambda row, new: engine.cancel(seq))
+    assert seq.done and not engine.has_active
+    assert_no_leak(engine)

@@ -271,7 +271,9 @@ class Engine:
 
     def _release(self, s: Sequence) -> None:
         """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
-        inside the cache."""
+        inside the cache. Once only (a stop string may have ended it while its tokens went out)."""
+        if self.rows[s.row] is not s:
+            return
         self.rows[s.row] = None
         self.active[s.row] = 0
         if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
