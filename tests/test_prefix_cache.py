@@ -336,3 +336,22 @@ def test_a_sequence_cancelled_while_its_tokens_go_out_is_released_once(target):
     engine.step(streamer=lambda row, new: engine.cancel(seq))
     assert seq.done and not engine.has_active
     assert_no_leak(engine)
+
+
+@pytest.mark.slow  # (about a minute and a half on a busy 2-core CPU)
+def test_sampling_after_a_cached_prefix_matches_the_target_distribution(tiny_model_factory):
+    """20000 rows, each reading a cached block and copying the first tokens of another, sample
+    their first two tokens (one from the prefill, one from a speculative round) from the exact
+    warped target distribution (chi-square, as ``test_speculative`` does cold)."""
+    from test_speculative import assert_two_token_distribution
+
+    target = load_target(tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)[1])
+    prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    engine = Engine(target, StreamingSelfSpec(window=2, sinks=1), TreeSpec.parse("chain:3"), max_batch=n, max_len=16,
+                    block_size=4, config=config, cuda_graphs=False, prefix_cache=True)
+    run(engine, [prompt[:6]], n=2)  # caches [1, 5, 2, 7] and the row's last block [3, 0, x]
+    seqs = run(engine, [prompt] * n, n=2)
+    assert {s.cached_tokens for s in seqs} == {6}
+    assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs])
+    assert_no_leak(engine)
