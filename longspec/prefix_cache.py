@@ -68,11 +68,10 @@ class Hit:
 @dataclass
 class CachedBlock:
     """A pool block indexed by content: ``node`` its id in the tree of token blocks, ``key``
-    (parent node, its tokens), ``refs`` the rows holding it."""
+    (parent node, its tokens)."""
 
     node: int
     key: tuple
-    refs: int = 0
 
 
 class PrefixCache:
