@@ -74,7 +74,8 @@ class InProcessServer:
         tree = None if proposer is None else (args.tree or default_tree(args.proposer))
         cuda = target.device.type == "cuda"
         self.server = build_server(target, tokenizer, "bench", proposer, tree, max_batch=1, max_len=args.max_len,
-                                   prefill_chunk=min(1024, args.max_len) if cuda else None,
+                                   prefill_chunk=(args.prefill_chunk if args.prefill_chunk is not None else
+                                                  min(1024, args.max_len) if cuda else 0) or None,
                                    prefix_cache=prefix_cache)
         if cuda:
             self.server.engine.warm_up()
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft", default=None, help="LongSpec draft directory (longspec, hybrid)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per request (default: what the longest chat turn needs, in 1024s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="as longspec serve's (default: 1024 on CUDA, 0 = one eager prefill on a CPU)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
