@@ -6,7 +6,7 @@ change from step to step, so a step can be captured in a CUDA graph. Finished ro
 removed: the engine stops advancing them."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -16,6 +16,40 @@ from .config import ModelConfig
 
 
 DEFAULT_BLOCK_SIZE = 256  # tokens per block of a shared pool (a multiple of the kernels' key block)
+
+
+def token_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one token's K/V over every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device) -> int:
+    """Bytes of memory free now on ``device`` (a CUDA device's, else the machine's available RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device) -> int:
+    """Tokens of a KV pool of ``memory``: GiB ("8", "8GiB", "0.5G") or a fraction of the memory
+    free now ("0.9" or "90%"; a bare number below 1 is a fraction). Raises ValueError."""
+    text = memory.strip().lower()
+    try:
+        if text.endswith("%"):
+            size = float(text[:-1]) / 100 * free_memory(device)
+        else:
+            number = float(text.removesuffix("gib").removesuffix("gb").removesuffix("g"))
+            gib = text[-1:] in ("b", "g") or number >= 1
+            size = number * (1 << 30) if gib else number * free_memory(device)
+    except ValueError:
+        raise ValueError(f"KV memory must be GiB (e.g. 8 or 8GiB) or a fraction of free memory (e.g. 0.9 or "
+                         f"90%), got {memory!r}") from None
+    if not size > 0:
+        raise ValueError(f"KV memory must be more than zero, got {memory!r}")
+    return int(size // token_bytes(config, dtype))
 
 
 class PoolExhausted(ValueError):
@@ -41,6 +75,7 @@ class BlockPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = [True] * num_blocks
+        self._n_free = num_blocks
 
     @property
     def scratch(self) -> int:
@@ -49,7 +84,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return sum(self._free)
+        return self._n_free
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +111,7 @@ class BlockPool:
                 blocks = [i for i, f in enumerate(free) if f][:n]
         for i in blocks:
             free[i] = False
+        self._n_free -= n
         return blocks
 
     def release(self, blocks) -> None:
@@ -83,6 +119,7 @@ class BlockPool:
             if self._free[i]:
                 raise RuntimeError(f"KV pool: block {i} released twice")
             self._free[i] = True
+            self._n_free += 1
 
 
 @torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's storage
@@ -127,10 +164,13 @@ class KVCache:
     each row owning its block for good (dense: the rows are a strided view of the pool). Built
     over a shared ``pool``, each row holds ``max_len / block_size`` table entries; rows own no
     blocks until :meth:`assign` gives them some (an engine admitting a request), and
-    :meth:`unassign` returns them."""
+    :meth:`unassign` returns them. A pool with a block for every row is used densely unless
+    ``paged`` (rows that share blocks: a prefix cache). ``allocator`` hands the blocks out: the
+    pool, or a :class:`~longspec.prefix_cache.PrefixCache` over it."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None):
+                 dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None,
+                 paged: bool = False):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if pool is None:  # one block per row, owned for good: a one-slot scratch for stray slots
@@ -141,7 +181,8 @@ class KVCache:
         self.max_len = max_blocks * pool.block_size
         home = torch.arange(batch_size * max_blocks, device=device).view(batch_size, max_blocks)
         # dense: the pool holds every row's home blocks, so each row owns them for good
-        self.dense = pool.num_blocks >= batch_size * max_blocks
+        self.dense = not paged and pool.num_blocks >= batch_size * max_blocks
+        self.allocator = pool
         if self.dense:
             pool.allocate(batch_size * max_blocks, prefer=0)
             self.table = home
@@ -193,17 +234,20 @@ class KVCache:
         row's capacity -> the scratch block)."""
         return physical_slots(self.table, self.block_size, slots, self.pool.scratch * self.block_size)
 
-    def assign(self, row: int, n_slots: int) -> None:
-        """Gives row ``row`` room for ``n_slots`` tokens: blocks from the pool (its home blocks when
-        free), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the pool
-        has too few free blocks, ValueError past the row's capacity."""
+    def assign(self, row: int, n_slots: int, shared: Seq[int] = ()) -> None:
+        """Gives row ``row`` room for ``n_slots`` tokens: blocks from the allocator (its home
+        blocks when free), after ``shared`` (blocks of a cached prefix the row already holds: its
+        first slots; then the blocks after them when free), or nothing to do for a dense cache. Raises :class:`PoolExhausted` when the
+        pool has too few free blocks, ValueError past the row's capacity."""
         if n_slots > self.max_len:
             raise ValueError(f"{n_slots} tokens do not fit a row of the KV cache ({self.max_len} slots)")
         if self.dense:
             return
         self.unassign(row)
         max_blocks = self.table.shape[1]
-        blocks = self.pool.allocate(self.blocks_for(n_slots), prefer=(self.row0 + row) * max_blocks)
+        fresh = self.allocator.allocate(self.blocks_for(n_slots) - len(shared),
+                                        prefer=shared[-1] + 1 if shared else (self.row0 + row) * max_blocks)
+        blocks = [*shared, *fresh]
         self.blocks[self.row0 + row] = blocks
         entries = torch.full((max_blocks,), self.pool.scratch, dtype=torch.long)
         entries[:len(blocks)] = torch.tensor(blocks)
@@ -217,7 +261,7 @@ class KVCache:
         """Returns row ``row``'s blocks to the pool (a dense cache's rows keep theirs)."""
         if self.dense or self.blocks[self.row0 + row] is None:
             return
-        self.pool.release(self.blocks[self.row0 + row])
+        self.allocator.release(self.blocks[self.row0 + row])
         self.blocks[self.row0 + row] = None
         self.table[row].fill_(self.pool.scratch)
 

@@ -113,7 +113,16 @@ class Worker:
             return {"active": len(self.running), "waiting": len(self.waiting), "rounds": self.rounds,
                     "free_rows": len(self.engine.free_rows()),
                     "row_generators": len(self.engine.uniforms.row_generators),
-                    "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4)}
+                    "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4),
+                    "kv_cache": self.cache_stats()}
+
+    def cache_stats(self) -> dict:
+        """The KV block pool: blocks total, free, cached (see ``PrefixCache.stats``), hit rate."""
+        engine = self.engine
+        if engine.prefix is not None:
+            return {"prefix_cache": True, **engine.prefix.stats()}
+        return {"prefix_cache": False, "blocks_total": engine.pool.num_blocks, "blocks_free": engine.pool.num_free,
+                "block_size": engine.pool.block_size}
 
     def stop(self) -> None:
         with self.lock:
@@ -145,7 +154,10 @@ class Worker:
                 admit = []
                 free = len(self.engine.free_rows())
                 while self.waiting and len(admit) < free:
-                    request = self.waiting.popleft()
+                    request = self.waiting[0]
+                    if not request.cancelled and not self.engine.can_admit([r.seq for r in admit + [request]]):
+                        break  # too few free KV blocks: it waits (first in, first out) for running requests to end
+                    self.waiting.popleft()
                     if not request.cancelled:
                         admit.append(request)
                 cancelled = [r for r in self.running.values() if r.cancelled]
@@ -404,6 +416,11 @@ class Server:
         if need > self.max_len:
             raise APIError(400, f"the prompt ({len(ids)} tokens) with {limit} {max_tokens} needs {need} positions; "
                                 f"this server holds {self.max_len} per request", limit, "context_length_exceeded")
+        pool = self.engine.pool
+        if self.engine.cache.blocks_for(need) > pool.num_blocks:  # it could never be admitted: not queued
+            raise APIError(400, f"the prompt ({len(ids)} tokens) with {limit} {max_tokens} needs {need} positions; "
+                                f"this server's KV pool holds {pool.num_blocks * pool.block_size} in all (--kv-memory)",
+                           limit, "context_length_exceeded")
         seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p)
         return seq, stop, seed, bool(stream)
 
@@ -440,13 +457,16 @@ class Server:
 
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
                  max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None,
-                 prefill_chunk: Optional[int] = None) -> Server:
+                 prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
+                 pool_tokens: Optional[int] = None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
     ``bucket_trees``: {bucket: smaller tree, or None for plain rounds}; ``prefill_chunk``: prompts
-    prefilled in graph-captured chunks of that many tokens (see :class:`Engine`). Raises
-    ValueError for a ``max_len`` beyond the model's positions or a negative ``max_queue``."""
+    prefilled in graph-captured chunks of that many tokens; ``prefix_cache``: requests reuse the
+    K/V of cached prompt prefixes; ``pool_tokens``: the KV pool's size (see :class:`Engine`).
+    Raises ValueError for a ``max_len`` beyond the model's positions or a negative ``max_queue``."""
     if max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
-    engine = build_engine(target, proposer, tree, max_batch, max_len, buckets, bucket_trees, prefill_chunk)
+    engine = build_engine(target, proposer, tree, max_batch, max_len, buckets, bucket_trees, prefill_chunk,
+                          prefix_cache, pool_tokens)
     return Server(engine, tokenizer, model_name, max_queue)

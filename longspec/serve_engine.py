@@ -18,7 +18,8 @@ from .decoding.tree import TreeSpec
 
 
 def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: int = 4096, buckets=None,
-                 bucket_trees=None, prefill_chunk: Optional[int] = None) -> Engine:
+                 bucket_trees=None, prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
+                 pool_tokens: Optional[int] = None) -> Engine:
     """A serving engine: ``max_batch`` rows of ``max_len`` slots with per-request sampling (see
     :func:`~longspec.serve.build_server`). Raises ValueError for a ``max_len`` beyond the model's
     positions."""
@@ -28,7 +29,8 @@ def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: 
     tree = TreeSpec.coerce(tree) if proposer is not None else None
     sampling = RowSampling.zeros(max_batch, target.device)
     return Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
-                  bucket_trees=bucket_trees, prefill_chunk=prefill_chunk)
+                  bucket_trees=bucket_trees, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                  pool_tokens=pool_tokens)
 
 
 class EngineCalls:

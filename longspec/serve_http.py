@@ -235,7 +235,8 @@ async def _events(server: Server, request: Request, ident: str, kind: str, chat:
 
 def _usage(request: Request) -> dict:
     prompt, completion = len(request.seq.prompt), len(request.seq.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": request.seq.cached_tokens}}
 
 
 def _extension(request: Request) -> dict:

@@ -8,6 +8,7 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.attention import reference
+from longspec.attention.paged import physical_slots, rows_of
 from longspec.attention.triton_kernels import available, prefix_attention, tree_attention
 from longspec.cache import BlockPool, KVCache, PoolExhausted
 from longspec.decoding.engine import Engine, Sequence
@@ -184,3 +185,15 @@ def test_prompt_lookup_over_a_history_shorter_than_its_ngrams(target):
     config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     plain = Generator(target).generate([[5]], config).sequences
     assert Generator(target, "pld").generate([[5]], config).sequences == plain
+
+
+def test_rows_are_read_a_block_at_a_time_and_a_lone_row_in_consecutive_blocks_is_a_view():
+    """``rows_of`` over a paged table (whole-block copies, or a view of one row whose blocks are
+    consecutive) == the slots gathered one by one."""
+    store = torch.randn(2, 3, 10 * 4, 5)  # [L, Hkv, P, D]: 9 blocks of 4 and the scratch block
+    for table in ([[2, 3, 4, 6, 7]], [[5, 1, 9, 0, 2]], [[2, 3, 9, 1, 1], [0, 7, 8, 4, 5]]):
+        table = torch.tensor(table)
+        for n in (1, 5, 12, 17):  # (17 keys: whole blocks)
+            slots = physical_slots(table, 4, torch.arange(n)[None], 36)
+            assert torch.equal(rows_of(store, table, 4, None, 36, n), store[..., slots, :].transpose(-4, -3))
+    assert rows_of(store, torch.tensor([[2, 3, 4, 5]]), 4, None, 36, 12).data_ptr() == store[:, :, 8:].data_ptr()

@@ -72,7 +72,7 @@ def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
              for p in prompts]
     engine = Engine(target, None, None, max_batch=3, max_len=100, prefill_chunk=16)
     monkeypatch.setattr(engine.chunked_prefill, "max_chunks", 4)
-    assert engine.chunked_prefill.takes([20, 30]) and not engine.chunked_prefill.takes([20, 30, 12])
+    assert engine.chunked_prefill.takes([20, 30], [0, 0]) and not engine.chunked_prefill.takes([20, 30, 12], [0, 0, 0])
     eager, chunked = [], []
     prefill, call = target.prefill, ChunkedPrefill.__call__
     monkeypatch.setattr(target, "prefill", lambda *a, **k: eager.append(1) or prefill(*a, **k))

@@ -51,8 +51,20 @@ def rows_of(store: torch.Tensor, table: torch.Tensor, block_size: int, dense_row
     if dense_row0 is not None:
         start = dense_row0 * cap
         return store[..., start:start + b * cap, :].unflatten(-2, (b, cap)).transpose(-4, -3)[..., :n_keys, :]
+    used = table[:, :-(-n_keys // block_size)]  # [B, blocks]
+    if not store.is_cuda and b == 1 and bool((used.diff(dim=1) == 1).all()):
+        # one row in consecutive blocks (a request that reuses no cached block takes its home run): a
+        # view. (Gathered, SmolLM2's 3000 keys cost ~12% of a plain decoding step on a CPU.)
+        start = int(used[0, 0]) * block_size
+        return store[..., start:start + n_keys, :].unsqueeze(-4)
+    if n_keys >= 4 * block_size and store.shape[-2] % block_size == 0:
+        # long rows: whole blocks at a time, one contiguous copy per block (at most a quarter of it
+        # wasted); on a CPU, 3000 keys of one row: 0.26 ms against 1.1 ms a slot at a time
+        blocks = store.unflatten(-2, (-1, block_size)).index_select(-3, used.reshape(-1))  # [..., Hkv, B*blocks, bs, D]
+        return blocks.unflatten(-3, used.shape).flatten(-3, -2)[..., :n_keys, :].transpose(-4, -3)
+    # short rows: a slot at a time (20000 rows of 10 keys: 26 ms; whole blocks of 64, 320 ms)
     slots = physical_slots(table, block_size, torch.arange(n_keys, device=table.device)[None, :], scratch)
-    return store[..., slots, :].transpose(-4, -3)
+    return store.index_select(-2, slots.reshape(-1)).unflatten(-2, slots.shape).transpose(-4, -3)
 
 
 def physical_slots(table: torch.Tensor, block_size: int, slots: torch.Tensor, scratch: int = 0) -> torch.Tensor:

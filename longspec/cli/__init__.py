@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill arriving prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA "
                           "graph at warm-up (less host work per arriving request; a large admission still goes as "
                           "one batched forward); 0 = always one eager prefill (default: 1024 on CUDA, 0 on a CPU)")
+    srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                     help="prefill every prompt whole (default: requests reuse the K/V of cached prompt prefixes: a "
+                          "long document or a chat history is prefilled once)")
+    srv.add_argument("--kv-memory", default=None,
+                     help="memory of the KV block pool: GiB (e.g. 8 or 8GiB) or a fraction of the memory free at "
+                          "start (e.g. 0.9 or 90%%); requests wait for blocks when it is short, cached prefixes are "
+                          "evicted least recently used first (default: --max-batch rows of --max-len tokens, on "
+                          "CUDA at most half the free memory)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

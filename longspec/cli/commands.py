@@ -136,8 +136,9 @@ def cmd_generate(args) -> int:
         status(f"loading {about} on {device} ({dtype})")
         target = load_target(target_dir, dtype=dtype, device=device)
         target.compile_steps = target.compile_steps and args.compile  # one call: CUDA graphs of eager steps
-        # (the draft: --draft, else the one shipped for the default model)
-        gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window)
+        # (the draft: --draft, else the one shipped for the default model; one request: a prefix
+        # cache would have nothing to reuse, the engine keeps its dense rows)
+        gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window, prefix_cache=False)
     if name == "auto":
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
@@ -399,10 +400,14 @@ def cmd_serve(args) -> int:
 
         from ..parallel.serving import EngineSpec, ParallelEngine
 
+        if args.kv_memory is not None:
+            raise UsageError("--kv-memory does not work with --tensor-parallel yet (each process sizes its pool "
+                             "within half its GPU's free memory)")
         status(f"loading {target_dir} on {parallel} {device} processes ({dtype}), tensor-parallel")
         parallel_engine = ParallelEngine(EngineSpec(
             str(target_dir), dtype, device, name, args.draft, None if tree is None else str(tree), args.window,
-            torch.get_num_threads(), args.max_batch, args.max_len, buckets, bucket_trees, chunk or None), parallel)
+            torch.get_num_threads(), args.max_batch, args.max_len, buckets, bucket_trees, chunk or None,
+            args.prefix_cache), parallel)
         server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
                         on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
@@ -410,6 +415,17 @@ def cmd_serve(args) -> int:
 
         status(f"loading {target_dir} on {device} ({dtype})")
         target = load_target(target_dir, dtype=dtype, device=device)
+        pool_tokens = None
+        if args.kv_memory is not None:
+            from ..cache import pool_tokens_for
+
+            try:
+                pool_tokens = pool_tokens_for(args.kv_memory, target.config, target.dtype, target.device)
+            except ValueError as err:
+                raise UsageError(f"--kv-memory: {err}") from None
+            if pool_tokens < args.max_len:
+                raise UsageError(f"--kv-memory {args.kv_memory} holds {pool_tokens} tokens of K/V, less than one "
+                                 f"request of --max-len {args.max_len}: give more memory or lower --max-len")
         proposer = build_proposer(name, target, args.draft, window=args.window)  # (default: the shipped draft)
         if bucket_trees == "auto":
             if target.device.type == "cuda":
@@ -419,7 +435,8 @@ def cmd_serve(args) -> int:
                 print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
         server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
                               max_len=args.max_len, max_queue=args.max_queue, buckets=buckets,
-                              bucket_trees=bucket_trees, prefill_chunk=chunk or None)
+                              bucket_trees=bucket_trees, prefill_chunk=chunk or None, prefix_cache=args.prefix_cache,
+                              pool_tokens=pool_tokens)
     try:
         return _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype)
     finally:
@@ -450,7 +467,9 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}"
           f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
-          f"{args.max_batch} rows of {args.max_len} tokens{', API key required' if api_key else ''}"
+          f"{args.max_batch} rows of {args.max_len} tokens, KV pool {server.engine.pool.num_blocks} blocks of "
+          f"{server.engine.pool.block_size} tokens, prefix cache {'on' if server.engine.prefix else 'off'}"
+          f"{', API key required' if api_key else ''}"
           f"{f', tensor-parallel over {args.tensor_parallel} processes' if parallel_engine else ''})]",
           file=sys.stderr, flush=True)
     http = uvicorn.Server(uvicorn.Config(create_app(server, api_key=api_key, max_body=args.max_body), host=args.host,

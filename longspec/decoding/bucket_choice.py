@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .auto import CANDIDATE_TREES, choose, expected_tokens
-from .engine import batch_buckets
+from .runner import batch_buckets
 from .tree import TreeSpec
 
 

@@ -15,18 +15,18 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 import torch
 
-from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted
+from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted, free_memory, token_bytes
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
+from ..prefix_cache import PREFIX_BLOCK_SIZE, Hit, PrefixCache
 from .prefill import ChunkedPrefill
 from .proposers import Proposer
-from .runner import PhaseRunner
+from .runner import PhaseRunner, RoundRows, batch_buckets
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
 from .sequence import Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
@@ -67,17 +67,26 @@ class Engine:
     only while it has the blocks (:class:`~longspec.cache.PoolExhausted` otherwise, see
     :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
     block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
-    and the kind of round only: its CUDA graphs serve every later request."""
+    and the kind of round only: its CUDA graphs serve every later request.
+
+    ``prefix_cache``: full blocks of the prompts (and of finished requests' text) stay indexed by
+    content (:class:`~longspec.prefix_cache.PrefixCache`): a prompt that starts with cached blocks
+    reuses them and prefills only the rest, with the same output; idle cached blocks are evicted,
+    least recently used first, when a request needs blocks. Rows are then always paged (read
+    through their block tables). Off for models with dynamic NTK RoPE (a prefix's K/V depend on
+    the prompt's length there). Its blocks default to 64 tokens: a hit reuses all but at most 63
+    tokens of a shared prefix (the Triton kernels read the table once per 64 keys whatever the
+    block size)."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
                  buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None,
                  prefill_chunk: Optional[int] = None, pool_tokens: Optional[int] = None,
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, prefix_cache: bool = False):
         self.target, self.proposer, self.tree = target, proposer, tree
         self.config = config or GenerationConfig()
         device = target.device
-        block = block_size or min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64)
+        block = block_size or (PREFIX_BLOCK_SIZE if prefix_cache else min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64))
         if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
             raise ValueError(f"an engine needs max_len, block_size and pool_tokens >= 1, got {max_len}, {block_size}, "
                              f"{pool_tokens}")
@@ -99,16 +108,17 @@ class Engine:
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
         if pool_tokens is None and device.type == "cuda":  # every row's max_len, within half the free memory
-            kv = target.cache_config  # this rank's KV heads under tensor parallelism
-            per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * \
-                torch.empty((), dtype=target.dtype).element_size()
-            budget = torch.cuda.mem_get_info(device)[0] // 2 // per_token
+            budget = free_memory(device) // 2 // token_bytes(target.cache_config, target.dtype)  # (this rank's KV heads)
             if target.shard is not None:  # one pool size on every rank: the same requests fit everywhere
                 budget = min(target.shard.tp.gather_objects(budget))
             pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
         num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
         self.pool = BlockPool(target.cache_config, num_blocks, block, target.dtype, device)
-        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool)
+        prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
+        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache)
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        if self.prefix is not None:
+            self.cache.allocator = self.prefix
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
         self.step_keys = self.max_len if device.type == "cuda" else None
@@ -183,25 +193,40 @@ class Engine:
         """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
         return cache_need(len(s.prompt), s.max_new_tokens, self.room())
 
-    def blocks_needed(self, seqs: list) -> int:
-        """Pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own theirs)."""
-        return sum(self.cache.blocks_for(self.need(s)) for s in seqs)
+    def _hits(self, seqs: list) -> list:
+        """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
+        return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
+
+    def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
+        """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
+        theirs), besides the cached blocks their prompts start with (``hits``)."""
+        hits = self._hits(seqs) if hits is None else hits
+        return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
 
     def can_admit(self, seqs: list) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
-        return self.blocks_needed(seqs) <= self.pool.num_free
+        hits = self._hits(seqs)
+        room = self.cache.allocator.num_free
+        if self.prefix is not None:
+            room -= self.prefix.pinned_by(hits)
+        return self.blocks_needed(seqs, hits) <= room
 
     def _prefill(self, seqs: list, row0: int, streamer) -> None:
-        n = len(seqs)
+        n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
-            for i, s in enumerate(seqs):
-                self.cache.assign(row0 + i, self.need(s))
+            if self.prefix is None:
+                for row, s in zip(rows, seqs):
+                    self.cache.assign(row, self.need(s))
+            else:
+                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs])
             logits = self._prefill_rows(seqs, row0)
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
             self.cache.lengths[row0:row0 + n] = 0
-            for i in range(n):
-                self.cache.unassign(row0 + i)
+            for row in rows:
+                self.cache.unassign(row)
             raise
+        for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
+            self.prefix.register(self.cache.blocks[row], s.prompt)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -217,24 +242,27 @@ class Engine:
                 self._release(s)
 
     def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
-        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned) -> logits [n, V] after
-        each prompt's last token."""
+        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first
+        ``cached_tokens`` of each prompt in cached blocks) -> logits [n, V] after each prompt's
+        last token."""
         device, n = self.target.device, len(seqs)
         rows = self.cache.rows(row0, row0 + n)
-        rows.lengths.zero_()
+        cached = [s.cached_tokens for s in seqs]
+        rows.lengths.copy_(torch.tensor(cached))
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
+        rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
         chunked = self.chunked_prefill
-        if chunked is not None and chunked.takes([len(s.prompt) for s in seqs]):
-            logits = torch.cat([chunked(row0 + i, s.prompt) for i, s in enumerate(seqs)])
-        else:  # one forward over the right-padded prompts
-            ids = torch.zeros(n, max(len(s.prompt) for s in seqs), dtype=torch.long)
-            for i, s in enumerate(seqs):
-                ids[i, :len(s.prompt)] = torch.tensor(s.prompt)
-            lens = torch.tensor([len(s.prompt) for s in seqs])
-            logits = self.target.prefill(ids.to(device), lens.to(device), rows)
-        return logits
+        if chunked is not None and chunked.takes([len(r) for r in rest], cached):
+            return torch.cat([chunked(row0 + i, r) for i, r in enumerate(rest)])
+        if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
+            return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
+                                                  rows.rows(i, i + 1)) for i, r in enumerate(rest)])
+        ids = torch.zeros(n, max(map(len, rest)), dtype=torch.long)  # one forward over the right-padded prompts
+        for i, r in enumerate(rest):
+            ids[i, :len(r)] = torch.tensor(r)
+        return self.target.prefill(ids.to(device), torch.tensor(list(map(len, rest))).to(device), rows)
 
     def cancel(self, s: Sequence) -> None:
         """Ends a sequence now (a client went away, a stop string was met): its row is free for
@@ -245,9 +273,14 @@ class Engine:
 
     def _release(self, s: Sequence) -> None:
         """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
-        inside the cache."""
+        inside the cache. Once only (a stop string may have ended it while its tokens went out)."""
+        if self.rows[s.row] is not s:
+            return
         self.rows[s.row] = None
         self.active[s.row] = 0
+        if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
+            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
+                                 last=True)
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
 
@@ -479,29 +512,3 @@ class Engine:
 
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree
-
-
-def batch_buckets(max_batch: int, given: Optional[Seq[int]] = None) -> list:
-    """Batch sizes a round may run at, ascending: ``given`` (default: powers of two below
-    ``max_batch``), and always ``max_batch``."""
-    if given is None:
-        given = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
-    return sorted(set(given) | {max_batch})
-
-
-@dataclass
-class RoundRows:
-    """Batch rows ``0..n-1`` of an engine, as one round over that bucket sees them: views that
-    share the engine's storage (``proposer``: its proposer over the same rows, ``propose`` its
-    possibly compiled ``propose``)."""
-
-    n: int
-    cache: KVCache
-    root: torch.Tensor
-    active: torch.Tensor
-    out_tokens: torch.Tensor
-    out_counts: torch.Tensor
-    proposer: object = None
-    propose: Optional[Callable] = None
-    tree: Optional[TreeSpec] = None  # what the bucket's rounds draft
-    draft_tree: object = None

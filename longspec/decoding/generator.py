@@ -116,14 +116,17 @@ class Generator:
     ``max_len`` caps a row of the KV cache (prompt + new tokens + tree); it defaults to the
     target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
     :class:`~longspec.decoding.auto.Retuner` (a lone prompt switches trees as it says while
-    generating; ``tree`` is then the biggest it may pick).
+    generating; ``tree`` is then the biggest it may pick). ``prefix_cache``: a call whose prompts
+    start with a prefix of an earlier call's prompt or text (same document, next chat turn)
+    reuses its K/V and prefills only the rest, with the same output (``stats["cached_tokens"]``).
 
     Calls run on a long-lived engine shared by every Generator of the target with the same
     proposer, tree and ``max_len`` (see the module docstring): after the first call, new prompt
     lengths, ``max_new_tokens`` and sampling settings capture and compile nothing."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, retune=None, draft=None, window: int = 512):
+                 cuda_graphs: Optional[bool] = None, retune=None, draft=None, window: int = 512,
+                 prefix_cache: bool = True):
         if proposer is None or proposer == "none":
             proposer = None
             if tree is not None:
@@ -142,7 +145,7 @@ class Generator:
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree, self.retune, self.draft = target, proposer, tree, retune, draft
         self.max_len = max_len or target.config.max_position_embeddings
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.prefix_cache = cuda_graphs, prefix_cache
         self._key = None  # the key of the last call's engine
 
     @property
@@ -228,6 +231,7 @@ class Generator:
         engines = _engines(self.target)
         # (the attention, compilation, dtype and device settings are the engine's too: its steps use them)
         key = ("engine", None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
+               self.prefix_cache,
                self.target.attention_impl, self.target.compile_steps, str(self.target.dtype), str(self.target.device))
         engine = engines[key][1] if key in engines else None
         if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
@@ -240,7 +244,7 @@ class Generator:
                 engines.pop(other)[1].close()
             chunk = min(PREFILL_CHUNK, self.max_len) if self.target.device.type == "cuda" else None
             engine = Engine(self.target, proposer, tree, batch, self.max_len, RowSampling.zeros(batch, self.target.device),
-                            self.cuda_graphs, prefill_chunk=chunk)
+                            self.cuda_graphs, prefill_chunk=chunk, prefix_cache=self.prefix_cache)
             engines[key] = (proposer, engine)
         self._key = key
         return engine
@@ -296,7 +300,8 @@ class Generator:
         t_end = clock()
         n_new = sum(len(s.tokens) for s in seqs)
         decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
-        stats = dict(prompt_tokens=sum(map(len, prompts)), new_tokens=n_new, prefill_s=t_prefill - t0,
+        stats = dict(prompt_tokens=sum(map(len, prompts)), cached_tokens=sum(s.cached_tokens for s in seqs),
+                     new_tokens=n_new, prefill_s=t_prefill - t0,
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,

@@ -55,20 +55,23 @@ class ChunkedPrefill:
         self.uniforms = Uniforms(None, device)  # draws none: keeps the engine's seeded stream untouched
         self.runners: dict = {}
 
-    def fits(self, n_tokens: int) -> bool:
-        """Whether a prompt of ``n_tokens`` can go in chunks: its last chunk's padded slots fit
-        the cache, and the RoPE does not depend on the prompt's length (dynamic NTK)."""
-        last_start = (n_tokens - 1) // self.chunk * self.chunk
+    def fits(self, n_tokens: int, start: int = 0) -> bool:
+        """Whether ``n_tokens`` after ``start`` tokens in the cache can go in chunks: the last
+        chunk's padded slots fit the cache, and the RoPE does not depend on the prompt's length
+        (dynamic NTK)."""
+        last_start = start + (n_tokens - 1) // self.chunk * self.chunk
         return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
 
-    def takes(self, lengths: list) -> bool:
-        """Whether prompts of ``lengths`` tokens, admitted together, go in chunks: each one
-        :meth:`fits`, and together they need at most :attr:`max_chunks` chunk steps."""
+    def takes(self, lengths: list, starts: list) -> bool:
+        """Whether prompts of ``lengths`` tokens (after ``starts`` cached tokens), admitted
+        together, go in chunks: each one :meth:`fits`, and together they need at most
+        :attr:`max_chunks` chunk steps."""
         steps = sum(-(-n // self.chunk) for n in lengths)
-        return steps <= self.max_chunks and all(self.fits(n) for n in lengths)
+        return steps <= self.max_chunks and all(self.fits(n, s) for n, s in zip(lengths, starts))
 
     def __call__(self, row: int, prompt: list) -> torch.Tensor:
-        """Prefills ``prompt`` into row ``row`` (empty) -> logits [1, V] after its last token."""
+        """Prefills ``prompt`` into row ``row`` after the tokens it holds -> logits [1, V] after
+        its last token."""
         runner = self.runner(row)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.ids.device)  # one copy to the device
         for start in range(0, len(prompt), self.chunk):

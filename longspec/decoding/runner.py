@@ -14,11 +14,14 @@ import gc
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..cache import KVCache
 from .sampling import Uniforms
+from .tree import TreeSpec
 
 
 _CAPTURE_STREAMS: dict = {}  # device -> the side stream every capture on it runs on
@@ -197,3 +200,29 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(times)
+
+
+def batch_buckets(max_batch: int, given: Optional[Sequence[int]] = None) -> list:
+    """Batch sizes a round may run at, ascending: ``given`` (default: powers of two below
+    ``max_batch``), and always ``max_batch``."""
+    if given is None:
+        given = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return sorted(set(given) | {max_batch})
+
+
+@dataclass
+class RoundRows:
+    """Batch rows ``0..n-1`` of an engine, as one round over that bucket sees them: views that
+    share the engine's storage (``proposer``: its proposer over the same rows, ``propose`` its
+    possibly compiled ``propose``)."""
+
+    n: int
+    cache: KVCache
+    root: torch.Tensor
+    active: torch.Tensor
+    out_tokens: torch.Tensor
+    out_counts: torch.Tensor
+    proposer: object = None
+    propose: Optional[Callable] = None
+    tree: Optional[TreeSpec] = None  # what the bucket's rounds draft
+    draft_tree: object = None

@@ -34,6 +34,7 @@ class Sequence:
     temperature: float = 0.0  # this sequence's sampling, used by engines with per-row settings
     top_k: int = 0
     top_p: float = 1.0
+    cached_tokens: int = 0  # prompt tokens read from a prefix cache instead of prefilled
 
     @property
     def tau(self) -> float:

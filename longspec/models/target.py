@@ -329,10 +329,11 @@ class TargetModel(nn.Module):
                    fusion_intact([m.gate_proj, m.up_proj], m._fused)
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.model.layers))
 
-    def new_cache(self, batch_size: int, max_len: int, pool=None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, pool=None, paged: bool = False) -> KVCache:
         """A KV cache of ``batch_size`` rows of ``max_len`` slots: its own dense pool, or rows
-        over a shared :class:`~longspec.cache.BlockPool` (``pool``)."""
-        return KVCache(self.cache_config, batch_size, max_len, self.dtype, self.device, pool=pool)
+        over a shared :class:`~longspec.cache.BlockPool` (``pool``; ``paged``: read through the
+        block table even where the pool has a block for every row)."""
+        return KVCache(self.cache_config, batch_size, max_len, self.dtype, self.device, pool=pool, paged=paged)
 
     # the small interface a draft reads the target through
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ class EngineSpec:
     buckets: Optional[list] = None
     bucket_trees: dict = field(default_factory=dict)
     prefill_chunk: Optional[int] = None
+    prefix_cache: bool = True
     seed: int = field(default_factory=lambda: random.SystemRandom().randrange(2 ** 62))
 
 
@@ -48,7 +49,7 @@ def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     target = load_target(spec.target, spec.dtype, tensor_parallel=tp)
     proposer = build_proposer(spec.proposer, target, spec.draft, window=spec.window)
     calls = EngineCalls(build_engine(target, proposer, spec.tree, spec.max_batch, spec.max_len, spec.buckets,
-                                     spec.bucket_trees, spec.prefill_chunk))
+                                     spec.bucket_trees, spec.prefill_chunk, spec.prefix_cache))
     calls.seed_shared(spec.seed)
     return calls
 

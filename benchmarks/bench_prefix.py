@@ -1,0 +1,294 @@
+"""Prefix-cache benchmark: multi-turn traces through `longspec serve`'s HTTP API, with the prefix
+cache and without (``--no-prefix-cache``), one request at a time (streamed, greedy).
+
+Traces:
+
+* **document**: a long document (``--context`` tokens) and ``--questions`` questions about it,
+  each request = document + question;
+* **chat**: a conversation growing turn by turn, each turn's prompt = the previous prompt + the
+  answer it got + a new user message (``--turns`` turns, starting from the document's second
+  half).
+
+Per request: prompt tokens, tokens read from the cache (``usage.prompt_tokens_details``), time to
+first token (TTFT) with and without the cache, and decode milliseconds per token. For each
+request that hit the cache, the goal's yardstick: a cold request made of only the tokens after
+the shared prefix (the question, or the new turn), on the server without the cache; the goal is
+``TTFT(cached) <= 1.1 x TTFT(cold, prompt - shared prefix)``. Per trace and server: throughput
+(generated tokens / wall time of the trace) and the hit rate. A table, then one JSON line last.
+
+The server runs in this process (FastAPI app on uvicorn in a thread, the same code as
+``longspec serve``), so a random-weight target needs no files:
+
+    python benchmarks/bench_prefix.py                      # the default model on the CPU
+    python benchmarks/bench_prefix.py --target DIR --device cuda --context 16384
+    python benchmarks/bench_prefix.py --shape llama-8b --context 32768 --device cuda --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_steps import SHAPES, random_target  # noqa: E402
+
+
+class IdTokenizer:
+    """What the server needs of a tokenizer for a random-weight target fed token ids: ids decode
+    to their numbers (text only the client sees)."""
+
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
+    def get_vocab(self):
+        return {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """``longspec serve``'s application over ``target`` on uvicorn in a thread."""
+
+    def __init__(self, target, tokenizer, args, prefix_cache: bool):
+        import uvicorn
+
+        from longspec.decoding.generator import build_proposer, default_tree
+        from longspec.serve import build_server
+        from longspec.serve_http import create_app
+
+        proposer = build_proposer(args.proposer, target, args.draft)
+        tree = None if proposer is None else (args.tree or default_tree(args.proposer))
+        cuda = target.device.type == "cuda"
+        self.server = build_server(target, tokenizer, "bench", proposer, tree, max_batch=1, max_len=args.max_len,
+                                   prefill_chunk=(args.prefill_chunk if args.prefill_chunk is not None else
+                                                  min(1024, args.max_len) if cuda else 0) or None,
+                                   prefix_cache=prefix_cache)
+        if cuda:
+            self.server.engine.warm_up()
+        self.port = free_port()
+        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+        self.server.engine.close()
+
+
+def stream(url: str, prompt: list, max_tokens: int) -> dict:
+    """One streamed greedy completion -> ttft_s, ms per decoded token, generated ids, usage."""
+    import httpx
+
+    start = time.perf_counter()
+    first = last = None
+    final = {}
+    with httpx.stream("POST", url + "/v1/completions", timeout=3600,
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            now = time.perf_counter()
+            if payload["choices"][0]["text"] and first is None:
+                first = now
+            last = now
+            if payload["choices"][0]["finish_reason"] is not None:
+                final = payload
+    first = first or last
+    ids = final["longspec"]["token_ids"]
+    return {"ttft_s": first - start, "decode_ms": 1000 * (last - first) / max(len(ids) - 1, 1), "ids": ids,
+            "prompt_tokens": final["usage"]["prompt_tokens"],
+            "cached_tokens": final["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def build_traces(args, vocab: int, tokenizer) -> dict:
+    """{trace: (requests as token-id lists or chat steps, shared prefix of each)}: the document
+    trace's prompts are fixed; the chat's are built while it runs (they contain the answers)."""
+    if tokenizer is not None and not isinstance(tokenizer, IdTokenizer):
+        root = Path(__file__).resolve().parent.parent
+        text = "\n\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md")) + [root / "README.md"])
+        doc = tokenizer(text, add_special_tokens=False).input_ids
+        while len(doc) < args.context:
+            doc = doc + doc
+        doc = doc[:args.context]
+
+        def say(k: int, what: str) -> list:
+            return tokenizer(f"\n\nQuestion {k}: {what}\nAnswer:", add_special_tokens=False).input_ids
+    else:
+        gen = torch.Generator().manual_seed(0)
+        doc = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
+
+        def say(k: int, what: str) -> list:
+            return torch.randint(0, vocab, (24 + len(what) % 16,), generator=torch.Generator().manual_seed(k)).tolist()
+
+    asks = ["what is this document about, in one sentence?", "which command starts the server, and with what "
+            "options?", "what does the method change about the draft model's memory?", "list three limits stated.",
+            "what would you test first?", "summarise the previous answer."]
+    questions = [say(k, asks[k % len(asks)]) for k in range(args.questions)]
+    turns = [say(100 + k, asks[(k + 3) % len(asks)]) for k in range(args.turns)]
+    return {"doc": doc, "questions": questions, "turns": turns}
+
+
+def run_trace(url: str, trace: dict, kind: str, max_tokens: int, replay: list = None) -> list:
+    """Requests of trace ``kind`` one after another -> per request: prompt, shared prefix, result.
+    ``replay``: the chat prompts of an earlier run (so both servers see the same prompts)."""
+    doc, out = trace["doc"], []
+    if kind == "document":
+        for q in trace["questions"]:
+            out.append({"prompt": doc + q, "shared": len(doc), **stream(url, doc + q, max_tokens)})
+        return out
+    prompt, shared = doc[len(doc) // 2:], 0  # (not the document's start: its blocks are cached)
+    for k, turn in enumerate(trace["turns"]):
+        if replay is not None:
+            prompt, shared = replay[k]["prompt"], replay[k]["shared"]
+        else:
+            prompt, shared = (prompt + turn if k == 0 else prompt + out[-1]["ids"] + turn), len(prompt) + (
+                len(out[-1]["ids"]) if k else 0)
+        out.append({"prompt": prompt, "shared": shared if k else 0, **stream(url, prompt, max_tokens)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF-format model directory (default: the default model)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a random-weight target of this shape instead of --target (no files; token-id prompts)")
+    p.add_argument("--context", type=int, default=3000, help="document tokens (default: 3000)")
+    p.add_argument("--questions", type=int, default=3, help="questions about the document (default: 3)")
+    p.add_argument("--turns", type=int, default=3, help="chat turns (default: 3)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--proposer", default="none", choices=["none", "pld", "streaming", "longspec", "hybrid"])
+    p.add_argument("--tree", default=None)
+    p.add_argument("--draft", default=None, help="LongSpec draft directory (longspec, hybrid)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per request (default: what the longest chat turn needs, in 1024s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="as longspec serve's (default: 1024 on CUDA, 0 = one eager prefill on a CPU)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    p.add_argument("--out", default=None, help="also write the report to this file")
+    p.add_argument("--note", default="", help="a line for the report's header (e.g. that the CPU is shared)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.shape:
+        target, tokenizer, model = random_target(args.shape, dtype, args.device), IdTokenizer(), f"random {args.shape}"
+        if target.device.type == "cuda":  # as load_target sets a model up on CUDA
+            from longspec.attention import triton_kernels
+
+            target.attention_impl = "triton" if triton_kernels.available() else "matmul"
+            target.compile_steps = True
+    else:
+        from transformers import AutoTokenizer
+
+        from longspec import load_target
+        from longspec.convert import default_model_dir
+
+        path = Path(args.target) if args.target else default_model_dir()
+        target, tokenizer, model = load_target(path, dtype=dtype, device=args.device), \
+            AutoTokenizer.from_pretrained(path), path.name
+    trace = build_traces(args, target.config.vocab_size, tokenizer)
+    longest = args.context // 2 + sum(map(len, trace["turns"])) + args.turns * args.max_tokens
+    longest = max(longest, args.context + max(map(len, trace["questions"]), default=0))
+    args.max_len = args.max_len or -(-(longest + args.max_tokens + 128) // 1024) * 1024
+    lines = []
+
+    def say(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"# bench_prefix: {model} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads), "
+        f"{platform.node()}, torch {torch.__version__}")
+    say(f"# document {args.context} tokens + {args.questions} questions; chat of {args.turns} turns from "
+        f"{args.context // 2} tokens; {args.max_tokens} tokens per answer; proposer {args.proposer}; max_len "
+        f"{args.max_len}")
+    if args.note:
+        say(f"# {args.note}")
+    results, health = {}, {}
+    warm = torch.randint(0, target.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    for cached in (True, False):
+        server = InProcessServer(target, tokenizer, args, prefix_cache=cached)
+        try:
+            stream(server.url, warm, 4)  # the first request's one-off costs, in neither trace
+            runs = {"document": run_trace(server.url, trace, "document", args.max_tokens)}
+            runs["chat"] = run_trace(server.url, trace, "chat", args.max_tokens,
+                                     None if cached else results["cache"]["chat"])
+            if not cached:  # the goal's yardstick: the uncached part of each cached request, cold
+                for kind, reqs in runs.items():
+                    for r, c in zip(reqs, results["cache"][kind]):
+                        if c["cached_tokens"]:
+                            r["tail"] = stream(server.url, c["prompt"][c["shared"]:], args.max_tokens)
+            import httpx
+
+            health["cache" if cached else "no_cache"] = httpx.get(server.url + "/health").json()["kv_cache"]
+        finally:
+            server.close()
+        results["cache" if cached else "no_cache"] = runs
+
+    summary = {"model": model, "device": args.device, "context": args.context, "proposer": args.proposer}
+    for kind in ("document", "chat"):
+        say(f"\n## {kind} trace")
+        say(f"{'req':>3} {'prompt':>7} {'shared':>7} {'cached':>7} {'ttft cache s':>12} {'ttft cold s':>11} "
+            f"{'tail':>5} {'ttft tail s':>11} {'cache/tail':>10} {'cache/cold':>10} {'ms/tok cache':>12} "
+            f"{'ms/tok cold':>11} same")
+        ratios, full_ratios = [], []
+        for i, (c, n) in enumerate(zip(results["cache"][kind], results["no_cache"][kind])):
+            tail = n.get("tail")
+            ratio = c["ttft_s"] / tail["ttft_s"] if tail else float("nan")
+            if tail:
+                ratios.append(ratio)
+                full_ratios.append(c["ttft_s"] / n["ttft_s"])
+            say(f"{i:>3} {c['prompt_tokens']:>7} {c['shared']:>7} {c['cached_tokens']:>7} {c['ttft_s']:>12.3f} "
+                f"{n['ttft_s']:>11.3f} {len(c['prompt']) - c['shared'] if tail else 0:>5} "
+                f"{tail['ttft_s'] if tail else float('nan'):>11.3f} {ratio:>10.2f} {c['ttft_s'] / n['ttft_s']:>10.3f} "
+                f"{c['decode_ms']:>12.1f} {n['decode_ms']:>11.1f} {c['ids'] == n['ids']}")
+        gen_tokens = {k: sum(len(r["ids"]) for r in results[k][kind]) for k in ("cache", "no_cache")}
+        wall = {k: sum(r["ttft_s"] + r["decode_ms"] * (len(r["ids"]) - 1) / 1000 for r in results[k][kind])
+                for k in ("cache", "no_cache")}
+        tput = {k: gen_tokens[k] / wall[k] for k in wall}
+        say(f"throughput (generated tokens / s over the trace): cache {tput['cache']:.2f}, no cache "
+            f"{tput['no_cache']:.2f} ({tput['cache'] / tput['no_cache']:.2f}x); trace wall {wall['cache']:.1f} s vs "
+            f"{wall['no_cache']:.1f} s")
+        if ratios:
+            say(f"TTFT cached / cold tail: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f} "
+                f"(goal <= 1.10); cached / cold whole prompt: median {statistics.median(full_ratios):.3f}")
+        summary[kind] = {"throughput_cache": round(tput["cache"], 3), "throughput_no_cache": round(tput["no_cache"], 3),
+                         "speedup": round(tput["cache"] / tput["no_cache"], 3),
+                         "ttft_cache_over_tail_median": round(statistics.median(ratios), 3) if ratios else None,
+                         "ttft_cache_over_tail_worst": round(max(ratios), 3) if ratios else None,
+                         "ttft_cache_over_cold_median": round(statistics.median(full_ratios), 4) if ratios else None,
+                         "outputs_equal": all(c["ids"] == n["ids"] for c, n in
+                                              zip(results["cache"][kind], results["no_cache"][kind]))}
+    say(f"\nKV pool with the cache (/health): {json.dumps(health['cache'])}")
+    summary["hit_rate"] = health["cache"]["hit_rate"]
+    say(json.dumps(summary))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""The prefix cache over the KV block pool: the index (matching whole blocks, reference counts,
+least-recently-used eviction that never touches a held block); engines that reuse cached prefixes
+decode exactly what cold requests do, for every proposer, greedy and seeded sampling; prompts that
+share a prefix, diverge inside a block and extend each other's answers (a chat); concurrent
+requests on one prefix while another is evicted; a pool too small to keep anything. After every
+test every block is free or cached (none leaked)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longspec import GenerationConfig, load_target
+from longspec.cache import BlockPool, KVCache, PoolExhausted
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.decoding.tree import TreeSpec
+from longspec.models.draft import DraftConfig, init_draft
+from longspec.prefix_cache import Hit, PrefixCache
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    return load_target(tiny_model_factory("prefix-llama", "llama", max_position_embeddings=512, seed=11)[1])
+
+
+def tokens(n: int, seed: int) -> list:
+    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def proposer(target, name: str):
+    """(proposer, tree) of ``name``; none: (None, None)."""
+    if name == "none":
+        return None, None
+    draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=2)
+    made = {"pld": (PromptLookup(), "chain:4"), "longspec": (LongSpecProposer(draft), "3,4,4"),
+            "hybrid": (LongSpecProposer(draft, PromptLookup()), "3,4,4,1,1"),
+            "streaming": (StreamingSelfSpec(window=8, sinks=2), "2,2")}[name]
+    return made[0], TreeSpec.parse(made[1])
+
+
+def engine_for(target, name="none", max_batch=2, max_len=256, pool_tokens=None, **kw) -> Engine:
+    prop, tree = proposer(target, name)
+    return Engine(target, prop, tree, max_batch=max_batch, max_len=max_len, pool_tokens=pool_tokens,
+                  block_size=BLOCK, cuda_graphs=False, prefix_cache=True, **kw)
+
+
+def run(engine: Engine, prompts: list, n: int = 10) -> list:
+    """Admits ``prompts`` together, decodes them to the end; returns their sequences."""
+    seqs = [Sequence(p, n) for p in prompts]
+    engine.add(seqs)
+    while engine.has_active:
+        engine.step()
+    return seqs
+
+
+def cold(target, prompt: list, n: int = 10, config: GenerationConfig = None) -> list:
+    """The tokens of ``prompt`` decoded alone, plainly, with no cache to reuse."""
+    return Generator(target, prefix_cache=False).generate([prompt], config or GenerationConfig(max_new_tokens=n, ignore_eos=True),
+                                      ).sequences[0]
+
+
+def assert_no_leak(engine: Engine) -> None:
+    """Every block of the pool is free or cached and idle; no row holds one."""
+    prefix = engine.prefix
+    assert not engine.has_active and not prefix.refs
+    assert engine.pool.num_free + len(prefix.idle) == engine.pool.num_blocks
+    assert set(prefix.idle) == set(prefix.blocks)
+
+
+# ---- the index ---------------------------------------------------------------------------------
+
+def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recently_used(target):
+    pool = BlockPool(target.config, num_blocks=6, block_size=4)
+    cache = PrefixCache(pool)
+    a = cache.allocate(3)
+    prompt = list(range(10))  # blocks [0..3], [4..7] full; [8, 9] partial
+    cache.register(a, prompt)
+    assert len(cache.blocks) == 2 and cache.match(prompt) == Hit(a[:2])
+    # the last token is always computed: one whole block, and the next one's first 3 tokens (copied)
+    assert cache.match(prompt[:8]) == Hit(a[:1], a[1], 3)
+    assert cache.match(prompt[:6] + [99, 7, 8]) == Hit(a[:1], a[1], 2)  # diverges inside the second block
+    assert cache.match([99] + prompt[1:]) == Hit([])
+    cache.release(a)  # the unindexed third block goes back to the pool; the two indexed ones stay
+    assert pool.num_free == 4 and list(cache.idle) == [a[1], a[0]]  # the chain's tail first out
+    hit = cache.match(prompt)
+    cache.acquire(hit.blocks)  # held: never evicted
+    assert cache.pinned_by([hit, hit]) == 0 and cache.num_free == 4
+    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 0  # (held blocks)
+    with pytest.raises(PoolExhausted, match="5 blocks of 4 tokens needed, 4 of 6 free or evictable"):
+        cache.allocate(5)
+    cache.release(hit.blocks)
+    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 1  # idle: an admission would hold it
+    # (the second block matches only in part: copied before the admission allocates, not held)
+    b = cache.allocate(5)  # takes the four free blocks and evicts the tail block first
+    assert cache.evicted == 1 and a[1] in b and a[0] not in b and cache.match(prompt) == Hit(a[:1])
+    cache.register(b, [7] * 20)  # another content: its own chain
+    cache.release(b)
+    assert pool.num_free + len(cache.idle) == 6 and not cache.refs
+    with pytest.raises(RuntimeError, match="released twice"):
+        cache.release(b[:1])
+    cache.acquire(b[-1:])
+    cache.release(b[-1:])  # used again: the chain's head is now older than its tail
+    cache.allocate(pool.num_free + len(cache.idle))  # evicts every block, the head before its follower
+    assert not cache.blocks and not cache.idle and not cache.index
+
+
+def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_follows_it(target):
+    """An ended row's partly filled last block is indexed too (``last``): a prompt going on from
+    that text copies its tokens and takes the block over (its blocks stay consecutive); a block
+    that other cached blocks follow is copied from and kept."""
+    pool = BlockPool(target.config, num_blocks=10, block_size=4)
+    cache = PrefixCache(pool)
+    rows = KVCache(target.config, 1, 32, pool=pool, paged=True)
+    rows.allocator = cache
+    a = cache.allocate(3)
+    cache.register(a, list(range(10)), last=True)  # [0..3] [4..7] [8, 9]
+    cache.release(a)
+    assert cache.match(list(range(8)) + [8, 7, 7]) == Hit(a[:2], a[2], 1)
+    turn = Sequence(list(range(10)) + [5], 4)
+    cache.assign(rows, [0], [turn], [16])
+    assert turn.cached_tokens == 10 and rows.blocks[0] == a + [a[2] + 1] and a[2] not in cache.blocks
+    rows.unassign(0)
+    b = cache.allocate(4)
+    cache.register(b, [7] * 16)  # four whole blocks
+    cache.release(b)
+    branch = Sequence([7] * 10 + [1, 2], 4)  # into the third block part of the way: it has a follower
+    cache.assign(rows, [0], [branch], [16])
+    assert branch.cached_tokens == 10 and rows.blocks[0][2] != b[2] and b[2] in cache.blocks
+    rows.unassign(0)
+    assert pool.num_free + len(cache.idle) == 10 and not cache.refs
+    # admitted together: one prompt holds the second block whole, the other goes into it part of the
+    # way (and would take it over, were it not held)
+    c = cache.allocate(2)
+    cache.register(c, [3] * 8)
+    cache.release(c)
+    rows = KVCache(target.config, 2, 32, pool=pool, paged=True)
+    rows.allocator = cache
+    whole, part = Sequence([3] * 9, 4), Sequence([3] * 6 + [1, 1], 4)
+    cache.assign(rows, [0, 1], [part, whole], [16, 16])
+    assert rows.blocks[1][:2] == c and rows.blocks[0][0] == c[0] and c[1] not in rows.blocks[0]
+    assert (whole.cached_tokens, part.cached_tokens) == (8, 6) and cache.refs[c[1]] == 1
+    rows.unassign(0)
+    rows.unassign(1)
+    assert pool.num_free + len(cache.idle) == 10 and not cache.refs
+
+
+# ---- engines -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["none", "pld", "streaming", "longspec", "hybrid"])
+def test_questions_about_one_document_and_a_chat_decode_what_cold_requests_do(target, name):
+    """A document and three questions one after another, then a second turn (first turn's prompt +
+    answer + a new question): each later request reuses the cached blocks (whole blocks before the
+    last token) and decodes plain decoding's tokens, with the proposer drafting what it drafts for
+    a cold request (the same accepted lengths, round by round: its state is a cold prefill's)."""
+    doc, questions = tokens(75, 1), [tokens(n, 10 + n) for n in (5, 21, 3)]
+    engine = engine_for(target, name)
+    alone = Engine(target, *proposer(target, name), max_batch=2, max_len=256, block_size=BLOCK, cuda_graphs=False)
+
+    def check(prompt):  # the same requests through an engine without a prefix cache
+        s, c = Sequence(prompt, 10), Sequence(prompt, 10)
+        engine.add([s])
+        alone.add([c])
+        if engine.proposer is not None:  # its state after admission (the draft's window, the lookup's history)
+            for mine, theirs in zip(engine.proposer.state_tensors(), alone.proposer.state_tensors()):
+                assert torch.equal(mine[0], theirs[0])
+        for e in (engine, alone):
+            while e.has_active:
+                e.step()
+        assert s.tokens == c.tokens == cold(target, prompt)
+        assert s.accepted_hist == c.accepted_hist
+        return s
+
+    for q in questions:
+        check(doc + q)
+    # the first question was cold; the others share the document's 4 whole blocks and the first
+    # 11 tokens of the first question's fifth block (copied)
+    assert engine.prefix.hit_tokens == 2 * 75
+    turn1 = doc + questions[1]
+    turn2 = turn1 + cold(target, turn1) + tokens(7, 3)
+    s = check(turn2)
+    # every committed token of turn 1 is cached: its answer's last block too (copied); the last token
+    # of the answer was committed only if a round accepted it as a draft (not as the bonus token)
+    assert s.cached_tokens in (len(turn1) + 9, len(turn1) + 10)
+    assert_no_leak(engine)
+
+
+def test_prompts_that_share_a_prefix_and_diverge_inside_a_block_admitted_together(target):
+    """Two prompts admitted in one batch after a cached prefix: one diverges inside a cached
+    block (it shares the blocks before and copies that block's first tokens), the other inside
+    the partly filled block after the prefix; rows with different cached lengths are prefilled
+    apart and both decode exactly."""
+    base = tokens(60, 4)
+    engine = engine_for(target, "pld")
+    run(engine, [base])
+    inside = base[:40] + tokens(12, 5)  # diverges at 40: inside the third block (32..47)
+    after = base[:50] + tokens(12, 6)
+    seqs = run(engine, [inside, after])
+    assert [s.cached_tokens for s in seqs] == [40, 50]
+    assert [s.tokens for s in seqs] == [cold(target, inside), cold(target, after)]
+    assert_no_leak(engine)
+
+
+def test_requests_sharing_a_prefix_run_while_another_prefix_is_evicted(target):
+    """A pool of 14 blocks: prefix X's blocks are cached, then prefix Y's.
+    Two requests on X are admitted together (holding X's blocks twice), then a long third request
+    needs blocks: only Y's idle blocks are evicted, never X's held ones; all three decode exactly."""
+    x, y = tokens(64, 7), tokens(64, 8)
+    engine = engine_for(target, "longspec", max_batch=3, pool_tokens=14 * BLOCK)
+    run(engine, [x + [1]], n=2)
+    run(engine, [y + [2]], n=2)
+    assert len(engine.prefix.idle) == 10 and engine.pool.num_free == 4  # 4 whole blocks and a last one each
+    sharing = [Sequence(x + tokens(4, 20), 10), Sequence(x + tokens(9, 21), 10)]
+    engine.add(sharing)  # 4 cached blocks each, held twice, and 2 fresh blocks each
+    held = set(engine.prefix.match(x + [0]).blocks)
+    assert all(engine.prefix.refs[b] == 2 for b in held) and not held & set(engine.prefix.idle)
+    long = Sequence(tokens(70, 9), 10)
+    assert engine.can_admit([long])
+    engine.add([long])
+    assert engine.prefix.evicted > 0 and engine.prefix.match(y + [0]) == Hit([]) and set(engine.prefix.match(x + [0]).blocks) == held
+    while engine.has_active:
+        engine.step()
+    assert [s.tokens for s in sharing + [long]] == [cold(target, s.prompt) for s in sharing + [long]]
+    assert_no_leak(engine)
+
+
+def test_a_pool_of_one_request_evicts_as_it_goes_and_waits_when_short(target):
+    """A pool that holds one request: different prompts evict each other's cached blocks; a
+    second request is refused while the first holds the pool, admitted once it ends; outputs exact."""
+    engine = engine_for(target, "pld", max_len=128, pool_tokens=128)
+    prompts = [tokens(90, 30 + i) for i in range(3)]
+    for p in prompts:
+        (s,) = run(engine, [p])
+        assert s.tokens == cold(target, p)
+    assert engine.prefix.evicted > 0
+    first, second = Sequence(prompts[0], 10), Sequence(prompts[1], 10)
+    engine.add([first])
+    assert not engine.can_admit([second])
+    with pytest.raises(PoolExhausted):
+        engine.add([second])
+    while engine.has_active:
+        engine.step()
+    assert engine.can_admit([second])
+    run(engine, [prompts[1]])
+    assert_no_leak(engine)
+
+
+def test_seeded_sampling_draws_the_same_tokens_cached_and_cold(target):
+    """A seeded call's tokens, through the hybrid proposer, are the same on a cold engine and on
+    an engine that has the prompt's prefix cached (the cached K/V are the prefill's)."""
+    doc = tokens(70, 12)
+    config = GenerationConfig(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    prop, tree = proposer(target, "hybrid")
+    outputs = []
+    for warm in (False, True):
+        engine = Engine(target, prop, tree, max_batch=1, max_len=256, block_size=BLOCK, cuda_graphs=False,
+                        config=config, prefix_cache=True)
+        if warm:
+            run(engine, [doc + [5]], n=3)
+        engine.uniforms.generator = torch.Generator().manual_seed(5)
+        (s,) = run(engine, [doc + [9, 9]], n=12)
+        assert s.cached_tokens == (4 * BLOCK + 6 if warm else 0)  # (then doc's last 6 tokens, copied)
+        outputs.append(s.tokens)
+        assert_no_leak(engine)
+        engine.close()
+    assert outputs[0] == outputs[1]
+
+
+def test_generator_calls_reuse_the_prefixes_of_earlier_calls(target):
+    gen = Generator(target, "pld", max_len=256)
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    doc = tokens(140, 13)
+    first = gen.generate([doc + [1]], config)
+    second = gen.generate([doc + [2, 3]], config)
+    assert first.stats["cached_tokens"] == 0 and second.stats["cached_tokens"] >= 128
+    assert second.sequences[0] == cold(target, doc + [2, 3], 8)
+
+
+def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_first(target):
+    """The block a prompt goes on into part of the way is copied before the admission allocates,
+    not held: a request whose fresh blocks need that very block evicted is admitted (not refused
+    for want of one block), and its output is exact."""
+    engine = engine_for(target, "none", max_batch=1, max_len=128, pool_tokens=6 * BLOCK)
+    a = tokens(40, 40)
+    run(engine, [a], n=2)  # 2 whole blocks cached, and the last one (a's 41st token in it)
+    prompt = a[:20] + tokens(60, 41)  # the first block whole, the first 4 tokens of the second
+    (s,) = run(engine, [prompt])  # 6 blocks: the shared one and 5 fresh (3 free + the evicted third and second)
+    assert s.cached_tokens == 20 and engine.prefix.evicted == 2
+    assert s.tokens == cold(target, prompt)
+    assert_no_leak(engine)
+
+
+def test_chunked_prefill_after_a_cached_prefix(target):
+    """Prompts prefilled in fixed-size chunks start after their cached tokens (not at a chunk
+    boundary) and decode exactly."""
+    engine = engine_for(target, "pld", prefill_chunk=BLOCK)
+    doc = tokens(70, 50)
+    for q in ([1, 2, 3], tokens(25, 51)):
+        (s,) = run(engine, [doc + q])
+        assert s.tokens == cold(target, doc + q)
+    assert s.cached_tokens == 70 and engine.chunked_prefill.runners  # (the chunks ran)
+    assert_no_leak(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["pld", "hybrid", "streaming"])
+def test_cached_prefixes_through_the_triton_kernels_and_cuda_graphs(tiny_model_factory, name):
+    """On CUDA: 64-token blocks read through the table by the Triton kernels, rounds and prefill
+    chunks captured as CUDA graphs, chunks starting after the cached tokens: the questions after
+    a document and a second turn decode plain decoding's tokens."""
+    target = load_target(tiny_model_factory("prefix-llama", "llama", max_position_embeddings=512, seed=11)[1],
+                         device="cuda")
+    target.compile_steps = False
+    engine = Engine(target, *proposer(target, name), max_batch=2, max_len=512, prefix_cache=True, prefill_chunk=64)
+    doc = tokens(200, 60)
+    for q in (tokens(5, 61), tokens(30, 62), tokens(3, 63)):
+        (s,) = run(engine, [doc + q])
+        assert s.tokens == cold(target, doc + q)
+    turn2 = doc + q + s.tokens + tokens(9, 64)
+    (s,) = run(engine, [turn2])
+    assert s.cached_tokens >= len(doc) + 3 and s.tokens == cold(target, turn2)
+    assert engine.runners and all(r.graphs is not None for r in engine.runners.values())
+    assert_no_leak(engine)
+
+
+def test_a_sequence_cancelled_while_its_tokens_go_out_is_released_once(target):
+    """A streamer that cancels its sequence (a stop string) while the round hands the tokens over:
+    the row is released once, its blocks cached, none leaked."""
+    engine = engine_for(target, "pld")
+    seq = Sequence(tokens(40, 70), 10)
+    engine.add([seq])
+    engine.step(streamer=lambda row, new: engine.cancel(seq))
+    assert seq.done and not engine.has_active
+    assert_no_leak(engine)
+
+
+@pytest.mark.slow  # (about a minute and a half on a busy 2-core CPU)
+def test_sampling_after_a_cached_prefix_matches_the_target_distribution(tiny_model_factory):
+    """20000 rows, each reading a cached block and copying the first tokens of another, sample
+    their first two tokens (one from the prefill, one from a speculative round) from the exact
+    warped target distribution (chi-square, as ``test_speculative`` does cold)."""
+    from test_speculative import assert_two_token_distribution
+
+    target = load_target(tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)[1])
+    prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    engine = Engine(target, StreamingSelfSpec(window=2, sinks=1), TreeSpec.parse("chain:3"), max_batch=n, max_len=16,
+                    block_size=4, config=config, cuda_graphs=False, prefix_cache=True)
+    run(engine, [prompt[:6]], n=2)  # caches [1, 5, 2, 7] and the row's last block [3, 0, x]
+    seqs = run(engine, [prompt] * n, n=2)
+    assert {s.cached_tokens for s in seqs} == {6}
+    assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs])
+    assert_no_leak(engine)
