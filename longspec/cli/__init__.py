@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from .. import __version__
-from .commands import cmd_convert, cmd_draft_vocab, cmd_generate, cmd_self_distill, cmd_serve, cmd_train
+from .commands import cmd_convert, cmd_draft_vocab, cmd_generate, cmd_self_distill, cmd_train
+from .serve_command import cmd_serve
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,153 @@
+"""``longspec serve``: options checked, the target (or its tensor-parallel processes) loaded, the
+batch buckets' trees chosen and warmed up, then the OpenAI-compatible server (``longspec/serve.py``)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .commands import UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice, status
+
+
+def cmd_serve(args) -> int:
+    """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
+    _set_threads(args)
+    device, dtype = _device_and_dtype(args)
+    name, tree = proposer_choice(args)
+    if (args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0
+            or args.max_body < 1):
+        raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0, --prefill-chunk >= 0 and "
+                         "--max-body >= 1")
+    import os
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LONGSPEC_API_KEY")
+    if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
+        raise UsageError("--api-key (or LONGSPEC_API_KEY) must be printable and not empty")
+    if (args.prefill_chunk or 0) > args.max_len:
+        raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) must not exceed --max-len ({args.max_len})")
+    buckets = None
+    if args.buckets:
+        try:
+            buckets = sorted({int(b) for b in args.buckets.split(",")})
+        except ValueError:
+            raise UsageError(f"--buckets takes comma-separated batch sizes, got {args.buckets!r}") from None
+        if buckets[0] < 1 or buckets[-1] > args.max_batch:
+            raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
+    parallel = _tensor_parallel(args, device)
+    from ..decoding.bucket_choice import bucket_trees_option, choose_bucket_trees
+    from ..serve import Server, build_server
+
+    bucket_trees = bucket_trees_option(args.bucket_trees, name, tree, buckets, args.max_batch)
+    if parallel and bucket_trees == "auto":  # (the cost model times steps on one device, not across ranks)
+        bucket_trees = {}
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise UsageError(f"longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]' "
+                         f"(importing them failed: {err})") from None
+    from transformers import AutoTokenizer
+
+    from .. import load_target
+    from ..config import ModelConfig
+    from ..convert import DEFAULT_NAME, default_model_dir
+    from ..models.checkpoint import read_config
+
+    target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
+    positions = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
+    if args.max_len > positions:
+        raise UsageError(f"--max-len {args.max_len} exceeds the model's {positions} positions "
+                         "(max_position_embeddings): lower --max-len")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model_name = args.model_name or (DEFAULT_NAME if not args.target else target_dir.name)
+    chunk = (args.prefill_chunk if args.prefill_chunk is not None
+             else min(1024, args.max_len) if device.startswith("cuda") else 0)
+    parallel_engine = None
+    if parallel:
+        import torch
+
+        from ..parallel.serving import EngineSpec, ParallelEngine
+
+        if args.kv_memory is not None:
+            raise UsageError("--kv-memory does not work with --tensor-parallel yet (each process sizes its pool "
+                             "within half its GPU's free memory)")
+        status(f"loading {target_dir} on {parallel} {device} processes ({dtype}), tensor-parallel")
+        parallel_engine = ParallelEngine(EngineSpec(
+            str(target_dir), dtype, device, name, args.draft, None if tree is None else str(tree), args.window,
+            torch.get_num_threads(), args.max_batch, args.max_len, buckets, bucket_trees, chunk or None,
+            args.prefix_cache), parallel)
+        server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
+                        on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
+    else:
+        from ..decoding.generator import build_proposer
+
+        status(f"loading {target_dir} on {device} ({dtype})")
+        target = load_target(target_dir, dtype=dtype, device=device)
+        pool_tokens = None
+        if args.kv_memory is not None:
+            from ..cache import pool_tokens_for
+
+            try:
+                pool_tokens = pool_tokens_for(args.kv_memory, target.config, target.dtype, target.device)
+            except ValueError as err:
+                raise UsageError(f"--kv-memory: {err}") from None
+            if pool_tokens < args.max_len:
+                raise UsageError(f"--kv-memory {args.kv_memory} holds {pool_tokens} tokens of K/V, less than one "
+                                 f"request of --max-len {args.max_len}: give more memory or lower --max-len")
+        proposer = build_proposer(name, target, args.draft, window=args.window)  # (default: the shipped draft)
+        if bucket_trees == "auto":
+            if target.device.type == "cuda":
+                status("choosing each batch bucket's tree (measures step costs once per device, cached)")
+            bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
+            if notes:
+                print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
+        server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
+                              max_len=args.max_len, max_queue=args.max_queue, buckets=buckets,
+                              bucket_trees=bucket_trees, prefill_chunk=chunk or None, prefix_cache=args.prefix_cache,
+                              pool_tokens=pool_tokens)
+    try:
+        return _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype)
+    finally:
+        if parallel_engine is not None:
+            parallel_engine.close()
+
+
+def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype) -> int:
+    """Warms ``server`` up (if asked) and serves it until the process is told to stop (or, under
+    tensor parallelism, a worker process dies: exit code 1)."""
+    import time
+
+    import uvicorn
+
+    from ..serve_http import create_app
+
+    model_name = server.model_name
+    if args.warm_up == "on" or (args.warm_up == "auto" and device.startswith("cuda")):
+        status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
+               "a GPU; the server answers once they are ready)")
+        start = time.perf_counter()
+        server.worker.calls.warm_up()
+        seconds = time.perf_counter() - start
+        done = "compiled and captured" if server.engine.cuda_graphs and device.startswith("cuda") else "prepared"
+        print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
+              file=sys.stderr, flush=True)
+    plain = "plain decoding"
+    print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
+          f"{name}{f' tree {tree}' if tree else ''}"
+          f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
+          f"{args.max_batch} rows of {args.max_len} tokens, KV pool {server.engine.pool.num_blocks} blocks of "
+          f"{server.engine.pool.block_size} tokens, prefix cache {'on' if server.engine.prefix else 'off'}"
+          f"{', API key required' if api_key else ''}"
+          f"{f', tensor-parallel over {args.tensor_parallel} processes' if parallel_engine else ''})]",
+          file=sys.stderr, flush=True)
+    http = uvicorn.Server(uvicorn.Config(create_app(server, api_key=api_key, max_body=args.max_body), host=args.host,
+                                         port=args.port, log_level=args.log_level))
+    if parallel_engine is not None:
+        def on_death(message: str) -> None:  # every request fails now; the server stops (no rank can run)
+            print(f"[longspec: {message}]", file=sys.stderr, flush=True)
+            server.worker.fail_all(message)
+            time.sleep(1.0)  # (the failed requests' answers go out first)
+            http.should_exit = True
+
+        parallel_engine.driver.watch(on_death)
+    http.run()
+    return 1 if server.worker.failure is not None else 0
