@@ -12,6 +12,7 @@ import torch
 
 from .attention import triton_kernels
 from .attention.paged import LayerKV, physical_slots, rows_of
+from .compile_boundary import compile_boundary
 from .config import ModelConfig
 
 
@@ -122,7 +123,7 @@ class BlockPool:
             self._n_free += 1
 
 
-@torch.compiler.disable  # compiled layers call it as it is: in-place, no copy of the layer's storage
+@compile_boundary  # compiled layers call it as it is: in-place, no copy of the layer's storage
 def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Writes k_new, v_new [B, Hkv, M, D] into one layer of a :class:`BlockPool` (k_layer, v_layer
@@ -138,7 +139,7 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     v_layer[:, flat] = v_new.transpose(0, 1).reshape(v_layer.shape[0], -1, v_layer.shape[-1])
 
 
-@torch.compiler.disable  # as it is in compiled rounds: Inductor turned this indexed write into a
+@compile_boundary  # as it is in compiled rounds: Inductor turned this indexed write into a
 # view of the cache into two copies of the whole cache (0.9 ms of a 3 ms round at batch 16 on the
 # H200, ``benchmarks/results/steps_batch16_h200.log``)
 def move_tokens(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from ..compile_boundary import compile_boundary
+
 try:
     import triton
     import triton.language as tl
@@ -379,7 +381,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     return out.transpose(1, 2)
 
 
-@torch.compiler.disable  # a graph break: compiled layers call the kernels as they are
+@compile_boundary  # a graph break: compiled layers call the kernels as they are
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                    tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False,
                    table: Optional[torch.Tensor] = None, block_size: int = 0,
@@ -411,7 +413,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    block_size=block_size, starts=starts)
 
 
-@torch.compiler.disable
+@compile_boundary
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, limits: torch.Tensor,
                      config: Optional[KernelConfig] = None, table: Optional[torch.Tensor] = None,
                      block_size: int = 0) -> torch.Tensor:
@@ -429,7 +431,7 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                    block_size=block_size)
 
 
-@torch.compiler.disable
+@compile_boundary
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      config: Optional[KernelConfig] = None) -> torch.Tensor:
     """Query i of row b sees key j where ``mask[b, i, j]`` (the draft's ring-buffer

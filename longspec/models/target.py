@@ -220,6 +220,9 @@ def compile_step(fn):
     uncompiled, with a warning: the same results, slower."""
     import torch._dynamo
 
+    from ..compile_boundary import mark_compile_boundaries
+
+    mark_compile_boundaries()
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
     try:
