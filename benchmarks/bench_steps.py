@@ -63,6 +63,10 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
                             intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
                             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+          "llama-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                           intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                           rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
           # a CPU smoke-test shape (tensor parallelism over up to 4 ranks)
           "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
