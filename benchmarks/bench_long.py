@@ -22,6 +22,7 @@ The floor is ``(matmul FLOPs + causal attention FLOPs) / --peak-tflops``, both p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -198,8 +199,9 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         f"(median), {out['spec_ms_per_token']:.2f} ms/token; target KV {out['target_kv_bytes'] / 2**30:.2f} GiB, "
         f"draft state {out['draft_state_bytes']} bytes, peak {out['peak_gib']:.1f} GiB")
     engine.close()
-    del engine, seq
+    del engine, seq, chunked  # (the prefill holds the cache too)
     if 0 < n <= args.hf_max:
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
         ids = torch.tensor([prompt], device=target.device)
