@@ -149,10 +149,9 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    max_len = n + args.new_tokens + tree.num_nodes + 1
+    max_len = n + args.new_tokens + tree.num_nodes + 1 + max(chunk for _, chunk in modes)  # (a last chunk's padding)
     engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=max_len, pool_tokens=max_len,
-                    config=GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True),
-                    prefill_chunk=modes[0][1], cuda_graphs=cuda)
+                    config=GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True), cuda_graphs=cuda)
     t0 = time.perf_counter()
     engine.warm_up()
     say(f"[{n}] engine: {engine.pool.nbytes / 2**30:.2f} GiB KV pool, rounds prepared in {time.perf_counter() - t0:.1f} s")
@@ -163,6 +162,7 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         chunked = ChunkedPrefill(target, engine.cache, min(chunk, engine.max_len), engine.step_keys, engine.cuda_graphs,
                                  mode=mode)
         chunked.max_chunks = 1 << 30  # every prompt through this mode, however long
+        assert chunked.takes([n]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"
         engine.chunked_prefill = chunked
         warm = Sequence(prompt[:min(n, 2 * chunk)], 1)  # capture / first-call costs, off the clock
         engine.add([warm])

@@ -78,10 +78,12 @@ def test_greedy_speculative_equals_autoregressive_after_256k_tokens(tiny_model_f
     draft = init_draft(DraftConfig.for_target(target, window=64), target, seed=3)
     outputs = []
     for proposer, tree in ((None, None), (LongSpecProposer(draft), TreeSpec.parse("3,4,4,4"))):
-        engine = Engine(target, proposer, tree, max_len=len(prompt) + 64, config=config, prefill_chunk=8192)
-        engine.chunked_prefill.max_chunks = 64  # (33 chunks: captured, not the eager fallback)
+        # room for the last chunk's padded slots: 33 captured chunk steps, not the eager fallback
+        engine = Engine(target, proposer, tree, max_len=len(prompt) + 8192, config=config, prefill_chunk=8192)
+        assert engine.chunked_prefill.takes([len(prompt)])
         seq = Sequence(prompt, 40)
         engine.add([seq])
+        assert list(engine.chunked_prefill.runners) == [0]
         while engine.has_active:
             engine.step()
         outputs.append(seq.tokens)
