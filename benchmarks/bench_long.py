@@ -94,8 +94,8 @@ def flops(config, n: int) -> tuple:
     return matmul, attention
 
 
-def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> float:
-    """Seconds of transformers' prefill (sdpa, its cache filled, logits of the last position)
+def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> tuple:
+    """(seconds, greedy next token) of transformers' prefill (sdpa, its cache filled, logits of the last position)
     of ``ids`` [1, T] by its model of ``shape`` holding the target's own weights (shared, not
     copied); one warm-up call on a short prompt first."""
     import transformers
@@ -115,11 +115,11 @@ def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> float:
         sync(cuda)
         with Heartbeat(f"transformers prefill {ids.shape[1]}", cuda):
             t0 = time.perf_counter()
-            hf(ids, logits_to_keep=1)
+            logits = hf(ids, logits_to_keep=1).logits
             sync(cuda)
             seconds = time.perf_counter() - t0
     del hf
-    return seconds
+    return seconds, int(logits[0, -1].argmax())
 
 
 def decode_step_ms(target, engine, cuda: bool) -> float:
@@ -205,8 +205,9 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         if cuda:
             torch.cuda.empty_cache()
         ids = torch.tensor([prompt], device=target.device)
-        out["hf_prefill"] = hf_prefill_s(target, args.shape, ids, cuda)
-        say(f"[{n}] transformers sdpa prefill: {out['hf_prefill']:.3f} s")
+        out["hf_prefill"], out["first_tokens"]["transformers"] = hf_prefill_s(target, args.shape, ids, cuda)
+        say(f"[{n}] transformers sdpa prefill: {out['hf_prefill']:.3f} s (first token "
+            f"{out['first_tokens']['transformers']})")
     matmul, attention = flops(c, n)
     out.update(matmul_flops=matmul, attention_flops=attention,
                floor_s=(matmul + attention) / (args.peak_tflops * 1e12))

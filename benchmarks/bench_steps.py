@@ -87,6 +87,8 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     with torch.device("meta"):
         model = TargetModel(config, shard).to(dtype)
     model = model.to_empty(device=device)
+    if config.tie_word_embeddings and shard is None:  # (to_empty gave the tied head a tensor of its own)
+        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
