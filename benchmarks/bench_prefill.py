@@ -94,7 +94,9 @@ def main(argv=None):
     p.add_argument("--chunks", default="256,512,1024")
     p.add_argument("--impls", default="triton,triton+causal",
                    help="attention of the chunk steps (the server's: triton); +causal: the chunk's mask passed "
-                        "as causal (ChunkedPrefill causal_kernel: the Triton kernel computes it, skips blocks)")
+                        "as causal (ChunkedPrefill causal_kernel: the Triton kernel computes it, skips blocks); "
+                        "the eager ChunkedPrefill modes by name: sdpa-chunks (TargetModel.prefill in chunks), layers "
+                        "(prefill_by_layer, the chunk the pieces of its projections and MLP)")
     p.add_argument("--max-len", type=int, default=4096, help="cache slots a chunk step attends over")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
@@ -119,21 +121,24 @@ def main(argv=None):
         for n, ms in hf_prefill_ms(args.shape, lengths, getattr(torch, args.dtype), args.device, args.repeats):
             results.append(dict(setting="transformers", tokens=n, prefill_ms=ms))
             print(f"{'transformers sdpa':>20} {n:>6} {ms:11.2f}", flush=True)
+    eager_modes = {"sdpa-chunks": "sdpa", "layers": "layers"}
     for choice in [c for c in args.impls.split(",") if c]:
         impl, _, flag = choice.partition("+")
-        target.attention_impl = impl
+        mode = eager_modes.get(choice, "captured")
+        target.attention_impl = impl if mode == "captured" else "triton" if cuda else "sdpa"
         for chunk in map(int, args.chunks.split(",")):
-            chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda, causal_kernel=flag == "causal")
+            chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda, causal_kernel=flag == "causal",
+                                     mode=mode)
             setting = f"{choice} chunk {chunk}"
             for n in lengths:
                 if not chunked.fits(n):
                     raise SystemExit(f"{n} tokens in chunks of {chunk} do not fit --max-len {args.max_len}")
                 prompt = torch.randint(0, target.config.vocab_size, (n,)).tolist()
                 ms = wall_ms(lambda: (cache.lengths.zero_(), chunked(0, prompt)), args.repeats)
-                step = replay_ms(chunked.runner(0), cache, args.repeats) if cuda else float("nan")
+                step = replay_ms(chunked.runner(0), cache, args.repeats) if cuda and chunked.captured else float("nan")
                 results.append(dict(setting=setting, tokens=n, prefill_ms=ms, chunk_step_ms=step))
                 print(f"{setting:>20} {n:>6} {ms:11.2f} {step:23.3f}", flush=True)
-            if cuda:
+            if cuda and chunked.captured:
                 kernels[setting] = top_kernels(chunked.runner(0), cache)
     for setting, rows in kernels.items():
         print(f"-- {setting}: one chunk step's kernels (device us)")

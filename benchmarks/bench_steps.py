@@ -63,6 +63,10 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
                             intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072 + 1024,
                             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+          "llama-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                           intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                           rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
           # a CPU smoke-test shape (tensor parallelism over up to 4 ranks)
           "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
@@ -82,6 +86,8 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     with torch.device("meta"):
         model = TargetModel(config, shard).to(dtype)
     model = model.to_empty(device=device)
+    if config.tie_word_embeddings and shard is None:  # (to_empty gave the tied head a tensor of its own)
+        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)

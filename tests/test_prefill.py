@@ -7,7 +7,7 @@ import torch
 from longspec import GenerationConfig, load_target
 from longspec.decoding.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.prefill import ChunkedPrefill
+from longspec.decoding.prefill import MODES, ChunkedPrefill
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
@@ -18,19 +18,60 @@ def target(tiny_model_factory):
     return load_target(tiny_model_factory("prefill", "qwen3", max_position_embeddings=256, seed=4)[1])
 
 
-@pytest.mark.parametrize("length", [1, 15, 16, 17, 50])
-def test_chunks_write_the_eager_prefills_cache_and_logits(target, length):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 33, 50])
+def test_chunks_write_the_eager_prefills_cache_and_logits(target, length, mode):
+    """Prompts one off a chunk (and two chunks + 1), in every prefill mode -> the unchunked
+    prefill's logits and K/V."""
     prompt = torch.randint(0, 160, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     eager = target.new_cache(2, 96)
     ref = target.prefill(torch.tensor([prompt]), torch.tensor([length]), eager.rows(1, 2))
     chunked_cache = target.new_cache(2, 96)
-    chunked = ChunkedPrefill(target, chunked_cache, 16, None, cuda_graphs=False)
+    chunked = ChunkedPrefill(target, chunked_cache, 16, None, cuda_graphs=False, mode=mode)
     assert chunked.fits(length)
     logits = chunked(1, prompt)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     assert chunked_cache.lengths.tolist() == [0, length] and chunked_cache.pending == 0
     torch.testing.assert_close(chunked_cache.k[:, 1, :, :length], eager.k[:, 1, :, :length], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked_cache.v[:, 1, :, :length], eager.v[:, 1, :, :length], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 33])
+def test_the_eager_prefills_chunks_give_the_unchunked_logits_and_cache(target, length):
+    """``TargetModel.prefill`` in chunks of 16 over right-padded rows (one row one off the chunk,
+    one shorter) -> the logits of every position and the K/V of one unchunked forward."""
+    lengths = torch.tensor([length, max(1, length - 6)])
+    ids = torch.randint(0, 160, (2, length), generator=torch.Generator().manual_seed(length))
+    whole, chunked = target.new_cache(2, 64), target.new_cache(2, 64)
+    ref = target.prefill(ids, lengths, whole, chunk_size=64, all_logits=True)
+    out = target.prefill(ids, lengths, chunked, chunk_size=16, all_logits=True)
+    last = target.prefill(ids, lengths, target.new_cache(2, 64), chunk_size=16)
+    for row, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(out[row, :n], ref[row, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last[row], ref[row, n - 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(chunked.k[:, row, :, :n], whole.k[:, row, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(chunked.v[:, row, :, :n], whole.v[:, row, :, :n], atol=1e-5, rtol=1e-5)
+    assert chunked.lengths.tolist() == lengths.tolist()
+
+
+def test_a_prefill_by_layer_after_a_cached_prefix_appends_like_the_eager_prefill(target):
+    """A row holding 21 tokens gets 19 more layer by layer (lower-right causal attention over
+    the pool) -> the eager prefill's logits and K/V; a batch of rows is refused."""
+    from longspec.models.layer_prefill import prefill_by_layer
+
+    ids = torch.randint(0, 160, (1, 40), generator=torch.Generator().manual_seed(3))
+    eager, by_layer = target.new_cache(1, 64), target.new_cache(1, 64)
+    for cache in (eager, by_layer):
+        target.prefill(ids[:, :21], torch.tensor([21]), cache)
+    ref = target.prefill(ids[:, 21:], torch.tensor([19]), eager)
+    out = prefill_by_layer(target, ids[:, 21:], by_layer, piece=8)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(by_layer.k[:, 0, :, :40], eager.k[:, 0, :, :40], atol=1e-5, rtol=1e-5)
+    assert by_layer.lengths.tolist() == [40]
+    with pytest.raises(ValueError, match="one row"):
+        prefill_by_layer(target, ids[:, :4].expand(2, -1), target.new_cache(2, 64))
+    with pytest.raises(ValueError, match="unknown prefill mode"):
+        ChunkedPrefill(target, target.new_cache(1, 64), 16, None, cuda_graphs=False, mode="flash")
 
 
 def test_a_prompt_whose_last_chunk_does_not_fit_is_prefilled_eagerly(target):
@@ -90,17 +131,18 @@ def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
     assert [s.tokens for s in seqs[:2]] == alone[:2] and [s.tokens for s in again] == alone
 
 
+@pytest.mark.parametrize("length", [17, 37])
 @pytest.mark.parametrize("impl", ["sdpa", "triton"])
-def test_chunks_told_their_mask_is_causal_write_the_same(target, impl):
+def test_chunks_told_their_mask_is_causal_write_the_same(target, impl, length):
     """``causal_kernel``: the chunk's mask passed as causal (the Triton kernel computes it and
     skips blocks; on a CPU in its interpreter) -> the eager prefill's K/V and logits."""
     from longspec.attention import triton_kernels
 
     if impl == "triton" and not triton_kernels.available():
         pytest.skip("needs triton")
-    prompt = torch.randint(0, 160, (37,), generator=torch.Generator().manual_seed(37)).tolist()
+    prompt = torch.randint(0, 160, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     eager = target.new_cache(1, 96)
-    ref = target.prefill(torch.tensor([prompt]), torch.tensor([37]), eager)
+    ref = target.prefill(torch.tensor([prompt]), torch.tensor([length]), eager)
     target.attention_impl = impl
     try:
         cache = target.new_cache(1, 96)
@@ -108,4 +150,4 @@ def test_chunks_told_their_mask_is_causal_write_the_same(target, impl):
     finally:
         target.attention_impl = "sdpa"
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache.k[:, 0, :, :37], eager.k[:, 0, :, :37], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k[:, 0, :, :length], eager.k[:, 0, :, :length], atol=1e-5, rtol=1e-5)

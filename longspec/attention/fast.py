@@ -26,16 +26,23 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
+# backends a prompt's causal attention may use, in order of preference (``sdpa_kernel`` with
+# ``set_priority``): PyTorch's defaults unless a caller (``benchmarks/bench_long.py --sdpa-backends``)
+# puts cuDNN first; an ineligible backend (e.g. one without GQA or lower-right causal) is skipped
+CAUSAL_BACKENDS = list(_BACKENDS)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last M of S tokens: q [B, Hq, M, D], k, v [B, Hkv, S, D] (S >= M);
     query i sees keys ``0..S - M + i`` (lower-right causal: a prefill chunk after S - M cached
-    tokens). PyTorch's ``causal_lower_right`` bias runs it on the flash kernel where it can, so no
-    [M, S] mask or score matrix is materialised."""
+    tokens). With M == S it is plain ``is_causal`` (every backend has it); otherwise PyTorch's
+    ``causal_lower_right`` bias runs it on the flash kernel where it can. No [M, S] mask or score
+    matrix is materialised. Backends: :data:`CAUSAL_BACKENDS`."""
     from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: ~3 s, only when used)
 
     m, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    with sdpa_kernel(_BACKENDS):
+    with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
         if m == s:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, s), enable_gqa=gqa)

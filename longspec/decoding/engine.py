@@ -448,7 +448,8 @@ class Engine:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
-        for row in range(len(self.rows)) if self.chunked_prefill is not None else ():
+        chunked = self.chunked_prefill
+        for row in range(len(self.rows)) if chunked is not None and chunked.captured else ():
             self.chunked_prefill.runner(row).prepare()
         for tree in trees if trees is not None else [_OWN_TREES]:
             if tree is not _OWN_TREES:

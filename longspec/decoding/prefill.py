@@ -21,27 +21,42 @@ on the H200 (SmolLM2, prompts of ~1700 tokens, 256-token chunks; ``serve_chunk_h
 chunks made a plain server 1.26x faster at one client (time to first token 48 -> 18 ms) and 1.16x
 at four, were even at sixteen (waves of 16 arrivals) and 0.78x at 64 (waves of 64). So an
 admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all is prefilled
-eagerly."""
+eagerly.
+
+Two eager modes (``mode``) to compare on long prompts, where a chunk's launches are negligible:
+``"sdpa"``, chunks of ``chunk`` tokens through :meth:`TargetModel.prefill` (PyTorch's fused
+attention, lower-right causal after the first chunk), and ``"layers"``,
+:func:`~longspec.models.layer_prefill.prefill_by_layer` (one causal attention call per layer
+over the whole prompt, projections and MLP ``chunk`` tokens at a time). ``benchmarks/bench_long.py
+--prefill`` times them against the captured chunks."""
 from __future__ import annotations
 
 import torch
 
 from ..cache import KVCache
+from ..models.layer_prefill import prefill_by_layer
 from .runner import PhaseRunner
 from .sampling import Uniforms
+
+
+MODES = ("captured", "sdpa", "layers")
 
 
 class ChunkedPrefill:
     """Prefills rows of ``cache`` (the engine's) ``chunk`` tokens at a time, attending over
     ``n_keys`` slots (None: the slots in use, on a CPU). ``cuda_graphs``: capture each row's chunk
-    step on its first use."""
+    step on its first use. ``mode``: ``"captured"`` (fixed-shape chunk steps, the default), or one
+    of the eager modes of the module docstring (``"sdpa"``, ``"layers"``), which capture nothing."""
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
 
-    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True):
+    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
+                 mode: str = "captured"):
         if not 1 <= chunk <= cache.max_len:
             raise ValueError(f"prefill chunk must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
-        self.target, self.cache, self.chunk, self.n_keys = target, cache, chunk, n_keys
+        if mode not in MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; expected one of {MODES}")
+        self.target, self.cache, self.chunk, self.n_keys, self.mode = target, cache, chunk, n_keys, mode
         self.cuda_graphs = cuda_graphs
         # tell the attention that the chunk's mask is causal (False: the Triton kernel reads it,
         # as for a tree; ``bench_prefill.py`` compares both)
@@ -59,6 +74,8 @@ class ChunkedPrefill:
         """Whether ``n_tokens`` after ``start`` tokens in the cache can go in chunks: the last
         chunk's padded slots fit the cache, and the RoPE does not depend on the prompt's length
         (dynamic NTK)."""
+        if self.mode != "captured":  # eager chunks: no padding, any RoPE
+            return start + n_tokens <= self.cache.max_len
         last_start = start + (n_tokens - 1) // self.chunk * self.chunk
         return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
 
@@ -72,8 +89,13 @@ class ChunkedPrefill:
     def __call__(self, row: int, prompt: list) -> torch.Tensor:
         """Prefills ``prompt`` into row ``row`` after the tokens it holds -> logits [1, V] after
         its last token."""
-        runner = self.runner(row)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.ids.device)  # one copy to the device
+        if self.mode == "sdpa":
+            return self.target.prefill(ids[None], torch.full((1,), len(prompt), device=ids.device),
+                                       self.cache.rows(row, row + 1), chunk_size=self.chunk)
+        if self.mode == "layers":
+            return prefill_by_layer(self.target, ids[None], self.cache.rows(row, row + 1), piece=self.chunk)
+        runner = self.runner(row)
         for start in range(0, len(prompt), self.chunk):
             part = ids[start:start + self.chunk]
             self.ids.zero_()
@@ -82,8 +104,15 @@ class ChunkedPrefill:
             runner.run_round()
         return self.logits.clone()
 
+    @property
+    def captured(self) -> bool:
+        """Whether chunks run as (prepared, on CUDA captured) chunk steps: :meth:`runner`."""
+        return self.mode == "captured"
+
     def runner(self, row: int) -> PhaseRunner:
         """The chunk step of row ``row`` (created, and captured on CUDA, on first use)."""
+        if not self.captured:
+            raise ValueError(f"prefill mode {self.mode!r} runs eagerly: it has no chunk steps")
         if row not in self.runners:
             cache = self.cache.rows(row, row + 1)
 
