@@ -121,3 +121,15 @@ def test_ctrl_c_while_generating_exits_130_without_a_traceback():
         proc.kill()
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("[longspec: interrupted]") and "Traceback" not in err, err
+
+
+def test_the_cli_starts_without_torchdynamo():
+    """Importing the command line leaves TorchDynamo unloaded (1-4 s of a process's start): it is
+    imported when a step is first compiled, which ``longspec generate`` never does by default."""
+    import subprocess
+    import sys
+
+    code = "import sys, longspec.cli; print('torch._dynamo' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
