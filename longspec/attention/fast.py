@@ -38,11 +38,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     tokens). With M == S it is plain ``is_causal`` (every backend has it); otherwise PyTorch's
     ``causal_lower_right`` bias runs it on the flash kernel where it can. No [M, S] mask or score
     matrix is materialised. Backends: :data:`CAUSAL_BACKENDS`."""
-    from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: ~3 s, only when used)
-
     m, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
         if m == s:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: 1-4 s, only here)
+
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, s), enable_gqa=gqa)
