@@ -162,7 +162,7 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         chunked = ChunkedPrefill(target, engine.cache, min(chunk, engine.max_len), engine.step_keys, engine.cuda_graphs,
                                  mode=mode)
         chunked.max_chunks = 1 << 30  # every prompt through this mode, however long
-        assert chunked.takes([n]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"
+        assert chunked.takes([n], [0]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"
         engine.chunked_prefill = chunked
         warm = Sequence(prompt[:min(n, 2 * chunk)], 1)  # capture / first-call costs, off the clock
         engine.add([warm])
