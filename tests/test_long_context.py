@@ -68,8 +68,8 @@ def test_kernels_past_2_31_cache_elements_match_the_float32_reference(layout):
 
 
 def test_greedy_speculative_equals_autoregressive_after_256k_tokens(tiny_model_factory):
-    """A tiny float32 target (Triton kernels, CUDA graphs), a 262,200-token prompt prefilled in
-    captured chunks: greedy speculative tokens (random draft, beam tree) == plain decoding's."""
+    """A tiny float32 target (Triton kernels, CUDA graphs), a 262,200-token prompt prefilled
+    layer by layer (the path of every prompt of ``by_layer_from`` tokens or more): greedy speculative tokens (random draft, beam tree) == plain decoding's."""
     path = tiny_model_factory("long-context", "llama", max_position_embeddings=1 << 19, seed=11)[1]
     target = load_target(path, dtype=torch.float32, device="cuda")
     target.compile_steps = False  # (compilation is tested elsewhere; it would only add minutes here)
@@ -78,12 +78,11 @@ def test_greedy_speculative_equals_autoregressive_after_256k_tokens(tiny_model_f
     draft = init_draft(DraftConfig.for_target(target, window=64), target, seed=3)
     outputs = []
     for proposer, tree in ((None, None), (LongSpecProposer(draft), TreeSpec.parse("3,4,4,4"))):
-        # room for the last chunk's padded slots: 33 captured chunk steps, not the eager fallback
         engine = Engine(target, proposer, tree, max_len=len(prompt) + 8192, config=config, prefill_chunk=8192)
-        assert engine.chunked_prefill.takes([len(prompt)])
+        assert engine.chunked_prefill.takes([len(prompt)], [0]) and engine.chunked_prefill.by_layer(len(prompt))
         seq = Sequence(prompt, 40)
         engine.add([seq])
-        assert list(engine.chunked_prefill.runners) == [0]
+        assert not engine.chunked_prefill.runners  # (no chunk step ran)
         while engine.has_active:
             engine.step()
         outputs.append(seq.tokens)

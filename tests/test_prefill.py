@@ -82,6 +82,23 @@ def test_a_prompt_whose_last_chunk_does_not_fit_is_prefilled_eagerly(target):
             ChunkedPrefill(target, target.new_cache(1, 40), chunk, None, cuda_graphs=False)
 
 
+def test_long_prompts_go_layer_by_layer_short_ones_in_chunks(target, monkeypatch):
+    """The captured mode sends a prompt of ``by_layer_from`` tokens or more through
+    ``prefill_by_layer`` (no chunk step, no padded slots: 33 tokens fit 40 slots in 16-token
+    chunks only that way), shorter ones through chunk steps; both give the eager prefill's logits."""
+    chunked = ChunkedPrefill(target, target.new_cache(2, 40), 16, None, cuda_graphs=False)
+    monkeypatch.setattr(chunked, "by_layer_from", 24)
+    assert chunked.fits(33) and chunked.takes([33, 20], [0, 0]) and not chunked.fits(41)
+    ids = torch.randint(0, 160, (33,), generator=torch.Generator().manual_seed(4)).tolist()
+    for row, prompt in ((0, ids), (1, ids[:20])):
+        eager = target.new_cache(1, 40)
+        ref = target.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), eager)
+        torch.testing.assert_close(chunked(row, prompt), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(chunked.cache.k[:, row, :, :len(prompt)], eager.k[:, 0, :, :len(prompt)],
+                                   atol=1e-5, rtol=1e-5)
+    assert list(chunked.runners) == [1]  # the 20-token prompt's chunk steps; the 33-token one went by layer
+
+
 @pytest.mark.parametrize("proposer", ["none", "hybrid"])
 def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, monkeypatch):
     from test_speculative import run_joining
@@ -151,3 +168,15 @@ def test_chunks_told_their_mask_is_causal_write_the_same(target, impl, length):
         target.attention_impl = "sdpa"
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cache.k[:, 0, :, :length], eager.k[:, 0, :, :length], atol=1e-5, rtol=1e-5)
+
+
+def test_causal_attention_in_kv_head_groups_equals_one_call(monkeypatch):
+    """A prompt whose queries pass the per-call element limit runs in groups of KV heads (their
+    query heads with them): the same output as one call."""
+    from longspec.models import layer_prefill
+
+    q = torch.randn(1, 24, 8, 4)  # [1, T, Hq, D]
+    k, v = torch.randn(1, 4, 30, 4), torch.randn(1, 4, 30, 4)  # 6 cached tokens before the 24
+    whole = layer_prefill.grouped_causal_attention(q, k, v)
+    monkeypatch.setattr(layer_prefill, "MAX_CALL_ELEMENTS", q.numel() // 4)
+    torch.testing.assert_close(layer_prefill.grouped_causal_attention(q, k, v), whole, atol=1e-6, rtol=1e-6)

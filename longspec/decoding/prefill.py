@@ -28,7 +28,17 @@ Two eager modes (``mode``) to compare on long prompts, where a chunk's launches 
 attention, lower-right causal after the first chunk), and ``"layers"``,
 :func:`~longspec.models.layer_prefill.prefill_by_layer` (one causal attention call per layer
 over the whole prompt, projections and MLP ``chunk`` tokens at a time). ``benchmarks/bench_long.py
---prefill`` times them against the captured chunks."""
+--prefill`` times them against the captured chunks.
+
+Long prompts go layer by layer in the captured mode too: a row's prompt (after its cached tokens)
+of :attr:`ChunkedPrefill.by_layer_from` tokens or more is prefilled by ``prefill_by_layer``, whose
+one causal attention call per layer runs on cuDNN's fused attention (first in
+:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (``long_8b_h200.log``, an 8B shape,
+bf16) a 32k prompt took 1.58 s in captured 2048-token chunks and 1.33 s by layer, 128k 16.2 s and
+11.4 s (transformers' sdpa prefill: 1.73 s and 17.3 s); on the SmolLM2 shape (``long_smol_h200.log``)
+both took 34 ms at 7.6k tokens, and at 2k the chunks 6.7 ms against 39 ms. A prompt by layer also
+needs no padded slots and no chunk-step count, so any prompt that fits the cache (1M tokens
+included) goes in one pass."""
 from __future__ import annotations
 
 import torch
@@ -49,6 +59,8 @@ class ChunkedPrefill:
     of the eager modes of the module docstring (``"sdpa"``, ``"layers"``), which capture nothing."""
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
+    by_layer_from = 8192  # captured mode: a row's prompt of this many tokens or more goes layer by layer
+    layer_piece = 16384  # its projections and MLP this many tokens at a time
 
     def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
                  mode: str = "captured"):
@@ -74,7 +86,7 @@ class ChunkedPrefill:
         """Whether ``n_tokens`` after ``start`` tokens in the cache can go in chunks: the last
         chunk's padded slots fit the cache, and the RoPE does not depend on the prompt's length
         (dynamic NTK)."""
-        if self.mode != "captured":  # eager chunks: no padding, any RoPE
+        if self.mode != "captured" or self.by_layer(n_tokens):  # eager: no padding, any RoPE
             return start + n_tokens <= self.cache.max_len
         last_start = start + (n_tokens - 1) // self.chunk * self.chunk
         return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
@@ -83,8 +95,12 @@ class ChunkedPrefill:
         """Whether prompts of ``lengths`` tokens (after ``starts`` cached tokens), admitted
         together, go in chunks: each one :meth:`fits`, and together they need at most
         :attr:`max_chunks` chunk steps."""
-        steps = sum(-(-n // self.chunk) for n in lengths)
+        steps = sum(-(-n // self.chunk) for n in lengths if not self.by_layer(n))
         return steps <= self.max_chunks and all(self.fits(n, s) for n, s in zip(lengths, starts))
+
+    def by_layer(self, n_tokens: int) -> bool:
+        """Whether a prompt of ``n_tokens`` (after the row's cached tokens) goes layer by layer."""
+        return self.mode == "layers" or (self.mode == "captured" and n_tokens >= self.by_layer_from)
 
     def __call__(self, row: int, prompt: list) -> torch.Tensor:
         """Prefills ``prompt`` into row ``row`` after the tokens it holds -> logits [1, V] after
@@ -93,8 +109,9 @@ class ChunkedPrefill:
         if self.mode == "sdpa":
             return self.target.prefill(ids[None], torch.full((1,), len(prompt), device=ids.device),
                                        self.cache.rows(row, row + 1), chunk_size=self.chunk)
-        if self.mode == "layers":
-            return prefill_by_layer(self.target, ids[None], self.cache.rows(row, row + 1), piece=self.chunk)
+        if self.by_layer(len(prompt)):
+            piece = self.chunk if self.mode == "layers" else self.layer_piece
+            return prefill_by_layer(self.target, ids[None], self.cache.rows(row, row + 1), piece=piece)
         runner = self.runner(row)
         for start in range(0, len(prompt), self.chunk):
             part = ids[start:start + self.chunk]

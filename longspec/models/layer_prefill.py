@@ -15,6 +15,28 @@ from ..attention import causal_attention
 from ..cache import KVCache, store_kv
 
 
+MAX_CALL_ELEMENTS = 1 << 30  # queries per attention call: fused kernels may index with 32-bit integers
+
+
+def grouped_causal_attention(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of queries [1, T, Hq, D] over k, v [1, Hkv, S, D] -> [1, T, Hq, D]; in
+    calls over groups of KV heads (and their query heads) where the queries of one call would
+    pass :data:`MAX_CALL_ELEMENTS` (e.g. 1M tokens of 32 heads of 64 dims: 2^31 elements)."""
+    hq, hkv = queries.shape[2], k.shape[1]
+    groups = 1
+    while queries.numel() // groups > MAX_CALL_ELEMENTS and groups < hkv and hkv % (2 * groups) == 0:
+        groups *= 2
+    if groups == 1:
+        return causal_attention(queries.transpose(1, 2), k, v).transpose(1, 2)
+    out = torch.empty_like(queries)
+    qs, ks = hq // groups, hkv // groups
+    for g in range(groups):
+        out[:, :, g * qs:(g + 1) * qs] = causal_attention(queries[:, :, g * qs:(g + 1) * qs].transpose(1, 2),
+                                                          k[:, g * ks:(g + 1) * ks], v[:, g * ks:(g + 1) * ks]
+                                                          ).transpose(1, 2)
+    return out
+
+
 @torch.inference_mode()
 def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int = 8192) -> torch.Tensor:
     """Appends the prompt input_ids [1, T] (every token real) to the one-row ``cache`` after the
@@ -47,7 +69,7 @@ def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int
                 queries = q.new_empty(1, t, q.shape[1], q.shape[3])
             queries[:, p] = q.transpose(1, 2)
         k_all, v_all = cache.layer(i).dense(start + t)  # a strided view of the pool for dense rows
-        o = causal_attention(queries.transpose(1, 2), k_all, v_all).transpose(1, 2)  # [1, T, Hq, D]
+        o = grouped_causal_attention(queries, k_all, v_all)  # [1, T, Hq, D]
         for p in pieces:
             h = x[:, p] + attn.o_proj(o[:, p].to(x.dtype).reshape(1, p.stop - p.start, -1))
             x[:, p] = h + layer.mlp(layer.post_attention_layernorm(h))
