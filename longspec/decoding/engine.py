@@ -451,6 +451,8 @@ class Engine:
         chunked = self.chunked_prefill
         for row in range(len(self.rows)) if chunked is not None and chunked.captured else ():
             self.chunked_prefill.runner(row).prepare()
+        if chunked is not None:
+            chunked.prepare_by_layer()
         for tree in trees if trees is not None else [_OWN_TREES]:
             if tree is not _OWN_TREES:
                 self.use_tree(tree)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..models.layer_prefill import prefill_by_layer
+from ..models.layer_prefill import grouped_causal_attention, prefill_by_layer
 from .runner import PhaseRunner
 from .sampling import Uniforms
 
@@ -120,6 +120,18 @@ class ChunkedPrefill:
             self.real.fill_(len(part))
             runner.run_round()
         return self.logits.clone()
+
+    def prepare_by_layer(self) -> None:
+        """On CUDA, one causal attention call of a prompt by layer's shape on zeros, so that the
+        first long prompt does not pay cuDNN's start in this process (its fused attention's
+        first call: about 0.8 s on the H200, ``long_8b_h200.log``); nothing is written."""
+        c = self.target.config
+        n = self.by_layer_from if self.mode == "captured" else self.chunk
+        if self.target.device.type != "cuda" or self.mode == "sdpa" or n > self.cache.max_len:
+            return
+        q = torch.zeros(1, n, c.num_heads, c.head_dim, dtype=self.target.dtype, device=self.target.device)
+        kv = q.new_zeros(1, c.num_kv_heads, n, c.head_dim)
+        grouped_causal_attention(q, kv, kv)
 
     @property
     def captured(self) -> bool:
