@@ -180,3 +180,29 @@ def test_causal_attention_in_kv_head_groups_equals_one_call(monkeypatch):
     whole = layer_prefill.grouped_causal_attention(q, k, v)
     monkeypatch.setattr(layer_prefill, "MAX_CALL_ELEMENTS", q.numel() // 4)
     torch.testing.assert_close(layer_prefill.grouped_causal_attention(q, k, v), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_long_prefills_report_their_progress(target, capsys):
+    """Inside ``prefill_progress`` the eager prefill reports after each chunk and the prefill by
+    layer after each layer (fractions rising to 1); outside, nothing is reported; the CLI turns
+    the reports into status lines."""
+    from longspec.cli.commands import PrefillStatus
+    from longspec.models.layer_prefill import prefill_by_layer
+    from longspec.models.progress import prefill_progress
+
+    ids = torch.randint(0, 160, (1, 40), generator=torch.Generator().manual_seed(5))
+    seen = []
+    with prefill_progress(seen.append):
+        target.prefill(ids, torch.tensor([40]), target.new_cache(1, 64), chunk_size=16)
+        assert seen == [16 / 40, 32 / 40, 1.0]
+        seen.clear()
+        prefill_by_layer(target, ids, target.new_cache(1, 64), piece=16)
+        n = len(target.model.layers)
+        assert seen == [(i + 1) / n for i in range(n)]
+    seen.clear()
+    target.prefill(ids, torch.tensor([40]), target.new_cache(1, 64), chunk_size=16)
+    assert seen == []
+    reporter = PrefillStatus(40, every=0.0)
+    reporter(0.5)
+    reporter(1.0)  # (done: no line)
+    assert capsys.readouterr().err == "[longspec: prefilling the prompt's 40 tokens: 50% after 0 s]\n"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -81,12 +82,28 @@ def status(message: str) -> None:
     print(f"[longspec: {message}]", file=sys.stderr, flush=True)
 
 
+class PrefillStatus:
+    """A status line every ~2 s while a long prompt is prefilled (the prefill reports the
+    fraction done: :mod:`longspec.models.progress`)."""
+
+    def __init__(self, n_tokens: int, every: float = 2.0):
+        self.n_tokens, self.every = n_tokens, every
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: float) -> None:
+        now = time.monotonic()
+        if done < 1 and now - self.last >= self.every:
+            status(f"prefilling the prompt's {self.n_tokens} tokens: {100 * done:.0f}% after {now - self.start:.0f} s")
+            self.last = now
+
+
 def cmd_generate(args) -> int:
     from .. import GenerationConfig, Generator, load_target
     from ..config import ModelConfig
     from ..convert import DEFAULT_NAME, default_model_dir
     from ..decoding.sequence import cache_need, round_slots
     from ..models.checkpoint import check_size, read_config, safetensors_files
+    from ..models.progress import prefill_progress
 
     # everything that can be checked without the model first: the arguments, then (with the
     # model's config.json and tokenizer only, no weights) the prompt's length
@@ -155,7 +172,8 @@ def cmd_generate(args) -> int:
                "is kept under the longspec home)" if target.compile_steps else "capturing the steps as CUDA graphs")
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     try:
-        out = gen.generate([ids], config, streamer=streamer, **({} if parallel else {"plan": plan}))
+        with prefill_progress(PrefillStatus(len(ids))):
+            out = gen.generate([ids], config, streamer=streamer, **({} if parallel else {"plan": plan}))
     finally:
         if parallel:
             gen.close()

@@ -13,6 +13,7 @@ import torch
 
 from ..attention import causal_attention
 from ..cache import KVCache, store_kv
+from . import progress
 
 
 MAX_CALL_ELEMENTS = 1 << 30  # queries per attention call: fused kernels may index with 32-bit integers
@@ -74,5 +75,6 @@ def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int
             h = x[:, p] + attn.o_proj(o[:, p].to(x.dtype).reshape(1, p.stop - p.start, -1))
             x[:, p] = h + layer.mlp(layer.post_attention_layernorm(h))
         del o
+        progress.report((i + 1) / len(target.model.layers), device)
     cache.advance(torch.full((1,), t, dtype=torch.long, device=device))
     return target.logits(target.final_norm(x[:, -1]))

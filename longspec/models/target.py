@@ -29,6 +29,7 @@ from ..cache import KVCache, store_kv
 from ..config import ModelConfig
 from ..parallel.sharding import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .rope import RotaryEmbedding, apply_rotary
+from . import progress
 
 
 class RMSNorm(nn.Module):
@@ -423,6 +424,8 @@ class TargetModel(nn.Module):
             if all_logits:
                 outputs.append(self.logits(hidden))
             cache.advance(real)
+            if t > chunk_size:
+                progress.report(min(1.0, (c0 + m) / t), self.device)
         return torch.cat(outputs, 1) if all_logits else self.logits(last_hidden)
 
     @torch.inference_mode()
