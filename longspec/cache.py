@@ -53,6 +53,21 @@ def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device
     return int(size // token_bytes(config, dtype))
 
 
+def pool_blocks(config: ModelConfig, dtype: torch.dtype, device, rows: int, row_slots: int, block_size: int,
+                pool_tokens: Optional[int] = None, tp=None) -> int:
+    """Blocks of ``block_size`` tokens in a KV pool of ``pool_tokens`` tokens (rounded up to whole
+    blocks), by default of ``rows`` rows of ``row_slots`` slots each (a multiple of the block
+    size), on CUDA within half the device memory free now (at least one block). ``tp``: a
+    tensor-parallel group whose ranks all take the smallest of their budgets (``config``: this
+    rank's KV heads), so the same requests fit everywhere."""
+    if pool_tokens is None and torch.device(device).type == "cuda":  # every row's slots, within half the free memory
+        budget = free_memory(device) // 2 // token_bytes(config, dtype)
+        if tp is not None:  # one pool size on every rank
+            budget = min(tp.gather_objects(budget))
+        pool_tokens = None if budget >= rows * row_slots else max(budget, block_size)
+    return rows * (row_slots // block_size) if pool_tokens is None else -(-pool_tokens // block_size)
+
+
 class PoolExhausted(ValueError):
     """The KV block pool has too few free blocks for a request (a server waits; a call fails)."""
 

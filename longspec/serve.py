@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from .decoding.engine import Engine, Sequence, cache_need
+from .decoding.engine import Engine, Sequence
 from .decoding.sampling import check_sampling_args
+from .decoding.sequence import cache_need
 from .serve_engine import EngineCalls, build_engine
 
 UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",

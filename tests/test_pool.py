@@ -45,6 +45,30 @@ def test_pool_allocates_home_runs_then_scattered_blocks_and_refuses_past_its_siz
     assert pool.scratch == 8 and pool.k.shape[2] == 9 * 4  # the scratch block is never handed out
 
 
+def test_pool_size_defaults_to_every_row_and_on_cuda_to_half_the_free_memory(target, monkeypatch):
+    """An engine's default pool holds every row's slots; on CUDA at most half the memory free now
+    (the smallest budget over tensor-parallel ranks, at least one block); a given size rounds up
+    to whole blocks."""
+    import longspec.cache as cache
+
+    config, dtype = target.cache_config, torch.float32
+    assert cache.pool_blocks(config, dtype, "cpu", 3, 64, 16) == 12
+    assert cache.pool_blocks(config, dtype, "cpu", 3, 64, 16, pool_tokens=33) == 3
+    monkeypatch.setattr(cache, "free_memory", lambda device: 2 * 100 * cache.token_bytes(config, dtype))
+    assert cache.pool_blocks(config, dtype, "cuda", 1, 64, 16) == 4  # 100 tokens free: one row fits
+    assert cache.pool_blocks(config, dtype, "cuda", 3, 64, 16) == 7  # three do not: 100 tokens
+
+    class Ranks:
+        def __init__(self, other):
+            self.other = other
+
+        def gather_objects(self, budget):
+            return [budget, self.other]
+
+    assert cache.pool_blocks(config, dtype, "cuda", 3, 64, 16, tp=Ranks(40)) == 3  # the other rank's 40
+    assert cache.pool_blocks(config, dtype, "cuda", 3, 64, 16, tp=Ranks(5)) == 1  # at least one block
+
+
 def test_rows_over_a_shared_pool_compute_what_dense_rows_do(target):
     """Prefill, a verified tree and its commit on rows whose blocks are scattered over a shared
     pool give the logits and K/V of a cache that owns one dense block per row."""

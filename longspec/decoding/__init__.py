@@ -1,6 +1,6 @@
 """Speculative decoding: tree shapes, sampling and lossless verification."""
 from .sampling import check_sampling_args, sample, warp_logits, warp_probs
-from .proposers import beam_select, topk_children
+from .drafting import beam_select, topk_children
 from .tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
 from .verify import VerifyResult, verify_greedy, verify_sampling, verify_tree
 

@@ -21,7 +21,7 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
     draft = getattr(proposer, "draft", None)
     if draft is None or not draft.config.acceptance:
         return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
-    from .proposers import takes_lookup
+    from .drafting import takes_lookup
 
     lookup = getattr(proposer, "lookup", None)
     fits = []

@@ -6,7 +6,8 @@ static inputs and outputs, and the captured CUDA graphs. ``Engine.step()`` advan
 sequence by one round (autoregressive: one token; speculative: propose a tree -> verify it in one
 target forward -> accept -> commit the accepted K/V), with fixed shapes and no host
 synchronisation until it reads the round's tokens, once. Sequences join (``add``) and leave
-between rounds without reallocating anything: a finished row is only masked.
+between rounds without reallocating anything: a finished row is only masked (their admission:
+:mod:`~longspec.decoding.admission`).
 
 :class:`~longspec.decoding.generator.Generator` is the public API: ``generate`` is a thin loop
 over an engine."""
@@ -20,17 +21,20 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCache, PoolExhausted, free_memory, token_bytes
+from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, pool_blocks
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
-from ..prefix_cache import PREFIX_BLOCK_SIZE, Hit, PrefixCache
+from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
+from .admission import Admission
+from .drafting import Proposer
 from .prefill import ChunkedPrefill
-from .proposers import Proposer
 from .runner import PhaseRunner, RoundRows, batch_buckets
 from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
-from .sequence import Sequence, Streamer, cache_need, round_slots
+from .sequence import Sequence, Streamer
 from .tree import TreeSpec
 from .verify import verify_tree
+
+__all__ = ["Engine", "Sequence", "owner_of"]  # (Sequence: what callers add, imported from here too)
 
 
 def owner_of(proposer) -> Optional["Engine"]:
@@ -46,7 +50,7 @@ def _release_if_orphaned(proposer) -> None:
         proposer.release()
 
 
-class Engine:
+class Engine(Admission):
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
     each with its own (``config`` a :class:`~longspec.decoding.sampling.RowSampling`: every
@@ -107,12 +111,8 @@ class Engine:
         if set(self.bucket_trees) - set(self.buckets):
             raise ValueError(f"bucket_trees name batch sizes that are not buckets ({self.buckets}): "
                              f"{sorted(set(self.bucket_trees) - set(self.buckets))}")
-        if pool_tokens is None and device.type == "cuda":  # every row's max_len, within half the free memory
-            budget = free_memory(device) // 2 // token_bytes(target.cache_config, target.dtype)  # (this rank's KV heads)
-            if target.shard is not None:  # one pool size on every rank: the same requests fit everywhere
-                budget = min(target.shard.tp.gather_objects(budget))
-            pool_tokens = None if budget >= max_batch * self.max_len else max(budget, block)
-        num_blocks = max_batch * (self.max_len // block) if pool_tokens is None else -(-pool_tokens // block)
+        num_blocks = pool_blocks(target.cache_config, target.dtype, device, max_batch, self.max_len, block, pool_tokens,
+                                 tp=None if target.shard is None else target.shard.tp)
         self.pool = BlockPool(target.cache_config, num_blocks, block, target.dtype, device)
         prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
         self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache)
@@ -154,147 +154,7 @@ class Engine:
         self.greedy_round = self.config.greedy
         self.rounds = 0
 
-    # ---- sequences ------------------------------------------------------------------------
-    def room(self) -> int:
-        """Cache slots a round writes (the decode token, or the whole tree)."""
-        return round_slots(self.tree if self.proposer is not None else None)
-
-    def free_rows(self) -> list:
-        return [r for r, s in enumerate(self.rows) if s is None]
-
-    @property
-    def has_active(self) -> bool:
-        return any(s is not None for s in self.rows)
-
-    @torch.inference_mode()
-    def add(self, seqs: list, streamer: Optional[Streamer] = None) -> None:
-        """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
-        one's first token. Raises ValueError if they do not fit."""
-        free = self.free_rows()
-        if len(seqs) > len(free):
-            raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
-        for s in seqs:
-            need = self.need(s)
-            if need > self.max_len:
-                raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
-                                 f"{need} cache slots, the engine has {self.max_len}")
-        if not self.can_admit(seqs):
-            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs)} blocks of "
-                                f"{self.pool.block_size} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
-        start = 0
-        while start < len(seqs):  # runs of consecutive free rows
-            stop = start + 1
-            while stop < len(seqs) and free[stop] == free[start] + stop - start:
-                stop += 1
-            self._prefill(seqs[start:stop], free[start], streamer)
-            start = stop
-
-    def need(self, s: Sequence) -> int:
-        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
-        return cache_need(len(s.prompt), s.max_new_tokens, self.room())
-
-    def _hits(self, seqs: list) -> list:
-        """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
-        return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
-
-    def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
-        """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
-        theirs), besides the cached blocks their prompts start with (``hits``)."""
-        hits = self._hits(seqs) if hits is None else hits
-        return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
-
-    def can_admit(self, seqs: list) -> bool:
-        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
-        hits = self._hits(seqs)
-        room = self.cache.allocator.num_free
-        if self.prefix is not None:
-            room -= self.prefix.pinned_by(hits)
-        return self.blocks_needed(seqs, hits) <= room
-
-    def _prefill(self, seqs: list, row0: int, streamer) -> None:
-        n, rows = len(seqs), range(row0, row0 + len(seqs))
-        try:
-            if self.prefix is None:
-                for row, s in zip(rows, seqs):
-                    self.cache.assign(row, self.need(s))
-            else:
-                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs])
-            logits = self._prefill_rows(seqs, row0)
-        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
-            self.cache.lengths[row0:row0 + n] = 0
-            for row in rows:
-                self.cache.unassign(row)
-            raise
-        for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
-            self.prefix.register(self.cache.blocks[row], s.prompt)
-        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
-        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
-        self.root[row0:row0 + n] = first
-        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
-            s.row = row0 + i
-            self.rows[s.row] = s
-            self._emit(s, [t], streamer)
-            if self.proposer is not None:
-                self.proposer.add(s.row, s.prompt, t)
-            if not s.done:
-                self.active[s.row] = 1
-            else:
-                self._release(s)
-
-    def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
-        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first
-        ``cached_tokens`` of each prompt in cached blocks) -> logits [n, V] after each prompt's
-        last token."""
-        device, n = self.target.device, len(seqs)
-        rows = self.cache.rows(row0, row0 + n)
-        cached = [s.cached_tokens for s in seqs]
-        rows.lengths.copy_(torch.tensor(cached))
-        if isinstance(self.config, RowSampling):
-            for i, s in enumerate(seqs):
-                self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
-        rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
-        chunked = self.chunked_prefill
-        if chunked is not None and chunked.takes([len(r) for r in rest], cached):
-            return torch.cat([chunked(row0 + i, r) for i, r in enumerate(rest)])
-        if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
-            return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
-                                                  rows.rows(i, i + 1)) for i, r in enumerate(rest)])
-        ids = torch.zeros(n, max(map(len, rest)), dtype=torch.long)  # one forward over the right-padded prompts
-        for i, r in enumerate(rest):
-            ids[i, :len(r)] = torch.tensor(r)
-        return self.target.prefill(ids.to(device), torch.tensor(list(map(len, rest))).to(device), rows)
-
-    def cancel(self, s: Sequence) -> None:
-        """Ends a sequence now (a client went away, a stop string was met): its row is free for
-        the next ``add``. Call between rounds."""
-        s.done = True
-        if s.row >= 0 and self.rows[s.row] is s:
-            self._release(s)
-
-    def _release(self, s: Sequence) -> None:
-        """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
-        inside the cache. Once only (a stop string may have ended it while its tokens went out)."""
-        if self.rows[s.row] is not s:
-            return
-        self.rows[s.row] = None
-        self.active[s.row] = 0
-        if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
-            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
-                                 last=True)
-        self.cache.lengths[s.row] = 0
-        self.cache.unassign(s.row)
-
-    def _emit(self, s: Sequence, tokens: list, streamer) -> None:
-        kept = s.extend(tokens)
-        if streamer is not None and kept:
-            streamer(s.row, kept)
-
-    def _all_greedy(self, seqs: list) -> bool:
-        """Whether these sequences all decode greedily (the engine's setting, or each one's)."""
-        if isinstance(self.config, RowSampling):
-            return all(s.temperature == 0 for s in seqs)
-        return self.config.greedy
-
+    # ---- the round --------------------------------------------------------------------------
     def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
         """logits [n, V] of batch rows ``rows`` -> their next tokens [n] (``greedy``: every row is)."""
         c = self.config
@@ -306,7 +166,6 @@ class Engine:
             probs = warp_probs(logits, c.temperature, c.top_k, c.top_p)
         return sample(probs, self.uniforms)
 
-    # ---- the round --------------------------------------------------------------------------
     def view(self, n: int) -> "RoundRows":
         """The round's state over batch rows ``0..n-1`` (a bucket): views of the engine's storage."""
         if n not in self._views:

@@ -1,11 +1,11 @@
 """StreamingLLM self-speculation: the target drafts for itself from a constant-size view of its
-own KV cache (MagicDec's baseline), as a :class:`~longspec.decoding.proposers.TreeDrafter`."""
+own KV cache (MagicDec's baseline), as a :class:`~longspec.decoding.drafting.TreeDrafter`."""
 from __future__ import annotations
 
 import torch
 
 from ..cache import KVCache
-from .proposers import TreeDrafter
+from .drafting import TreeDrafter
 
 
 class StreamingSelfSpec(TreeDrafter):

@@ -1,0 +1,166 @@
+"""Sequences joining and leaving an :class:`~longspec.decoding.engine.Engine` between rounds.
+
+A sequence joins (:meth:`Admission.add`) when the engine has a free row and its KV pool the
+blocks the sequence can use (prompt, ``max_new_tokens``, one round's writes; less the cached
+blocks its prompt starts with, with a prefix cache): its row takes them, its prompt is prefilled
+(consecutive rows in one batched forward, or in fixed-shape chunks) and its first token is
+emitted. It leaves when it is done or cancelled: its row is masked and its blocks go back to the
+pool (its full blocks stay indexed by content, with a prefix cache)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..cache import PoolExhausted
+from ..prefix_cache import Hit
+from .sampling import RowSampling
+from .sequence import Sequence, Streamer, cache_need, round_slots
+
+
+class Admission:
+    """The part of :class:`~longspec.decoding.engine.Engine` that admits sequences and lets them
+    go: its rows, KV pool, prefix cache and prefill. It works on the engine's state (``rows``,
+    ``max_len``, ``cache``, ``pool``, ``prefix``, ``target``, ``proposer``, ``tree``,
+    ``config``, ``uniforms``, ``root``, ``active``, ``chunked_prefill``) and samples first tokens
+    with its ``_next_token``."""
+
+    def room(self) -> int:
+        """Cache slots a round writes (the decode token, or the whole tree)."""
+        return round_slots(self.tree if self.proposer is not None else None)
+
+    def free_rows(self) -> list:
+        return [r for r, s in enumerate(self.rows) if s is None]
+
+    @property
+    def has_active(self) -> bool:
+        return any(s is not None for s in self.rows)
+
+    @torch.inference_mode()
+    def add(self, seqs: list, streamer: Optional[Streamer] = None) -> None:
+        """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
+        one's first token. Raises ValueError if they do not fit."""
+        free = self.free_rows()
+        if len(seqs) > len(free):
+            raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
+        for s in seqs:
+            need = self.need(s)
+            if need > self.max_len:
+                raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
+                                 f"{need} cache slots, the engine has {self.max_len}")
+        if not self.can_admit(seqs):
+            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs)} blocks of "
+                                f"{self.pool.block_size} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
+        start = 0
+        while start < len(seqs):  # runs of consecutive free rows
+            stop = start + 1
+            while stop < len(seqs) and free[stop] == free[start] + stop - start:
+                stop += 1
+            self._prefill(seqs[start:stop], free[start], streamer)
+            start = stop
+
+    def need(self, s: Sequence) -> int:
+        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
+        return cache_need(len(s.prompt), s.max_new_tokens, self.room())
+
+    def _hits(self, seqs: list) -> list:
+        """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
+        return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
+
+    def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
+        """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
+        theirs), besides the cached blocks their prompts start with (``hits``)."""
+        hits = self._hits(seqs) if hits is None else hits
+        return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
+
+    def can_admit(self, seqs: list) -> bool:
+        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
+        hits = self._hits(seqs)
+        room = self.cache.allocator.num_free
+        if self.prefix is not None:
+            room -= self.prefix.pinned_by(hits)
+        return self.blocks_needed(seqs, hits) <= room
+
+    def _prefill(self, seqs: list, row0: int, streamer) -> None:
+        n, rows = len(seqs), range(row0, row0 + len(seqs))
+        try:
+            if self.prefix is None:
+                for row, s in zip(rows, seqs):
+                    self.cache.assign(row, self.need(s))
+            else:
+                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs])
+            logits = self._prefill_rows(seqs, row0)
+        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
+            self.cache.lengths[row0:row0 + n] = 0
+            for row in rows:
+                self.cache.unassign(row)
+            raise
+        for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
+            self.prefix.register(self.cache.blocks[row], s.prompt)
+        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
+        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
+        self.root[row0:row0 + n] = first
+        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
+            s.row = row0 + i
+            self.rows[s.row] = s
+            self._emit(s, [t], streamer)
+            if self.proposer is not None:
+                self.proposer.add(s.row, s.prompt, t)
+            if not s.done:
+                self.active[s.row] = 1
+            else:
+                self._release(s)
+
+    def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
+        """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first
+        ``cached_tokens`` of each prompt in cached blocks) -> logits [n, V] after each prompt's
+        last token."""
+        device, n = self.target.device, len(seqs)
+        rows = self.cache.rows(row0, row0 + n)
+        cached = [s.cached_tokens for s in seqs]
+        rows.lengths.copy_(torch.tensor(cached))
+        if isinstance(self.config, RowSampling):
+            for i, s in enumerate(seqs):
+                self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
+        rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
+        chunked = self.chunked_prefill
+        if chunked is not None and chunked.takes([len(r) for r in rest], cached):
+            return torch.cat([chunked(row0 + i, r) for i, r in enumerate(rest)])
+        if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
+            return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
+                                                  rows.rows(i, i + 1)) for i, r in enumerate(rest)])
+        ids = torch.zeros(n, max(map(len, rest)), dtype=torch.long)  # one forward over the right-padded prompts
+        for i, r in enumerate(rest):
+            ids[i, :len(r)] = torch.tensor(r)
+        return self.target.prefill(ids.to(device), torch.tensor(list(map(len, rest))).to(device), rows)
+
+    def cancel(self, s: Sequence) -> None:
+        """Ends a sequence now (a client went away, a stop string was met): its row is free for
+        the next ``add``. Call between rounds."""
+        s.done = True
+        if s.row >= 0 and self.rows[s.row] is s:
+            self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        """Frees a finished sequence's row: masked, its length reset so later rounds' writes stay
+        inside the cache. Once only (a stop string may have ended it while its tokens went out)."""
+        if self.rows[s.row] is not s:
+            return
+        self.rows[s.row] = None
+        self.active[s.row] = 0
+        if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
+            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
+                                 last=True)
+        self.cache.lengths[s.row] = 0
+        self.cache.unassign(s.row)
+
+    def _emit(self, s: Sequence, tokens: list, streamer) -> None:
+        kept = s.extend(tokens)
+        if streamer is not None and kept:
+            streamer(s.row, kept)
+
+    def _all_greedy(self, seqs: list) -> bool:
+        """Whether these sequences all decode greedily (the engine's setting, or each one's)."""
+        if isinstance(self.config, RowSampling):
+            return all(s.temperature == 0 for s in seqs)
+        return self.config.greedy

@@ -1,0 +1,273 @@
+"""Drafting a tree: the :class:`Proposer` interface every draft strategy implements, and
+:class:`TreeDrafter`, which grows any tree shape (chain, static paths, beam widths) from a
+next-token distribution, with the selection helpers it uses (:func:`beam_select`,
+:func:`topk_children`) and the prompt-lookup chain it can merge into a beam tree. The concrete
+proposers (:mod:`~longspec.decoding.prompt_lookup`, :mod:`~longspec.decoding.longspec_proposer`,
+:mod:`~longspec.decoding.streaming`) build on it; :mod:`~longspec.decoding.proposers` gathers them."""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..cache import KVCache
+from ..config import GenerationConfig
+from .sampling import config_rows, uniform, warp_probs
+from .tree import DraftTree, TreeSpec
+
+if TYPE_CHECKING:
+    from .prompt_lookup import PromptLookup
+
+
+def beam_select(parent_logprobs: torch.Tensor, child_logprobs: torch.Tensor, width: int):
+    """Pick the ``width`` best (parent, token) pairs by cumulative log-probability.
+
+    Args:
+        parent_logprobs: ``[B, P]`` cumulative draft log-probability of each current-level node.
+        child_logprobs: ``[B, P, V]`` draft log-probabilities of each node's children.
+        width: number of pairs to keep (``<= P * V``).
+    Returns:
+        ``parent_idx [B, width]`` (index into the P parents), ``token [B, width]``,
+        ``cum_logprob [B, width]`` — sorted by descending ``cum_logprob``, so siblings appear in
+        descending draft probability as the verifier expects.
+    """
+    B, P, V = child_logprobs.shape
+    if tuple(parent_logprobs.shape) != (B, P):
+        raise ValueError(f"parent_logprobs must be {(B, P)}, got {tuple(parent_logprobs.shape)}")
+    if not 0 < width <= P * V:
+        raise ValueError(f"beam width must be in [1, {P * V}] ({P} parents x {V} tokens), got {width}")
+    # each winning pair is among its parent's ``width`` best children: select per parent first
+    # (one small top-k per row), then among the P * k survivors (far cheaper than over P * V)
+    k = min(width, V)
+    child_top, child_token = torch.topk(child_logprobs, k, dim=-1)  # [B, P, k]
+    scores = (parent_logprobs.unsqueeze(-1) + child_top).reshape(B, P * k)
+    cum, flat = torch.topk(scores, width, dim=-1, sorted=True)
+    return flat // k, child_token.reshape(B, P * k).gather(1, flat), cum
+
+
+def topk_children(logits: torch.Tensor, k: int):
+    """Top-``k`` children of each node from draft ``logits [B, M, V]``.
+
+    Returns ``tokens [B, M, k]`` and their ``logprobs [B, M, k]``, in descending probability.
+    """
+    logprobs, tokens = torch.topk(logits.float().log_softmax(-1), k, dim=-1)
+    return tokens, logprobs
+
+
+class Proposer:
+    """Interface of a draft strategy. An engine calls ``begin`` once; ``add`` when a sequence
+    joins (after its prefill); per round ``propose(root)`` -> :class:`DraftTree`, then
+    ``accepted(emitted, counts)`` with each row's newly emitted tokens. ``graphable``:
+    ``propose`` and ``accepted`` use fixed shapes and never synchronise with the host, so an
+    engine may capture them in a CUDA graph; ``state_tensors`` then lists what a warm-up run must
+    not change."""
+
+    graphable = False
+    narrowable = False  # implements rows(): an engine may run it on part of its batch
+    # an engine may decode some rounds plainly: the proposer keeps up through ``accepted`` alone, or
+    # implements ``decoded`` (state built from each round's root)
+    follows_plain_rounds = False
+
+    def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
+        """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
+        :class:`~longspec.decoding.sampling.Uniforms`."""
+        raise NotImplementedError
+
+    def add(self, row: int, prompt: list, first_token: int) -> None:
+        """A sequence with ``prompt`` (prefilled) and its first generated token takes batch row ``row``."""
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        """root [B]: the last emitted token of each row (its target KV is not cached yet)."""
+        raise NotImplementedError
+
+    def accepted(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
+        """emitted [B, D+1]: per row, the tokens the last round emitted (accepted drafts + bonus),
+        the first ``counts[b]`` valid."""
+
+    def decoded(self, root: torch.Tensor) -> None:
+        """A round decodes ``root`` [B] plainly, drafting nothing (a batch bucket where speculation
+        does not pay): take it in as a round would have. ``accepted`` then gets its one token.
+        Proposers whose state follows from ``accepted`` alone leave this undefined (no work)."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> list:
+        return []
+
+    def release(self) -> None:
+        """Forgets the engine it was begun for (``Engine.close`` calls it): a proposer kept for a
+        next engine would otherwise hold the old KV cache, and buffers sized for it, while the new
+        one is allocated. ``begin`` binds the next engine's."""
+        self.cache = None
+        self.engine = None
+
+    def rows(self, n: int, cache: KVCache) -> "Proposer":
+        """This proposer over batch rows ``0..n-1`` only (``cache``: the target cache's view over
+        them), sharing its state: what an engine runs for a smaller batch bucket."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run on a part of its batch")
+
+    def with_tree(self, tree: TreeSpec) -> "Proposer":
+        """This proposer drafting ``tree`` instead of the tree it was begun with (no deeper and
+        with no more nodes: its state is sized for that one), sharing its state: what an engine
+        runs for a batch bucket with a tree of its own."""
+        raise NotImplementedError(f"{type(self).__name__} drafts only the tree it was begun with")
+
+
+def takes_lookup(tree: TreeSpec) -> bool:
+    """Whether a prompt-lookup chain can merge into ``tree`` (see :class:`TreeDrafter`): a beam
+    tree whose first level has at least 2 nodes."""
+    return tree.kind == "beam" and tree.widths[0] >= 2
+
+
+class TreeDrafter(Proposer):
+    """Grows a draft tree level by level from a next-token distribution.
+
+    Subclasses implement ``_root_logits(root) -> [B, V]`` (start a round) and
+    ``_level_logits(tokens [B, n], positions [B, n], mask [B, n, P+n], tree_tokens [B, P+n])
+    -> [B, n, V]`` (the distribution after each new node; ``mask`` is ancestor-or-self over the
+    ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static
+    trees), the best cumulative log-probability pairs (beam trees), or, for a chain under
+    sampling, drawn from the draft's own warped distribution (the residual verification rule then
+    applies). Shapes are fixed by the tree spec: no host synchronisation.
+
+    ``lookup`` (a :class:`PromptLookup`, beam trees only): the last node of every level is the
+    lookup's candidate after the previous level's lookup node (the prompt-lookup chain, merged into
+    the draft's tree: the HOWL idea inside one verification), when it has one."""
+
+    lookup: Optional["PromptLookup"] = None
+    narrowable = True
+
+    def begin(self, target, cache, tree, config, rng):
+        self.target, self.cache, self.config, self.rng = target, cache, config, rng
+        self.max_tree = tree
+        if self.lookup is not None:
+            self._check_lookup_tree(tree)
+            self.lookup.begin(target, cache, tree, config, rng)
+        self._set_tree(tree)
+
+    def _check_lookup_tree(self, tree: TreeSpec) -> None:
+        if not takes_lookup(tree):
+            raise ValueError(f"prompt lookup merges into beam trees whose first level has >= 2 nodes, not {tree}")
+
+    def _set_tree(self, tree: TreeSpec) -> None:
+        """What drafting ``tree`` needs: its node depths, levels and identity mask on the device."""
+        self.spec = tree
+        # under sampling, the children of chain and static trees are drawn from the draft's warped
+        # distribution without replacement (Gumbel-top-k) and verified by the residual rule
+        self.sample_children = not self.config.greedy and tree.is_static
+        device = self.cache.lengths.device
+        self.depths = tree.depths.to(device)
+        self.eye = torch.eye(tree.num_nodes, dtype=torch.bool, device=device)
+        self.static_levels = {}
+        if tree.is_static:
+            for d in range(1, tree.depth + 1):
+                self.static_levels[d] = tuple(t.to(device) for t in tree.level_index(d))
+
+    def with_tree(self, tree):
+        big = self.max_tree
+        if not tree.fits_in(big):
+            raise ValueError(f"tree {tree} does not fit the tree {big} the proposer was begun with "
+                             f"(depth {tree.depth} > {big.depth} or {tree.num_nodes} > {big.num_nodes} nodes)")
+        view = copy.copy(self)
+        if self.lookup is not None:
+            if tree.kind != "chain":  # a chain: the lookup drafts alone (see LongSpecProposer.propose)
+                self._check_lookup_tree(tree)
+            view.lookup = self.lookup.with_tree(tree)
+        view._set_tree(tree)
+        return view
+
+    def release(self):
+        super().release()
+        self.rng = None
+        if self.lookup is not None:
+            self.lookup.release()
+
+    def rows(self, n, cache):
+        view = copy.copy(self)
+        view.cache = cache
+        view.config = config_rows(self.config, n)
+        if self.lookup is not None:
+            view.lookup = self.lookup.rows(n, cache)
+        return view
+
+    def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _level_logits(self, tokens, positions, mask, tree_tokens) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _end_round(self) -> None:
+        pass
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        spec, b, n = self.spec, root.shape[0], self.spec.num_nodes
+        device = root.device
+        tokens = torch.zeros(b, n, dtype=torch.long, device=device)
+        parents = torch.full((b, n), -1, dtype=torch.long, device=device)
+        mask = torch.zeros(b, n, n, dtype=torch.bool, device=device)
+        tokens[:, 0], mask[:, 0, 0] = root, True
+        draft_probs, valid = None, None
+        level_logits = self._root_logits(root)[:, None]  # [B, 1, V]
+        cum = torch.zeros(b, 1, device=device)
+        chain = _LookupChain(self.lookup, b, device) if self.lookup is not None else None
+        for depth in range(1, spec.depth + 1):
+            prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
+            if self.sample_children:
+                c = self.config
+                q = warp_probs(level_logits, c.temperature, c.top_k, c.top_p)  # [B, n_prev, V]
+                if draft_probs is None:
+                    draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
+                    valid = torch.ones(b, n, dtype=torch.bool, device=device)
+                draft_probs[:, prev] = q
+                gumbel = -torch.log(-torch.log(uniform(q.shape, self.rng, device).clamp(min=1e-20)))
+                keys, top = (q.log() + gumbel).topk(spec.max_children, dim=-1)  # draws without replacement
+                local_parent, rank = self.static_levels[depth]
+                new_tokens = top[:, local_parent, rank]
+                valid[:, cur] = keys[:, local_parent, rank] > float("-inf")
+                local_parent = local_parent.expand(b, -1)
+            elif spec.is_static:
+                top, _ = topk_children(level_logits, spec.max_children)
+                local_parent, rank = self.static_levels[depth]
+                new_tokens = top[:, local_parent, rank]
+                local_parent = local_parent.expand(b, -1)
+            else:
+                logprobs = level_logits.float().log_softmax(-1)
+                local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
+                if chain is not None:
+                    chain.extend(local_parent, new_tokens, cum, logprobs)
+            parent = local_parent + prev.start
+            tokens[:, cur], parents[:, cur] = new_tokens, parent
+            mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]
+            if depth < spec.depth:
+                positions = self.cache.lengths[:, None] + depth
+                level_logits = self._level_logits(new_tokens, positions.expand(-1, new_tokens.shape[1]),
+                                                  mask[:, cur, :cur.stop], tokens[:, :cur.stop])
+        self._end_round()
+        return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, draft_probs=draft_probs,
+                         children_sampled=self.sample_children, without_replacement=self.sample_children,
+                         level_sizes=spec.level_sizes, valid=valid)
+
+
+class _LookupChain:
+    """The prompt-lookup chain of one round, grown inside a beam tree (see ``TreeDrafter.lookup``):
+    at each level its candidate takes the level's last slot (the beam's weakest pair)."""
+
+    def __init__(self, lookup, b: int, device):
+        self.lookup, self.path = lookup, torch.zeros(b, 1, 0, dtype=torch.long, device=device)
+        self.node = torch.zeros(b, dtype=torch.long, device=device)  # its node's index within the level
+        self.alive = torch.ones(b, dtype=torch.bool, device=device)
+
+    def extend(self, local_parent, new_tokens, cum, logprobs) -> None:
+        """Overwrites the last pair of the level (in place) where the chain has a candidate."""
+        found, token = self.lookup.first_candidate(self.path)
+        found, token = found[:, 0], token[:, 0]
+        self.alive = self.alive & found
+        rows = torch.arange(token.shape[0], device=token.device)
+        parent_cum = cum.new_zeros(token.shape) if self.path.shape[-1] == 0 else self.cum
+        chain_cum = parent_cum + logprobs[rows, self.node, token]
+        last = new_tokens.shape[1] - 1
+        new_tokens[:, last] = torch.where(self.alive, token, new_tokens[:, last])
+        local_parent[:, last] = torch.where(self.alive, self.node, local_parent[:, last])
+        cum[:, last] = torch.where(self.alive, chain_cum, cum[:, last])
+        self.cum, self.node = chain_cum, torch.full_like(self.node, last)
+        self.path = torch.cat([self.path, token[:, None, None]], -1)
