@@ -159,7 +159,7 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     out = dict(context=n, prefill={}, first_tokens={})
     seq = None
     for i, (mode, chunk) in enumerate(modes):
-        chunked = ChunkedPrefill(target, engine.cache, min(chunk, engine.max_len), engine.step_keys, engine.cuda_graphs,
+        chunked = ChunkedPrefill(target, engine.cache, [min(chunk, engine.max_len)], engine.step_keys, engine.cuda_graphs,
                                  mode=mode)
         chunked.max_chunks = 1 << 30  # every prompt through this mode, however long
         assert chunked.takes([n], [0]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"

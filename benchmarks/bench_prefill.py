@@ -91,7 +91,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--lengths", default="256,1700")
-    p.add_argument("--chunks", default="256,512,1024")
+    p.add_argument("--chunks", default="256,512,1024",
+                   help="chunk settings, comma separated: N (chunks of N tokens) or a ladder N/M/... (a prompt's "
+                        "rest in the smaller chunks, as ChunkedPrefill's default ladder does)")
     p.add_argument("--impls", default="triton,triton+causal",
                    help="attention of the chunk steps (the server's: triton); +causal: the chunk's mask passed "
                         "as causal (ChunkedPrefill causal_kernel: the Triton kernel computes it, skips blocks); "
@@ -126,9 +128,9 @@ def main(argv=None):
         impl, _, flag = choice.partition("+")
         mode = eager_modes.get(choice, "captured")
         target.attention_impl = impl if mode == "captured" else "triton" if cuda else "sdpa"
-        for chunk in map(int, args.chunks.split(",")):
-            chunked = ChunkedPrefill(target, cache, chunk, args.max_len, cuda_graphs=cuda, causal_kernel=flag == "causal",
-                                     mode=mode)
+        for chunk in args.chunks.split(","):
+            chunked = ChunkedPrefill(target, cache, [int(s) for s in chunk.split("/")], args.max_len, cuda_graphs=cuda,
+                                     causal_kernel=flag == "causal", mode=mode)
             setting = f"{choice} chunk {chunk}"
             for n in lengths:
                 if not chunked.fits(n):

@@ -13,7 +13,10 @@ Per request: prompt tokens, tokens read from the cache (``usage.prompt_tokens_de
 first token (TTFT) with and without the cache, and decode milliseconds per token. For each
 request that hit the cache, the goal's yardstick: a cold request made of only the tokens after
 the shared prefix (the question, or the new turn), on the server without the cache; the goal is
-``TTFT(cached) <= 1.1 x TTFT(cold, prompt - shared prefix)``. Per trace and server: throughput
+``TTFT(cached) <= 1.1 x TTFT(cold, prompt - shared prefix)``. On CUDA prompts are prefilled in
+captured chunks (``--prefill-chunk``, default 1024), a prompt's rest, as the tokens after a cached
+prefix, in the smaller chunks of its ladder (``--prefill-sizes``; ``--prefill-sizes 1024``: the
+big chunk alone, for comparison). Per trace and server: throughput
 (generated tokens / wall time of the trace) and the hit rate. A table, then one JSON line last.
 
 The server runs in this process (FastAPI app on uvicorn in a thread, the same code as
@@ -73,10 +76,13 @@ class InProcessServer:
         proposer = build_proposer(args.proposer, target, args.draft)
         tree = None if proposer is None else (args.tree or default_tree(args.proposer))
         cuda = target.device.type == "cuda"
+        chunk = args.prefill_chunk if args.prefill_chunk is not None else min(1024, args.max_len) if cuda else 0
+        if chunk and args.prefill_sizes:
+            chunk = [int(s) for s in args.prefill_sizes.split(",")]
         self.server = build_server(target, tokenizer, "bench", proposer, tree, max_batch=1, max_len=args.max_len,
-                                   prefill_chunk=(args.prefill_chunk if args.prefill_chunk is not None else
-                                                  min(1024, args.max_len) if cuda else 0) or None,
-                                   prefix_cache=prefix_cache)
+                                   prefill_chunk=chunk or None, prefix_cache=prefix_cache)
+        chunked = self.server.engine.chunked_prefill
+        self.prefill = f"chunks of {'/'.join(map(str, chunked.sizes[::-1]))}" if chunked else "one eager prefill"
         if cuda:
             self.server.engine.warm_up()
         self.port = free_port()
@@ -184,6 +190,9 @@ def main(argv=None) -> int:
                    help="tokens per request (default: what the longest chat turn needs, in 1024s)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="as longspec serve's (default: 1024 on CUDA, 0 = one eager prefill on a CPU)")
+    p.add_argument("--prefill-sizes", default=None,
+                   help="the prefill chunks' ladder, comma separated (default: --prefill-chunk's, e.g. 1024,128,32; "
+                        "1024 alone pads a prompt's rest to a whole 1024-token chunk)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
@@ -232,6 +241,8 @@ def main(argv=None) -> int:
         server = InProcessServer(target, tokenizer, args, prefix_cache=cached)
         try:
             stream(server.url, warm, 4)  # the first request's one-off costs, in neither trace
+            if cached:
+                say(f"# prefill: {server.prefill}")
             runs = {"document": run_trace(server.url, trace, "document", args.max_tokens)}
             runs["chat"] = run_trace(server.url, trace, "chat", args.max_tokens,
                                      None if cached else results["cache"]["chat"])

@@ -250,10 +250,11 @@ def test_a_destroyed_graph_does_not_break_a_live_one():
     torch.testing.assert_close(out, x @ w)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [16, 64, (8, 16, 64)])
 def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
-    """Prompts prefilled in graph-captured chunks (every row's chunk step captured at warm-up):
-    the same greedy tokens as one eager prefill, rows joining between rounds."""
+    """Prompts prefilled in graph-captured chunks (every row's chunk step of every size captured
+    at warm-up; with a ladder, each prompt's rest in smaller chunks): the same greedy tokens as
+    one eager prefill, rows joining between rounds."""
     from test_speculative import run_joining
 
     _, path = model
@@ -267,10 +268,13 @@ def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
              .sequences[0] for p, n in zip(prompts, budgets)]
     engine = Engine(target, make(), tree, max_batch=4, max_len=192, prefill_chunk=chunk)
     engine.warm_up()
-    assert all(r.graphs is not None for r in engine.chunked_prefill.runners.values())
+    chunked = engine.chunked_prefill
+    assert len(chunked.runners) == 4 * len(chunked.sizes)
+    assert all(r.graphs is not None for r in chunked.runners.values())
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
+    assert len(chunked.runners) == 4 * len(chunked.sizes) and set(chunked.steps_run) == set(chunked.sizes)
 
 
 

@@ -7,7 +7,7 @@ import torch
 from longspec import GenerationConfig, load_target
 from longspec.decoding.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.prefill import MODES, ChunkedPrefill
+from longspec.decoding.prefill import MODES, ChunkedPrefill, chunk_plan, default_sizes
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
@@ -74,6 +74,56 @@ def test_a_prefill_by_layer_after_a_cached_prefix_appends_like_the_eager_prefill
         ChunkedPrefill(target, target.new_cache(1, 64), 16, None, cuda_graphs=False, mode="flash")
 
 
+LADDER = (8, 16, 64)
+
+
+def test_the_ladders_plans():
+    """The default ladder; big chunks first, then the rest in the cheapest small chunks (checked
+    against every combination of at most 8 steps); a plan that would pad past the cache's room
+    pads least instead; every step holds a real token."""
+    from itertools import combinations_with_replacement
+
+    assert default_sizes(2048) == (64, 256, 2048) and default_sizes(1024) == (32, 128, 1024)
+    assert default_sizes(16) == (16,) and default_sizes(128) == (16, 128)
+    sizes = default_sizes(2048)
+    assert chunk_plan(30, sizes, 512) == [64]  # a question after a cached document: one small step
+    assert chunk_plan(2 * 2048 + 30, sizes, 512) == [2048, 2048, 64]
+    assert chunk_plan(300, sizes, 512) == [256, 64]
+    assert chunk_plan(1000, sizes, 512) == [2048]  # a long rest: one big step, not four small ones
+    for n in range(1, 2 * 2048 + 2):
+        plan = chunk_plan(n, sizes, 512)
+        assert plan[:n // 2048] == [2048] * (n // 2048) and sum(plan) - plan[-1] < n <= sum(plan), n
+    for n in range(1, 64):
+        cost = min(sum(c) + 16 * k for k in range(1, 9) for c in combinations_with_replacement(LADDER, k)
+                   if sum(c) >= n)
+        plan = chunk_plan(n, LADDER, 16)
+        assert sum(plan) + 16 * len(plan) == cost, n
+    assert chunk_plan(600, sizes, 512) == [256] * 3
+    assert chunk_plan(600, sizes, 512, room=640) == [256, 256, 64, 64]  # the cheapest pads to 768
+    assert chunk_plan(600, sizes, 512, room=639) is None
+
+
+@pytest.mark.parametrize("start", [0, 21])
+@pytest.mark.parametrize("length", [7, 8, 9, 15, 16, 17, 63, 64, 65])
+def test_ladder_chunks_write_the_eager_prefills_cache_and_logits(target, length, start):
+    """Prompts one off each size of an 8 / 16 / 64 ladder, into an empty row and after 21 cached
+    tokens -> the eager prefill's logits and K/V; the steps run are the plan's."""
+    ids = torch.randint(0, 160, (start + length,), generator=torch.Generator().manual_seed(length)).tolist()
+    eager, laddered = target.new_cache(2, 160), target.new_cache(2, 160)
+    for cache in (eager, laddered) if start else ():
+        target.prefill(torch.tensor([ids[:start]]), torch.tensor([start]), cache.rows(1, 2))
+    ref = target.prefill(torch.tensor([ids[start:]]), torch.tensor([length]), eager.rows(1, 2))
+    chunked = ChunkedPrefill(target, laddered, LADDER, None, cuda_graphs=False, step_cost=16)
+    plan = chunked.plan(length, start)
+    logits = chunked(1, ids[start:], start)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    assert sorted(chunked.steps_run.elements()) == sorted(plan) and set(chunked.runners) == {(1, s) for s in plan}
+    n = start + length
+    assert laddered.lengths.tolist() == [0, n] and laddered.pending == 0
+    torch.testing.assert_close(laddered.k[:, 1, :, :n], eager.k[:, 1, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(laddered.v[:, 1, :, :n], eager.v[:, 1, :, :n], atol=1e-5, rtol=1e-5)
+
+
 def test_a_prompt_whose_last_chunk_does_not_fit_is_prefilled_eagerly(target):
     chunked = ChunkedPrefill(target, target.new_cache(1, 40), 16, None, cuda_graphs=False)
     assert chunked.fits(32) and not chunked.fits(33)  # 33 tokens: a third chunk padded to slot 48
@@ -96,11 +146,14 @@ def test_long_prompts_go_layer_by_layer_short_ones_in_chunks(target, monkeypatch
         torch.testing.assert_close(chunked(row, prompt), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(chunked.cache.k[:, row, :, :len(prompt)], eager.k[:, 0, :, :len(prompt)],
                                    atol=1e-5, rtol=1e-5)
-    assert list(chunked.runners) == [1]  # the 20-token prompt's chunk steps; the 33-token one went by layer
+    assert {row for row, _ in chunked.runners} == {1}  # the 20-token prompt's steps; the 33-token one went by layer
 
 
+@pytest.mark.parametrize("chunk", [16, (8, 32)])
 @pytest.mark.parametrize("proposer", ["none", "hybrid"])
-def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, monkeypatch):
+def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, chunk, monkeypatch):
+    """Chunks of 16, and a ladder of 32- and 8-token chunks (prompts of 9 to 70 tokens in both
+    sizes): the tokens of each prompt decoded alone, rows joining between rounds."""
     from test_speculative import run_joining
 
     prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -111,14 +164,16 @@ def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, 
     draft = init_draft(DraftConfig.for_target(target, window=8), target, seed=2)
     make = {"none": lambda: None, "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}[proposer]
     tree = None if proposer == "none" else TreeSpec.parse("2,3,3")
-    engine = Engine(target, make(), tree, max_batch=3, max_len=100, prefill_chunk=16)
+    engine = Engine(target, make(), tree, max_batch=3, max_len=100, prefill_chunk=chunk)
     monkeypatch.setattr(target, "prefill", lambda *a, **k: pytest.fail("an eager prefill ran"))
     engine.warm_up()  # every row's chunk step prepared on idle rows
     assert not engine.cache.lengths.any()
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
-    assert set(engine.chunked_prefill.runners) == {0, 1, 2}
+    sizes = (16,) if chunk == 16 else chunk
+    assert set(engine.chunked_prefill.runners) == {(row, size) for row in (0, 1, 2) for size in sizes}
+    assert set(engine.chunked_prefill.steps_run) == set(sizes)
 
 
 def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
@@ -134,7 +189,7 @@ def test_a_large_admission_goes_as_one_eager_forward(target, monkeypatch):
     eager, chunked = [], []
     prefill, call = target.prefill, ChunkedPrefill.__call__
     monkeypatch.setattr(target, "prefill", lambda *a, **k: eager.append(1) or prefill(*a, **k))
-    monkeypatch.setattr(ChunkedPrefill, "__call__", lambda self, row, p: chunked.append(row) or call(self, row, p))
+    monkeypatch.setattr(ChunkedPrefill, "__call__", lambda self, row, *a: chunked.append(row) or call(self, row, *a))
     seqs = [Sequence(p, 5) for p in prompts]
     engine.add(seqs[:2])  # 2 + 2 chunk steps: in chunks
     assert chunked == [0, 1] and not eager

@@ -305,6 +305,23 @@ def test_chunked_prefill_after_a_cached_prefix(target):
     assert_no_leak(engine)
 
 
+def test_a_cached_prefix_requests_rest_goes_in_a_small_chunk(target):
+    """Chunks of 128 tokens and 16 (the default ladder of 128): a 73-token cold prompt runs one
+    128-token step; a question after the same document, the document's tokens cached, one
+    16-token step; both decode exactly."""
+    engine = engine_for(target, "pld", prefill_chunk=128)
+    chunked = engine.chunked_prefill
+    assert chunked.sizes == (16, 128)
+    doc = tokens(70, 50)
+    for q, steps in (([1, 2, 3], {128: 1}), (tokens(5, 52), {16: 1})):
+        before = dict(chunked.steps_run)
+        (s,) = run(engine, [doc + q])
+        assert s.tokens == cold(target, doc + q)
+        assert {k: v - before.get(k, 0) for k, v in chunked.steps_run.items() if v > before.get(k, 0)} == steps
+    assert s.cached_tokens >= 64
+    assert_no_leak(engine)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["pld", "hybrid", "streaming"])
@@ -315,11 +332,14 @@ def test_cached_prefixes_through_the_triton_kernels_and_cuda_graphs(tiny_model_f
     target = load_target(tiny_model_factory("prefix-llama", "llama", max_position_embeddings=512, seed=11)[1],
                          device="cuda")
     target.compile_steps = False
-    engine = Engine(target, *proposer(target, name), max_batch=2, max_len=512, prefix_cache=True, prefill_chunk=64)
+    # chunks of 512, 64 and 16 (the default ladder of 512): the document in one 512-token chunk,
+    # each question after it (captured on first use after the cached tokens) in a small one
+    engine = Engine(target, *proposer(target, name), max_batch=2, max_len=512, prefix_cache=True, prefill_chunk=512)
     doc = tokens(200, 60)
     for q in (tokens(5, 61), tokens(30, 62), tokens(3, 63)):
         (s,) = run(engine, [doc + q])
         assert s.tokens == cold(target, doc + q)
+    assert set(engine.chunked_prefill.steps_run) == {16, 64, 512}
     turn2 = doc + q + s.tokens + tokens(9, 64)
     (s,) = run(engine, [turn2])
     assert s.cached_tokens >= len(doc) + 3 and s.tokens == cold(target, turn2)

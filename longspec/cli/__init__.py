@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
                           "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
     srv.add_argument("--prefill-chunk", type=int, default=None,
-                     help="prefill arriving prompts in fixed-shape chunks of N tokens, each row's captured as a CUDA "
-                          "graph at warm-up (less host work per arriving request; a large admission still goes as "
-                          "one batched forward); 0 = always one eager prefill (default: 1024 on CUDA, 0 on a CPU)")
+                     help="prefill arriving prompts in fixed-shape chunks of N tokens, a prompt's rest in chunks of N/8 "
+                          "and N/32, each row's and size's captured as a CUDA graph at warm-up (less host work per "
+                          "arriving request; a large admission still goes as one batched forward); 0 = always one "
+                          "eager prefill (default: 1024 on CUDA, 0 on a CPU)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                      help="prefill every prompt whole (default: requests reuse the K/V of cached prompt prefixes: a "
                           "long document or a chat history is prefilled once)")

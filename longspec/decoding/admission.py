@@ -125,7 +125,7 @@ class Admission:
         rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
         chunked = self.chunked_prefill
         if chunked is not None and chunked.takes([len(r) for r in rest], cached):
-            return torch.cat([chunked(row0 + i, r) for i, r in enumerate(rest)])
+            return torch.cat([chunked(row0 + i, r, c) for i, (r, c) in enumerate(zip(rest, cached))])
         if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
             return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
                                                   rows.rows(i, i + 1)) for i, r in enumerate(rest)])

@@ -59,8 +59,9 @@ class Engine(Admission):
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
     e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
     decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
-    ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens, graph-captured
-    per row on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill).
+    ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens (a prompt's
+    rest in the smaller chunks of its ladder; or the ladder's sizes), graph-captured per row and
+    size on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill).
 
     The target's KV cache is a :class:`~longspec.cache.BlockPool` of ``block_size``-token blocks
     (default 256, or the row's length rounded up to 64 when shorter) shared by the rows: a
@@ -308,8 +309,8 @@ class Engine(Admission):
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
         chunked = self.chunked_prefill
-        for row in range(len(self.rows)) if chunked is not None and chunked.captured else ():
-            self.chunked_prefill.runner(row).prepare()
+        if chunked is not None and chunked.captured:
+            chunked.prepare(range(len(self.rows)))  # every row's chunk step of every size
         if chunked is not None:
             chunked.prepare_by_layer()
         for tree in trees if trees is not None else [_OWN_TREES]:

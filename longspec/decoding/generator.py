@@ -24,9 +24,10 @@ from .tree import TreeSpec
 PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
 PLD_TREE = "chain:5"
 PLD_BIGGEST = "chain:10"  # the longest lookup chain ``auto`` may pick
-# on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill): on the
-# H200 (SmolLM2 shape, ``bench_prefill_chunks_h200.log``) 2,000 / 5,000 / 7,600 tokens took 4.2 / 20 /
-# 31 ms, against 24 / 86 / 116 ms as one eager forward and 37 / 35 / 22 ms in transformers
+# on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
+# 256- and 64-token chunks): on the H200 (SmolLM2 shape, ``bench_prefill_chunks_h200.log``) 2,000 /
+# 5,000 / 7,600 tokens took 4.2 / 20 / 31 ms, against 24 / 86 / 116 ms as one eager forward and
+# 37 / 35 / 22 ms in transformers
 PREFILL_CHUNK = 2048
 
 
@@ -274,6 +275,9 @@ class Generator:
         plan_s = time.perf_counter() - t_plan
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = engine.capture_seconds()
+        if engine.chunked_prefill is not None and engine.cuda_graphs:
+            # every row's chunk step of every size, on the idle rows: later calls capture none
+            engine.chunked_prefill.prepare(range(len(engine.rows)))
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing
             engine.warm_up(trees=[tree, None])

@@ -9,6 +9,19 @@ commits the chunk's real tokens: on CUDA each row's chunk step is captured once 
 (through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
 replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding).
 
+A ladder of chunk sizes (``sizes``, default :func:`default_sizes`: the big chunk, 1/8 and 1/32 of
+it, e.g. 2048, 256 and 64 tokens) keeps a prompt's last piece from running a whole padded big
+chunk: a 30-token question after a cached 32k-token document, or a short prompt, runs one 64-token
+step, not a 2048-token one. :func:`chunk_plan` splits a prompt: big chunks while at least a big
+chunk remains, then the rest in the ladder's chunks that minimise the slots computed (real and
+padding) plus a fixed cost per step (``step_cost`` slots, default a quarter of the big chunk: a
+step's weight reads and launches); with a 2048 / 256 / 64 ladder a rest of up to 64 tokens goes
+in one 64-token chunk, up to 256 in one 256, up to 768 in two or three smaller chunks, and more in
+one big chunk. That step cost sits between a small model's (launch-bound: on the H200 a
+SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so fewer steps win) and an 8B
+model's (its weights' read, ~200 tokens' compute: small steps win). Each (row, size) has its own
+chunk step, captured once; the small sizes' static buffers and graphs are small.
+
 The chunk's mask is causal and the Triton kernel is told so: it computes the mask and skips the
 key blocks after each query tile's last token, so the tree part of a chunk costs half as much and
 chunks can be long. On the H200 (``bench_prefill_causal_h200.log``, SmolLM2 shape, 4096 slots) a
@@ -41,6 +54,10 @@ needs no padded slots and no chunk-step count, so any prompt that fits the cache
 included) goes in one pass."""
 from __future__ import annotations
 
+import functools
+from collections import Counter
+from typing import Optional, Sequence
+
 import torch
 
 from ..cache import KVCache
@@ -50,75 +67,158 @@ from .sampling import Uniforms
 
 
 MODES = ("captured", "sdpa", "layers")
+MIN_CHUNK = 16  # the default ladder's smallest chunk: a shorter step saves nothing measurable
+
+
+def default_sizes(chunk: int) -> tuple:
+    """The default ladder for a big chunk of ``chunk`` tokens, ascending: ``chunk``, ``chunk // 8``
+    and ``chunk // 32``, the small ones only from :data:`MIN_CHUNK` tokens (2048 -> 64, 256, 2048;
+    1024 -> 32, 128, 1024; 16 -> 16)."""
+    return tuple(sorted({chunk} | {s for s in (chunk // 8, chunk // 32) if s >= MIN_CHUNK}))
+
+
+@functools.lru_cache(maxsize=16)
+def _rest_choices(sizes: tuple, step_cost: int) -> tuple:
+    """For every rest ``r`` below the biggest of ``sizes`` (ascending), the first chunk of the
+    cheapest way to run it: ``cost[r] = min over s of s + step_cost + cost[max(r - s, 0)]``
+    (ties: the bigger chunk, fewer steps)."""
+    cost, first = [0], [0]
+    for r in range(1, sizes[-1]):
+        best = min(reversed(sizes), key=lambda s: s + step_cost + cost[max(r - s, 0)])
+        cost.append(best + step_cost + cost[max(r - best, 0)])
+        first.append(best)
+    return tuple(first)
+
+
+def chunk_plan(n_tokens: int, sizes: Sequence[int], step_cost: int, room: Optional[int] = None) -> Optional[list]:
+    """The chunk sizes, in order, that prefill ``n_tokens`` tokens with the ladder ``sizes``
+    (ascending): big chunks while at least one big chunk remains, then the rest in the chunks that
+    minimise slots computed plus ``step_cost`` per step (biggest first). ``room``: slots the
+    chunks may cover (the cache's after the tokens it holds); when the cheapest plan's padding
+    does not fit, the one that pads least (each step the biggest chunk the rest fills, then the
+    smallest chunk: less than the smallest chunk padded); None when neither fits. Every step
+    holds at least one real token."""
+    big = sizes[-1]
+    plan = [big] * (n_tokens // big)
+    rest, choices = n_tokens % big, _rest_choices(tuple(sizes), step_cost)
+    tail = []
+    while rest > 0:
+        tail.append(choices[rest])
+        rest -= choices[rest]
+    plan += sorted(tail, reverse=True)
+    if room is None or sum(plan) <= room:
+        return plan
+    plan, rest = [], n_tokens
+    while rest >= sizes[0]:
+        plan.append(max(s for s in sizes if s <= rest))
+        rest -= plan[-1]
+    plan += [sizes[0]] if rest else []
+    return plan if sum(plan) <= room else None
+
+
+class _ChunkInputs:
+    """A chunk step's static inputs for chunks of ``size`` tokens: ``ids`` [1, size] (zero
+    padded), ``steps`` [size] (offsets from the row's length) and the causal mask [1, size, size]."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.steps = torch.arange(size, device=device)
+        self.causal = (self.steps[:, None] >= self.steps[None, :])[None]
 
 
 class ChunkedPrefill:
-    """Prefills rows of ``cache`` (the engine's) ``chunk`` tokens at a time, attending over
-    ``n_keys`` slots (None: the slots in use, on a CPU). ``cuda_graphs``: capture each row's chunk
-    step on its first use. ``mode``: ``"captured"`` (fixed-shape chunk steps, the default), or one
-    of the eager modes of the module docstring (``"sdpa"``, ``"layers"``), which capture nothing."""
+    """Prefills rows of ``cache`` (the engine's) in chunks of ``chunk`` tokens and the smaller
+    ones of its ladder (``chunk``: the big chunk's tokens, its ladder :func:`default_sizes`; or the
+    ladder itself, a sequence of sizes), attending over ``n_keys`` slots (None: the slots in use,
+    on a CPU). ``step_cost``: a step's fixed cost in slots for :func:`chunk_plan` (default a
+    quarter of the big chunk). ``cuda_graphs``: capture each (row, size) chunk step on its first
+    use (or at :meth:`prepare`). ``mode``: ``"captured"`` (fixed-shape chunk steps, the default),
+    or one of the eager modes of the module docstring (``"sdpa"``, ``"layers"``: chunks of the
+    big size, no ladder), which capture nothing. :attr:`steps_run` counts the chunk steps run per
+    size."""
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
     by_layer_from = 8192  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
 
-    def __init__(self, target, cache: KVCache, chunk: int, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
-                 mode: str = "captured"):
-        if not 1 <= chunk <= cache.max_len:
-            raise ValueError(f"prefill chunk must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
+    def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
+                 mode: str = "captured", step_cost: Optional[int] = None):
+        sizes = default_sizes(chunk) if isinstance(chunk, int) else tuple(sorted(set(chunk)))
+        if not sizes or not all(1 <= s <= cache.max_len for s in sizes):
+            raise ValueError(f"prefill chunks must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
         if mode not in MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; expected one of {MODES}")
-        self.target, self.cache, self.chunk, self.n_keys, self.mode = target, cache, chunk, n_keys, mode
+        self.target, self.cache, self.n_keys, self.mode = target, cache, n_keys, mode
+        self.sizes = sizes if mode == "captured" else sizes[-1:]
+        self.chunk = sizes[-1]  # the big chunk
+        self.step_cost = self.chunk // 4 if step_cost is None else step_cost
         self.cuda_graphs = cuda_graphs
         # tell the attention that the chunk's mask is causal (False: the Triton kernel reads it,
         # as for a tree; ``bench_prefill.py`` compares both)
         self.causal_kernel = causal_kernel
         device = target.device
-        self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk (zero padded)
-        self.real = torch.ones(1, dtype=torch.long, device=device)  # its real tokens
+        self.inputs = {s: _ChunkInputs(s, device) for s in self.sizes} if mode == "captured" else {}
+        self.real = torch.ones(1, dtype=torch.long, device=device)  # the chunk's real tokens
         self.logits = torch.zeros(1, target.config.vocab_size, dtype=torch.float32, device=device)
-        self.steps = torch.arange(chunk, device=device)
-        self.causal = (self.steps[:, None] >= self.steps[None, :])[None]
         self.uniforms = Uniforms(None, device)  # draws none: keeps the engine's seeded stream untouched
-        self.runners: dict = {}
+        self.runners: dict = {}  # {(row, size): its chunk step}
+        self.steps_run: Counter = Counter()
+
+    def plan(self, n_tokens: int, start: int = 0) -> Optional[list]:
+        """The chunk sizes that prefill ``n_tokens`` after ``start`` tokens in the cache
+        (:func:`chunk_plan`), or None when they cannot go in chunks: the last chunk's padded slots
+        do not fit the cache, or the RoPE depends on the prompt's length (dynamic NTK). Eager
+        modes: one entry per big chunk, unpadded; a prompt :meth:`by_layer`: none (no chunk step)."""
+        room = self.cache.max_len - start
+        if self.by_layer(n_tokens):  # no chunk steps, no padding, any RoPE
+            return [] if n_tokens <= room else None
+        if self.mode != "captured":
+            return [self.chunk] * -(-n_tokens // self.chunk) if n_tokens <= room else None
+        if self.target.config.rope.rope_type == "dynamic":
+            return None
+        return chunk_plan(n_tokens, self.sizes, self.step_cost, room)
 
     def fits(self, n_tokens: int, start: int = 0) -> bool:
-        """Whether ``n_tokens`` after ``start`` tokens in the cache can go in chunks: the last
-        chunk's padded slots fit the cache, and the RoPE does not depend on the prompt's length
-        (dynamic NTK)."""
-        if self.mode != "captured" or self.by_layer(n_tokens):  # eager: no padding, any RoPE
-            return start + n_tokens <= self.cache.max_len
-        last_start = start + (n_tokens - 1) // self.chunk * self.chunk
-        return last_start + self.chunk <= self.cache.max_len and self.target.config.rope.rope_type != "dynamic"
+        """Whether ``n_tokens`` after ``start`` tokens in the cache can go in chunks (:meth:`plan`)."""
+        return self.plan(n_tokens, start) is not None
 
-    def takes(self, lengths: list, starts: list) -> bool:
-        """Whether prompts of ``lengths`` tokens (after ``starts`` cached tokens), admitted
-        together, go in chunks: each one :meth:`fits`, and together they need at most
+    def takes(self, lengths: list, starts: Optional[list] = None) -> bool:
+        """Whether prompts of ``lengths`` tokens (after ``starts`` cached tokens, default none),
+        admitted together, go in chunks: each one :meth:`fits`, and together they need at most
         :attr:`max_chunks` chunk steps."""
-        steps = sum(-(-n // self.chunk) for n in lengths if not self.by_layer(n))
-        return steps <= self.max_chunks and all(self.fits(n, s) for n, s in zip(lengths, starts))
+        plans = [self.plan(n, s) for n, s in zip(lengths, starts or [0] * len(lengths))]
+        return None not in plans and sum(map(len, plans)) <= self.max_chunks
 
     def by_layer(self, n_tokens: int) -> bool:
         """Whether a prompt of ``n_tokens`` (after the row's cached tokens) goes layer by layer."""
         return self.mode == "layers" or (self.mode == "captured" and n_tokens >= self.by_layer_from)
 
-    def __call__(self, row: int, prompt: list) -> torch.Tensor:
-        """Prefills ``prompt`` into row ``row`` after the tokens it holds -> logits [1, V] after
-        its last token."""
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.ids.device)  # one copy to the device
+    def __call__(self, row: int, prompt: list, start: Optional[int] = None) -> torch.Tensor:
+        """Prefills ``prompt`` into row ``row`` after the ``start`` tokens it holds (default: read
+        from the cache) -> logits [1, V] after its last token. Raises ValueError when it does not
+        :meth:`fit <fits>`."""
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.real.device)  # one copy to the device
         if self.mode == "sdpa":
             return self.target.prefill(ids[None], torch.full((1,), len(prompt), device=ids.device),
                                        self.cache.rows(row, row + 1), chunk_size=self.chunk)
         if self.by_layer(len(prompt)):
             piece = self.chunk if self.mode == "layers" else self.layer_piece
             return prefill_by_layer(self.target, ids[None], self.cache.rows(row, row + 1), piece=piece)
-        runner = self.runner(row)
-        for start in range(0, len(prompt), self.chunk):
-            part = ids[start:start + self.chunk]
-            self.ids.zero_()
-            self.ids[0, :len(part)] = part
+        start = int(self.cache.lengths[row]) if start is None else start
+        plan = self.plan(len(prompt), start)
+        if plan is None:
+            raise ValueError(f"a prompt of {len(prompt)} tokens after {start} does not go in chunks of {self.sizes} "
+                             f"into {self.cache.max_len} cache slots")
+        at = 0
+        for size in plan:
+            part = ids[at:at + size]
+            inputs = self.inputs[size]
+            inputs.ids.zero_()
+            inputs.ids[0, :len(part)] = part
             self.real.fill_(len(part))
-            runner.run_round()
+            self.runner(row, size).run_round()
+            self.steps_run[size] += 1
+            at += size
         return self.logits.clone()
 
     def prepare_by_layer(self) -> None:
@@ -138,21 +238,30 @@ class ChunkedPrefill:
         """Whether chunks run as (prepared, on CUDA captured) chunk steps: :meth:`runner`."""
         return self.mode == "captured"
 
-    def runner(self, row: int) -> PhaseRunner:
-        """The chunk step of row ``row`` (created, and captured on CUDA, on first use)."""
+    def prepare(self, rows) -> None:
+        """Prepares (on CUDA captures) the chunk step of every size for each of ``rows`` (rows
+        holding no sequence: a step's warm-up runs write past their lengths)."""
+        for row in rows:
+            for size in self.sizes:
+                self.runner(row, size).prepare()
+
+    def runner(self, row: int, size: Optional[int] = None) -> PhaseRunner:
+        """The chunk step of row ``row`` for chunks of ``size`` tokens (default the big chunk),
+        created, and captured on CUDA, on first use."""
         if not self.captured:
             raise ValueError(f"prefill mode {self.mode!r} runs eagerly: it has no chunk steps")
-        if row not in self.runners:
-            cache = self.cache.rows(row, row + 1)
+        size = self.chunk if size is None else size
+        if (row, size) not in self.runners:
+            cache, inputs = self.cache.rows(row, row + 1), self.inputs[size]
 
             def chunk_step():
-                positions = cache.lengths[:, None] + self.steps[None, :]
-                hidden = self.target.forward_hidden(self.ids, positions, cache, self.causal, causal=self.causal_kernel,
-                                                    n_keys=self.n_keys)
+                positions = cache.lengths[:, None] + inputs.steps[None, :]
+                hidden = self.target.forward_hidden(inputs.ids, positions, cache, inputs.causal,
+                                                    causal=self.causal_kernel, n_keys=self.n_keys)
                 last = hidden.gather(1, (self.real - 1).view(1, 1, 1).expand(1, 1, hidden.shape[-1]))[:, 0]
                 self.logits.copy_(self.target.logits(last))
                 cache.advance(self.real)  # the padding stays pending: dropped
 
-            self.runners[row] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
-                                            self.cuda_graphs, timed=False, reset=cache.discard)
-        return self.runners[row]
+            self.runners[row, size] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
+                                                  self.cuda_graphs, timed=False, reset=cache.discard)
+        return self.runners[row, size]
