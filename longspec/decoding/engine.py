@@ -311,8 +311,6 @@ class Engine(Admission):
         chunked = self.chunked_prefill
         if chunked is not None and chunked.captured:
             chunked.prepare(range(len(self.rows)))  # every row's chunk step of every size
-        if chunked is not None:
-            chunked.prepare_by_layer()
         for tree in trees if trees is not None else [_OWN_TREES]:
             if tree is not _OWN_TREES:
                 self.use_tree(tree)

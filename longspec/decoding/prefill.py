@@ -46,12 +46,14 @@ over the whole prompt, projections and MLP ``chunk`` tokens at a time). ``benchm
 Long prompts go layer by layer in the captured mode too: a row's prompt (after its cached tokens)
 of :attr:`ChunkedPrefill.by_layer_from` tokens or more is prefilled by ``prefill_by_layer``, whose
 one causal attention call per layer runs on cuDNN's fused attention (first in
-:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (``long_8b_h200.log``, an 8B shape,
-bf16) a 32k prompt took 1.58 s in captured 2048-token chunks and 1.33 s by layer, 128k 16.2 s and
-11.4 s (transformers' sdpa prefill: 1.73 s and 17.3 s); on the SmolLM2 shape (``long_smol_h200.log``)
-both took 34 ms at 7.6k tokens, and at 2k the chunks 6.7 ms against 39 ms. A prompt by layer also
-needs no padded slots and no chunk-step count, so any prompt that fits the cache (1M tokens
-included) goes in one pass."""
+:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (an 8B shape, bf16;
+``long_8b_flash_h200.log``, ``long_8b_cudnn_h200.log``, ``long_8b_h200.log``) a 128k prompt took
+16.2 s in captured 2048-token chunks and 11.4-11.6 s by layer (transformers' sdpa prefill: 17.3-17.4
+s). At 32k by layer took 1.33 s once the same length had run in the engine, but 2.2-2.8 s as the
+first prompt by layer of a process (``long_8b_32k_h200.log``; chunks: 1.58 s, transformers 1.73 s),
+a first-call cost not yet isolated (cuDNN builds a plan per new shape), hence the threshold. A
+prompt by layer needs no padded slots and no chunk-step count, so any prompt that fits the cache
+(1M tokens included) goes in one pass."""
 from __future__ import annotations
 
 import functools
@@ -61,7 +63,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..cache import KVCache
-from ..models.layer_prefill import grouped_causal_attention, prefill_by_layer
+from ..models.layer_prefill import prefill_by_layer
 from .runner import PhaseRunner
 from .sampling import Uniforms
 
@@ -138,7 +140,7 @@ class ChunkedPrefill:
     size."""
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
-    by_layer_from = 8192  # captured mode: a row's prompt of this many tokens or more goes layer by layer
+    by_layer_from = 65536  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
 
     def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
@@ -220,23 +222,6 @@ class ChunkedPrefill:
             self.steps_run[size] += 1
             at += size
         return self.logits.clone()
-
-    def prepare_by_layer(self) -> None:
-        """On CUDA, pays now what the first prompt by layer of a process would pay: a prefill by
-        layer of a short dummy prompt into a scratch cache (kernel compilation, cuDNN's start;
-        about 1 s on the H200 at the 1B shape, against 0.3 s for the 32k prompt after it) and one
-        causal attention call of ``by_layer_from`` tokens. Nothing of the engine is written."""
-        c = self.target.config
-        n = self.by_layer_from if self.mode == "captured" else self.chunk
-        if self.target.device.type != "cuda" or self.mode == "sdpa" or n > self.cache.max_len:
-            return
-        scratch = self.target.new_cache(1, 256)
-        prefill_by_layer(self.target, torch.zeros(1, 256, dtype=torch.long, device=self.target.device), scratch,
-                         piece=256)
-        del scratch
-        q = torch.zeros(1, n, c.num_heads, c.head_dim, dtype=self.target.dtype, device=self.target.device)
-        kv = q.new_zeros(1, c.num_kv_heads, n, c.head_dim)
-        grouped_causal_attention(q, kv, kv)
 
     @property
     def captured(self) -> bool:
