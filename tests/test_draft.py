@@ -94,7 +94,8 @@ def test_training_forward_equals_incremental_inference(targets, name, lag, impl)
     assert torch.allclose(train, torch.cat(steps, 1), atol=1e-4)
 
 
-@pytest.mark.parametrize("tree", ["3,4,4", "chain:4"])
+# (a chain is a tree of one branch: the slow run adds it, ~40 s in the Triton interpreter)
+@pytest.mark.parametrize("tree", ["3,4,4", pytest.param("chain:4", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("impl", TRITON)
 def test_longspec_proposer_with_triton_attention(targets, tree, impl):
     """Target and draft attention through the Triton kernels (tree, ring buffer, cross-attention
