@@ -347,3 +347,27 @@ def test_a_stop_string_is_found_while_a_character_is_held_back(tiny_dir):
     finally:
         server.worker.stop()
         loop.close()
+
+
+@pytest.mark.parametrize("flag, compiled", [([], True), (["--no-compile"], False)])
+def test_serve_no_compile_serves_uncompiled_steps(tiny_dir, monkeypatch, flag, compiled):
+    """``--no-compile``: the server's target steps are not fused through torch.compile (CUDA
+    graphs of eager steps; a shorter start-up). The target is loaded as on CUDA (compiled by
+    default); the server is built, not run."""
+    import longspec
+    from longspec.cli import main, serve_command
+
+    load = longspec.load_target
+
+    def as_on_cuda(*args, **kwargs):
+        target = load(*args, **kwargs)
+        target.compile_steps = True
+        return target
+
+    seen = {}
+    monkeypatch.setattr(longspec, "load_target", as_on_cuda)
+    monkeypatch.setattr(serve_command, "_serve", lambda args, server, *rest: seen.setdefault(
+        "compiled", server.engine.target.compile_steps) and 0)
+    main(["serve", "--target", str(tiny_dir), "--proposer", "none", "--device", "cpu", "--max-len", "256",
+          "--bucket-trees", "off", *flag])
+    assert seen["compiled"] is compiled

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "start (e.g. 0.9 or 90%%); requests wait for blocks when it is short, cached prefixes are "
                           "evicted least recently used first (default: --max-batch rows of --max-len tokens, on "
                           "CUDA at most half the free memory)")
+    srv.add_argument("--no-compile", dest="compile", action="store_false",
+                     help="on CUDA, capture the steps as CUDA graphs without fusing them through torch.compile "
+                          "(Inductor): a shorter start-up, each step a little slower (default: compiled, the compiled "
+                          "code kept under the longspec home for later starts)")
     srv.add_argument("--warm-up", choices=["auto", "on", "off"], default="auto",
                      help="compile and capture every batch bucket's greedy rounds before serving, so no request "
                           "waits for it (default: auto = on CUDA)")

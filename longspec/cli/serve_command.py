@@ -74,7 +74,7 @@ def cmd_serve(args) -> int:
         parallel_engine = ParallelEngine(EngineSpec(
             str(target_dir), dtype, device, name, args.draft, None if tree is None else str(tree), args.window,
             torch.get_num_threads(), args.max_batch, args.max_len, buckets, bucket_trees, chunk or None,
-            args.prefix_cache), parallel)
+            args.prefix_cache, args.compile), parallel)
         server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
                         on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
@@ -82,6 +82,7 @@ def cmd_serve(args) -> int:
 
         status(f"loading {target_dir} on {device} ({dtype})")
         target = load_target(target_dir, dtype=dtype, device=device)
+        target.compile_steps = target.compile_steps and args.compile
         pool_tokens = None
         if args.kv_memory is not None:
             from ..cache import pool_tokens_for

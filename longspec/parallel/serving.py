@@ -35,6 +35,7 @@ class EngineSpec:
     bucket_trees: dict = field(default_factory=dict)
     prefill_chunk: Optional[int] = None
     prefix_cache: bool = True
+    compile_steps: bool = True  # False: CUDA graphs of uncompiled steps (``longspec serve --no-compile``)
     seed: int = field(default_factory=lambda: random.SystemRandom().randrange(2 ** 62))
 
 
@@ -47,6 +48,7 @@ def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     if spec.threads:
         torch.set_num_threads(spec.threads)
     target = load_target(spec.target, spec.dtype, tensor_parallel=tp)
+    target.compile_steps = target.compile_steps and spec.compile_steps
     proposer = build_proposer(spec.proposer, target, spec.draft, window=spec.window)
     calls = EngineCalls(build_engine(target, proposer, spec.tree, spec.max_batch, spec.max_len, spec.buckets,
                                      spec.bucket_trees, spec.prefill_chunk, spec.prefix_cache))
