@@ -14,7 +14,8 @@ JSON line last; ``--out`` copies everything printed to a file.
         --prefill captured:64,sdpa:128,layers:128          # a CPU smoke test of this script
 
 The prefill modes (:class:`~longspec.decoding.prefill.ChunkedPrefill`): ``captured:N``
-(captured N-token chunk steps, Triton causal split-KV attention; the default), ``sdpa:N`` (eager
+(captured N-token chunk steps, Triton causal split-KV attention; a prompt of
+``ChunkedPrefill.by_layer_from`` tokens or more layer by layer, as ``layers``; the default), ``sdpa:N`` (eager
 N-token chunks, PyTorch's fused attention, lower-right causal), ``layers:N`` (layer by layer, one
 causal attention call per layer over the whole prompt, projections and MLP N tokens at a time).
 The floor is ``(matmul FLOPs + causal attention FLOPs) / --peak-tflops``, both parts printed.

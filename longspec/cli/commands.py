@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-import time
 import sys
+import time
 from pathlib import Path
 
 

@@ -308,9 +308,7 @@ class Engine(Admission):
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
-        chunked = self.chunked_prefill
-        if chunked is not None and chunked.captured:
-            chunked.prepare(range(len(self.rows)))  # every row's chunk step of every size
+        self.prepare_prefill()
         for tree in trees if trees is not None else [_OWN_TREES]:
             if tree is not _OWN_TREES:
                 self.use_tree(tree)
@@ -321,6 +319,13 @@ class Engine(Admission):
             self.use_tree(own[self.buckets[0]])
         self.greedy_round = kind
         return time.perf_counter() - t0
+
+    def prepare_prefill(self) -> None:
+        """Prepares (on CUDA captures) every row's chunk step of every size of the chunked prefill,
+        if it has chunk steps. Call with no sequences in the engine."""
+        chunked = self.chunked_prefill
+        if chunked is not None and chunked.captured:
+            chunked.prepare(range(len(self.rows)))
 
     def _round(self, n: int) -> tuple:
         """(view, runner) of bucket ``n`` for the current kind of round, the proposer told which

@@ -275,9 +275,8 @@ class Generator:
         plan_s = time.perf_counter() - t_plan
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = engine.capture_seconds()
-        if engine.chunked_prefill is not None and engine.cuda_graphs:
-            # every row's chunk step of every size, on the idle rows: later calls capture none
-            engine.chunked_prefill.prepare(range(len(engine.rows)))
+        if engine.cuda_graphs:  # every row's prefill chunk steps, on the idle rows: later calls capture none
+            engine.prepare_prefill()
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing
             engine.warm_up(trees=[tree, None])

@@ -24,11 +24,6 @@ def prefill_progress(report: Callable[[float], None]):
         _REPORTERS.remove(report)
 
 
-def tracking() -> bool:
-    """Whether a prefill should report (someone listens)."""
-    return bool(_REPORTERS)
-
-
 def report(done: float, device: torch.device) -> None:
     """Called by a prefill after a piece: waits for ``device``, then tells the listeners."""
     if not _REPORTERS:
