@@ -15,10 +15,14 @@ JSON line last; ``--out`` copies everything printed to a file.
 
 The prefill modes (:class:`~longspec.decoding.prefill.ChunkedPrefill`): ``captured:N``
 (captured N-token chunk steps, Triton causal split-KV attention; a prompt of
-``ChunkedPrefill.by_layer_from`` tokens or more layer by layer, as ``layers``; the default), ``sdpa:N`` (eager
+``ChunkedPrefill.by_layer_from`` tokens or more layer by layer, as ``layers``; the default), ``chunks:N``
+(captured chunk steps only, whatever the length), ``sdpa:N`` (eager
 N-token chunks, PyTorch's fused attention, lower-right causal), ``layers:N`` (layer by layer, one
 causal attention call per layer over the whole prompt, projections and MLP N tokens at a time).
 The floor is ``(matmul FLOPs + causal attention FLOPs) / --peak-tflops``, both parts printed.
+``--hf-decode``: transformers' ``generate`` with its static cache (compiled, as ``generate``
+compiles a static cache), ms per generated token, beside our decode step, where its prefill is
+timed.
 """
 from __future__ import annotations
 
@@ -95,10 +99,8 @@ def flops(config, n: int) -> tuple:
     return matmul, attention
 
 
-def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> tuple:
-    """(seconds, greedy next token) of transformers' prefill (sdpa, its cache filled, logits of the last position)
-    of ``ids`` [1, T] by its model of ``shape`` holding the target's own weights (shared, not
-    copied); one warm-up call on a short prompt first."""
+def hf_model(target, shape: str):
+    """transformers' model of ``shape`` (sdpa) holding the target's own weights (shared, not copied)."""
     import transformers
 
     hf_config = dict(SHAPES[shape])
@@ -108,9 +110,14 @@ def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> tuple:
     hf.load_state_dict(target.state_dict(), strict=False, assign=True)
     if target.config.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
-    with torch.device(ids.device):  # (its inverse frequencies, left on the meta device)
+    with torch.device(target.device):  # (its inverse frequencies, left on the meta device)
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
-    hf.eval()
+    return hf.eval()
+
+
+def hf_prefill_s(hf, ids: torch.Tensor, cuda: bool) -> tuple:
+    """(seconds, greedy next token) of transformers' prefill (its cache filled, logits of the last
+    position) of ``ids`` [1, T]; one warm-up call on a short prompt first."""
     with torch.inference_mode():
         hf(ids[:, :min(2048, ids.shape[1])], logits_to_keep=1)
         sync(cuda)
@@ -119,8 +126,36 @@ def hf_prefill_s(target, shape: str, ids: torch.Tensor, cuda: bool) -> tuple:
             logits = hf(ids, logits_to_keep=1).logits
             sync(cuda)
             seconds = time.perf_counter() - t0
-    del hf
     return seconds, int(logits[0, -1].argmax())
+
+
+def hf_decode_ms(hf, ids: torch.Tensor, cuda: bool, short: int = 8, long: int = 40) -> float:
+    """Wall ms per token of transformers' greedy ``generate`` with a static cache (which it
+    compiles, CUDA graphs included, as it does for ``cache_implementation="static"``) after the
+    prompt ``ids`` [1, T]: ``(t(long) - t(short)) / (long - short)`` over two calls sharing one
+    cache of fixed size (no recompilation between them; each call's prefill cancels out); a first
+    call compiles, off the clock."""
+    import transformers
+
+    n = ids.shape[1]
+    cache = transformers.StaticCache(config=hf.config, max_cache_len=n + long + 8)
+    mask = torch.ones_like(ids)
+
+    def run(tokens: int) -> float:
+        cache.reset()
+        sync(cuda)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False)
+        sync(cuda)
+        assert out.shape[1] == n + tokens
+        return time.perf_counter() - t0
+
+    with Heartbeat(f"transformers static-cache generate at {n} (compiling)", cuda):
+        run(short)
+    seconds = {k: run(k) for k in (short, long)}
+    del cache
+    return 1e3 * (seconds[long] - seconds[short]) / (long - short)
 
 
 def decode_step_ms(target, engine, cuda: bool) -> float:
@@ -146,7 +181,7 @@ def decode_step_ms(target, engine, cuda: bool) -> float:
 def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     c = target.config
     tree = TreeSpec.parse(args.tree)
-    modes = [(m.partition(":")[0], int(m.partition(":")[2] or 2048)) for m in args.prefill.split(",")]
+    modes = [(m.partition(":")[0], int(m.partition(":")[2] or 2048)) for m in args.prefill.split(",")]  # (validated)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -161,11 +196,16 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     seq = None
     for i, (mode, chunk) in enumerate(modes):
         chunked = ChunkedPrefill(target, engine.cache, [min(chunk, engine.max_len)], engine.step_keys, engine.cuda_graphs,
-                                 mode=mode)
+                                 mode="captured" if mode == "chunks" else mode)
         chunked.max_chunks = 1 << 30  # every prompt through this mode, however long
+        if mode == "chunks":  # captured chunk steps only, whatever the prompt's length
+            chunked.by_layer_from = 1 << 62
+        chunked.prepare([])  # (what the engine's warm-up does besides capturing: sets layer by layer up)
         assert chunked.takes([n], [0]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"
         engine.chunked_prefill = chunked
-        warm = Sequence(prompt[:min(n, 2 * chunk)], 1)  # capture / first-call costs, off the clock
+        # capture / first-call costs off the clock, on a prompt of another length: a request's
+        # new length pays what it pays in use (e.g. cuDNN's plan for a new shape)
+        warm = Sequence(prompt[:min(n - 1, 2 * chunk)], 1)
         engine.add([warm])
         engine.cancel(warm) if not warm.done else None
         seq = Sequence(list(prompt), args.new_tokens)
@@ -206,9 +246,16 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         if cuda:
             torch.cuda.empty_cache()
         ids = torch.tensor([prompt], device=target.device)
-        out["hf_prefill"], out["first_tokens"]["transformers"] = hf_prefill_s(target, args.shape, ids, cuda)
+        hf = hf_model(target, args.shape)
+        out["hf_prefill"], out["first_tokens"]["transformers"] = hf_prefill_s(hf, ids, cuda)
         say(f"[{n}] transformers sdpa prefill: {out['hf_prefill']:.3f} s (first token "
             f"{out['first_tokens']['transformers']})")
+        if args.hf_decode:
+            gc.collect()
+            out["hf_decode_ms"] = hf_decode_ms(hf, ids, cuda)
+            say(f"[{n}] transformers generate, static cache, compiled: {out['hf_decode_ms']:.2f} ms/token "
+                f"(our decode step {out['decode_ms']:.2f} ms: {out['hf_decode_ms'] / out['decode_ms']:.2f}x)")
+        del hf
     matmul, attention = flops(c, n)
     out.update(matmul_flops=matmul, attention_flops=attention,
                floor_s=(matmul + attention) / (args.peak_tflops * 1e12))
@@ -228,6 +275,8 @@ def main(argv=None):
                         "one's request is decoded")
     p.add_argument("--hf-max", type=int, default=131072,
                    help="time transformers' prefill at contexts up to this many tokens (0: never)")
+    p.add_argument("--hf-decode", action="store_true",
+                   help="also time transformers' generate with its compiled static cache (ms/token) where its prefill is timed")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens of speculative generation per context")
     p.add_argument("--tree", default="4,16,16,16,16", help="the draft's beam tree")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the dense bf16 matmul rate of the floor")
@@ -239,8 +288,8 @@ def main(argv=None):
     p.add_argument("--out", help="also write everything printed to this file")
     args = p.parse_args(argv)
     for mode in args.prefill.split(","):
-        if mode.partition(":")[0] not in MODES:
-            raise SystemExit(f"--prefill takes MODE:CHUNK with MODE one of {MODES}, got {mode!r}")
+        if mode.partition(":")[0] not in MODES + ("chunks",):
+            raise SystemExit(f"--prefill takes MODE:CHUNK with MODE one of {MODES + ('chunks',)}, got {mode!r}")
     if args.sdpa_backends:
         from torch.nn.attention import SDPBackend
 
@@ -262,18 +311,20 @@ def main(argv=None):
     results = []
     for n in contexts:
         results.append(run_context(target, draft, args, n, cuda))
-    say(f"\n{'context':>8} {'prefill':<16} {'s':>8} {'x hf':>6} {'x floor':>7} {'decode ms':>9} {'round ms':>8} "
+    say(f"\n{'context':>8} {'prefill':<16} {'s':>8} {'x hf':>6} {'x floor':>7} {'decode ms':>9} {'hf dec ms':>9} {'round ms':>8} "
         f"{'spec ms/tok':>11} {'KV GiB':>7} {'draft B':>9} {'peak GiB':>8}")
     for r in results:
         for setting, s in list(r["prefill"].items()) + ([("transformers", r["hf_prefill"])] if "hf_prefill" in r else []):
             vs_hf = r["hf_prefill"] / s if "hf_prefill" in r else float("nan")
             say(f"{r['context']:>8} {setting:<16} {s:8.3f} {vs_hf:6.2f} {r['floor_s'] / s:7.2f} {r['decode_ms']:9.2f} "
+                f"{r.get('hf_decode_ms', float('nan')):9.2f} "
                 f"{r['round_ms']:8.2f} {r['spec_ms_per_token']:11.2f} {r['target_kv_bytes'] / 2**30:7.2f} "
                 f"{r['draft_state_bytes']:>9} {r['peak_gib']:8.1f}")
     sizes = {r["draft_state_bytes"] for r in results}
     say(f"draft state bytes the same at every context ({', '.join(str(r['context']) for r in results)}): "
         f"{'yes' if len(sizes) == 1 else 'NO'} ({sorted(sizes)})")
-    say("(x hf: transformers' prefill time / this one; x floor: floor / this one = share of the peak)")
+    say("(x hf: transformers' prefill time / this one; x floor: floor / this one = share of the peak; hf dec ms: "
+        "transformers' generate, static cache, compiled, ms per token)")
     say(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape,
                     "dtype": args.dtype, "peak_tflops": args.peak_tflops, "prefill_modes": args.prefill,
                     "tree": args.tree, "results": results}))

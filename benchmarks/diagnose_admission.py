@@ -31,9 +31,10 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=7600)
     p.add_argument("--paths", default="chunks,layers")
     p.add_argument("--rows", type=int, default=12, help="lines of each profile table")
+    p.add_argument("--no-compile", action="store_true", help="captured steps without torch.compile (a shorter warm-up)")
     args = p.parse_args(argv)
     target = random_target(args.shape, torch.bfloat16, "cuda")
-    target.attention_impl, target.compile_steps = "triton", True
+    target.attention_impl, target.compile_steps = "triton", not args.no_compile
     draft = init_draft(DraftConfig.for_target(target), target)
     draft.fuse_projections()
     engine = Engine(target, LongSpecProposer(draft), TreeSpec.parse("4,16,16,16,16"), max_batch=1,

@@ -149,6 +149,39 @@ def test_long_prompts_go_layer_by_layer_short_ones_in_chunks(target, monkeypatch
     assert {row for row, _ in chunked.runners} == {1}  # the 20-token prompt's steps; the 33-token one went by layer
 
 
+def test_sliding_window_targets_never_go_layer_by_layer(tiny_model_factory, monkeypatch):
+    """prefill_by_layer has no sliding windows (nor Gemma's norms): a Gemma 3 target's long
+    prompts stay in chunks, which give the eager prefill's logits past the window; asking for
+    it by layer is a clear error."""
+    from longspec.models.layer_prefill import prefill_by_layer, supports
+
+    gemma = load_target(tiny_model_factory("gemma3", "gemma3", seed=3)[1])
+    assert not supports(gemma.config)
+    chunked = ChunkedPrefill(gemma, gemma.new_cache(1, 64), 16, None, cuda_graphs=False)
+    monkeypatch.setattr(chunked, "by_layer_from", 8)
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert not chunked.by_layer(len(prompt)) and chunked.plan(len(prompt)) == [16, 16, 16]
+    eager = gemma.new_cache(1, 64)
+    ref = gemma.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), eager)
+    torch.testing.assert_close(chunked(0, prompt), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="sliding-window"):
+        ChunkedPrefill(gemma, gemma.new_cache(1, 64), 16, None, cuda_graphs=False, mode="layers")
+    with pytest.raises(ValueError, match="sliding-window"):
+        prefill_by_layer(gemma, torch.tensor([prompt]), gemma.new_cache(1, 64))
+
+
+def test_warm_up_runs_the_prompts_causal_attention_once(target, monkeypatch):
+    """The warm-up's call has the target's query and KV heads (cuDNN's set-up is paid for the
+    shapes the prompts by layer use)."""
+    from longspec.models import layer_prefill
+
+    seen = []
+    monkeypatch.setattr(layer_prefill, "causal_attention", lambda q, k, v: seen.append((q.shape, k.shape, q.dtype)))
+    layer_prefill.warm_up(target, tokens=8)
+    c = target.config
+    assert seen == [((1, c.num_heads, 8, c.head_dim), (1, c.num_kv_heads, 8, c.head_dim), target.dtype)]
+
+
 @pytest.mark.parametrize("chunk", [16, (8, 32)])
 @pytest.mark.parametrize("proposer", ["none", "hybrid"])
 def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, chunk, monkeypatch):

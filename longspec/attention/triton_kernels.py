@@ -157,7 +157,6 @@ if triton is not None:
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr,
-                        CAUSAL: tl.constexpr,
                         PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -199,26 +198,15 @@ if triton is not None:
                                       any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
                                       PRECISION)  # the chunk's ragged end
         if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
-            tree_end = N_TREE
-            if CAUSAL:  # query i sees tree tokens j <= i + N_TREE - M: none after the tile's last query's
-                tree_end = tl.minimum(N_TREE, tl.max(tl.where(row_ok, i, 0), 0) + 1 + N_TREE - M)
-            tree_first = 0
-            if CAUSAL:  # a causal chunk's slots are its positions: none below the tile's lowest start is seen
-                tree_first = tl.maximum(first_start - length, 0) // BLOCK_N
-            for blk in range(tree_first, tl.cdiv(tree_end, BLOCK_N)):
+            for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)
                 p = _slot(TBL, b, tl.where(n_ok, n, 0), stbl_b, BS, PAGED)
                 k = tl.load(k_base + p[None, :] * sk_s + d[:, None], mask=n_ok[None, :], other=0.0)
                 v = tl.load(v_base + p[:, None] * sv_s + d[None, :], mask=n_ok[:, None], other=0.0)
-                if CAUSAL:
-                    seen = row_ok[:, None] & n_ok[None, :] & (j[None, :] <= i[:, None] + N_TREE - M)
-                    if HAS_START:  # a causal chunk's window (a tree's is in its mask)
-                        seen = seen & (n[None, :] >= row_start[:, None])
-                else:
-                    seen = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
-                                   mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+                seen = tl.load(TM + b * stm_b + i[:, None] * stm_m + j[None, :],
+                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
                 s = tl.where(seen, tl.dot(q, k, input_precision=PRECISION), float("-inf"))
                 m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, qk_scale, True, PRECISION)
         _finish(acc, m_i, l_i, rows, row_ok, b, h, split, OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
@@ -315,12 +303,10 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
     return c
 
 
-def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool, causal: bool = False,
+def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool,
             table: Optional[torch.Tensor] = None, block_size: int = 0,
             starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``causal``: the tree
-    mask is lower-right causal (computed, not read; key blocks after a tile's last query skipped).
-    ``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
+    """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]
@@ -370,7 +356,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, block_size, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, HAS_START=starts is not None, DIRECT=direct, TMA=tma, CAUSAL=causal,
+            HAS_LIMIT=limits is not None, HAS_START=starts is not None, DIRECT=direct, TMA=tma,
             PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
@@ -392,7 +378,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] (the tree tokens already written); lengths [B]
     long; tree_mask [B or 1, M, N_TREE] bool or int8. ``causal``: the caller vouches that the mask
     is lower-right causal (query i sees tree tokens j <= i + N_TREE - M, a prefill chunk): the
-    kernel computes it instead of reading it and skips the key blocks no query of a tile sees.
+    mask is not read; the chunk goes as more prefix, query i's ending at its own slot, through the
+    unmasked block loop (TMA where it applies) instead of the tree part's masked gathers.
     ``table`` [B, max_blocks] (paged): k_cache, v_cache are a pool layer [Hkv, P, D] and row b's
     slot s is pool slot ``table[b, s // block_size] * block_size + s % block_size``.
     ``starts`` [B, M] integer (a sliding window): query i of row b sees no prefix slot below
@@ -409,7 +396,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
     if causal and tree_mask.shape[2] < m:
         raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {tree_mask.shape[2]}, M {m}")
-    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, causal=causal, table=table,
+    if causal:  # the chunk's slots continue the prefix: query i sees the slots up to its own, read
+        # by the prefix's unmasked block loop (a tile's ragged band masked), with no tree part
+        n_tree = tree_mask.shape[2]
+        limits = lengths[:, None] + (n_tree - m + 1) + torch.arange(m, device=q.device)[None, :]
+        return _launch(q, k_cache, v_cache, lengths + n_tree, limits, None, c, with_prefix=True, table=table,
+                       block_size=block_size, starts=starts)
+    return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, table=table,
                    block_size=block_size, starts=starts)
 
 

@@ -46,14 +46,20 @@ over the whole prompt, projections and MLP ``chunk`` tokens at a time). ``benchm
 Long prompts go layer by layer in the captured mode too: a row's prompt (after its cached tokens)
 of :attr:`ChunkedPrefill.by_layer_from` tokens or more is prefilled by ``prefill_by_layer``, whose
 one causal attention call per layer runs on cuDNN's fused attention (first in
-:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (an 8B shape, bf16;
-``long_8b_flash_h200.log``, ``long_8b_cudnn_h200.log``, ``long_8b_h200.log``) a 128k prompt took
-16.2 s in captured 2048-token chunks and 11.4-11.6 s by layer (transformers' sdpa prefill: 17.3-17.4
-s). At 32k by layer took 1.33 s once the same length had run in the engine, but 2.2-2.8 s as the
-first prompt by layer of a process (``long_8b_32k_h200.log``; chunks: 1.58 s, transformers 1.73 s),
-a first-call cost not yet isolated (cuDNN builds a plan per new shape), hence the threshold. A
-prompt by layer needs no padded slots and no chunk-step count, so any prompt that fits the cache
-(1M tokens included) goes in one pass."""
+:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (an 8B shape, bf16; transformers'
+sdpa prefill beside it; ``long_8b_16k_32k_h200.log``, ``long_8b_h200.log``), each prompt a length
+new to the process:
+
+* 16,384 tokens: captured 2048-token chunks 0.586 s, by layer 0.613 s, transformers 0.653 s;
+* 32,768 tokens: chunks 1.584 s, by layer 1.405 s, transformers 1.758 s;
+* 131,072 tokens: chunks 16.2 s, by layer 11.6 s, transformers 17.4 s;
+
+hence the threshold between 16k and 32k. A process's first cuDNN attention call sets cuDNN up
+(~0.9 s), which :meth:`ChunkedPrefill.prepare` pays at warm-up; each new prompt length still
+builds a plan (~40 ms, ``diagnose_first_prefill.py``). Only targets whose layers all see every
+earlier token go by layer (:func:`~longspec.models.layer_prefill.supports`: not Gemma 3's
+sliding-window layers). A prompt by layer needs no padded slots and no chunk-step count, so any
+prompt that fits the cache (1M tokens included) goes in one pass."""
 from __future__ import annotations
 
 import functools
@@ -63,6 +69,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..cache import KVCache
+from ..models import layer_prefill
 from ..models.layer_prefill import prefill_by_layer
 from .runner import PhaseRunner
 from .sampling import Uniforms
@@ -140,7 +147,7 @@ class ChunkedPrefill:
     size."""
 
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
-    by_layer_from = 65536  # captured mode: a row's prompt of this many tokens or more goes layer by layer
+    by_layer_from = 24576  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
 
     def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
@@ -150,6 +157,9 @@ class ChunkedPrefill:
             raise ValueError(f"prefill chunks must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
         if mode not in MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; expected one of {MODES}")
+        if mode == "layers" and not layer_prefill.supports(target.config):
+            raise ValueError("prefill mode 'layers' runs targets whose layers all see every earlier token, with "
+                             "plain pre-norm blocks; this target has sliding-window layers or Gemma-style norms")
         self.target, self.cache, self.n_keys, self.mode = target, cache, n_keys, mode
         self.sizes = sizes if mode == "captured" else sizes[-1:]
         self.chunk = sizes[-1]  # the big chunk
@@ -193,7 +203,8 @@ class ChunkedPrefill:
 
     def by_layer(self, n_tokens: int) -> bool:
         """Whether a prompt of ``n_tokens`` (after the row's cached tokens) goes layer by layer."""
-        return self.mode == "layers" or (self.mode == "captured" and n_tokens >= self.by_layer_from)
+        return self.mode == "layers" or (self.mode == "captured" and n_tokens >= self.by_layer_from
+                                         and layer_prefill.supports(self.target.config))
 
     def __call__(self, row: int, prompt: list, start: Optional[int] = None) -> torch.Tensor:
         """Prefills ``prompt`` into row ``row`` after the ``start`` tokens it holds (default: read
@@ -230,10 +241,13 @@ class ChunkedPrefill:
 
     def prepare(self, rows) -> None:
         """Prepares (on CUDA captures) the chunk step of every size for each of ``rows`` (rows
-        holding no sequence: a step's warm-up runs write past their lengths)."""
+        holding no sequence: a step's warm-up runs write past their lengths) and, on CUDA where a
+        prompt may go layer by layer, sets its causal attention up (:func:`layer_prefill.warm_up`)."""
         for row in rows:
             for size in self.sizes:
                 self.runner(row, size).prepare()
+        if self.cuda_graphs and self.by_layer(self.cache.max_len):
+            layer_prefill.warm_up(self.target)  # (the first prompt by layer would pay the backend's set-up)
 
     def runner(self, row: int, size: Optional[int] = None) -> PhaseRunner:
         """The chunk step of row ``row`` for chunks of ``size`` tokens (default the big chunk),

@@ -38,6 +38,26 @@ def grouped_causal_attention(queries: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out
 
 
+def supports(config) -> bool:
+    """Whether :func:`prefill_by_layer` runs a target of ``config``: pre-norm blocks whose every
+    layer attends to every earlier token (no sliding-window layers, no Gemma-style sandwich norms
+    or query scale; those targets prefill in chunks)."""
+    return (not config.has_sliding_layers and not config.sandwich_norms
+            and config.query_pre_attn_scalar in (None, config.head_dim))
+
+
+@torch.inference_mode()
+def warm_up(target, tokens: int = 256) -> None:
+    """One causal attention call on ``tokens`` tokens of the target's heads: a process's first
+    call sets the backend up (cuDNN: about 0.9 s on an H200, ``diagnose_first_prefill.py``), which
+    the first prompt by layer would otherwise wait for. Each new prompt length still builds a
+    cuDNN plan (about 40 ms)."""
+    attn = target.model.layers[0].self_attn
+    q = torch.zeros(1, attn.n_heads, tokens, attn.head_dim, dtype=target.dtype, device=target.device)
+    k = torch.zeros(1, attn.n_kv, tokens, attn.head_dim, dtype=target.dtype, device=target.device)
+    causal_attention(q, k, k)
+
+
 @torch.inference_mode()
 def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int = 8192) -> torch.Tensor:
     """Appends the prompt input_ids [1, T] (every token real) to the one-row ``cache`` after the
@@ -46,6 +66,9 @@ def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or cache.batch_size != 1:
         raise ValueError(f"prefill_by_layer takes one row: input_ids [1, T] and a one-row cache, got "
                          f"{tuple(input_ids.shape)} and {cache.batch_size} rows")
+    if not supports(target.config):
+        raise ValueError("prefill_by_layer runs targets whose layers all see every earlier token, with plain "
+                         "pre-norm blocks; this one has sliding-window layers or Gemma-style norms: prefill it in chunks")
     if piece < 1:
         raise ValueError(f"piece must be >= 1 tokens, got {piece}")
     t = input_ids.shape[1]
