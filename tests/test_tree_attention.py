@@ -422,6 +422,15 @@ def test_sliding_window_through_a_block_table():
           table=table, config=KernelConfig(programs=4))
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_causal_chunk_through_a_block_table(window):
+    """A prefill chunk after cached tokens (a prefix-cache hit) in paged rows: the chunk's own
+    slots, which it reads as prefix, are found through the table too."""
+    table = torch.tensor([[5, 0, 3, 7, 1], [2, 6, 4, 8, 9]])
+    check([130, 0], 100, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=320, causal=True,
+          pending=3, window=window, table=table, config=KernelConfig(programs=4, block_q=16, block_n=16))
+
+
 def test_a_window_that_does_not_cut_changes_nothing():
     """Starts at or below 0 (a window longer than the context) give the plain kernel's output."""
     gen = torch.Generator().manual_seed(3)
