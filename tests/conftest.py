@@ -238,3 +238,16 @@ def tiny_model_factory(tmp_path_factory):
         return cache[name]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def targets(tiny_model_factory):
+    """``{"llama": target, "qwen3": target}``: tiny targets (512 positions) loaded once for the
+    speculative decoding modules (``test_speculative*.py``)."""
+    from longspec import load_target
+
+    out = {}
+    for family in ("llama", "qwen3"):
+        _, path = tiny_model_factory(f"spec-{family}", family, max_position_embeddings=512, seed=3)
+        out[family] = load_target(path)
+    return out

@@ -120,7 +120,7 @@ def test_compiled_steps_equal_uncompiled(model, impl):
 def test_sampling_with_graphs_matches_target_distribution(tiny_model_factory, tree):
     """20000 rows in one graph-captured batch (LongSpec draft, beam: point-mass rule; chain:
     residual rule); chi-square of the first two tokens against the exact warped target."""
-    from test_speculative import assert_two_token_distribution
+    from test_speculative_sampling import assert_two_token_distribution
 
     _, path = tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)
     target = cuda_target(path, torch.float32)
@@ -162,7 +162,7 @@ def test_batch_buckets_with_graphs_equal_alone(model, proposer):
     """A serving engine (4 rows, buckets 1/2/4) with requests joining and leaving: each bucket's
     rounds are captured on first use, and every greedy output equals the request run alone (also
     with a bucket that decodes plainly between drafting ones)."""
-    from test_speculative import run_joining
+    from test_speculative_engine import run_joining
 
     _, path = model
     target = cuda_target(path, torch.float32)
@@ -255,7 +255,7 @@ def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
     """Prompts prefilled in graph-captured chunks (every row's chunk step of every size captured
     at warm-up; with a ladder, each prompt's rest in smaller chunks): the same greedy tokens as
     one eager prefill, rows joining between rounds."""
-    from test_speculative import run_joining
+    from test_speculative_engine import run_joining
 
     _, path = model
     target = cuda_target(path, torch.float32)

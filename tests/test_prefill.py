@@ -187,7 +187,7 @@ def test_warm_up_runs_the_prompts_causal_attention_once(target, monkeypatch):
 def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, chunk, monkeypatch):
     """Chunks of 16, and a ladder of 32- and 8-token chunks (prompts of 9 to 70 tokens in both
     sizes): the tokens of each prompt decoded alone, rows joining between rounds."""
-    from test_speculative import run_joining
+    from test_speculative_engine import run_joining
 
     prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (9, 40, 16, 33, 70)]

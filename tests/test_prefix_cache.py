@@ -362,8 +362,8 @@ def test_a_sequence_cancelled_while_its_tokens_go_out_is_released_once(target):
 def test_sampling_after_a_cached_prefix_matches_the_target_distribution(tiny_model_factory):
     """20000 rows, each reading a cached block and copying the first tokens of another, sample
     their first two tokens (one from the prefill, one from a speculative round) from the exact
-    warped target distribution (chi-square, as ``test_speculative`` does cold)."""
-    from test_speculative import assert_two_token_distribution
+    warped target distribution (chi-square, as ``test_speculative_sampling`` does cold)."""
+    from test_speculative_sampling import assert_two_token_distribution
 
     target = load_target(tiny_model_factory("spec-v8", "llama", vocab_size=8, max_position_embeddings=128, seed=9)[1])
     prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000

@@ -1,0 +1,295 @@
+"""The speculative ``Engine``: requests joining and leaving between rounds, batch buckets with
+trees of their own (and plain buckets), idle rows over many rounds, warm-up, one engine reused
+by a generator for every call and released at once when replaced, fresh random numbers after a
+captured round, the collector paused around captures."""
+import pytest
+import torch
+
+from longspec import GenerationConfig
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.decoding.tree import TreeSpec
+from test_speculative import prompts_for
+
+
+@pytest.mark.parametrize("proposer", ["none", "streaming", "pld", "hybrid"])
+def test_sequences_join_and_leave_between_rounds(targets, proposer):
+    """Engine.step with requests added while others run, in rows freed by finished ones: each
+    output equals the request generated alone. Rounds run over the smallest batch bucket that
+    holds the active rows (1, 2 or 3 here), and every bucket is used."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["qwen3"]
+    prompts = prompts_for(3, seed=21) + prompts_for(2, seed=22)
+    budgets = [5, 14, 9, 12, 7]
+    alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0]
+             for p, n in zip(prompts, budgets)]
+    if proposer == "hybrid":
+        draft = LongSpecProposer(init_draft(DraftConfig.for_target(target, window=8), target, seed=2), PromptLookup())
+    else:
+        draft = {"none": None, "streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
+    engine = Engine(target, draft, None if draft is None else TreeSpec.parse("2,3,3"), max_batch=3, max_len=96)
+    assert engine.buckets == [1, 2, 3]
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("proposer", ["streaming", "pld", "hybrid"])
+def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
+    """Buckets may draft smaller trees than the engine's (less speculation where many rows share a
+    round): requests moving between buckets, and so between trees, still get exactly the tokens
+    they get alone; a tree that does not fit, or a bucket that is none, is refused up front."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["qwen3"]
+    prompts = prompts_for(3, seed=23) + prompts_for(2, seed=24)
+    budgets = [6, 13, 9, 11, 8]
+    alone = [Generator(target).generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).sequences[0]
+             for p, n in zip(prompts, budgets)]
+
+    def make():
+        if proposer == "hybrid":
+            draft = init_draft(DraftConfig.for_target(target, window=8), target, seed=2)
+            return LongSpecProposer(draft, PromptLookup())
+        return {"streaming": StreamingSelfSpec(window=8, sinks=2), "pld": PromptLookup()}[proposer]
+
+    smaller = {2: "2,2", 3: "2"}
+    engine = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees=smaller)
+    assert [engine.view(n).tree for n in (1, 2, 3)] == [TreeSpec.parse(t) for t in ("2,3,3", "2,2", "2")]
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert {n for _, n in engine.runners} == {1, 2, 3}
+    assert [engine.view(n).draft_tree.num_nodes for n in (1, 2, 3)] == [9, 5, 3]  # what each bucket drafted
+    # a bucket that decodes plainly (where no tree pays): rows moving from and back into drafting
+    # buckets keep the proposer's state (draft ring buffer, lookup history) up to date
+    engine = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "plain"})
+    seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
+    run_joining(engine, seqs)
+    assert [s.tokens for s in seqs] == alone
+    assert engine.view(2).draft_tree is None and engine.view(3).draft_tree.num_nodes == 9
+    # only the draft has state to bring up to date in a plain round: the others run the target alone
+    assert len(engine.runners[True, 2].phases) == (2 if proposer == "hybrid" else 1)
+    assert len(engine.phase_times()) == 2 and all(t >= 0 for t in engine.phase_times())
+
+    class Unaware(PromptLookup):  # a proposer that does not say it can follow plain rounds
+        follows_plain_rounds = False
+
+    with pytest.raises(ValueError, match="cannot follow plain rounds"):
+        Engine(target, Unaware(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "plain"})
+    if proposer == "hybrid":  # plain rounds write the tokens they decode into the draft's window
+        alone_plain = Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=1, max_len=96,
+                             bucket_trees={1: "plain"})
+        single = Sequence(prompts[0], 6)
+        alone_plain.add([single])
+        while alone_plain.has_active:
+            alone_plain.step()
+        proposer_, full = alone_plain.proposer, torch.tensor(prompts[0] + single.tokens)
+        ring, last = proposer_.ring, len(prompts[0]) + 4  # the 5 roots fed to the plain rounds end here
+        index = torch.arange(last - ring.window + 1, last + 1)
+        k, _ = proposer_.draft.window_kv(full[index][None], index[None])
+        slots = index % ring.size
+        assert torch.equal(ring.slot_index[0, slots], index)
+        torch.testing.assert_close(ring.k[0][:, slots], k[0])
+    with pytest.raises(ValueError, match="does not fit"):
+        Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "2,2,2,2"})
+    with pytest.raises(ValueError, match="not buckets"):
+        Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=4, max_len=96, bucket_trees={3: "2"})
+    if proposer == "hybrid":  # (a chain is allowed: the hybrid's lookup then drafts it alone)
+        with pytest.raises(ValueError, match="beam trees"):
+            Engine(target, make(), TreeSpec.parse("2,3,3"), max_batch=3, max_len=96, bucket_trees={2: "1,2"})
+
+
+def run_joining(engine, seqs: list) -> None:
+    """Runs ``seqs`` on ``engine``: one alone (bucket 1), then two (bucket 2), then the others as
+    rows free up."""
+    engine.add(seqs[:1])
+    engine.step()
+    engine.add(seqs[1:2])
+    engine.step()
+    waiting = seqs[2:]
+    while engine.has_active or waiting:
+        if waiting and engine.free_rows():
+            engine.add([waiting.pop(0)])
+        engine.step()
+
+
+@pytest.mark.parametrize("proposer", ["pld", "streaming"])
+def test_idle_rows_survive_many_rounds(targets, proposer):
+    """A row that finished early keeps taking part in (masked) rounds while another one runs far
+    longer: nothing it holds may outgrow its buffers."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["llama"]
+    gen = torch.Generator().manual_seed(4)
+    short, long = (torch.randint(0, 160, (n,), generator=gen).tolist() for n in (40, 10))
+    draft = PromptLookup() if proposer == "pld" else StreamingSelfSpec(window=8, sinks=2)
+    engine = Engine(target, draft, TreeSpec.parse("chain:5"), max_batch=2, max_len=70)
+    seqs = [Sequence(short, 2), Sequence(long, 52)]
+    engine.add(seqs)
+    while engine.has_active:
+        engine.step()
+    alone = Generator(target).generate([long], GenerationConfig(max_new_tokens=52, ignore_eos=True)).sequences[0]
+    assert seqs[1].tokens == alone and engine.rounds > 30
+
+
+def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
+    """Engine.warm_up on an empty engine creates each bucket's runner; the tokens generated
+    afterwards are those of a fresh engine."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["llama"]
+    prompt, config = prompts_for(1, seed=5)[0], GenerationConfig(max_new_tokens=9, ignore_eos=True)
+    expected = Generator(target, PromptLookup(), "2,2").generate([prompt], config).sequences[0]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=5, max_len=64)
+    engine.warm_up(sampled=True)
+    assert set(engine.runners) == {(g, n) for g in (True, False) for n in (1, 2, 4, 5)}
+    seq = Sequence(prompt, 9)
+    engine.add([seq])
+    while engine.has_active:
+        engine.step()
+    assert seq.tokens == expected
+    engine.add([Sequence(prompt, 20)])
+    with pytest.raises(RuntimeError, match="empty engine"):
+        engine.warm_up()
+
+
+def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
+    """Each runner is prepared (captured, on CUDA) with the proposer drafting for its kind of
+    round: greedy rounds never draw children from the draft distribution; and a proposer that
+    cannot run on part of the batch gets one bucket."""
+    from longspec.decoding import runner as runner_module
+    from longspec.decoding.engine import Engine
+    from longspec.decoding.proposers import Proposer
+    from longspec.decoding.sampling import RowSampling
+
+    seen = {}
+    monkeypatch.setattr(runner_module.PhaseRunner, "prepare",
+                        lambda self: seen.setdefault(id(self), self.phases[0].args[0].proposer.sample_children))
+    target = targets["llama"]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("chain:3"), max_batch=2, max_len=64,
+                    config=RowSampling.zeros(2, "cpu"))
+    engine.warm_up(sampled=True)
+    assert {key: seen[id(r)] for key, r in engine.runners.items()} == {
+        (True, 1): False, (True, 2): False, (False, 1): True, (False, 2): True}
+
+    class Whole(Proposer):  # no rows(): not narrowable
+        def begin(self, target, cache, tree, config, rng):
+            pass
+
+    assert Engine(target, Whole(), TreeSpec.parse("chain:2"), max_batch=4, max_len=64).buckets == [4]
+
+
+def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targets):
+    """Calls with other prompt lengths, max_new_tokens and sampling settings reuse the generator's
+    engine (its pool, proposer state and graphs); a call with more prompts than it has rows
+    replaces it, and the old one is released (its caches) without waiting for a garbage
+    collection: the engine holds no reference cycle once closed."""
+    import gc
+    import weakref
+
+    target = targets["llama"]
+    gen = Generator(target, PromptLookup(), "2,2")
+    gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
+    first = gen._engine
+    gen.generate([prompts_for(1, seed=2)[0][:7]], GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    gen.generate([prompts_for(1, seed=3)[0]], GenerationConfig(max_new_tokens=4, temperature=0.7, seed=1))
+    assert gen._engine is first
+    assert Generator(target, gen.proposer, "2,2")._engine is None  # (built on its first call)
+    old = weakref.ref(first)
+    del first
+    gc.disable()
+    try:
+        gen.generate(prompts_for(2, seed=4), GenerationConfig(max_new_tokens=9, ignore_eos=True))
+        assert old() is None and len(gen._engine.rows) == 2
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["pld", "hybrid"])
+def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, monkeypatch):
+    """A proposer kept for the target's next engine (one with more rows) no longer holds the old
+    engine's KV pool (and views of it) while the new one is allocated: peak memory stays one
+    pool. A later generator of the same target and proposer reuses the engine."""
+    import weakref
+
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["llama"]
+    proposer = (PromptLookup() if kind == "pld" else
+                LongSpecProposer(init_draft(DraftConfig.for_target(target, window=16), target, seed=0), PromptLookup()))
+    gen = Generator(target, proposer, "2,2")
+    gen.generate([prompts_for(1, seed=1)[0]], GenerationConfig(max_new_tokens=5, ignore_eos=True))
+    old_pool = weakref.ref(gen._engine.pool.k)
+    alive_at_allocation = []
+    new_cache = target.new_cache
+
+    def recording_new_cache(*args, **kwargs):
+        alive_at_allocation.append(old_pool() is not None)
+        return new_cache(*args, **kwargs)
+
+    monkeypatch.setattr(target, "new_cache", recording_new_cache)
+    gen.generate(prompts_for(2, seed=2), GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    assert alive_at_allocation == [False]
+    engine = gen._engine
+    del gen
+    again = Generator(target, proposer, "2,2")
+    again.generate([prompts_for(1, seed=3)[0]], GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    assert again._engine is engine and alive_at_allocation == [False]
+
+
+def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
+    """A request joining with sampling after rounds used a static random buffer (as captured
+    CUDA-graph rounds do) draws its first token from fresh numbers, not past that buffer's end."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.sampling import RowSampling
+
+    target = targets["llama"]
+    engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=2, max_len=64,
+                    config=RowSampling.zeros(2, "cpu"))
+    engine.uniforms.make_static(3)
+    engine.uniforms.used = 3  # a round consumed the whole static buffer
+    seq = Sequence(prompts_for(1, seed=3)[0], 4, temperature=1.0)
+    engine.add([seq])
+    while engine.has_active:
+        engine.step()
+    assert len(seq.tokens) == 4
+
+
+def test_collector_paused_collects_first_and_pauses():
+    """Captures run inside ``collector_paused``: dead reference cycles are collected before the
+    block (so a dead engine's CUDA graphs are never reset mid-capture) and the automatic
+    collector (and Dynamo's collection after a compilation) stays off inside it, on again after
+    (also after an error)."""
+    import gc
+
+    from longspec.decoding.runner import collector_paused
+
+    collected = []
+
+    class Cycle:
+        def __del__(self):
+            collected.append(1)
+
+    def make_dead_cycle():
+        c = Cycle()
+        c.me = c
+
+    assert gc.isenabled()
+    make_dead_cycle()
+    import torch._dynamo
+
+    with collector_paused():
+        assert collected == [1]
+        assert not gc.isenabled() and not torch._dynamo.config.run_gc_after_compile
+    assert gc.isenabled() and torch._dynamo.config.run_gc_after_compile
+    with pytest.raises(KeyError), collector_paused():
+        raise KeyError("boom")
+    assert gc.isenabled()
