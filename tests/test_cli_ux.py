@@ -109,10 +109,13 @@ def test_ctrl_c_while_generating_exits_130_without_a_traceback():
     import sys
 
     needs_default_model()
+    # SIGINT's default action in the child even where the tests run as a background job of a
+    # non-interactive shell (which starts them with SIGINT ignored: Python then installs no handler)
     proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "generate", "--prompt", "def fibonacci(n):",
                              "--max-new-tokens", "2000", "--proposer", "none", "--threads", "1", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         proc.stdout.read(1)  # text is streaming: the generation runs
         proc.send_signal(signal.SIGINT)
