@@ -11,6 +11,10 @@ Prints a table and one JSON line last.
 
     python benchmarks/bench_attention.py --contexts 8192,32768,131072 --trees 16,64,69,128
 
+``--causal``: prefill chunks of M tokens after S cached ones instead of trees (as the captured
+prefill's chunk steps run them), e.g. ``--contexts 0,2048,6144 --trees 2048 --heads 9 --kv-heads 3
+--head-dim 64 --causal`` for the default model's chunks.
+
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
 block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles)
 per shape instead, and prints the fastest few and the default's rank (each checked against the
@@ -74,7 +78,7 @@ def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: 
     return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
 
 
-def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
+def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: bool = False) -> list:
     """Times every launch configuration of the grid on one shape; prints the fastest five."""
     import itertools
 
@@ -89,9 +93,9 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate) -> list:
                                                    num_stages=stages, per_sm=per_sm, tma=tma, block_q=bq)
                                       for (bn, stages), warps, per_sm, tma, bq in grid]:
         try:
-            out = tree_attention(q, k, v, lengths, tree, config)
+            out = tree_attention(q, k, v, lengths, tree, config, causal=causal)
             err = float((out.double() - ref).norm() / ref.norm())
-            t = timed(lambda: tree_attention(q, k, v, lengths, tree, config), repeats)
+            t = timed(lambda: tree_attention(q, k, v, lengths, tree, config, causal=causal), repeats)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects (shared memory, registers)
             print(f"S={s} M={m} {config}: {type(e).__name__}", flush=True)
             continue
@@ -118,6 +122,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
+    p.add_argument("--causal", action="store_true",
+                   help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
@@ -135,6 +141,8 @@ def main(argv=None):
             tree = torch.eye(m, dtype=torch.bool)
             for i in range(1, m):
                 tree[i] |= tree[parents[i]]
+            if args.causal:  # a prefill chunk of M tokens after S cached ones
+                tree = torch.ones(m, m, dtype=torch.bool).tril()
             tree = tree.cuda()[None]
             dense = torch.cat([torch.ones(1, m, s, dtype=torch.bool, device="cuda"), tree], -1)
             ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,
@@ -142,12 +150,15 @@ def main(argv=None):
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
-                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate))
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.causal))
                 continue
             impls = {
-                "triton": lambda: tree_attention(q, k, v, lengths, tree),  # TMA loads for 128-row tiles (Hopper)
-                "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False)),
-                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True)),
+                # TMA loads for 128-row tiles (Hopper)
+                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal),
+                "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False),
+                                                          causal=args.causal),
+                "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True),
+                                                       causal=args.causal),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),
