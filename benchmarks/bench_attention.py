@@ -73,9 +73,11 @@ def machine_rates() -> tuple:
     return copy_bandwidth(), 2 * 8192**3 / timed(lambda: a @ a, 10, inner=1)
 
 
-def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: float) -> float:
-    """max(bytes / bandwidth, FLOPs / matmul rate) of tree attention: K/V read once, QK and PV."""
-    return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * m * cap * d / rate)
+def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: float, causal: bool = False) -> float:
+    """max(bytes / bandwidth, FLOPs / matmul rate) of tree attention: K/V read once, QK and PV
+    (``causal``: query i of the M sees the cap - M cached keys and i + 1 of its own)."""
+    pairs = m * (cap - m) + m * (m + 1) // 2 if causal else m * cap
+    return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * pairs * d / rate)
 
 
 def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: bool = False) -> list:
@@ -83,7 +85,7 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
     import itertools
 
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
-    floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
+    floor = floor_s(h, hkv, m, cap, d, bandwidth, rate, causal)
     results = []
     rows = h // hkv * m
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
@@ -166,7 +168,7 @@ def main(argv=None):
             }
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
-            floor = floor_s(h, hkv, m, cap, d, bandwidth, rate)
+            floor = floor_s(h, hkv, m, cap, d, bandwidth, rate, args.causal)
             for name, fn in impls.items():
                 try:
                     out = fn()

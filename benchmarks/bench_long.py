@@ -200,12 +200,12 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         chunked.max_chunks = 1 << 30  # every prompt through this mode, however long
         if mode == "chunks":  # captured chunk steps only, whatever the prompt's length
             chunked.by_layer_from = 1 << 62
-        chunked.prepare([])  # (what the engine's warm-up does besides capturing: sets layer by layer up)
+        chunked.prepare_by_layer()  # (as the engine's warm-up does)
         assert chunked.takes([n], [0]), f"{mode}:{chunk} does not take {n} tokens into {engine.max_len} slots"
         engine.chunked_prefill = chunked
         # capture / first-call costs off the clock, on a prompt of another length: a request's
         # new length pays what it pays in use (e.g. cuDNN's plan for a new shape)
-        warm = Sequence(prompt[:min(n - 1, 2 * chunk)], 1)
+        warm = Sequence(prompt[:max(1, min(n - 1, 2 * chunk))], 1)
         engine.add([warm])
         engine.cancel(warm) if not warm.done else None
         seq = Sequence(list(prompt), args.new_tokens)
@@ -253,7 +253,7 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         if args.hf_decode:
             gc.collect()
             out["hf_decode_ms"] = hf_decode_ms(hf, ids, cuda)
-            say(f"[{n}] transformers generate, static cache, compiled: {out['hf_decode_ms']:.2f} ms/token "
+            say(f"[{n}] transformers generate, static cache{', compiled' if cuda else ''}: {out['hf_decode_ms']:.2f} ms/token "
                 f"(our decode step {out['decode_ms']:.2f} ms: {out['hf_decode_ms'] / out['decode_ms']:.2f}x)")
         del hf
     matmul, attention = flops(c, n)

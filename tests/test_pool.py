@@ -203,6 +203,14 @@ def test_a_prompt_longer_than_a_row_is_refused_before_any_block_is_taken(target)
     assert not engine.cache.dense and engine.pool.num_free == 3 and not engine.has_active
 
 
+def test_an_empty_prompt_is_refused_before_any_block_is_taken(target):
+    engine = Engine(target, None, None, max_batch=2, max_len=128, pool_tokens=192, block_size=64)
+    free = engine.pool.num_free
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([Sequence([5, 6], 4), Sequence([], 4)])
+    assert engine.pool.num_free == free and not engine.has_active
+
+
 def test_prompt_lookup_over_a_history_shorter_than_its_ngrams(target):
     """On a CPU the lookup searches only the history in use: a one-token prompt (history shorter
     than its longest n-gram) still drafts, and decodes plain decoding's tokens."""

@@ -182,6 +182,25 @@ def test_warm_up_runs_the_prompts_causal_attention_once(target, monkeypatch):
     assert seen == [((1, c.num_heads, 8, c.head_dim), (1, c.num_kv_heads, 8, c.head_dim), target.dtype)]
 
 
+def test_the_attention_of_prompts_by_layer_is_set_up_once_where_they_can_occur(target, monkeypatch):
+    """prepare_by_layer (an engine's warm-up) sets the causal attention up once, only with CUDA
+    graphs and only where a prompt can be long enough to go by layer; the chunk steps' preparation
+    alone (what a Generator's call does) never does."""
+    from longspec.models import layer_prefill
+
+    calls = []
+    monkeypatch.setattr(layer_prefill, "warm_up", lambda t: calls.append(t))
+    for max_len, graphs, expected in ((40, True, 1), (20, True, 0), (40, False, 0)):
+        calls.clear()
+        chunked = ChunkedPrefill(target, target.new_cache(1, max_len), 16, None, cuda_graphs=graphs)
+        monkeypatch.setattr(chunked, "by_layer_from", 24)
+        chunked.prepare([])
+        assert calls == []
+        chunked.prepare_by_layer()
+        chunked.prepare_by_layer()
+        assert len(calls) == expected, (max_len, graphs)
+
+
 @pytest.mark.parametrize("chunk", [16, (8, 32)])
 @pytest.mark.parametrize("proposer", ["none", "hybrid"])
 def test_an_engine_prefilling_in_chunks_gives_the_same_tokens(target, proposer, chunk, monkeypatch):

@@ -44,6 +44,8 @@ class Admission:
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
         for s in seqs:
+            if not s.prompt:
+                raise ValueError("a sequence's prompt must hold at least one token")
             need = self.need(s)
             if need > self.max_len:
                 raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "

@@ -55,7 +55,8 @@ new to the process:
 * 131,072 tokens: chunks 16.2 s, by layer 11.6 s, transformers 17.4 s;
 
 hence the threshold between 16k and 32k. A process's first cuDNN attention call sets cuDNN up
-(~0.9 s), which :meth:`ChunkedPrefill.prepare` pays at warm-up; each new prompt length still
+(~0.9 s), which an engine's warm-up pays (:meth:`ChunkedPrefill.prepare_by_layer`; a
+``Generator`` leaves it to its first prompt by layer); each new prompt length still
 builds a plan (~40 ms, ``diagnose_first_prefill.py``). Only targets whose layers all see every
 earlier token go by layer (:func:`~longspec.models.layer_prefill.supports`: not Gemma 3's
 sliding-window layers). A prompt by layer needs no padded slots and no chunk-step count, so any
@@ -175,6 +176,7 @@ class ChunkedPrefill:
         self.uniforms = Uniforms(None, device)  # draws none: keeps the engine's seeded stream untouched
         self.runners: dict = {}  # {(row, size): its chunk step}
         self.steps_run: Counter = Counter()
+        self.by_layer_ready = False  # :meth:`prepare_by_layer` done
 
     def plan(self, n_tokens: int, start: int = 0) -> Optional[list]:
         """The chunk sizes that prefill ``n_tokens`` after ``start`` tokens in the cache
@@ -241,13 +243,17 @@ class ChunkedPrefill:
 
     def prepare(self, rows) -> None:
         """Prepares (on CUDA captures) the chunk step of every size for each of ``rows`` (rows
-        holding no sequence: a step's warm-up runs write past their lengths) and, on CUDA where a
-        prompt may go layer by layer, sets its causal attention up (:func:`layer_prefill.warm_up`)."""
+        holding no sequence: a step's warm-up runs write past their lengths)."""
         for row in rows:
             for size in self.sizes:
                 self.runner(row, size).prepare()
-        if self.cuda_graphs and self.by_layer(self.cache.max_len):
-            layer_prefill.warm_up(self.target)  # (the first prompt by layer would pay the backend's set-up)
+
+    def prepare_by_layer(self) -> None:
+        """On CUDA, where a prompt may go layer by layer, sets its causal attention up once
+        (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s), which the first such prompt would pay."""
+        if self.cuda_graphs and not self.by_layer_ready and self.by_layer(self.cache.max_len):
+            layer_prefill.warm_up(self.target)
+            self.by_layer_ready = True
 
     def runner(self, row: int, size: Optional[int] = None) -> PhaseRunner:
         """The chunk step of row ``row`` for chunks of ``size`` tokens (default the big chunk),
