@@ -154,7 +154,6 @@ def hf_decode_ms(hf, ids: torch.Tensor, cuda: bool, short: int = 8, long: int = 
     with Heartbeat(f"transformers static-cache generate at {n} (compiling)", cuda):
         run(short)
     seconds = {k: run(k) for k in (short, long)}
-    del cache
     return 1e3 * (seconds[long] - seconds[short]) / (long - short)
 
 
