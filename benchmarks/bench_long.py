@@ -48,6 +48,7 @@ from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
 
+BENCH_MODES = MODES + ("chunks",)  # chunks: captured chunk steps whatever the length
 DEFAULT_CONTEXTS = {"llama-8b": "32768,131072,524288", "llama-1b": "8192,262144,1048576", "tiny": "256,700"}
 LOG: list = []
 
@@ -180,7 +181,7 @@ def decode_step_ms(target, engine, cuda: bool) -> float:
 def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     c = target.config
     tree = TreeSpec.parse(args.tree)
-    modes = [(m.partition(":")[0], int(m.partition(":")[2] or 2048)) for m in args.prefill.split(",")]  # (validated)
+    modes = [(m.partition(":")[0], int(m.partition(":")[2] or 2048)) for m in args.prefill.split(",")]
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -270,7 +271,7 @@ def main(argv=None):
     p.add_argument("--contexts", help="prompt lengths (default per shape: " +
                    "; ".join(f"{k} {v}" for k, v in DEFAULT_CONTEXTS.items()) + ")")
     p.add_argument("--prefill", default="captured:2048",
-                   help=f"prefill modes to time, MODE:CHUNK comma-separated (modes {', '.join(MODES)}); the last "
+                   help=f"prefill modes to time, MODE:CHUNK comma-separated (modes {', '.join(BENCH_MODES)}); the last "
                         "one's request is decoded")
     p.add_argument("--hf-max", type=int, default=131072,
                    help="time transformers' prefill at contexts up to this many tokens (0: never)")
@@ -287,8 +288,8 @@ def main(argv=None):
     p.add_argument("--out", help="also write everything printed to this file")
     args = p.parse_args(argv)
     for mode in args.prefill.split(","):
-        if mode.partition(":")[0] not in MODES + ("chunks",):
-            raise SystemExit(f"--prefill takes MODE:CHUNK with MODE one of {MODES + ('chunks',)}, got {mode!r}")
+        if mode.partition(":")[0] not in BENCH_MODES:
+            raise SystemExit(f"--prefill takes MODE:CHUNK with MODE one of {BENCH_MODES}, got {mode!r}")
     if args.sdpa_backends:
         from torch.nn.attention import SDPBackend
 

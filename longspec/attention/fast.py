@@ -30,8 +30,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # ``set_priority``; an ineligible one, e.g. for lower-right causal, is skipped). cuDNN first: on the
 # H200 (``benchmarks/bench_causal.py``, ``causal_attention_h200.log``; 32 query and 8 KV heads, bf16)
 # its causal attention ran at 565-600 TFLOP/s from 8k to 128k tokens, PyTorch's default (flash) at
-# 335-345. It builds a plan for every new shape (40-70 ms for most new lengths, once ~0.6 s):
-# prompts by layer pay it once per prompt, not per layer
+# 335-345. Its first call in a process sets cuDNN up (~0.9 s, paid at an engine's warm-up) and each
+# new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer
 CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_BACKENDS]
 
 

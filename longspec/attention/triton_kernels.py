@@ -306,7 +306,8 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
 def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool,
             table: Optional[torch.Tensor] = None, block_size: int = 0,
             starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``table``: k_cache, v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
+    """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``table``: k_cache,
+    v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]
@@ -394,11 +395,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          f"got {tuple(starts.shape)} {starts.dtype}")
     if tree_mask.dim() != 3 or tree_mask.shape[1] != m or tree_mask.shape[0] not in (1, q.shape[0]):
         raise ValueError(f"tree_attention: tree mask must be [B or 1, {m}, N], got {tuple(tree_mask.shape)}")
-    if causal and tree_mask.shape[2] < m:
-        raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {tree_mask.shape[2]}, M {m}")
     if causal:  # the chunk's slots continue the prefix: query i sees the slots up to its own, read
         # by the prefix's unmasked block loop (a tile's ragged band masked), with no tree part
         n_tree = tree_mask.shape[2]
+        if n_tree < m:
+            raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {n_tree}, M {m}")
         limits = lengths[:, None] + (n_tree - m + 1) + torch.arange(m, device=q.device)[None, :]
         return _launch(q, k_cache, v_cache, lengths + n_tree, limits, None, c, with_prefix=True, table=table,
                        block_size=block_size, starts=starts)

@@ -158,9 +158,8 @@ class ChunkedPrefill:
             raise ValueError(f"prefill chunks must be 1 to {cache.max_len} tokens (the cache's slots), got {chunk}")
         if mode not in MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; expected one of {MODES}")
-        if mode == "layers" and not layer_prefill.supports(target.config):
-            raise ValueError("prefill mode 'layers' runs targets whose layers all see every earlier token, with "
-                             "plain pre-norm blocks; this target has sliding-window layers or Gemma-style norms")
+        if mode == "layers":
+            layer_prefill.check_supported(target.config)
         self.target, self.cache, self.n_keys, self.mode = target, cache, n_keys, mode
         self.sizes = sizes if mode == "captured" else sizes[-1:]
         self.chunk = sizes[-1]  # the big chunk

@@ -46,6 +46,14 @@ def supports(config) -> bool:
             and config.query_pre_attn_scalar in (None, config.head_dim))
 
 
+def check_supported(config) -> None:
+    """Raises ValueError, saying what to do instead, for a target :func:`prefill_by_layer` cannot run."""
+    if not supports(config):
+        raise ValueError("a prefill layer by layer runs targets whose layers all see every earlier token, with "
+                         "plain pre-norm blocks; this one has sliding-window layers or Gemma-style norms: prefill "
+                         "it in chunks")
+
+
 @torch.inference_mode()
 def warm_up(target, tokens: int = 256) -> None:
     """One causal attention call on ``tokens`` tokens of the target's heads: a process's first
@@ -66,9 +74,7 @@ def prefill_by_layer(target, input_ids: torch.Tensor, cache: KVCache, piece: int
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or cache.batch_size != 1:
         raise ValueError(f"prefill_by_layer takes one row: input_ids [1, T] and a one-row cache, got "
                          f"{tuple(input_ids.shape)} and {cache.batch_size} rows")
-    if not supports(target.config):
-        raise ValueError("prefill_by_layer runs targets whose layers all see every earlier token, with plain "
-                         "pre-norm blocks; this one has sliding-window layers or Gemma-style norms: prefill it in chunks")
+    check_supported(target.config)
     if piece < 1:
         raise ValueError(f"piece must be >= 1 tokens, got {piece}")
     t = input_ids.shape[1]
