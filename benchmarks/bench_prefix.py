@@ -100,6 +100,9 @@ class InProcessServer:
         self.server.engine.close()
 
 
+_client = None
+
+
 def stream(url: str, prompt: list, max_tokens: int) -> dict:
     """One streamed greedy completion -> ttft_s, ms per decoded token, generated ids, usage."""
     import httpx
@@ -107,8 +110,11 @@ def stream(url: str, prompt: list, max_tokens: int) -> dict:
     start = time.perf_counter()
     first = last = None
     final = {}
-    with httpx.stream("POST", url + "/v1/completions", timeout=3600,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+    global _client
+    if _client is None:  # one connection for the run, as an API client keeps (not a new one per request)
+        _client = httpx.Client(timeout=3600)
+    with _client.stream("POST", url + "/v1/completions",
+                        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):

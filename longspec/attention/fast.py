@@ -12,16 +12,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: bool) -> tuple:
+    """(k, v, enable_gqa) for SDPA: with ``repeat`` and fewer KV heads than query heads, K/V
+    repeated per query head, for the memory-efficient kernel, which has no GQA: without them
+    SDPA falls back to its math path, a [B, Hq, M, S] float32 matrix (256 GiB for 256k tokens)."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and repeat:
+        g = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False
+    return k, v, gqa
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, M, D]; k, v [B, Hkv, S, D] (GQA: Hq a multiple of Hkv); mask [B, M, S] bool
     (true = visible; every row must see a key: ``attend_masked`` handles rows that see none).
     Returns o [B, Hq, M, D] in q's dtype."""
     k, v = k.to(q.dtype), v.to(q.dtype)
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and q.is_cuda:  # the memory-efficient kernel (flash takes no mask) has no GQA: without
-        # the repeated K/V, SDPA would fall back to its math path (a [B, Hq, M, S] float32 matrix)
-        g = q.shape[1] // k.shape[1]
-        k, v, gqa = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False
+    # the memory-efficient kernel (flash takes no mask) has no GQA
+    k, v, gqa = _grouped(q, k, v, repeat=q.is_cuda)
     with sdpa_kernel(_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
@@ -42,7 +50,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     ``causal_lower_right`` bias runs it on the flash kernel where it can. No [M, S] mask or score
     matrix is materialised. Backends: :data:`CAUSAL_BACKENDS`."""
     m, s = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    # float32 on CUDA: only the memory-efficient kernel takes it (not flash, not cuDNN)
+    k, v, gqa = _grouped(q, k, v, repeat=q.is_cuda and q.dtype == torch.float32)
     with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
         if m == s:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

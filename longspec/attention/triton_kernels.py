@@ -91,7 +91,7 @@ if triton is not None:
     def _slot(TBL, b, n, stbl_b, BS, PAGED: tl.constexpr):
         """Storage slot of a row's logical slot(s) ``n``: through the block table (PAGED) or ``n``."""
         if PAGED:
-            return tl.load(TBL + b * stbl_b + n // BS) * BS + n % BS
+            return tl.load(TBL + b * stbl_b + n // BS).to(tl.int64) * BS + n % BS
         else:
             return n
 
@@ -160,7 +160,7 @@ if triton is not None:
                         PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
+        b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
         rows, row_ok, i, q, row_end, row_start = _rows(Q, LIM, START, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b,
@@ -216,7 +216,7 @@ if triton is not None:
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                       HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
         pid, tile = tl.program_id(0), tl.program_id(1)
-        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
+        b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
         d = tl.arange(0, HEAD_D)
@@ -242,7 +242,7 @@ if triton is not None:
     def _store_kv_kernel(K, V, KN, VN, SLOTS, sc_b, sc_h, sc_s, skn_b, skn_h, skn_m, svn_b, svn_h, svn_m, ss_b, ss_m,
                          HKV, M, CAP, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
         pid, tile = tl.program_id(0), tl.program_id(1)
-        b, h = (pid // HKV).to(tl.int64), pid % HKV  # 64-bit offsets: a batch of 1M-token caches passes 2^31
+        b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, HEAD_D)
         slot = tl.load(SLOTS + b * ss_b + i * ss_m, mask=i < M, other=-1)
