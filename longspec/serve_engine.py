@@ -21,8 +21,9 @@ def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: 
                  bucket_trees=None, prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
                  pool_tokens: Optional[int] = None) -> Engine:
     """A serving engine: ``max_batch`` rows of ``max_len`` slots with per-request sampling (see
-    :func:`~longspec.serve.build_server`). Raises ValueError for a ``max_len`` beyond the model's
-    positions."""
+    :func:`~longspec.serve.build_server`); with compiled steps its proposals are compiled too (a
+    server lives long enough to repay the compilation). Raises ValueError for a ``max_len`` beyond
+    the model's positions."""
     positions = target.config.max_position_embeddings
     if max_len > positions:
         raise ValueError(f"--max-len {max_len} exceeds the model's {positions} positions (max_position_embeddings)")
@@ -30,7 +31,7 @@ def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: 
     sampling = RowSampling.zeros(max_batch, target.device)
     return Engine(target, proposer, tree, max_batch=max_batch, max_len=max_len, config=sampling, buckets=buckets,
                   bucket_trees=bucket_trees, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                  pool_tokens=pool_tokens)
+                  pool_tokens=pool_tokens, compile_proposals=True)
 
 
 class EngineCalls:
