@@ -13,7 +13,9 @@ Per request: prompt tokens, tokens read from the cache (``usage.prompt_tokens_de
 first token (TTFT) with and without the cache, and decode milliseconds per token. For each
 request that hit the cache, the goal's yardstick: a cold request made of only the tokens after
 the shared prefix (the question, or the new turn), on the server without the cache; the goal is
-``TTFT(cached) <= 1.1 x TTFT(cold, prompt - shared prefix)``. On CUDA prompts are prefilled in
+``TTFT(cached) <= 1.1 x TTFT(cold, prompt - shared prefix)``. Beside each TTFT, the server's own
+``timings_ms["prefill"]`` (from the start of the request's prefill to its first token, without the
+client's and the server's handling of the prompt's JSON). On CUDA prompts are prefilled in
 captured chunks (``--prefill-chunk``, default 1024), a prompt's rest, as the tokens after a cached
 prefix, in the smaller chunks of its ladder (``--prefill-sizes``; ``--prefill-sizes 1024``: the
 big chunk alone, for comparison). Per trace and server: throughput
@@ -129,7 +131,7 @@ def stream(url: str, prompt: list, max_tokens: int) -> dict:
     first = first or last
     ids = final["longspec"]["token_ids"]
     return {"ttft_s": first - start, "decode_ms": 1000 * (last - first) / max(len(ids) - 1, 1), "ids": ids,
-            "prompt_tokens": final["usage"]["prompt_tokens"],
+            "server_ms": final["longspec"]["timings_ms"], "prompt_tokens": final["usage"]["prompt_tokens"],
             "cached_tokens": final["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
@@ -269,18 +271,21 @@ def main(argv=None) -> int:
         say(f"\n## {kind} trace")
         say(f"{'req':>3} {'prompt':>7} {'shared':>7} {'cached':>7} {'ttft cache s':>12} {'ttft cold s':>11} "
             f"{'tail':>5} {'ttft tail s':>11} {'cache/tail':>10} {'cache/cold':>10} {'ms/tok cache':>12} "
-            f"{'ms/tok cold':>11} same")
-        ratios, full_ratios = [], []
+            f"{'ms/tok cold':>11} {'prefill ms cache':>16} {'cold':>7} {'tail':>6} same")
+        ratios, full_ratios, prefill_ratios = [], [], []
         for i, (c, n) in enumerate(zip(results["cache"][kind], results["no_cache"][kind])):
             tail = n.get("tail")
             ratio = c["ttft_s"] / tail["ttft_s"] if tail else float("nan")
             if tail:
                 ratios.append(ratio)
                 full_ratios.append(c["ttft_s"] / n["ttft_s"])
+                prefill_ratios.append(c["server_ms"]["prefill"] / tail["server_ms"]["prefill"])
             say(f"{i:>3} {c['prompt_tokens']:>7} {c['shared']:>7} {c['cached_tokens']:>7} {c['ttft_s']:>12.3f} "
                 f"{n['ttft_s']:>11.3f} {len(c['prompt']) - c['shared'] if tail else 0:>5} "
                 f"{tail['ttft_s'] if tail else float('nan'):>11.3f} {ratio:>10.2f} {c['ttft_s'] / n['ttft_s']:>10.3f} "
-                f"{c['decode_ms']:>12.1f} {n['decode_ms']:>11.1f} {c['ids'] == n['ids']}")
+                f"{c['decode_ms']:>12.1f} {n['decode_ms']:>11.1f} {c['server_ms']['prefill']:>16.1f} "
+                f"{n['server_ms']['prefill']:>7.1f} {tail['server_ms']['prefill'] if tail else float('nan'):>6.1f} "
+                f"{c['ids'] == n['ids']}")
         gen_tokens = {k: sum(len(r["ids"]) for r in results[k][kind]) for k in ("cache", "no_cache")}
         wall = {k: sum(r["ttft_s"] + r["decode_ms"] * (len(r["ids"]) - 1) / 1000 for r in results[k][kind])
                 for k in ("cache", "no_cache")}
@@ -291,11 +296,15 @@ def main(argv=None) -> int:
         if ratios:
             say(f"TTFT cached / cold tail: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f} "
                 f"(goal <= 1.10); cached / cold whole prompt: median {statistics.median(full_ratios):.3f}")
+            say(f"the server's prefill (to the first token; timings_ms) cached / cold tail: median "
+                f"{statistics.median(prefill_ratios):.2f}, worst {max(prefill_ratios):.2f}")
         summary[kind] = {"throughput_cache": round(tput["cache"], 3), "throughput_no_cache": round(tput["no_cache"], 3),
                          "speedup": round(tput["cache"] / tput["no_cache"], 3),
                          "ttft_cache_over_tail_median": round(statistics.median(ratios), 3) if ratios else None,
                          "ttft_cache_over_tail_worst": round(max(ratios), 3) if ratios else None,
                          "ttft_cache_over_cold_median": round(statistics.median(full_ratios), 4) if ratios else None,
+                         "server_prefill_cache_over_tail_median":
+                             round(statistics.median(prefill_ratios), 3) if ratios else None,
                          "outputs_equal": all(c["ids"] == n["ids"] for c, n in
                                               zip(results["cache"][kind], results["no_cache"][kind]))}
     say(f"\nKV pool with the cache (/health): {json.dumps(health['cache'])}")

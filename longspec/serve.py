@@ -65,6 +65,19 @@ class Request:
     error: Optional[Exception] = None  # handing its text over failed (it leaves after the round)
     created: float = field(default_factory=time.time)
     checked: float = 0.0  # when the event loop last checked that the client is still connected
+    # perf_counter seconds: its body arrived (default: when it was built, after parsing), it was
+    # parsed, its prefill began and its first token was out
+    received: float = field(default_factory=time.perf_counter)
+    parsed: float = field(default_factory=time.perf_counter)
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+
+    def timings_ms(self) -> dict:
+        """Where its time to first token went on the server, in ms: parsing the body (and
+        tokenising), waiting for a row or KV blocks, and its prefill up to its first token."""
+        return {"parse": round(1e3 * (self.parsed - self.received), 3),
+                "queue": round(1e3 * (self.prefill_start - self.parsed), 3),
+                "prefill": round(1e3 * (self.first_token - self.prefill_start), 3)}
 
     def push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -210,9 +223,14 @@ class Worker:
     def _add(self, group: list) -> None:
         """Prefills ``group``; a seeded request (alone in its group) draws from its own generator
         in the row it takes (the first free one), so its text does not depend on its neighbours."""
+        start = time.perf_counter()
         for request in group:
             self.running[id(request.seq)] = request
+            request.prefill_start = start
         self.calls.add([r.seq for r in group], group[0].seed, streamer=self._on_tokens)
+        done = time.perf_counter()
+        for request in group:
+            request.first_token = done
 
     def _settle(self, requests: list) -> None:
         """After an engine call: the requests that finished (or met a stop string, or failed to

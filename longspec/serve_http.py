@@ -16,6 +16,7 @@ What a client can count on (docs/server-security.md says it for users):
 import asyncio
 import hmac
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -129,10 +130,11 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
                                             "owned_by": "longspec"}]}
 
     async def handle(http: HTTPRequest, chat: bool):
+        received = time.perf_counter()
         raw = await http.body()
         loop = asyncio.get_running_loop()
         seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat)
-        request = Request(seq, stop, seed, loop, asyncio.Queue())
+        request = Request(seq, stop, seed, loop, asyncio.Queue(), received=received)
         server.worker.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -240,4 +242,5 @@ def _usage(request: Request) -> dict:
 
 
 def _extension(request: Request) -> dict:
-    return {"tau": round(request.seq.tau, 4), "token_ids": list(request.seq.tokens)}
+    return {"tau": round(request.seq.tau, 4), "token_ids": list(request.seq.tokens),
+            "timings_ms": request.timings_ms()}

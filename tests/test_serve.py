@@ -72,6 +72,8 @@ def test_completion_and_chat(server, alone, tiny_dir):
     assert extension["token_ids"] == alone(ids, 12)
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(extension["token_ids"])
     assert out.choices[0].finish_reason in ("length", "stop") and extension["tau"] >= 1.0
+    timings = extension["timings_ms"]  # where its time to first token went on the server
+    assert set(timings) == {"parse", "queue", "prefill"} and min(timings.values()) >= 0 and timings["prefill"] > 0
     streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True)
     text = "".join(chunk.choices[0].text for chunk in streamed)
     assert text == out.choices[0].text
