@@ -169,14 +169,15 @@ class PrefixCache:
             self.idle.pop(b, None)
             self.refs[b] = self.refs.get(b, 0) + 1
 
-    def assign(self, cache, rows, seqs: list, needs: list) -> None:
+    def assign(self, cache, rows, seqs: list, needs: list, hits: Optional[list] = None) -> None:
         """Gives rows ``rows`` of ``cache`` (a :class:`~longspec.cache.KVCache` allocating from
         this cache) room for ``seqs`` (``needs`` slots each): the cached blocks each prompt
         starts with, held before any fresh block is allocated (so no allocation evicts them), then
         fresh blocks; sets each sequence's ``cached_tokens`` and indexes nothing yet (see
         :meth:`register`). On an error the held blocks of rows not assigned yet are let go (the
-        caller unassigns the others)."""
-        hits = [self.match(s.prompt) for s in seqs]
+        caller unassigns the others). ``hits``: each prompt's :meth:`match`, if nothing changed the
+        cache since (default: matched now)."""
+        hits = [self.match(s.prompt) for s in seqs] if hits is None else hits
         copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
         for h in hits:  # all held first: a block one prompt holds is never another's to take over
             self.acquire(h.blocks)
@@ -213,13 +214,17 @@ class PrefixCache:
         evict them for its fresh blocks."""
         return len({b for h in hits for b in h.blocks if b in self.idle})
 
-    def register(self, blocks: list, tokens: list, last: bool = False) -> None:
+    def register(self, blocks: list, tokens: list, last: bool = False, indexed: int = 0) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
         tokens whose ids are known); ``last``: the partly filled block after them too (a row that
         has ended: nothing writes it any more; a later prompt can only copy from it). A block
         whose content is cached in another block already stays unindexed (it goes back to the
-        pool when released)."""
+        pool when released). ``indexed``: the first blocks are known to be indexed under these
+        tokens (the cached blocks the row holds since its admission): they are not walked again."""
         parent, size = ROOT, self.block_size
+        if indexed and blocks[indexed - 1] in self.blocks:
+            parent = self.blocks[blocks[indexed - 1]].node
+            blocks, tokens = blocks[indexed:], tokens[indexed * size:]
         for block, key_tokens in zip(blocks, self._keys(tokens, -(-len(tokens) // size) if last else len(tokens) // size)):
             key = (parent, key_tokens)
             cached = self.index.get(key)

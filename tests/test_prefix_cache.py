@@ -108,6 +108,27 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     assert not cache.blocks and not cache.idle and not cache.index
 
 
+def test_registering_after_the_blocks_a_row_took_from_the_cache_indexes_what_a_full_walk_does(target):
+    """``register(indexed=k)`` (a row's first k blocks came from the cache: not walked again)
+    leaves the index as registering every block does, a block whose content is cached
+    elsewhere included."""
+    def index_after(indexed: int) -> tuple:
+        cache = PrefixCache(BlockPool(target.config, num_blocks=12, block_size=4))
+        first = cache.allocate(3)
+        cache.register(first, list(range(12)))  # blocks of tokens 0..3, 4..7, 8..11
+        other = cache.allocate(3)
+        cache.register(other, list(range(8)) + [50, 51, 52, 53])  # (its first two blocks: cached already)
+        hit = cache.match(list(range(12)) + [60])
+        cache.acquire(hit.blocks)
+        row = hit.blocks + cache.allocate(3)
+        cache.register(row, list(range(12)) + [60, 61, 62, 63, 64, 65, 66, 67, 68], last=True,
+                       indexed=indexed)
+        return {k: (cache.blocks[b].node, b) for k, b in cache.index.items()}, cache.children
+
+    walked, from_hit = index_after(0), index_after(3)
+    assert from_hit == walked and len(walked[0]) == 7
+
+
 def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_follows_it(target):
     """An ended row's partly filled last block is indexed too (``last``): a prompt going on from
     that text copies its tokens and takes the block over (its blocks stay consecutive); a block

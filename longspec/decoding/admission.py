@@ -50,15 +50,18 @@ class Admission:
             if need > self.max_len:
                 raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
                                  f"{need} cache slots, the engine has {self.max_len}")
-        if not self.can_admit(seqs):
-            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs)} blocks of "
-                                f"{self.pool.block_size} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
+        hits = self._hits(seqs)
+        if not self.can_admit(seqs, hits):
+            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs, hits)} "
+                                f"blocks of {self.pool.block_size} tokens, {self.pool.num_free} of "
+                                f"{self.pool.num_blocks} are free")
         start = 0
         while start < len(seqs):  # runs of consecutive free rows
             stop = start + 1
             while stop < len(seqs) and free[stop] == free[start] + stop - start:
                 stop += 1
-            self._prefill(seqs[start:stop], free[start], streamer)
+            # (a later run matches again: the runs before it allocated, which may have evicted its blocks)
+            self._prefill(seqs[start:stop], free[start], streamer, hits[start:stop] if start == 0 else None)
             start = stop
 
     def need(self, s: Sequence) -> int:
@@ -75,22 +78,23 @@ class Admission:
         hits = self._hits(seqs) if hits is None else hits
         return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
 
-    def can_admit(self, seqs: list) -> bool:
-        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`)."""
-        hits = self._hits(seqs)
+    def can_admit(self, seqs: list, hits: Optional[list] = None) -> bool:
+        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`);
+        ``hits``: their :meth:`_hits` (default: matched now)."""
+        hits = self._hits(seqs) if hits is None else hits
         room = self.cache.allocator.num_free
         if self.prefix is not None:
             room -= self.prefix.pinned_by(hits)
         return self.blocks_needed(seqs, hits) <= room
 
-    def _prefill(self, seqs: list, row0: int, streamer) -> None:
+    def _prefill(self, seqs: list, row0: int, streamer, hits: Optional[list] = None) -> None:
         n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
             if self.prefix is None:
                 for row, s in zip(rows, seqs):
                     self.cache.assign(row, self.need(s))
             else:
-                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs])
+                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs], hits)
             logits = self._prefill_rows(seqs, row0)
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
             self.cache.lengths[row0:row0 + n] = 0
@@ -98,7 +102,7 @@ class Admission:
                 self.cache.unassign(row)
             raise
         for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
-            self.prefix.register(self.cache.blocks[row], s.prompt)
+            self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -152,7 +156,7 @@ class Admission:
         self.active[s.row] = 0
         if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
             self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
-                                 last=True)
+                                 last=True, indexed=s.cached_tokens // self.pool.block_size)
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
 
