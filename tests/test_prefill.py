@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
+from longspec.cache import BlockPool
 from longspec.decoding.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.decoding.prefill import MODES, ChunkedPrefill, chunk_plan, default_sizes
@@ -170,16 +171,20 @@ def test_sliding_window_targets_never_go_layer_by_layer(tiny_model_factory, monk
         prefill_by_layer(gemma, torch.tensor([prompt]), gemma.new_cache(1, 64))
 
 
-def test_warm_up_runs_the_prompts_causal_attention_once(target, monkeypatch):
-    """The warm-up's call has the target's query and KV heads (cuDNN's set-up is paid for the
-    shapes the prompts by layer use)."""
+def test_warm_up_runs_a_prompt_by_layer_and_drops_its_tokens(target, monkeypatch):
+    """The warm-up is a prompt by layer: each layer's causal attention with the target's query
+    and KV heads (cuDNN's set-up is paid for the shapes the prompts by layer use); the row is
+    left empty."""
     from longspec.models import layer_prefill
 
-    seen = []
-    monkeypatch.setattr(layer_prefill, "causal_attention", lambda q, k, v: seen.append((q.shape, k.shape, q.dtype)))
-    layer_prefill.warm_up(target, tokens=8)
+    seen, attend = [], layer_prefill.causal_attention
+    monkeypatch.setattr(layer_prefill, "causal_attention",
+                        lambda q, k, v: seen.append((q.shape, k.shape, q.dtype)) or attend(q, k, v))
+    cache = target.new_cache(1, 32)
+    layer_prefill.warm_up(target, cache, tokens=9)
     c = target.config
-    assert seen == [((1, c.num_heads, 8, c.head_dim), (1, c.num_kv_heads, 8, c.head_dim), target.dtype)]
+    assert seen == [((1, c.num_heads, 9, c.head_dim), (1, c.num_kv_heads, 9, c.head_dim), target.dtype)] * c.num_layers
+    assert not cache.lengths.any()
 
 
 def test_the_attention_of_prompts_by_layer_is_set_up_once_where_they_can_occur(target, monkeypatch):
@@ -189,16 +194,22 @@ def test_the_attention_of_prompts_by_layer_is_set_up_once_where_they_can_occur(t
     from longspec.models import layer_prefill
 
     calls = []
-    monkeypatch.setattr(layer_prefill, "warm_up", lambda t: calls.append(t))
+    warm_up = layer_prefill.warm_up
+    monkeypatch.setattr(layer_prefill, "warm_up", lambda *a: calls.append(a) or warm_up(*a))
     for max_len, graphs, expected in ((40, True, 1), (20, True, 0), (40, False, 0)):
         calls.clear()
-        chunked = ChunkedPrefill(target, target.new_cache(1, max_len), 16, None, cuda_graphs=graphs)
+        pool = BlockPool(target.cache_config, 24, 4, target.dtype, target.device)
+        cache = target.new_cache(2, max_len, pool=pool, paged=True)  # rows taking blocks from a pool
+        chunked = ChunkedPrefill(target, cache, 16, None, cuda_graphs=graphs)
         monkeypatch.setattr(chunked, "by_layer_from", 24)
         chunked.prepare([])
         assert calls == []
         chunked.prepare_by_layer()
         chunked.prepare_by_layer()
         assert len(calls) == expected, (max_len, graphs)
+        # a real prompt by layer ran (the path and layouts of the first one), and left nothing behind
+        assert [c[2] for c in calls] == [min(chunked.warm_tokens, max_len)] * expected
+        assert not cache.lengths.any() and pool.num_free == pool.num_blocks
 
 
 @pytest.mark.parametrize("chunk", [16, (8, 32)])

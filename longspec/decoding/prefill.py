@@ -150,6 +150,7 @@ class ChunkedPrefill:
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
     by_layer_from = 24576  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
+    warm_tokens = 257  # :meth:`prepare_by_layer`'s prompt (no multiple of 16, as most prompts' lengths)
 
     def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
                  mode: str = "captured", step_cost: Optional[int] = None):
@@ -247,11 +248,19 @@ class ChunkedPrefill:
             for size in self.sizes:
                 self.runner(row, size).prepare()
 
-    def prepare_by_layer(self) -> None:
-        """On CUDA, where a prompt may go layer by layer, sets its causal attention up once
-        (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s), which the first such prompt would pay."""
+    def prepare_by_layer(self, row: int = 0) -> None:
+        """On CUDA, where a prompt may go layer by layer, runs one short prompt by layer into row
+        ``row`` (holding no sequence; its blocks taken and given back) once
+        (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s set-up among what it pays), which the first
+        such prompt would pay."""
         if self.cuda_graphs and not self.by_layer_ready and self.by_layer(self.cache.max_len):
-            layer_prefill.warm_up(self.target)
+            tokens = min(self.warm_tokens, self.cache.max_len)
+            self.cache.assign(row, tokens)
+            try:
+                layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)
+            finally:
+                self.cache.lengths[row] = 0
+                self.cache.unassign(row)
             self.by_layer_ready = True
 
     def runner(self, row: int, size: Optional[int] = None) -> PhaseRunner:

@@ -55,15 +55,16 @@ def check_supported(config) -> None:
 
 
 @torch.inference_mode()
-def warm_up(target, tokens: int = 256) -> None:
-    """One causal attention call on ``tokens`` tokens of the target's heads: a process's first
-    call sets the backend up (cuDNN: about 0.9 s on an H200, ``diagnose_first_prefill.py``), which
-    the first prompt by layer would otherwise wait for. Each new prompt length still builds a
-    cuDNN plan (about 40 ms)."""
-    attn = target.model.layers[0].self_attn
-    q = torch.zeros(1, attn.n_heads, tokens, attn.head_dim, dtype=target.dtype, device=target.device)
-    k = torch.zeros(1, attn.n_kv, tokens, attn.head_dim, dtype=target.dtype, device=target.device)
-    causal_attention(q, k, k)
+def warm_up(target, cache: KVCache, tokens: int) -> None:
+    """One prefill by layer of ``tokens`` tokens into the idle one-row ``cache`` (its blocks
+    assigned), whose K/V are then dropped (its length set back to 0): what the first prompt by
+    layer would otherwise pay once, on the same path with the same layouts (a length that is no
+    multiple of 16, as most prompts' are, for the kernels' specialisations). A process's first
+    causal attention sets cuDNN up (about 0.9 s on an H200, ``diagnose_first_prefill.py``); each
+    new prompt length still builds a cuDNN plan (about 40 ms)."""
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=target.device)
+    prefill_by_layer(target, ids, cache)
+    cache.lengths.zero_()
 
 
 @torch.inference_mode()
