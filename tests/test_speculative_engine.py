@@ -2,6 +2,8 @@
 trees of their own (and plain buckets), idle rows over many rounds, warm-up, one engine reused
 by a generator for every call and released at once when replaced, fresh random numbers after a
 captured round, the collector paused around captures."""
+import time
+
 import pytest
 import torch
 
@@ -159,6 +161,28 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     engine.add([Sequence(prompt, 20)])
     with pytest.raises(RuntimeError, match="empty engine"):
         engine.warm_up()
+
+
+def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
+    """While warm_up runs, ``engine.warming`` names the part being prepared (what ``longspec
+    serve``'s status line prints every ~2 s); None before and after."""
+    from longspec.cli.commands import Heartbeat
+    from longspec.decoding import runner as runner_module
+    from longspec.decoding.engine import Engine
+
+    engine = Engine(targets["llama"], PromptLookup(), TreeSpec.parse("2,2"), max_batch=2, max_len=64)
+    seen = []
+    monkeypatch.setattr(runner_module.PhaseRunner, "prepare", lambda self: seen.append(engine.warming))
+    assert engine.warming is None
+    engine.warm_up(sampled=True)
+    assert engine.warming is None
+    assert seen == ["bucket 1's greedy rounds", "bucket 2's greedy rounds", "bucket 1's sampled rounds",
+                    "bucket 2's sampled rounds"]
+    lines = []
+    monkeypatch.setattr("longspec.cli.commands.status", lines.append)
+    with Heartbeat(lambda: "warming up", every=0.05):
+        time.sleep(0.3)
+    assert lines and all(line.startswith("warming up: ") and line.endswith(" s so far") for line in lines)
 
 
 def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +81,30 @@ class TextStreamer:
 def status(message: str) -> None:
     """One line on stderr saying what a step that may take more than a moment is doing."""
     print(f"[longspec: {message}]", file=sys.stderr, flush=True)
+
+
+class Heartbeat:
+    """While its block runs, a status line every ``every`` seconds: ``label()`` (what runs now,
+    asked each time) and the seconds so far. For steps that report no progress of their own (a
+    server's warm-up compiling and capturing)."""
+
+    def __init__(self, label, every: float = 2.0):
+        self.label, self.every = label, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="longspec-status", daemon=True)
+
+    def _beat(self) -> None:
+        start = time.monotonic()
+        while not self.stop.wait(self.every):
+            status(f"{self.label()}: {time.monotonic() - start:.0f} s so far")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 class PrefillStatus:

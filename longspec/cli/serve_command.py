@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .commands import UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice, status
+from .commands import Heartbeat, UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice, status
 
 
 def cmd_serve(args) -> int:
@@ -98,7 +98,9 @@ def cmd_serve(args) -> int:
         if bucket_trees == "auto":
             if target.device.type == "cuda":
                 status("choosing each batch bucket's tree (measures step costs once per device, cached)")
-            bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch, args.max_len)
+            with Heartbeat(lambda: "choosing each batch bucket's tree"):
+                bucket_trees, notes = choose_bucket_trees(target, proposer, tree, buckets, args.max_batch,
+                                                          args.max_len)
             if notes:
                 print(f"[longspec: trees of the batch buckets, cost model: {notes}]", file=sys.stderr, flush=True)
         server = build_server(target, tokenizer, model_name, proposer, tree, max_batch=args.max_batch,
@@ -126,7 +128,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
         status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
                "a GPU; the server answers once they are ready)")
         start = time.perf_counter()
-        server.worker.calls.warm_up()
+        with Heartbeat(lambda: f"warming up {server.engine.warming or 'batch buckets'}"):
+            server.worker.calls.warm_up()
         seconds = time.perf_counter() - start
         done = "compiled and captured" if server.engine.cuda_graphs and device.startswith("cuda") else "prepared"
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",

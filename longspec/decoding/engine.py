@@ -157,6 +157,7 @@ class Engine(Admission):
         self.parked: dict = {}
         self.greedy_round = self.config.greedy
         self.rounds = 0
+        self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
 
     # ---- the round --------------------------------------------------------------------------
     def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
@@ -312,13 +313,19 @@ class Engine(Admission):
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
-        self.prepare_prefill(by_layer=prefill_by_layer)
-        for tree in trees if trees is not None else [_OWN_TREES]:
-            if tree is not _OWN_TREES:
-                self.use_tree(tree)
-            for self.greedy_round in (True, False) if sampled else (True,):
-                for n in self.buckets:
-                    self._round(n)[1].prepare()
+        try:
+            self.warming = "the prefill"
+            self.prepare_prefill(by_layer=prefill_by_layer)
+            for tree in trees if trees is not None else [_OWN_TREES]:
+                if tree is not _OWN_TREES:
+                    self.use_tree(tree)
+                for self.greedy_round in (True, False) if sampled else (True,):
+                    for n in self.buckets:
+                        which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
+                        self.warming = f"bucket {n}'s {'greedy' if self.greedy_round else 'sampled'} rounds{which}"
+                        self._round(n)[1].prepare()
+        finally:
+            self.warming = None
         if trees is not None and len(set(map(str, own.values()))) == 1:
             self.use_tree(own[self.buckets[0]])
         self.greedy_round = kind
