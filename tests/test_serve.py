@@ -381,3 +381,17 @@ def test_serve_no_compile_serves_uncompiled_steps(tiny_dir, monkeypatch, flag, c
           "--bucket-trees", "off", *flag])
     # a server compiles its proposals with its steps (a Generator's engine does not: see Engine)
     assert seen == {"compiled": compiled, "proposals_compiled": compiled}
+
+
+def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
+    """``--warm-up on``: the buckets are prepared before the server answers, and the status line
+    after it gives the seconds of each part (the prefill, each bucket's rounds)."""
+    import uvicorn
+
+    from longspec.cli import main
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)  # built, not run
+    assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
+                 "--max-batch", "2", "--bucket-trees", "off", "--warm-up", "on"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if "batch buckets [1, 2] prepared in" in x)
+    assert "the prefill " in line and "bucket 1's greedy rounds " in line and "bucket 2's greedy rounds " in line

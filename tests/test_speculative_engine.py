@@ -178,6 +178,7 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     assert engine.warming is None
     assert seen == ["bucket 1's greedy rounds", "bucket 2's greedy rounds", "bucket 1's sampled rounds",
                     "bucket 2's sampled rounds"]
+    assert list(engine.warm_up_seconds) == ["the prefill", *seen] and min(engine.warm_up_seconds.values()) >= 0
     lines = []
     monkeypatch.setattr("longspec.cli.commands.status", lines.append)
     with Heartbeat(lambda: "warming up", every=0.05):

@@ -132,7 +132,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
             server.worker.calls.warm_up()
         seconds = time.perf_counter() - start
         done = "compiled and captured" if server.engine.cuda_graphs and device.startswith("cuda") else "prepared"
-        print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s]",
+        parts = ", ".join(f"{what} {s:.1f} s" for what, s in server.engine.warm_up_seconds.items())
+        print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s ({parts})]",
               file=sys.stderr, flush=True)
     plain = "plain decoding"
     print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "

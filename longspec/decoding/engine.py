@@ -158,6 +158,7 @@ class Engine(Admission):
         self.greedy_round = self.config.greedy
         self.rounds = 0
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
+        self.warm_up_seconds: dict = {}  # the last warm-up's seconds per part
 
     # ---- the round --------------------------------------------------------------------------
     def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
@@ -308,22 +309,28 @@ class Engine(Admission):
         ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
         default the buckets' own; ``prefill_by_layer``: the long prompts' attention too (see
         :meth:`prepare_prefill`). Call with no sequences in the engine. Returns the seconds it
-        took."""
+        took; :attr:`warm_up_seconds` has them per part ({what: seconds})."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
+        self.warm_up_seconds = {}
+
+        def part(what: str, prepare) -> None:
+            self.warming, start = what, time.perf_counter()
+            prepare()
+            self.warm_up_seconds[what] = time.perf_counter() - start
+
         try:
-            self.warming = "the prefill"
-            self.prepare_prefill(by_layer=prefill_by_layer)
+            part("the prefill", lambda: self.prepare_prefill(by_layer=prefill_by_layer))
             for tree in trees if trees is not None else [_OWN_TREES]:
                 if tree is not _OWN_TREES:
                     self.use_tree(tree)
                 for self.greedy_round in (True, False) if sampled else (True,):
                     for n in self.buckets:
                         which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
-                        self.warming = f"bucket {n}'s {'greedy' if self.greedy_round else 'sampled'} rounds{which}"
-                        self._round(n)[1].prepare()
+                        part(f"bucket {n}'s {'greedy' if self.greedy_round else 'sampled'} rounds{which}",
+                             self._round(n)[1].prepare)
         finally:
             self.warming = None
         if trees is not None and len(set(map(str, own.values()))) == 1:
