@@ -165,12 +165,15 @@ class Worker:
                     self.lock.wait()
                 if self.stopped or self.failure is not None:
                     return
-                admit = []
+                admit, hits = [], []  # (each prompt matched against the prefix cache once, not once per request after it)
                 free = len(self.engine.free_rows())
                 while self.waiting and len(admit) < free:
                     request = self.waiting[0]
-                    if not request.cancelled and not self.engine.can_admit([r.seq for r in admit + [request]]):
-                        break  # too few free KV blocks: it waits (first in, first out) for running requests to end
+                    if not request.cancelled:
+                        hit = self.engine.hits([request.seq])
+                        if not self.engine.can_admit([r.seq for r in admit + [request]], hits + hit):
+                            break  # too few free KV blocks: it waits (first in, first out) for running requests to end
+                        hits += hit
                     self.waiting.popleft()
                     if not request.cancelled:
                         admit.append(request)

@@ -395,3 +395,32 @@ def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
                  "--max-batch", "2", "--bucket-trees", "off", "--warm-up", "on"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if "batch buckets [1, 2] prepared in" in x)
     assert "the prefill " in line and "bucket 1's greedy rounds " in line and "bucket 2's greedy rounds " in line
+
+
+def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache_twice(tiny_dir, monkeypatch):
+    """The worker admitting k waiting requests matches each prompt once to see whether it fits
+    (not once per request after it: k^2 / 2 matches of long prompts) and the admission once more."""
+    from transformers import AutoTokenizer
+
+    from longspec.decoding.engine import Sequence
+    from longspec.prefix_cache import PrefixCache
+    from longspec.serve import Request, build_server
+
+    matched, real_match = [], PrefixCache.match
+    monkeypatch.setattr(PrefixCache, "match", lambda self, prompt: matched.append(1) or real_match(self, prompt))
+    server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=8,
+                          max_len=128)
+    loop = asyncio.new_event_loop()
+    try:
+        requests = [Request(Sequence(prompt_ids(i), 3, temperature=0.0), [], None, loop, asyncio.Queue())
+                    for i in range(8)]
+        with server.worker.lock:  # they all wait before the worker looks
+            server.worker.waiting.extend(requests)
+            server.worker.lock.notify()
+        deadline = time.monotonic() + 60
+        while any(not r.seq.done for r in requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(r.seq.done for r in requests) and len(matched) == 2 * len(requests)
+    finally:
+        server.worker.stop()
+        loop.close()

@@ -50,7 +50,7 @@ class Admission:
             if need > self.max_len:
                 raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
                                  f"{need} cache slots, the engine has {self.max_len}")
-        hits = self._hits(seqs)
+        hits = self.hits(seqs)
         if not self.can_admit(seqs, hits):
             raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs, hits)} "
                                 f"blocks of {self.pool.block_size} tokens, {self.pool.num_free} of "
@@ -68,20 +68,20 @@ class Admission:
         """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
         return cache_need(len(s.prompt), s.max_new_tokens, self.room())
 
-    def _hits(self, seqs: list) -> list:
+    def hits(self, seqs: list) -> list:
         """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
         return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
 
     def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
         """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
         theirs), besides the cached blocks their prompts start with (``hits``)."""
-        hits = self._hits(seqs) if hits is None else hits
+        hits = self.hits(seqs) if hits is None else hits
         return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
 
     def can_admit(self, seqs: list, hits: Optional[list] = None) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`);
-        ``hits``: their :meth:`_hits` (default: matched now)."""
-        hits = self._hits(seqs) if hits is None else hits
+        ``hits``: their :meth:`hits` (default: matched now)."""
+        hits = self.hits(seqs) if hits is None else hits
         room = self.cache.allocator.num_free
         if self.prefix is not None:
             room -= self.prefix.pinned_by(hits)
