@@ -229,9 +229,17 @@ class PrefixCache:
             key = (parent, key_tokens)
             cached = self.index.get(key)
             if cached is None:
-                if block in self.blocks:  # indexed under another chain: cannot be (a block has one content)
-                    raise RuntimeError(f"KV pool: block {block} indexed twice")
-                self.blocks[block] = CachedBlock(next(self._nodes), key)
+                known = self.blocks.get(block)
+                if known is not None:
+                    # indexed after another row's block of the same tokens (this row's copy was left
+                    # unindexed), which was evicted since: the same tokens after the same tokens, moved here
+                    if known.key[1] != key_tokens:
+                        raise RuntimeError(f"KV pool: block {block} indexed with other tokens")
+                    del self.index[known.key]
+                    self.children.get(known.key[0], set()).discard(block)
+                    known.key = key
+                else:
+                    self.blocks[block] = CachedBlock(next(self._nodes), key)
                 self.index[key] = cached = block
                 self.children.setdefault(parent, set()).add(block)
             parent = self.blocks[cached].node

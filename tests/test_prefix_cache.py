@@ -129,6 +129,32 @@ def test_registering_after_the_blocks_a_row_took_from_the_cache_indexes_what_a_f
     assert from_hit == walked and len(walked[0]) == 7
 
 
+def test_a_row_whose_chain_began_in_another_rows_evicted_blocks_is_indexed_again_when_it_ends(target):
+    """Two new prompts sharing their first block, admitted together: the second row's copy of it
+    stays unindexed and its next block is indexed after the first row's. The first row ends and a
+    third request evicts its blocks; when the second row ends, its blocks are indexed under its own
+    chain (they were unreachable), and a prompt repeating its text finds them."""
+    engine = Engine(target, None, None, max_batch=2, max_len=64, pool_tokens=32, block_size=4,
+                    cuda_graphs=False, prefix_cache=True)
+    t0, t1, u1 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    a, b = Sequence(t0 + t1 + [13], 2), Sequence(t0 + u1 + [14], 10)
+    engine.add([a, b])
+    while not a.done:
+        engine.step()
+    engine.add([Sequence([20, 21, 22, 23, 24], 6)])  # its fresh blocks evict a's idle ones
+    assert engine.prefix.evicted >= 2
+    while engine.has_active:
+        engine.step()  # b ends and indexes its blocks
+    assert_no_leak(engine)
+    again = Sequence(t0 + u1 + [14] + b.tokens[:4] + [15], 5)
+    engine.add([again])
+    assert again.cached_tokens >= 12
+    while engine.has_active:
+        engine.step()
+    assert again.tokens == cold(target, again.prompt, 5)
+    assert_no_leak(engine)
+
+
 def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_follows_it(target):
     """An ended row's partly filled last block is indexed too (``last``): a prompt going on from
     that text copies its tokens and takes the block over (its blocks stay consecutive); a block
