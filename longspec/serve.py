@@ -74,10 +74,11 @@ class Request:
 
     def timings_ms(self) -> dict:
         """Where its time to first token went on the server, in ms: parsing the body (and
-        tokenising), waiting for a row or KV blocks, and its prefill up to its first token."""
+        tokenising), waiting for a row or KV blocks, and its prefill up to its first token (that
+        of its run of rows: requests admitted together are prefilled one run after another)."""
         return {"parse": round(1e3 * (self.parsed - self.received), 3),
                 "queue": round(1e3 * (self.prefill_start - self.parsed), 3),
-                "prefill": round(1e3 * (self.first_token - self.prefill_start), 3)}
+                "prefill": round(1e3 * (self.first_token - self.prefill_start), 3) if self.first_token else None}
 
     def push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -232,8 +233,9 @@ class Worker:
             request.prefill_start = start
         self.calls.add([r.seq for r in group], group[0].seed, streamer=self._on_tokens)
         done = time.perf_counter()
-        for request in group:
-            request.first_token = done
+        for request in group:  # (those whose first token went out have its time: see _hand_over)
+            if not request.first_token and request.seq.row >= 0:
+                request.first_token = done
 
     def _settle(self, requests: list) -> None:
         """After an engine call: the requests that finished (or met a stop string, or failed to
@@ -255,6 +257,8 @@ class Worker:
 
     def _hand_over(self, row: int) -> None:
         request = self._by_row(row)
+        if request is not None and not request.first_token:
+            request.first_token = time.perf_counter()
         if request is None or request.finish_reason is not None or request.error is not None:
             return
         try:

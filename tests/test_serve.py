@@ -424,3 +424,41 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
     finally:
         server.worker.stop()
         loop.close()
+
+
+def test_the_prefill_time_of_a_request_whose_run_went_before_a_failed_one(tiny_dir, monkeypatch):
+    """Two requests admitted together into rows 0 and 2 (two runs of rows): the second run's
+    prefill fails and that request is retried alone; the first one, prefilled and running on, has
+    the time of its own run's first token (not none, not a negative number)."""
+    from transformers import AutoTokenizer
+
+    from longspec.decoding.engine import Sequence
+    from longspec.serve import Request, build_server
+
+    server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=3,
+                          max_len=64)
+    server.worker.stop()  # driven by hand below
+    engine = server.engine
+    x, y, z = (Sequence(prompt_ids(i), 30) for i in range(3))
+    engine.add([x, y, z])
+    engine.cancel(x), engine.cancel(z)
+    assert engine.free_rows() == [0, 2]
+    loop = asyncio.new_event_loop()
+    try:
+        first, second = (Request(Sequence(prompt_ids(3 + i), 20), [], None, loop, asyncio.Queue()) for i in range(2))
+        real, runs = engine._prefill_rows, []
+
+        def second_run_fails_once(seqs, row0):
+            runs.append(row0)
+            if len(runs) == 2:
+                raise RuntimeError("out of memory")
+            return real(seqs, row0)
+
+        monkeypatch.setattr(engine, "_prefill_rows", second_run_fails_once)
+        server.worker._admit([first, second])
+        assert runs == [0, 2, 2] and first.seq.row == 0 and second.seq.row == 2
+        for request in (first, second):
+            timings = request.timings_ms()
+            assert timings["prefill"] is not None and timings["prefill"] >= 0 and timings["queue"] >= 0, timings
+    finally:
+        loop.close()
