@@ -210,6 +210,20 @@ def test_the_attention_of_prompts_by_layer_is_set_up_once_where_they_can_occur(t
         # a real prompt by layer ran (the path and layouts of the first one), and left nothing behind
         assert [c[2] for c in calls] == [min(chunked.warm_tokens, max_len)] * expected
         assert not cache.lengths.any() and pool.num_free == pool.num_blocks
+    # a pool with fewer free blocks than the prompt needs: a shorter prompt (nothing evicted); none free: none
+    pool = BlockPool(target.cache_config, 14, 4, target.dtype, target.device)
+    cache = target.new_cache(2, 40, pool=pool, paged=True)
+    cache.assign(1, 40)  # 10 of 14 blocks held by row 1
+    calls.clear()
+    chunked = ChunkedPrefill(target, cache, 16, None, cuda_graphs=True)
+    monkeypatch.setattr(chunked, "by_layer_from", 24)
+    chunked.prepare_by_layer()
+    assert [c[2] for c in calls] == [16] and pool.num_free == 4 and chunked.by_layer_ready
+    cache.assign(0, 16)  # every block held
+    chunked = ChunkedPrefill(target, cache, 16, None, cuda_graphs=True)
+    monkeypatch.setattr(chunked, "by_layer_from", 24)
+    chunked.prepare_by_layer()
+    assert [c[2] for c in calls] == [16] and not chunked.by_layer_ready and cache.blocks[0] is not None
 
 
 @pytest.mark.parametrize("chunk", [16, (8, 32)])

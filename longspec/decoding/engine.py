@@ -347,7 +347,9 @@ class Engine(Admission):
         if chunked is not None and chunked.captured:
             chunked.prepare(range(len(self.rows)))
             if by_layer:
-                chunked.prepare_by_layer()
+                if self.rows[0] is not None:
+                    raise RuntimeError("preparing the prefill by layer needs row 0 free (an empty engine)")
+                chunked.prepare_by_layer(row=0)
 
     def _round(self, n: int) -> tuple:
         """(view, runner) of bucket ``n`` for the current kind of round, the proposer told which

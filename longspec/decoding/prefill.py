@@ -250,11 +250,14 @@ class ChunkedPrefill:
 
     def prepare_by_layer(self, row: int = 0) -> None:
         """On CUDA, where a prompt may go layer by layer, runs one short prompt by layer into row
-        ``row`` (holding no sequence; its blocks taken and given back) once
-        (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s set-up among what it pays), which the first
-        such prompt would pay."""
+        ``row`` (holding no sequence; its blocks taken from the pool's free ones, never evicting a
+        cached prefix, and given back) once (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s set-up
+        among what it pays), which the first such prompt would pay."""
         if self.cuda_graphs and not self.by_layer_ready and self.by_layer(self.cache.max_len):
-            tokens = min(self.warm_tokens, self.cache.max_len)
+            free = self.cache.max_len if self.cache.dense else self.cache.pool.num_free * self.cache.block_size
+            tokens = min(self.warm_tokens, self.cache.max_len, free)
+            if tokens < 1:
+                return  # (no free block now: a later warm-up tries again)
             self.cache.assign(row, tokens)
             try:
                 layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)
