@@ -166,7 +166,7 @@ class Worker:
                     self.lock.wait()
                 if self.stopped or self.failure is not None:
                     return
-                admit, hits = [], []  # (each prompt matched against the prefix cache once, not once per request after it)
+                admit, hits = [], []  # (each prompt matched against the prefix cache once, not once per later one)
                 free = len(self.engine.free_rows())
                 while self.waiting and len(admit) < free:
                     request = self.waiting[0]
