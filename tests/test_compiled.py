@@ -81,6 +81,39 @@ def test_compiled_engine_same_tokens(tiny, compiled_backend, temperature):
         assert outs[1].sequences == outs[0].sequences, type(proposer).__name__
 
 
+def test_the_triton_attention_is_no_graph_break_of_a_compiled_round(tiny, compiled_backend):
+    """Compiled rounds of the hybrid (target steps and proposals) call the Triton attention
+    kernels as operators (``attention/ops.py``): no more graphs than with PyTorch's attention (each
+    kernel call used to split its graph), and the same tokens as uncompiled rounds."""
+    import torch._dynamo
+
+    from longspec.attention import triton_kernels
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.tree import TreeSpec
+
+    if not triton_kernels.available():
+        pytest.skip("needs triton")
+    target = load_target(tiny[1])
+    draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=1)
+    prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 20)]
+    graphs, tokens = {}, {}
+    for impl, compiled in (("triton", False), ("sdpa", True), ("triton", True)):
+        target.attention_impl, target.compile_steps = impl, compiled
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        engine = Engine(target, LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("3,3,1"), max_batch=2,
+                        max_len=128, compile_proposals=compiled, cuda_graphs=False)
+        seqs = [Sequence(p, 6) for p in prompts]
+        engine.add(seqs)
+        while engine.has_active:
+            engine.step()
+        graphs[impl, compiled] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        tokens[impl, compiled] = [s.tokens for s in seqs]
+    target.attention_impl, target.compile_steps = "sdpa", False
+    assert tokens["triton", True] == tokens["triton", False]
+    assert 0 < graphs["triton", True] <= graphs["sdpa", True], graphs
+
+
 def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
     """Where compilation fails (no Triton for Inductor, a compiler bug), every step still runs,
     once, uncompiled: the same tokens."""

@@ -224,6 +224,9 @@ def compile_step(fn):
     from ..compile_boundary import mark_compile_boundaries
 
     mark_compile_boundaries()
+    from ..attention import ops
+
+    ops.register()  # (after the boundaries: the attention kernels become operators, not graph breaks)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
     try:
