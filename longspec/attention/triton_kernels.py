@@ -368,7 +368,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     return out.transpose(1, 2)
 
 
-@compile_boundary  # a graph break: compiled layers call the kernels as they are
+@compile_boundary  # compiled steps call it as a custom operator (attention/ops.py), eager ones as it is
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                    tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False,
                    table: Optional[torch.Tensor] = None, block_size: int = 0,
