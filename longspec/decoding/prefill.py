@@ -260,9 +260,8 @@ class ChunkedPrefill:
                 return  # (no free block now: a later warm-up tries again)
             self.cache.assign(row, tokens)
             try:
-                layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)
+                layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)  # (drops its tokens)
             finally:
-                self.cache.lengths[row] = 0
                 self.cache.unassign(row)
             self.by_layer_ready = True
 

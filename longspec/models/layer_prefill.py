@@ -63,8 +63,10 @@ def warm_up(target, cache: KVCache, tokens: int) -> None:
     causal attention sets cuDNN up (about 0.9 s on an H200, ``diagnose_first_prefill.py``); each
     new prompt length still builds a cuDNN plan (about 40 ms)."""
     ids = torch.zeros(1, tokens, dtype=torch.long, device=target.device)
-    prefill_by_layer(target, ids, cache)
-    cache.lengths.zero_()
+    try:
+        prefill_by_layer(target, ids, cache)
+    finally:
+        cache.lengths.zero_()
 
 
 @torch.inference_mode()
