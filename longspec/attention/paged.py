@@ -29,9 +29,9 @@ class LayerKV:
 
     def for_kernel(self, key_block: int = 64) -> tuple:
         """(k, v, table, block_size) for the Triton kernels: the pool layer read through the table
-        where a block holds whole key blocks of ``key_block`` slots, else (dense rows of another
-        size) the rows' strided view [B, Hkv, S, D] with no table."""
-        if self.block_size % key_block == 0 or self.dense_row0 is None:
+        where a block holds whole key blocks of ``key_block`` slots, else the rows [B, Hkv, S, D]
+        with no table (dense rows: their strided view; rows in blocks of another size: gathered)."""
+        if self.block_size % key_block == 0:
             return self.k, self.v, self.table, self.block_size
         return (*self.dense(self.capacity), None, 0)
 

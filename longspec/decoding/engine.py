@@ -339,13 +339,13 @@ class Engine(Admission):
         return time.perf_counter() - t0
 
     def prepare_prefill(self, by_layer: bool = False) -> None:
-        """Prepares (on CUDA captures) every row's chunk step of every size of the chunked prefill,
-        if it has chunk steps; ``by_layer``: sets up the attention of prompts long enough to go
-        layer by layer too (once; ~0.9 s of cuDNN's on an H200). Call with no sequences in the
-        engine."""
+        """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,
+        serving every row), if it has chunk steps; ``by_layer``: sets up the attention of prompts
+        long enough to go layer by layer too (once; ~0.9 s of cuDNN's on an H200). Call with no
+        sequences in the engine."""
         chunked = self.chunked_prefill
         if chunked is not None and chunked.captured:
-            chunked.prepare(range(len(self.rows)))
+            chunked.prepare(row=0)
             if by_layer:
                 if self.rows[0] is not None:
                     raise RuntimeError("preparing the prefill by layer needs row 0 free (an empty engine)")

@@ -275,7 +275,7 @@ class Generator:
         plan_s = time.perf_counter() - t_plan
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = engine.capture_seconds()
-        if engine.cuda_graphs:  # every row's prefill chunk steps, on the idle rows: later calls capture none
+        if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing

@@ -19,8 +19,10 @@ step's weight reads and launches); with a 2048 / 256 / 64 ladder a rest of up to
 in one 64-token chunk, up to 256 in one 256, up to 768 in two or three smaller chunks, and more in
 one big chunk. That step cost sits between a small model's (launch-bound: on the H200 a
 SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so fewer steps win) and an 8B
-model's (its weights' read, ~200 tokens' compute: small steps win). Each (row, size) has its own
-chunk step, captured once; the small sizes' static buffers and graphs are small.
+model's (its weights' read, ~200 tokens' compute: small steps win). Each size has one chunk step,
+captured once, which serves every row: it runs on a one-row view of the cache whose block table
+and length are buffers of its own, loaded with a row's before its steps (its length copied back
+after); the small sizes' static buffers and graphs are small.
 
 The chunk's mask is causal and the Triton kernel is told so: it computes the mask and skips the
 key blocks after each query tile's last token, so the tree part of a chunk costs half as much and
@@ -174,7 +176,13 @@ class ChunkedPrefill:
         self.real = torch.ones(1, dtype=torch.long, device=device)  # the chunk's real tokens
         self.logits = torch.zeros(1, target.config.vocab_size, dtype=torch.float32, device=device)
         self.uniforms = Uniforms(None, device)  # draws none: keeps the engine's seeded stream untouched
-        self.runners: dict = {}  # {(row, size): its chunk step}
+        self.runners: dict = {}  # {size: its chunk step}
+        # the row a chunk step runs on: a one-row view of the cache whose block table and length are
+        # its own buffers, loaded with a row's before its steps and its length copied back after, so
+        # one chunk step (one CUDA graph) per size serves every row
+        self.stage = cache.rows(0, 1)
+        self.stage.table, self.stage.lengths = cache.table[:1].clone(), cache.lengths[:1].clone()
+        self.stage.dense = False  # (read through the table: the row it stands for changes)
         self.steps_run: Counter = Counter()
         self.by_layer_ready = False  # :meth:`prepare_by_layer` done
 
@@ -224,6 +232,7 @@ class ChunkedPrefill:
         if plan is None:
             raise ValueError(f"a prompt of {len(prompt)} tokens after {start} does not go in chunks of {self.sizes} "
                              f"into {self.cache.max_len} cache slots")
+        self._load(row)
         at = 0
         for size in plan:
             part = ids[at:at + size]
@@ -231,22 +240,30 @@ class ChunkedPrefill:
             inputs.ids.zero_()
             inputs.ids[0, :len(part)] = part
             self.real.fill_(len(part))
-            self.runner(row, size).run_round()
+            self.runner(size).run_round()
             self.steps_run[size] += 1
             at += size
+        self.cache.lengths[row:row + 1].copy_(self.stage.lengths)
         return self.logits.clone()
+
+    def _load(self, row: int) -> None:
+        """The chunk steps run on row ``row`` from now on (its block table and length loaded)."""
+        self.stage.table.copy_(self.cache.table[row:row + 1])
+        self.stage.lengths.copy_(self.cache.lengths[row:row + 1])
 
     @property
     def captured(self) -> bool:
         """Whether chunks run as (prepared, on CUDA captured) chunk steps: :meth:`runner`."""
         return self.mode == "captured"
 
-    def prepare(self, rows) -> None:
-        """Prepares (on CUDA captures) the chunk step of every size for each of ``rows`` (rows
-        holding no sequence: a step's warm-up runs write past their lengths)."""
-        for row in rows:
+    def prepare(self, row: int) -> None:
+        """Prepares (on CUDA captures) the chunk step of every size on row ``row`` (holding no
+        sequence: a step's warm-up runs write past its length); one chunk step per size serves
+        every row, so this is done once."""
+        if any(size not in self.runners for size in self.sizes):
+            self._load(row)
             for size in self.sizes:
-                self.runner(row, size).prepare()
+                self.runner(size).prepare()
 
     def prepare_by_layer(self, row: int = 0) -> None:
         """On CUDA, where a prompt may go layer by layer, runs one short prompt by layer into row
@@ -265,14 +282,14 @@ class ChunkedPrefill:
                 self.cache.unassign(row)
             self.by_layer_ready = True
 
-    def runner(self, row: int, size: Optional[int] = None) -> PhaseRunner:
-        """The chunk step of row ``row`` for chunks of ``size`` tokens (default the big chunk),
-        created, and captured on CUDA, on first use."""
+    def runner(self, size: Optional[int] = None) -> PhaseRunner:
+        """The chunk step for chunks of ``size`` tokens (default the big chunk), on the row last
+        loaded (:meth:`_load`), created, and captured on CUDA, on first use."""
         if not self.captured:
             raise ValueError(f"prefill mode {self.mode!r} runs eagerly: it has no chunk steps")
         size = self.chunk if size is None else size
-        if (row, size) not in self.runners:
-            cache, inputs = self.cache.rows(row, row + 1), self.inputs[size]
+        if size not in self.runners:
+            cache, inputs = self.stage, self.inputs[size]
 
             def chunk_step():
                 positions = cache.lengths[:, None] + inputs.steps[None, :]
@@ -282,6 +299,6 @@ class ChunkedPrefill:
                 self.logits.copy_(self.target.logits(last))
                 cache.advance(self.real)  # the padding stays pending: dropped
 
-            self.runners[row, size] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
+            self.runners[size] = PhaseRunner([chunk_step], [cache.lengths], self.uniforms, self.target.device,
                                                   self.cuda_graphs, timed=False, reset=cache.discard)
-        return self.runners[row, size]
+        return self.runners[size]
