@@ -137,3 +137,35 @@ def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
         outs.append(Generator(target, LongSpecProposer(draft, PromptLookup()), tree="3,3").generate(prompts, config))
     assert outs[1].sequences == outs[0].sequences
     torch._dynamo.reset()
+
+
+
+def test_compile_counts_count_the_graphs_compiled(tiny, compiled_backend):
+    """``compile_counts``: the graphs compiled so far (what ``Engine.warm_up_graphs`` records per
+    part and ``longspec serve`` prints after its warm-up): a compiled engine's first rounds add
+    graphs, the same rounds again none."""
+    from longspec.cli.serve_command import _graphs
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.tree import TreeSpec
+    from longspec.models.target import compile_counts
+
+    target = load_target(tiny[1])
+    target.compile_steps = True
+    try:
+        draft = init_draft(DraftConfig.for_target(target, window=16), target, seed=1)
+        engine = Engine(target, LongSpecProposer(draft), TreeSpec.parse("2,2"), max_batch=2, max_len=128,
+                        compile_proposals=True, cuda_graphs=False)
+        counts = [compile_counts()]
+        for _ in range(2):
+            engine.add([Sequence(list(range(10, 40)), 4)])
+            while engine.has_active:
+                engine.step()
+            counts.append(compile_counts())
+        engine.warm_up()  # (on a CPU nothing is captured: no part compiles)
+    finally:
+        target.compile_steps = False
+    assert counts[1]["graphs"] > counts[0]["graphs"] and counts[2] == counts[1], counts
+    assert list(engine.warm_up_graphs) == list(engine.warm_up_seconds)
+    assert all(_graphs(c) == "" for c in engine.warm_up_graphs.values())
+    line = _graphs({"graphs": 59, "loaded": 33, "traced": 26, "compiled": 0})
+    assert line == " (59 graphs: 33 loaded whole from the compile cache, 26 traced again, 0 compiled by Inductor)"

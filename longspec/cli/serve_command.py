@@ -132,7 +132,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
             server.worker.calls.warm_up()
         seconds = time.perf_counter() - start
         done = "compiled and captured" if server.engine.cuda_graphs and device.startswith("cuda") else "prepared"
-        parts = ", ".join(f"{what} {s:.1f} s" for what, s in server.engine.warm_up_seconds.items())
+        parts = ", ".join(f"{what} {s:.1f} s{_graphs(server.engine.warm_up_graphs.get(what))}"
+                          for what, s in server.engine.warm_up_seconds.items())
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s ({parts})]",
               file=sys.stderr, flush=True)
     plain = "plain decoding"
@@ -156,3 +157,11 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
         parallel_engine.driver.watch(on_death)
     http.run()
     return 1 if server.worker.failure is not None else 0
+
+
+def _graphs(counts) -> str:
+    """' (N graphs: L from the compile cache, C compiled)' for a warm-up part that compiled graphs."""
+    if not counts or not counts["graphs"]:
+        return ""
+    return (f" ({counts['graphs']} graphs: {counts['loaded']} loaded whole from the compile cache, "
+            f"{counts['traced']} traced again, {counts['compiled']} compiled by Inductor)")

@@ -22,7 +22,7 @@ import torch
 
 from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, pool_blocks
 from ..config import GenerationConfig
-from ..models.target import TargetModel, compile_step
+from ..models.target import TargetModel, compile_counts, compile_step
 from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from .admission import Admission
 from .drafting import Proposer
@@ -159,6 +159,7 @@ class Engine(Admission):
         self.rounds = 0
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
         self.warm_up_seconds: dict = {}  # the last warm-up's seconds per part
+        self.warm_up_graphs: dict = {}  # and its compiled graphs per part (see compile_counts)
 
     # ---- the round --------------------------------------------------------------------------
     def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
@@ -309,17 +310,21 @@ class Engine(Admission):
         ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
         default the buckets' own; ``prefill_by_layer``: the long prompts' attention too (see
         :meth:`prepare_prefill`). Call with no sequences in the engine. Returns the seconds it
-        took; :attr:`warm_up_seconds` has them per part ({what: seconds})."""
+        took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
+        graphs compiled ({what: :func:`compile_counts`' counts})."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
         self.warm_up_seconds = {}
 
+        self.warm_up_graphs = {}
+
         def part(what: str, prepare) -> None:
-            self.warming, start = what, time.perf_counter()
+            self.warming, start, before = what, time.perf_counter(), compile_counts()
             prepare()
             self.warm_up_seconds[what] = time.perf_counter() - start
+            self.warm_up_graphs[what] = {k: n - before[k] for k, n in compile_counts().items()}
 
         try:
             part("the prefill", lambda: self.prepare_prefill(by_layer=prefill_by_layer))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -242,6 +243,20 @@ def compile_step(fn):
             return compiled(*args, **kwargs)
 
     return step
+
+
+def compile_counts() -> dict:
+    """What ``torch.compile`` has made in this process so far: ``graphs`` (Dynamo's), ``loaded``
+    (taken whole from the on-disk cache: AOTAutograd cache hits), ``traced`` (traced again by
+    AOTAutograd: its cache missed, or cannot hold the graph) and ``compiled`` (code Inductor
+    generated: missed by its FX graph cache). All 0 before anything is compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")  # (not imported: nothing compiled; importing costs seconds)
+    if utils is None:
+        return dict.fromkeys(("graphs", "loaded", "traced", "compiled"), 0)
+    aot, counters = utils.counters["aot_autograd"], utils.counters
+    return {"graphs": counters["stats"]["unique_graphs"], "loaded": aot["autograd_cache_hit"],
+            "traced": aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
+            "compiled": counters["inductor"]["fxgraph_cache_miss"]}
 
 
 def _compile_failed(err: Exception) -> None:
