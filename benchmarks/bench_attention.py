@@ -15,6 +15,12 @@ Prints a table and one JSON line last.
 prefill's chunk steps run them), e.g. ``--contexts 0,2048,6144 --trees 2048 --heads 9 --kv-heads 3
 --head-dim 64 --causal`` for the default model's chunks.
 
+``--window W``: a sliding-window layer's attention (each query sees no key more than W - 1
+positions before it; the kernel skips the key blocks wholly below its window), e.g. Gemma 3
+270M's local layers: ``--heads 4 --kv-heads 1 --head-dim 256 --window 512 --contexts
+1024,8192,32768``; its time should not grow with the context. Checked against the float64
+reference with the window in a dense mask.
+
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
 block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles)
 per shape instead, and prints the fastest few and the default's rank (each checked against the
@@ -124,6 +130,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
+    p.add_argument("--window", type=int, default=None, help="a sliding-window layer's window (default: none)")
     p.add_argument("--causal", action="store_true",
                    help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
     args = p.parse_args(argv)
@@ -147,8 +154,16 @@ def main(argv=None):
                 tree = torch.ones(m, m, dtype=torch.bool).tril()
             tree = tree.cuda()[None]
             dense = torch.cat([torch.ones(1, m, s, dtype=torch.bool, device="cuda"), tree], -1)
-            ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,
-                                             k[:, :, s:].double(), v[:, :, s:].double(), tree)
+            starts = None
+            if args.window:  # each query at position s + its depth (a chunk's: s + i) sees the last W positions
+                depth = tree.sum(-1) - 1  # [1, M]: ancestors in the mask, itself included
+                starts = (s + depth - args.window + 1).clamp(min=0)
+                dense[:, :, :s] &= torch.arange(s, device="cuda")[None, None, :] >= starts[..., None]
+            if args.window or args.causal:
+                ref = reference.dense_attention(q.double(), k.double(), v.double(), dense)[0]
+            else:
+                ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,
+                                                 k[:, :, s:].double(), v[:, :, s:].double(), tree)
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
@@ -156,11 +171,11 @@ def main(argv=None):
                 continue
             impls = {
                 # TMA loads for 128-row tiles (Hopper)
-                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal),
+                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal, starts=starts),
                 "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False),
-                                                          causal=args.causal),
+                                                          causal=args.causal, starts=starts),
                 "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True),
-                                                       causal=args.causal),
+                                                       causal=args.causal, starts=starts),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),
@@ -168,6 +183,8 @@ def main(argv=None):
             }
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
+            if args.window:  # flash cannot slide a window over a tree
+                impls.pop("flash (no mask)")
             floor = floor_s(h, hkv, m, cap, d, bandwidth, rate, args.causal)
             for name, fn in impls.items():
                 try:

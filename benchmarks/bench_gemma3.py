@@ -84,6 +84,7 @@ def parity(target, hf, prompt: list, tail: int = 256) -> dict:
             "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
 
 
+@torch.inference_mode()  # (as the engine drafts: the head rows it copied are inference tensors)
 def draft_memory(target, draft, prompt: list, tree: TreeSpec) -> dict:
     """Bytes the draft holds (ring buffer, reduced head rows) and the peak device memory of one
     drafting round after ``prompt`` is in the target's cache."""
