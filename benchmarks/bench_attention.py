@@ -134,6 +134,8 @@ def main(argv=None):
     p.add_argument("--causal", action="store_true",
                    help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
     args = p.parse_args(argv)
+    if args.sweep and args.window:
+        p.error("--sweep times the kernel without a window: run it without --window")
     torch.manual_seed(0)
     bandwidth, rate = machine_rates()
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
@@ -158,7 +160,9 @@ def main(argv=None):
             if args.window:  # each query at position s + its depth (a chunk's: s + i) sees the last W positions
                 depth = tree.sum(-1) - 1  # [1, M]: ancestors in the mask, itself included
                 starts = (s + depth - args.window + 1).clamp(min=0)
-                dense[:, :, :s] &= torch.arange(s, device="cuda")[None, None, :] >= starts[..., None]
+                # a tree's own keys lie inside the window (depth < W); a chunk's are cut by it too
+                cut = cap if args.causal else s
+                dense[:, :, :cut] &= torch.arange(cut, device="cuda")[None, None, :] >= starts[..., None]
             if args.window or args.causal:
                 ref = reference.dense_attention(q.double(), k.double(), v.double(), dense)[0]
             else:

@@ -203,6 +203,19 @@ def test_a_prompt_longer_than_a_row_is_refused_before_any_block_is_taken(target)
     assert not engine.cache.dense and engine.pool.num_free == 3 and not engine.has_active
 
 
+def test_the_triton_attention_refuses_blocks_that_are_no_multiple_of_its_key_block(target):
+    """Blocks of 16 tokens with the Triton kernels (which read the pool in whole 64-key blocks) are
+    refused when the engine is built, not gathered row by row at every step."""
+    target.attention_impl = "triton"
+    try:
+        with pytest.raises(ValueError, match="block_size 16 with the Triton attention: it must be a multiple of 64"):
+            Engine(target, None, None, max_batch=2, max_len=128, block_size=16)
+        assert Engine(target, None, None, max_batch=2, max_len=128, block_size=64).pool.block_size == 64
+    finally:
+        target.attention_impl = "sdpa"
+    assert Engine(target, None, None, max_batch=2, max_len=128, block_size=16).pool.block_size == 16
+
+
 def test_an_empty_prompt_is_refused_before_any_block_is_taken(target):
     engine = Engine(target, None, None, max_batch=2, max_len=128, pool_tokens=192, block_size=64)
     free = engine.pool.num_free

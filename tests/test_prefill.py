@@ -104,6 +104,22 @@ def test_the_ladders_plans():
     assert chunk_plan(600, sizes, 512, room=639) is None
 
 
+def test_a_chunk_step_that_failed_leaves_the_next_rows_prefill_exact(target, monkeypatch):
+    """One chunk step serves every row: a step that raised part-way (e.g. out of memory in the LM
+    head, after the layers wrote their K/V) leaves no pending tokens behind for the next row."""
+    prompt = torch.randint(0, 160, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    eager, chunked_cache = target.new_cache(1, 96), target.new_cache(2, 96)
+    ref = target.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), eager)
+    chunked = ChunkedPrefill(target, chunked_cache, 16, None, cuda_graphs=False)
+    logits = target.logits
+    monkeypatch.setattr(target, "logits", lambda h: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        chunked(0, prompt)
+    monkeypatch.setattr(target, "logits", logits)
+    torch.testing.assert_close(chunked(1, prompt), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_cache.k[:, 1, :, :20], eager.k[:, 0, :, :20], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("start", [0, 21])
 @pytest.mark.parametrize("length", [7, 8, 9, 15, 16, 17, 63, 64, 65])
 def test_ladder_chunks_write_the_eager_prefills_cache_and_logits(target, length, start):

@@ -100,6 +100,9 @@ class Engine(Admission):
         if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
             raise ValueError(f"an engine needs max_len, block_size and pool_tokens >= 1, got {max_len}, {block_size}, "
                              f"{pool_tokens}")
+        if block % 64 and target.attention_impl == "triton":
+            raise ValueError(f"block_size {block} with the Triton attention: it must be a multiple of 64 (the "
+                             "kernels' key block), or the kernels would gather every row's keys at every step")
         self.max_len = -(-max_len // block) * block  # whole blocks (multiples of 64: aligned key masks)
         if proposer is not None and self.max_len < tree.num_nodes:
             raise ValueError(f"max_len {max_len} is smaller than the tree ({tree.num_nodes} nodes)")

@@ -182,7 +182,9 @@ class ChunkedPrefill:
         # one chunk step (one CUDA graph) per size serves every row
         self.stage = cache.rows(0, 1)
         self.stage.table, self.stage.lengths = cache.table[:1].clone(), cache.lengths[:1].clone()
-        self.stage.dense = False  # (read through the table: the row it stands for changes)
+        # read through the table (the row it stands for changes): the Triton kernels read the pool in
+        # place; PyTorch's attention (sdpa, matmul) gathers the row's keys for each chunk
+        self.stage.dense = False
         self.steps_run: Counter = Counter()
         self.by_layer_ready = False  # :meth:`prepare_by_layer` done
 
@@ -250,6 +252,7 @@ class ChunkedPrefill:
         """The chunk steps run on row ``row`` from now on (its block table and length loaded)."""
         self.stage.table.copy_(self.cache.table[row:row + 1])
         self.stage.lengths.copy_(self.cache.lengths[row:row + 1])
+        self.stage.pending = 0  # (a step that failed part-way leaves none behind for the next row)
 
     @property
     def captured(self) -> bool:

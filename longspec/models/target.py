@@ -249,14 +249,15 @@ def compile_counts() -> dict:
     """What ``torch.compile`` has made in this process so far: ``graphs`` (Dynamo's), ``loaded``
     (taken whole from the on-disk cache: AOTAutograd cache hits), ``traced`` (traced again by
     AOTAutograd: its cache missed, or cannot hold the graph) and ``compiled`` (code Inductor
-    generated: missed by its FX graph cache). All 0 before anything is compiled."""
+    generated: missed by its FX graph cache, or not cacheable). All 0 before anything is compiled;
+    ``loaded`` and ``traced`` stay 0 for backends other than Inductor."""
     utils = sys.modules.get("torch._dynamo.utils")  # (not imported: nothing compiled; importing costs seconds)
     if utils is None:
         return dict.fromkeys(("graphs", "loaded", "traced", "compiled"), 0)
     aot, counters = utils.counters["aot_autograd"], utils.counters
     return {"graphs": counters["stats"]["unique_graphs"], "loaded": aot["autograd_cache_hit"],
             "traced": aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
-            "compiled": counters["inductor"]["fxgraph_cache_miss"]}
+            "compiled": counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]}
 
 
 def _compile_failed(err: Exception) -> None:
