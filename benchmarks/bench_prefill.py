@@ -137,11 +137,11 @@ def main(argv=None):
                     raise SystemExit(f"{n} tokens in chunks of {chunk} do not fit --max-len {args.max_len}")
                 prompt = torch.randint(0, target.config.vocab_size, (n,)).tolist()
                 ms = wall_ms(lambda: (cache.lengths.zero_(), chunked(0, prompt)), args.repeats)
-                step = replay_ms(chunked.runner(), chunked.stage, args.repeats) if cuda and chunked.captured else float("nan")
+                step = replay_ms(chunked.runner(), chunked.step_row, args.repeats) if cuda and chunked.captured else float("nan")
                 results.append(dict(setting=setting, tokens=n, prefill_ms=ms, chunk_step_ms=step))
                 print(f"{setting:>20} {n:>6} {ms:11.2f} {step:23.3f}", flush=True)
             if cuda and chunked.captured:
-                kernels[setting] = top_kernels(chunked.runner(), chunked.stage)
+                kernels[setting] = top_kernels(chunked.runner(), chunked.step_row)
     for setting, rows in kernels.items():
         print(f"-- {setting}: one chunk step's kernels (device us)")
         for name, us in rows:

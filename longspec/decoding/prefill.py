@@ -180,11 +180,11 @@ class ChunkedPrefill:
         # the row a chunk step runs on: a one-row view of the cache whose block table and length are
         # its own buffers, loaded with a row's before its steps and its length copied back after, so
         # one chunk step (one CUDA graph) per size serves every row
-        self.stage = cache.rows(0, 1)
-        self.stage.table, self.stage.lengths = cache.table[:1].clone(), cache.lengths[:1].clone()
+        self.step_row = cache.rows(0, 1)
+        self.step_row.table, self.step_row.lengths = cache.table[:1].clone(), cache.lengths[:1].clone()
         # read through the table (the row it stands for changes): the Triton kernels read the pool in
         # place; PyTorch's attention (sdpa, matmul) gathers the row's keys for each chunk
-        self.stage.dense = False
+        self.step_row.dense = False
         self.steps_run: Counter = Counter()
         self.by_layer_ready = False  # :meth:`prepare_by_layer` done
 
@@ -245,14 +245,14 @@ class ChunkedPrefill:
             self.runner(size).run_round()
             self.steps_run[size] += 1
             at += size
-        self.cache.lengths[row:row + 1].copy_(self.stage.lengths)
+        self.cache.lengths[row:row + 1].copy_(self.step_row.lengths)
         return self.logits.clone()
 
     def _load(self, row: int) -> None:
         """The chunk steps run on row ``row`` from now on (its block table and length loaded)."""
-        self.stage.table.copy_(self.cache.table[row:row + 1])
-        self.stage.lengths.copy_(self.cache.lengths[row:row + 1])
-        self.stage.pending = 0  # (a step that failed part-way leaves none behind for the next row)
+        self.step_row.table.copy_(self.cache.table[row:row + 1])
+        self.step_row.lengths.copy_(self.cache.lengths[row:row + 1])
+        self.step_row.pending = 0  # (a step that failed part-way leaves none behind for the next row)
 
     @property
     def captured(self) -> bool:
@@ -292,7 +292,7 @@ class ChunkedPrefill:
             raise ValueError(f"prefill mode {self.mode!r} runs eagerly: it has no chunk steps")
         size = self.chunk if size is None else size
         if size not in self.runners:
-            cache, inputs = self.stage, self.inputs[size]
+            cache, inputs = self.step_row, self.inputs[size]
 
             def chunk_step():
                 positions = cache.lengths[:, None] + inputs.steps[None, :]
