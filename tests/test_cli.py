@@ -84,6 +84,7 @@ def run_cli(*args, env=None, timeout=600):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # ~190 s on a 2-core CPU: 18% of the default run
 def test_first_run_converts_then_auto_measures_once_and_matches_plain_decoding(tmp_path):
     """A first run in a fresh home announces the default model's conversion and the model; the
     default `generate` (--proposer auto) measures its step costs once per device (cached under
