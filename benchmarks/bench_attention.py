@@ -163,7 +163,7 @@ def main(argv=None):
                 # a tree's own keys lie inside the window (depth < W); a chunk's are cut by it too
                 cut = cap if args.causal else s
                 dense[:, :, :cut] &= torch.arange(cut, device="cuda")[None, None, :] >= starts[..., None]
-            if args.window or args.causal:
+            if args.window:
                 ref = reference.dense_attention(q.double(), k.double(), v.double(), dense)[0]
             else:
                 ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,

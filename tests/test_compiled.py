@@ -139,7 +139,6 @@ def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
     torch._dynamo.reset()
 
 
-
 def test_compile_counts_count_the_graphs_compiled(tiny, compiled_backend):
     """``compile_counts``: the graphs compiled so far (what ``Engine.warm_up_graphs`` records per
     part and ``longspec serve`` prints after its warm-up): a compiled engine's first rounds add

@@ -160,7 +160,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
 
 
 def _graphs(counts) -> str:
-    """' (N graphs: L from the compile cache, C compiled)' for a warm-up part that compiled graphs."""
+    """' (N graphs: L loaded whole from the compile cache, T traced again, C compiled by Inductor)' for
+    a warm-up part that made graphs (``counts``: see ``compile_counts``), else ''."""
     if not counts or not counts["graphs"]:
         return ""
     return (f" ({counts['graphs']} graphs: {counts['loaded']} loaded whole from the compile cache, "

@@ -20,6 +20,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from ..attention import triton_kernels
 from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, pool_blocks
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_counts, compile_step
@@ -100,8 +101,9 @@ class Engine(Admission):
         if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
             raise ValueError(f"an engine needs max_len, block_size and pool_tokens >= 1, got {max_len}, {block_size}, "
                              f"{pool_tokens}")
-        if block % 64 and target.attention_impl == "triton":
-            raise ValueError(f"block_size {block} with the Triton attention: it must be a multiple of 64 (the "
+        key_block = triton_kernels.DEFAULT_CONFIG.block_n
+        if block % key_block and target.attention_impl == "triton":
+            raise ValueError(f"block_size {block} with the Triton attention: it must be a multiple of {key_block} (the "
                              "kernels' key block), or the kernels would gather every row's keys at every step")
         self.max_len = -(-max_len // block) * block  # whole blocks (multiples of 64: aligned key masks)
         if proposer is not None and self.max_len < tree.num_nodes:
@@ -319,9 +321,7 @@ class Engine(Admission):
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.greedy_round
         own = {b: self.tree_of(b) for b in self.buckets}
-        self.warm_up_seconds = {}
-
-        self.warm_up_graphs = {}
+        self.warm_up_seconds, self.warm_up_graphs = {}, {}
 
         def part(what: str, prepare) -> None:
             self.warming, start, before = what, time.perf_counter(), compile_counts()
