@@ -98,3 +98,27 @@ def test_prefill_chunks_take_the_unmasked_causal_path_when_rows_are_even(tiny_mo
     cache.lengths[1] = 5
     ragged = AttentionMeta.build(cache, causal, 4, "sdpa", causal=True)
     assert not ragged.causal and ragged.key_mask is not None
+
+
+def test_compiled_sdpa_paths_are_kept_by_the_on_disk_compile_cache(tmp_path, monkeypatch):
+    """A graph holding ``sdpa_kernel``'s calls is never saved to torch.compile's AOT cache (it
+    is traced again in every process): the fused paths must not put them in compiled code."""
+    from torch._dynamo.utils import counters
+    from longspec.attention import masked_attention
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen) for h, n in ((4, 3), (2, 6), (2, 6)))
+    mask = torch.rand(1, 3, 6, generator=gen) < 0.5
+    mask[..., 0] = True
+
+    def step(q, k, v, mask):
+        return masked_attention(q, k, v, mask) + causal_attention(q, k, v)
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(step)(q, k, v, mask)
+    torch._dynamo.reset()
+    assert torch.allclose(out, step(q, k, v, mask), atol=1e-5)
+    aot = counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] + aot["autograd_cache_hit"] >= 1, dict(aot)

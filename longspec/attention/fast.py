@@ -3,6 +3,8 @@ efficient kernels on GPU), with the reference's semantics (rows that see no key 
 ``backend.attend_masked``). ``dense_attention`` in ``reference.py`` is its oracle."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -10,6 +12,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # cuDNN's fused attention builds a new plan for every new key length (about 5 ms of CPU per call
 # when the cache grows by a token each step, measured on an H200): decoding uses the others.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _backends(order: list, set_priority: bool = False):
+    """``sdpa_kernel(order)`` in eager code. Under ``torch.compile`` nothing: the context's calls
+    in a graph make torch.compile's on-disk AOT cache bypass that graph (it is traced again in
+    every process), and PyTorch's default order (flash, memory-efficient, math, cuDNN) already
+    keeps cuDNN off decoding's steps."""
+    return nullcontext() if torch.compiler.is_compiling() else sdpa_kernel(order, set_priority=set_priority)
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: bool) -> tuple:
@@ -30,7 +40,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     k, v = k.to(q.dtype), v.to(q.dtype)
     # the memory-efficient kernel (flash takes no mask) has no GQA
     k, v, gqa = _grouped(q, k, v, repeat=q.is_cuda)
-    with sdpa_kernel(_BACKENDS):
+    with _backends(_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
@@ -39,7 +49,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # H200 (``benchmarks/bench_causal.py``, ``causal_attention_h200.log``; 32 query and 8 KV heads, bf16)
 # its causal attention ran at 565-600 TFLOP/s from 8k to 128k tokens, PyTorch's default (flash) at
 # 335-345. Its first call in a process sets cuDNN up (~0.9 s, paid at an engine's warm-up) and each
-# new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer
+# new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer. (Compiled
+# chunk steps get PyTorch's default order: see :func:`_backends`.)
 CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_BACKENDS]
 
 
@@ -52,9 +63,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     m, s = q.shape[2], k.shape[2]
     # float32 on CUDA: only the memory-efficient kernel takes it (not flash, not cuDNN)
     k, v, gqa = _grouped(q, k, v, repeat=q.is_cuda and q.dtype == torch.float32)
-    with sdpa_kernel(CAUSAL_BACKENDS, set_priority=True):
+    with _backends(CAUSAL_BACKENDS, set_priority=True):
         if m == s:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if torch.compiler.is_compiling():
+            return _compiled_lower_right(q, k, v, gqa)
         from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: 1-4 s, only here)
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, s), enable_gqa=gqa)
+
+
+def _compiled_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """:func:`causal_attention`'s lower-right case under ``torch.compile``. ``causal_lower_right``
+    dispatches through ``SDPAParams``, which Dynamo does not trace (a graph break, and the graph
+    after it is never saved to the on-disk AOT cache); this calls what it dispatches to directly:
+    the flash kernel, whose causal flag means lower right, in half precision on CUDA, else SDPA
+    with an explicit [M, S] mask. q [B, Hq, M, D], k, v [B, Hkv, S, D] -> [B, Hq, M, D]."""
+    m, s, d = q.shape[2], k.shape[2], q.shape[3]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+        k, v, _ = _grouped(q, k, v, repeat=True)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    visible = torch.arange(s - m, s, device=q.device)[:, None] >= torch.arange(s, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
