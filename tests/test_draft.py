@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from longspec import GenerationConfig, load_target
 from longspec.attention import triton_kernels
+from longspec.decoding.engine import Engine
 from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer
 from longspec.decoding.tree import TreeSpec
@@ -266,6 +267,10 @@ def test_reduced_draft_vocabulary(targets, tmp_path):
     save_draft(draft, tmp_path / "small")
     loaded = load_draft(tmp_path / "small", target)
     assert loaded.config.draft_vocab == 6 and torch.equal(loaded.vocab_subset, keep)
+    # an engine's proposer copies the head rows before any (compiled) round runs
+    assert loaded.head_copy_nbytes == 0
+    Engine(target, LongSpecProposer(loaded), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
+    assert loaded.head_copy_nbytes == 6 * target.config.hidden_size * loaded.reduced_head().element_size()
     with pytest.raises(ValueError, match="token ids in"):
         draft.limit_vocab([1, 1000])
 

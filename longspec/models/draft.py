@@ -178,12 +178,18 @@ class LongSpecDraft(nn.Module):
             return self.target.logits(h).masked_fill(~keep.index_fill(0, self.vocab_subset, True), float("-inf"))
         if not (reduced and self.config.draft_vocab):
             return self.target.logits(h)
+        scores = F.linear(h, self.reduced_head()).float()
+        full = torch.full((*h.shape[:-1], self.config.vocab_size), float("-inf"), device=h.device)
+        return full.scatter(-1, self.vocab_subset.expand(*h.shape[:-1], -1), scores)
+
+    def reduced_head(self) -> torch.Tensor:
+        """The LM head's rows of the reduced vocabulary [V_draft, H], copied on first use. A
+        proposer takes them before its rounds are compiled: a compiled round that copied them
+        would be a graph no later round matches (compiled again in every process)."""
         subset = self.vocab_subset
         if self._head_rows is None or self._head_rows[0] is not subset:
             self._head_rows = (subset, self.target.lm_head.weight.detach()[subset].clone())
-        scores = F.linear(h, self._head_rows[1]).float()
-        full = torch.full((*h.shape[:-1], self.config.vocab_size), float("-inf"), device=h.device)
-        return full.scatter(-1, subset.expand(*h.shape[:-1], -1), scores)
+        return self._head_rows[1]
 
     def _qkv(self, x, positions):
         cos, sin = (c.to(x.dtype) for c in self.target.last_layer_rotary(positions))
