@@ -318,10 +318,10 @@ def test_steady_state_compiles_and_captures_nothing(model):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_lower_right_causal_attention_equals_eager(dtype):
     """A prefill chunk after cached tokens in a compiled step (flash's lower-right causal flag in
-    half precision, an explicit mask in float32) against the eager ``causal_lower_right`` path,
-    with GQA, and with no graph break."""
+    half precision, an explicit mask in float32) against the eager ``causal_lower_right`` path
+    and the float32 reference with an explicit mask, with GQA, and with no graph break."""
     from torch._dynamo.utils import counters
-    from longspec.attention import causal_attention
+    from longspec.attention import causal_attention, dense_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, h, n, 64, generator=gen, device="cuda", dtype=dtype)
@@ -329,5 +329,10 @@ def test_compiled_lower_right_causal_attention_equals_eager(dtype):
     torch._dynamo.reset()
     counters.clear()
     out = torch.compile(causal_attention, fullgraph=True)(q, k, v)
-    torch.testing.assert_close(out, causal_attention(q, k, v), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, causal_attention(q, k, v), atol=atol, rtol=0)
+    m, s = q.shape[2], k.shape[2]
+    visible = torch.arange(s - m, s, device="cuda")[:, None] >= torch.arange(s, device="cuda")[None, :]
+    reference, _ = dense_attention(q.float(), k.float(), v.float(), visible.expand(2, m, s))
+    torch.testing.assert_close(out.float(), reference, atol=atol, rtol=0)
     assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
