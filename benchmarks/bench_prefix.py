@@ -19,7 +19,11 @@ client's and the server's handling of the prompt's JSON). On CUDA prompts are pr
 captured chunks (``--prefill-chunk``, default 1024), a prompt's rest, as the tokens after a cached
 prefix, in the smaller chunks of its ladder (``--prefill-sizes``; ``--prefill-sizes 1024``: the
 big chunk alone, for comparison). Per trace and server: throughput
-(generated tokens / wall time of the trace) and the hit rate. A table, then one JSON line last.
+(generated tokens / wall time of the trace) and the hit rate. Before the traces, each server gets
+two requests in neither trace: a short one, and one as long as the document sharing nothing with it
+(its TTFT printed): both servers run in one process on one target, so without it only the first
+server would pay the process's first long prompt's one-off costs. (The hit rate counts them.) A
+table, then one JSON line last.
 
 The server runs in this process (FastAPI app on uvicorn in a thread, the same code as
 ``longspec serve``), so a random-weight target needs no files:
@@ -244,11 +248,19 @@ def main(argv=None) -> int:
     if args.note:
         say(f"# {args.note}")
     results, health = {}, {}
-    warm = torch.randint(0, target.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator().manual_seed(1)
+    warm = torch.randint(0, target.config.vocab_size, (64,), generator=gen).tolist()
+    # as long as the document, sharing nothing with the traces: the first long prompt's one-off costs
+    # (in one process: the servers share the target, so only the first server would pay them)
+    long_warm = torch.randint(0, target.config.vocab_size, (len(trace["doc"]),), generator=gen).tolist()
     for cached in (True, False):
         server = InProcessServer(target, tokenizer, args, prefix_cache=cached)
         try:
             stream(server.url, warm, 4)  # the first request's one-off costs, in neither trace
+            first_long = stream(server.url, long_warm, 4)
+            say(f"# {'with' if cached else 'without'} the cache, the server's first long request ({len(long_warm)} "
+                f"tokens, in neither trace): TTFT {first_long['ttft_s']:.3f} s, its prefill "
+                f"{first_long['server_ms']['prefill']:.1f} ms on the server")
             if cached:
                 say(f"# prefill: {server.prefill}")
             runs = {"document": run_trace(server.url, trace, "document", args.max_tokens)}
