@@ -271,6 +271,12 @@ def test_reduced_draft_vocabulary(targets, tmp_path):
     assert loaded.head_copy_nbytes == 0
     Engine(target, LongSpecProposer(loaded), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
     assert loaded.head_copy_nbytes == 6 * target.config.hidden_size * loaded.reduced_head().element_size()
+    rows = loaded.reduced_head()
+    assert loaded.reduced_head(check=True) is rows  # the same head: the same copy
+    head = target.lm_head.weight
+    head.data = head.data.clone()  # the head moved (as after a .to()): copied again when a proposer begins
+    again = loaded.reduced_head(check=True)
+    assert again is not rows and torch.equal(again, rows)
     with pytest.raises(ValueError, match="token ids in"):
         draft.limit_vocab([1, 1000])
 

@@ -32,8 +32,8 @@ class LongSpecProposer(TreeDrafter):
         if target is not self.draft.target:
             self.draft.config.check_target(target)
         super().begin(target, cache, tree, config, rng)
-        if self.draft.config.draft_vocab and target.shard is None:
-            self.draft.reduced_head()
+        if self.draft.config.draft_vocab and self.draft.target.shard is None:
+            self.draft.reduced_head(check=True)
         b, device = cache.batch_size, target.device
         self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
         self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)

@@ -182,13 +182,16 @@ class LongSpecDraft(nn.Module):
         full = torch.full((*h.shape[:-1], self.config.vocab_size), float("-inf"), device=h.device)
         return full.scatter(-1, self.vocab_subset.expand(*h.shape[:-1], -1), scores)
 
-    def reduced_head(self) -> torch.Tensor:
+    def reduced_head(self, check: bool = False) -> torch.Tensor:
         """The LM head's rows of the reduced vocabulary [V_draft, H], copied on first use. A
-        proposer takes them before its rounds are compiled: a compiled round that copied them
-        would be a graph no later round matches (compiled again in every process)."""
-        subset = self.vocab_subset
-        if self._head_rows is None or self._head_rows[0] is not subset:
-            self._head_rows = (subset, self.target.lm_head.weight.detach()[subset].clone())
+        proposer takes them (``check``: copied again if the target's head has moved or changed
+        dtype since) before its rounds are compiled: a compiled round that copied them would be
+        a graph no later round matches (compiled again in every process)."""
+        subset, weight = self.vocab_subset, self.target.lm_head.weight
+        rows = self._head_rows
+        if (rows is None or rows[0] is not subset
+                or (check and rows[2] != (weight.data_ptr(), weight.dtype, weight.device))):
+            self._head_rows = (subset, weight.detach()[subset].clone(), (weight.data_ptr(), weight.dtype, weight.device))
         return self._head_rows[1]
 
     def _qkv(self, x, positions):
