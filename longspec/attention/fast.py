@@ -81,17 +81,10 @@ def _compiled_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa
     with an explicit [M, S] mask. q [B, Hq, M, D], k, v [B, Hkv, S, D] -> [B, Hq, M, D]."""
     m, s, d = q.shape[2], k.shape[2], q.shape[3]
     if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
-            and _flash_capable(q.device.index)):
+            and torch.cuda.get_device_properties(q.device).major >= 8):  # (a constant to torch.compile)
         # (the flash kernel takes fewer K/V heads than query heads as they are: no copies)
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
     if gqa and q.is_cuda:  # the memory-efficient kernel (the mask) has no GQA: off the math path
         k, v, gqa = _grouped(q, k, v, repeat=True)
     visible = torch.arange(s - m, s, device=q.device)[:, None] >= torch.arange(s, device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
-
-
-@torch.compiler.assume_constant_result
-def _flash_capable(index) -> bool:
-    """Whether CUDA device ``index`` runs the flash kernel (compute capability 8.0 or newer);
-    a constant to ``torch.compile``."""
-    return torch.cuda.get_device_capability(index) >= (8, 0)
