@@ -16,7 +16,8 @@ prefill's chunk steps run them), e.g. ``--contexts 0,2048,6144 --trees 2048 --he
 --head-dim 64 --causal`` for the default model's chunks.
 
 ``--window W``: a sliding-window layer's attention (each query sees no key more than W - 1
-positions before it; the kernel skips the key blocks wholly below its window), e.g. Gemma 3
+positions before it; the launch splits only one window's span of the cache and skips the key
+blocks below a tile's window; the floor counts the window's keys), e.g. Gemma 3
 270M's local layers: ``--heads 4 --kv-heads 1 --head-dim 256 --window 512 --contexts
 1024,8192,32768``; its time should not grow with the context. Checked against the float64
 reference with the window in a dense mask.
@@ -173,13 +174,14 @@ def main(argv=None):
             if args.sweep:
                 rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.causal))
                 continue
+            window = args.window or 0  # the launch splits only one window's span of the cache
             impls = {
                 # TMA loads for 128-row tiles (Hopper)
-                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal, starts=starts),
+                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal, starts=starts, window=window),
                 "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False),
-                                                          causal=args.causal, starts=starts),
+                                                          causal=args.causal, starts=starts, window=window),
                 "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True),
-                                                       causal=args.causal, starts=starts),
+                                                       causal=args.causal, starts=starts, window=window),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
                                                                     enable_gqa=True),
                 "matmul": lambda: matmul_attention(q, k, v, dense),
@@ -189,7 +191,9 @@ def main(argv=None):
                 impls.pop("triton (tma)")
             if args.window:  # flash cannot slide a window over a tree
                 impls.pop("flash (no mask)")
-            floor = floor_s(h, hkv, m, cap, d, bandwidth, rate, args.causal)
+            # a sliding layer needs only the keys of its window (and the tree's or chunk's own)
+            floor = floor_s(h, hkv, m, min(cap, args.window + m) if args.window else cap, d, bandwidth, rate,
+                            args.causal)
             for name, fn in impls.items():
                 try:
                     out = fn()

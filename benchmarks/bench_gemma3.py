@@ -10,7 +10,7 @@
 3. the draft's memory (its ring buffer and reduced head) after a prompt of the shortest and of the
    longest length: it must not grow with the context.
 
-Prints a line per result and one JSON line last (also written to ``--out``).
+Prints a line per result and one JSON line last; ``--out`` is rewritten after every result.
 
     python benchmarks/bench_gemma3.py --target DIR --draft DIR --prompt-dirs SRC_DIR PROSE_DIR \
         --lengths 2048,8192,16384,32768 --out gemma3.json
@@ -140,6 +140,15 @@ def main(argv=None):
     report["parity"] = parity(target, hf, code_prompt(tokenizer, Path(args.prompt_dirs[0]), args.parity_length))
     print(f"parity at {args.parity_length}: {report['parity']}", flush=True)
     lengths = [int(n) for n in args.lengths.split(",")]
+    tree = TreeSpec.parse(args.tree)  # the draft's memory first: cheap, and a goal of its own
+    report["draft_memory"] = [draft_memory(target, draft, code_prompt(tokenizer, Path(args.prompt_dirs[0]), n), tree)
+                              for n in (lengths[0], lengths[-1])]
+    print(f"draft memory: {report['draft_memory']}", flush=True)
+
+    def record(res: dict) -> None:  # the JSON holds every result so far (a run cut short keeps them)
+        report["results"].append(res)
+        Path(args.out).write_text(json.dumps(report) + "\n")
+
     methods = {"plain": (None, None), "pld": (PromptLookup(), args.pld_tree),
                "longspec": (LongSpecProposer(draft), args.tree),
                "hybrid": (LongSpecProposer(draft, lookup=PromptLookup()), args.hybrid_tree)}
@@ -152,22 +161,16 @@ def main(argv=None):
                 for name, (proposer, tree) in methods.items():
                     _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats)
                     res.update(method=name, context=n, prompts=Path(directory).name, temperature=temperature)
-                    report["results"].append(res)
+                    record(res)
                     print(f"{n:>6} {Path(directory).name:<12} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
                           f"{res['ms_per_token']:7.2f} ms/token", flush=True)
             start = time.perf_counter()  # on CUDA, transformers compiles static-cache decoding itself
             _, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, cache_implementation="static")
             res.update(method="hf-static", context=n, prompts=Path(directory).name, temperature=0.0,
                        wall_s=time.perf_counter() - start)
-            report["results"].append(res)
+            record(res)
             print(f"{n:>6} {Path(directory).name:<12} T=0 hf-static {res['ms_per_token']:7.2f} ms/token", flush=True)
-    tree = TreeSpec.parse(args.tree)
-    report["draft_memory"] = [draft_memory(target, draft, code_prompt(tokenizer, Path(args.prompt_dirs[0]), n), tree)
-                              for n in (lengths[0], lengths[-1])]
-    print(f"draft memory: {report['draft_memory']}", flush=True)
-    line = json.dumps(report)
-    Path(args.out).write_text(line + "\n")
-    print(line)
+    print(json.dumps(report))
     if scratch is not None:
         scratch.cleanup()
 

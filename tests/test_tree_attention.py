@@ -19,7 +19,7 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 
 def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None,
-          causal=False, window=None, table=None):
+          causal=False, window=None, table=None, plan_window=True):
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     n_tree = pending + m
@@ -53,7 +53,8 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
         table = table.to(device)
     ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config,
                           causal=causal, table=table, block_size=block or 0,
-                          starts=None if starts is None else starts.to(device))
+                          starts=None if starts is None else starts.to(device),
+                          window=window if window is not None and plan_window else 0)
     assert ours.shape == (b, hq, m, d) and ours.dtype == dtype
     ours = ours.double().cpu()
     assert torch.isfinite(ours).all()
@@ -401,7 +402,9 @@ def test_sliding_window_tree_matches_reference(lengths, m, hq, hkv, d, window, d
     block layout, several launch configs."""
     device = "cuda" if ON_GPU else "cpu"
     for config in (None, KernelConfig(block_q=16, block_n=16, programs=8, min_chunk=16)):
-        check(lengths, m, hq, hkv, d, dtype, device, window=window, config=config, seed=len(lengths))
+        for plan_window in (False, True):  # splits over the whole cache, or over one window's span
+            check(lengths, m, hq, hkv, d, dtype, device, window=window, config=config, seed=len(lengths),
+                  plan_window=plan_window)
 
 
 @pytest.mark.parametrize("lengths,m,pending,window", [([0], 40, 0, 8), ([37, 100], 33, 0, 16), ([9], 70, 5, 7),
@@ -410,8 +413,25 @@ def test_sliding_window_tree_matches_reference(lengths, m, hq, hkv, d, window, d
 def test_sliding_window_causal_chunk(lengths, m, pending, window, config):
     """A prefill chunk of a sliding-window layer: the window cuts the prefix and the chunk itself
     (chunks longer than the window; tree blocks wholly below a tile's window are skipped)."""
-    check(lengths, m, 4, 2, 32, torch.float32, "cuda" if ON_GPU else "cpu", pending=pending, config=config,
-          causal=True, window=window)
+    for plan_window in (False, True):
+        check(lengths, m, 4, 2, 32, torch.float32, "cuda" if ON_GPU else "cpu", pending=pending, config=config,
+              causal=True, window=window, plan_window=plan_window)
+
+
+@pytest.mark.parametrize("causal,m", [(False, 5), (True, 24)])
+def test_a_window_splits_only_its_span_of_a_long_cache(monkeypatch, causal, m):
+    """With ``window`` the split-KV plan covers one window's span from each tile's lowest start,
+    not the cache (the cost of a sliding layer stays flat in context): the output is the
+    reference's over a long cache split into many parts, and the plan was given the span."""
+    from longspec.attention import triton_kernels
+
+    spans = []
+    real_plan = triton_kernels.plan
+    monkeypatch.setattr(triton_kernels, "plan", lambda span, *a: spans.append(span) or real_plan(span, *a))
+    config = KernelConfig(block_q=16, block_n=16, programs=64, min_chunk=16)
+    check([3000, 1234], m, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", window=40, config=config,
+          causal=causal, seed=5)
+    assert spans == [40 + m + 16]
 
 
 def test_sliding_window_through_a_block_table():

@@ -137,7 +137,8 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     if meta.impl == "triton" and not meta.causal:
         k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.tree_attention(q, k, v, meta.lengths, meta.tree_mask, causal=meta.tree_causal,
-                                             table=table, block_size=block_size, starts=meta.starts)
+                                             table=table, block_size=block_size, starts=meta.starts,
+                                             window=meta.window or 0)
     if meta.causal and meta.window is not None:
         return band_attention(q, kv, meta.n_keys, meta.window)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered

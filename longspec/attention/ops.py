@@ -39,9 +39,9 @@ def register() -> None:
     @torch.library.custom_op("longspec::tree_attention", mutates_args=())
     def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                        tree_mask: torch.Tensor, causal: bool, table: Optional[torch.Tensor], block_size: int,
-                       starts: Optional[torch.Tensor]) -> torch.Tensor:
+                       starts: Optional[torch.Tensor], window: int) -> torch.Tensor:
         return tree_kernel(q, k, v, lengths, tree_mask, causal=causal, table=table, block_size=block_size,
-                           starts=starts)
+                           starts=starts, window=window)
 
     @torch.library.custom_op("longspec::prefix_attention", mutates_args=())
     def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
@@ -55,10 +55,11 @@ def register() -> None:
     for op in (tree_attention, prefix_attention, masked_attention):
         op.register_fake(lambda q, *args: _output_like(q))
 
-    def tree_call(q, k, v, lengths, tree_mask, config=None, causal=False, table=None, block_size=0, starts=None):
+    def tree_call(q, k, v, lengths, tree_mask, config=None, causal=False, table=None, block_size=0, starts=None,
+                  window=0):
         if config is not None:
-            return tree_kernel(q, k, v, lengths, tree_mask, config, causal, table, block_size, starts)
-        return tree_attention(q, k, v, lengths, tree_mask, causal, table, block_size, starts)
+            return tree_kernel(q, k, v, lengths, tree_mask, config, causal, table, block_size, starts, window)
+        return tree_attention(q, k, v, lengths, tree_mask, causal, table, block_size, starts, window)
 
     def prefix_call(q, k, v, limits, config=None, table=None, block_size=0):
         if config is not None:

@@ -156,8 +156,8 @@ if triton is not None:
                         stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
-                        HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, DIRECT: tl.constexpr, TMA: tl.constexpr,
-                        PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                        HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
+                        DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                         PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
@@ -174,13 +174,15 @@ if triton is not None:
         # paged: K, V are the pool's layer [HKV, P, D] (no batch stride) and a row's slots go through
         # its block table; a key block never crosses a pool block (BS is a multiple of BLOCK_N)
         k_base, v_base = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
-        lo = split * CHUNK
-        every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
-        any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         # a sliding window: no row sees the key blocks below the tile's lowest start (skipped), every
         # row the ones from its highest start on
         first_start = tl.min(tl.where(row_ok, row_start, CAP), 0)
         last_start = tl.max(tl.where(row_ok, row_start, 0), 0)
+        # WINDOWED: the splits tile the span from the tile's lowest start (the plan covers one
+        # window), not the whole cache: the work and the partials to merge do not grow with it
+        lo = (first_start // BLOCK_N * BLOCK_N if WINDOWED else 0) + split * CHUNK
+        every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
+        any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
         head = tl.maximum(lo, first_start // BLOCK_N * BLOCK_N)
         full = tl.maximum(head, tl.cdiv(last_start, BLOCK_N) * BLOCK_N)
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, head, tl.minimum(full, any_end),
@@ -305,9 +307,12 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
 
 def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: bool,
             table: Optional[torch.Tensor] = None, block_size: int = 0,
-            starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+            starts: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """The checked inputs of the public functions below -> o [B, Hq, M, D]. ``table``: k_cache,
-    v_cache are a pool layer [Hkv, P, D] read through the rows' block table."""
+    v_cache are a pool layer [Hkv, P, D] read through the rows' block table. ``window`` (with
+    ``starts``): no query sees more than ``window`` prefix slots from its start, so the keys of a
+    tile of rows span less than ``window + M`` slots from its lowest start: the split-KV plan
+    covers that span instead of the cache."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]
@@ -318,7 +323,9 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     tiles = triton.cdiv(rows, block_q)
     units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
-    n_splits, chunk = plan(cap, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
+    windowed = starts is not None and window > 0
+    span = min(cap, window + m + block_n) if windowed else cap  # + block_n: the span starts block-aligned
+    n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits == 1
     if direct:  # no partials: the kernel writes `out`
@@ -357,7 +364,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, n_splits, cap, block_size, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, HAS_START=starts is not None, DIRECT=direct, TMA=tma,
+            HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
             PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
@@ -372,7 +379,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                    tree_mask: torch.Tensor, config: Optional[KernelConfig] = None, causal: bool = False,
                    table: Optional[torch.Tensor] = None, block_size: int = 0,
-                   starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   starts: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """Every query sees the committed prefix of its row (slots ``0..lengths[b]-1``, no mask) plus
     the tree tokens at slots ``lengths[b] + j`` that ``tree_mask[b, i, j]`` allows.
 
@@ -385,11 +392,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     slot s is pool slot ``table[b, s // block_size] * block_size + s % block_size``.
     ``starts`` [B, M] integer (a sliding window): query i of row b sees no prefix slot below
     ``starts[b, i]``, nor (``causal``: a chunk whose slots are its positions) a tree slot; a tree's
-    window is in its mask. Key blocks below a tile's lowest start are never read.
+    window is in its mask. Key blocks below a tile's lowest start are never read. ``window`` > 0
+    (with ``starts``): the caller vouches that no query sees more than ``window`` prefix slots
+    from its start (a sliding-window layer: starts = positions - window + 1); the launch then
+    splits only one window's span of the cache, so its cost does not grow with the context.
     Returns o [B, Hq, M, D] in q's dtype, a view of a [B, M, Hq, D] tensor (so the output
     projection's reshape is free)."""
     c = _check(q, k_cache, v_cache, config, table, block_size)
     m = q.shape[2]
+    if window < 0:
+        raise ValueError(f"tree_attention: window must be >= 0 (0: none), got {window}")
     if starts is not None and (starts.shape != (q.shape[0], m) or starts.dtype.is_floating_point):
         raise ValueError(f"tree_attention: starts must be integers [B, M] = {(q.shape[0], m)}, "
                          f"got {tuple(starts.shape)} {starts.dtype}")
@@ -402,9 +414,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             raise ValueError(f"tree_attention: a causal tree part needs N >= M, got N {n_tree}, M {m}")
         limits = lengths[:, None] + (n_tree - m + 1) + torch.arange(m, device=q.device)[None, :]
         return _launch(q, k_cache, v_cache, lengths + n_tree, limits, None, c, with_prefix=True, table=table,
-                       block_size=block_size, starts=starts)
+                       block_size=block_size, starts=starts, window=window)
     return _launch(q, k_cache, v_cache, lengths, None, tree_mask, c, with_prefix=True, table=table,
-                   block_size=block_size, starts=starts)
+                   block_size=block_size, starts=starts, window=window)
 
 
 @compile_boundary
