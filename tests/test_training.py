@@ -352,3 +352,14 @@ def test_self_distill_writes_the_targets_answers(target, tmp_path):
         self_distill(target, ChatStubTokenizer(), [stdlib], out, **args)
     with pytest.raises(ValueError, match="standard library"):
         list(iter_documents(stdlib))
+
+
+def test_evaluation_samples_the_whole_held_out_set():
+    """The held-out chunks come file after file: an evaluation of k chunks takes them from the
+    first to the last, evenly, not the first file's k."""
+    from longspec.training.trainer import held_out_sample
+
+    picked = held_out_sample(1000, 64).tolist()
+    assert len(set(picked)) == 64 and picked == sorted(picked) and picked[0] == 0 and picked[-1] == 999
+    assert max(b - a for a, b in zip(picked, picked[1:])) <= 17
+    assert held_out_sample(10, 0).tolist() == list(range(10)) == held_out_sample(10, 64).tolist()

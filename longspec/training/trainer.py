@@ -68,7 +68,7 @@ class TrainConfig:
     text_field: str = "text"
     eval_fraction: float = 0.05  # share of documents held out (by sha256 of the name)
     eval_every: int = 200  # steps (0: only at the end)
-    eval_chunks: int = 64  # held-out chunks per evaluation (0: all)
+    eval_chunks: int = 64  # held-out chunks per evaluation, spread over the held-out set (0: all)
     save_every: int = 500  # steps (0: only at the end)
     keep_checkpoints: int = 2
     log_every: int = 10  # steps averaged into one metrics row
@@ -168,6 +168,15 @@ class TrainResult:
     history: list
     out: Path
 
+
+
+def held_out_sample(n: int, k: int) -> torch.Tensor:
+    """Indices [min(k, n)] (long) of the held-out chunks one evaluation scores: ``k`` spread evenly
+    from the first chunk to the last (all of them for ``k`` 0 or >= n). The held-out chunks come
+    document after document, so the first ``k`` alone could all be one file's."""
+    if k == 0 or k >= n:
+        return torch.arange(n)
+    return torch.linspace(0, n - 1, k).round().long()
 
 class Trainer:
     """Holds a run's state; :func:`train` is the entry point."""
@@ -282,11 +291,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out CE (``eval_loss``), top-1 accuracy (``eval_acc``) and, with distillation,
-        KL, over the first ``eval_chunks`` held-out chunks. Chunk ``j`` uses lag
+        KL, over ``eval_chunks`` held-out chunks spread evenly over the held-out set
+        (:func:`held_out_sample`). Chunk ``j`` uses lag
         ``1 + j % max_lag`` (1 without noise) and anchor offsets from a fixed seed: every
         evaluation sees the same inputs, independent of batching and ranks."""
         c, env = self.config, self.env
-        chunks = self.data.eval if c.eval_chunks == 0 else self.data.eval[:c.eval_chunks]
+        chunks = self.data.eval[held_out_sample(self.data.eval.shape[0], c.eval_chunks)]
         m = chunks.shape[0]
         if m == 0:
             return {}
