@@ -177,7 +177,8 @@ def main(argv=None):
             window = args.window or 0  # the launch splits only one window's span of the cache
             impls = {
                 # TMA loads for 128-row tiles (Hopper)
-                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal, starts=starts, window=window),
+                "triton": lambda: tree_attention(q, k, v, lengths, tree, causal=args.causal, starts=starts,
+                                                 window=window),
                 "triton (no tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=False),
                                                           causal=args.causal, starts=starts, window=window),
                 "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True),

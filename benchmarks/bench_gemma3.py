@@ -140,9 +140,9 @@ def main(argv=None):
     report["parity"] = parity(target, hf, code_prompt(tokenizer, Path(args.prompt_dirs[0]), args.parity_length))
     print(f"parity at {args.parity_length}: {report['parity']}", flush=True)
     lengths = [int(n) for n in args.lengths.split(",")]
-    tree = TreeSpec.parse(args.tree)  # the draft's memory first: cheap, and a goal of its own
-    report["draft_memory"] = [draft_memory(target, draft, code_prompt(tokenizer, Path(args.prompt_dirs[0]), n), tree)
-                              for n in (lengths[0], lengths[-1])]
+    # the draft's memory first: cheap, and a goal of its own
+    report["draft_memory"] = [draft_memory(target, draft, code_prompt(tokenizer, Path(args.prompt_dirs[0]), n),
+                                           TreeSpec.parse(args.tree)) for n in (lengths[0], lengths[-1])]
     print(f"draft memory: {report['draft_memory']}", flush=True)
 
     def record(res: dict) -> None:  # the JSON holds every result so far (a run cut short keeps them)

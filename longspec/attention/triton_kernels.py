@@ -161,8 +161,8 @@ if triton is not None:
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
                         HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
-                        DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
@@ -182,12 +182,13 @@ if triton is not None:
         # row the ones from its highest start on
         first_start = tl.min(tl.where(row_ok, row_start, CAP), 0)
         last_start = tl.max(tl.where(row_ok, row_start, 0), 0)
+        first_block = first_start // BLOCK_N * BLOCK_N
         # WINDOWED: the splits tile the span from the tile's lowest start (the plan covers one
         # window), not the whole cache: the work and the partials to merge do not grow with it
-        lo = (first_start // BLOCK_N * BLOCK_N if WINDOWED else 0) + split * CHUNK
+        lo = (first_block if WINDOWED else 0) + split * CHUNK
         every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
         any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
-        head = tl.maximum(lo, first_start // BLOCK_N * BLOCK_N)
+        head = tl.maximum(lo, first_block)
         full = tl.maximum(head, tl.cdiv(last_start, BLOCK_N) * BLOCK_N)
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, head, tl.minimum(full, any_end),
                                       row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N, PRECISION)

@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="directory keeping the tokenised data, keyed by the documents, settings and tokenizer: "
                          "later runs on the same data skip tokenising")
     tr.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
-    tr.add_argument("--eval-chunks", type=int, default=64, help="held-out chunks per evaluation, spread over the held-out set (0: all)")
+    tr.add_argument("--eval-chunks", type=int, default=64,
+                    help="held-out chunks per evaluation, spread over the held-out set (0: all)")
     tr.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     tr.add_argument("--log-every", type=int, default=10, help="steps per metrics.jsonl row")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")

@@ -189,9 +189,9 @@ class LongSpecDraft(nn.Module):
         a graph no later round matches (compiled again in every process)."""
         subset, weight = self.vocab_subset, self.target.lm_head.weight
         rows = self._head_rows
-        if (rows is None or rows[0] is not subset
-                or (check and rows[2] != (weight.data_ptr(), weight.dtype, weight.device))):
-            self._head_rows = (subset, weight.detach()[subset].clone(), (weight.data_ptr(), weight.dtype, weight.device))
+        source = (weight.data_ptr(), weight.dtype, weight.device)  # where the rows were copied from
+        if rows is None or rows[0] is not subset or (check and rows[2] != source):
+            self._head_rows = (subset, weight.detach()[subset].clone(), source)
         return self._head_rows[1]
 
     def _qkv(self, x, positions):

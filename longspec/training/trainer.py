@@ -169,7 +169,6 @@ class TrainResult:
     out: Path
 
 
-
 def held_out_sample(n: int, k: int) -> torch.Tensor:
     """Indices [min(k, n)] (long) of the held-out chunks one evaluation scores: ``k`` spread evenly
     from the first chunk to the last (all of them for ``k`` 0 or >= n). The held-out chunks come
@@ -177,6 +176,7 @@ def held_out_sample(n: int, k: int) -> torch.Tensor:
     if k == 0 or k >= n:
         return torch.arange(n)
     return torch.linspace(0, n - 1, k).round().long()
+
 
 class Trainer:
     """Holds a run's state; :func:`train` is the entry point."""
