@@ -143,15 +143,6 @@ def test_other_launch_configs_compute_the_same(config):
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
 
 
-@pytest.mark.parametrize("d,merge_rows", [(128, 16), (256, 16), (128, 64)])
-def test_merge_of_many_splits_over_head_dim_tiles(d, merge_rows):
-    """Many splits (13: not a multiple of the splits merged per load) of a long cache with one KV
-    head, merged over several head-dim tiles, rows of one and of several row tiles."""
-    config = KernelConfig(block_q=16, block_n=16, programs=13, min_chunk=16, merge_rows=merge_rows)
-    for m in (1, 21):
-        check([1900, 700], m, 4, 1, d, torch.float32, "cuda" if ON_GPU else "cpu", config=config, seed=m)
-
-
 def test_plan_covers_the_capacity():
     for cap in (64, 1000, 8192, 131072):
         for units in (1, 16, 207):

@@ -44,10 +44,6 @@ from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelC
                           shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
-# the merge kernel: each program handles MERGE_D_TILE of the head dim, and loads up to 8 splits'
-# partial outputs at once within MERGE_TILE_ELEMENTS float32 values (64 registers a thread of 4 warps)
-MERGE_D_TILE = 64
-MERGE_TILE_ELEMENTS = 8192
 
 
 def available() -> bool:
@@ -221,16 +217,12 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                      HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, D_TILE: tl.constexpr,
-                      PART_GROUP: tl.constexpr):
-        """The rows of one (sequence, KV head, row tile) over ``D_TILE`` of the head dim: the
-        splits' partial outputs weighted by their LSEs, ``PART_GROUP`` splits per load (a long
-        cache of few KV heads has many splits: one at a time made a serial chain of loads)."""
-        pid, tile, d_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                      HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+        pid, tile = tl.program_id(0), tl.program_id(1)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
-        d = d_tile * D_TILE + tl.arange(0, D_TILE)
+        d = tl.arange(0, HEAD_D)
         lp = LP + b * sl_b + h * sl_h
         parts = tl.arange(0, PARTS_P2)
         every = tl.load(lp + parts[:, None] * sl_s + rows[None, :], mask=(parts < N_PARTS)[:, None] & row_ok[None, :],
@@ -238,15 +230,12 @@ if triton is not None:
         m = tl.max(every, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.exp2(every - m_safe[None, :]), 0)
-        acc = tl.zeros([BLOCK_R, D_TILE], tl.float32)
-        for first in range(0, N_PARTS, PART_GROUP):
-            group = first + tl.arange(0, PART_GROUP)
-            seen = (group < N_PARTS)[:, None] & row_ok[None, :]  # [PART_GROUP, BLOCK_R]
-            w = tl.exp2(tl.load(lp + group[:, None] * sl_s + rows[None, :], mask=seen, other=float("-inf"))
-                        - m_safe[None, :])
-            o = tl.load(OP + b * so_b + h * so_h + group[:, None, None] * so_s + rows[None, :, None] * so_r
-                        + d[None, None, :], mask=seen[:, :, None], other=0.0)  # [PART_GROUP, BLOCK_R, D_TILE]
-            acc += tl.sum(o * w[:, :, None], 0)
+        acc = tl.zeros([BLOCK_R, HEAD_D], tl.float32)
+        for part in range(0, N_PARTS):  # independent loads: only the sum is carried
+            w = tl.exp2(tl.load(lp + part * sl_s + rows, mask=row_ok, other=float("-inf")) - m_safe)
+            o = tl.load(OP + b * so_b + h * so_h + part * so_s + rows[:, None] * so_r + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            acc += o * w[:, None]
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         g, i = rows // M, rows % M
         tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
@@ -381,11 +370,9 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
-            d_tile = min(d, MERGE_D_TILE)  # more programs, fewer registers each: [PART_GROUP, rows, d_tile] loads
-            _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows), d // d_tile)](
+            _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
                 o_part, lse_part, out, *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-                hkv, m, g, n_splits, PARTS_P2=triton.next_power_of_2(n_splits), BLOCK_R=c.merge_rows, D_TILE=d_tile,
-                PART_GROUP=max(1, min(8, MERGE_TILE_ELEMENTS // (c.merge_rows * d_tile))))
+                hkv, m, g, n_splits, PARTS_P2=triton.next_power_of_2(n_splits), BLOCK_R=c.merge_rows, HEAD_D=d)
     return out.transpose(1, 2)
 
 
