@@ -4,16 +4,20 @@
    max abs diff and argmax agreement; float32 in the CPU smoke run);
 2. tau and decode ms/token at each length of ``--lengths`` for plain decoding, prompt lookup,
    LongSpec (beam tree), the hybrid (draft + lookup), greedy and T=1 (``--temperatures``), and
-   transformers' compiled static-cache ``generate`` (greedy), prompts cut from held-out text
-   (``--prompt-dirs``: folders of Python files, e.g. code and the documentation text of
-   ``pydoc_data``; it is a base model, so completion prompts);
+   transformers' compiled static-cache ``generate`` (greedy, after all of ours), prompts cut from
+   held-out text (``--prompt-dirs``: folders of Python files, e.g. code and the documentation text
+   of ``pydoc_data``; it is a base model, so completion prompts). ``--ends`` prompts per kind,
+   ``--end-shift`` tokens apart; each length's prompt is the last n tokens before the same end
+   point, so the lengths continue the same text and differ only in how much context they see.
+   The longest length leaves room for the new tokens in the model's 32,768 positions;
 3. the draft's memory (its ring buffer and reduced head) after a prompt of the shortest and of the
    longest length: it must not grow with the context.
 
-Prints a line per result and one JSON line last; ``--out`` is rewritten after every result.
+Prints a line per result, a summary (mean tau and ms/token over the end points, the speed-up per
+token over transformers) and one JSON line last; ``--out`` is rewritten after every result.
 
     python benchmarks/bench_gemma3.py --target DIR --draft DIR --prompt-dirs SRC_DIR PROSE_DIR \
-        --lengths 2048,8192,16384,32768 --out gemma3.json
+        --lengths 2048,8192,16384,32512 --out gemma3.json
     python benchmarks/bench_gemma3.py --random-tiny --out smoke.json   # CPU smoke run
 
 ``--random-tiny`` builds a tiny random Gemma 3 folder (byte-level tokenizer), a random draft and
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -84,6 +89,34 @@ def parity(target, hf, prompt: list, tail: int = 256) -> dict:
             "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
 
 
+def ended_prompts(tokenizer, directory: Path, longest: int, ends: int, shift: int) -> list:
+    """``ends`` token lists of ``longest`` tokens of ``directory``'s text, the k-th ending
+    ``k * shift`` tokens after the first: each length's prompt is the last n tokens of one of
+    them, so every length continues the same text and tau differs only by the context."""
+    tokens = code_prompt(tokenizer, directory, longest + (ends - 1) * shift)
+    return [tokens[k * shift:k * shift + longest] for k in range(ends)]
+
+
+def summary(results: list) -> list:
+    """Per length, kind and temperature: each method's mean tau and ms/token over the end points,
+    and its speed-up per token over transformers' compiled static cache."""
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r["context"], r["prompts"], r["temperature"], r["method"]), []).append(r)
+    rows = []
+    for (n, kind, temperature, method), rs in sorted(groups.items(), key=lambda kv: kv[0]):
+        hf = groups.get((n, kind, 0.0, "hf-static"))
+        ms = statistics.mean(r["ms_per_token"] for r in rs)
+        row = {"context": n, "prompts": kind, "temperature": temperature, "method": method, "prompts_n": len(rs),
+               "ms_per_token": ms}
+        if rs[0]["tau"] is not None:
+            row["tau"] = statistics.mean(r["tau"] for r in rs)
+        if hf and method != "hf-static":
+            row["x_hf_static"] = hf[0]["ms_per_token"] / ms
+        rows.append(row)
+    return rows
+
+
 @torch.inference_mode()  # (as the engine drafts: the head rows it copied are inference tensors)
 def draft_memory(target, draft, prompt: list, tree: TreeSpec) -> dict:
     """Bytes the draft holds (ring buffer, reduced head rows) and the peak device memory of one
@@ -104,7 +137,7 @@ def main(argv=None):
     p.add_argument("--target", help="HF folder of Gemma 3 (Gemma3ForCausalLM)")
     p.add_argument("--draft", help="its LongSpec draft")
     p.add_argument("--prompt-dirs", nargs="+", help="held-out text: code and prose folders (never trained on)")
-    p.add_argument("--lengths", default="2048,8192,16384,32768")
+    p.add_argument("--lengths", default="2048,8192,16384,32512")
     p.add_argument("--parity-length", type=int, default=8192)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -112,6 +145,8 @@ def main(argv=None):
     p.add_argument("--hybrid-tree", default="4,16,16,16,16,1,1,1,1,1")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ends", type=int, default=3, help="prompts per kind of text: end points --end-shift apart")
+    p.add_argument("--end-shift", type=int, default=1024, help="tokens between two prompts' end points")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--random-tiny", action="store_true", help="CPU smoke run on a tiny random Gemma 3")
@@ -152,24 +187,35 @@ def main(argv=None):
     methods = {"plain": (None, None), "pld": (PromptLookup(), args.pld_tree),
                "longspec": (LongSpecProposer(draft), args.tree),
                "hybrid": (LongSpecProposer(draft, lookup=PromptLookup()), args.hybrid_tree)}
-    for n in lengths:
-        for directory in args.prompt_dirs:  # one prompt per kind of text
-            prompt = code_prompt(tokenizer, Path(directory), n)
-            for temperature in map(float, args.temperatures.split(",")):
-                config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True,
-                                          temperature=temperature, seed=0 if temperature else None)
-                for name, (proposer, tree) in methods.items():
-                    _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats)
-                    res.update(method=name, context=n, prompts=Path(directory).name, temperature=temperature)
-                    record(res)
-                    print(f"{n:>6} {Path(directory).name:<12} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
-                          f"{res['ms_per_token']:7.2f} ms/token", flush=True)
-            start = time.perf_counter()  # on CUDA, transformers compiles static-cache decoding itself
-            _, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, cache_implementation="static")
-            res.update(method="hf-static", context=n, prompts=Path(directory).name, temperature=0.0,
-                       wall_s=time.perf_counter() - start)
-            record(res)
-            print(f"{n:>6} {Path(directory).name:<12} T=0 hf-static {res['ms_per_token']:7.2f} ms/token", flush=True)
+    prompts = {(n, Path(d).name, end): prompt for d in args.prompt_dirs
+               for end, tokens in enumerate(ended_prompts(tokenizer, Path(d), lengths[-1], args.ends, args.end_shift))
+               for n, prompt in ((n, tokens[-n:]) for n in lengths)}
+    for (n, kind, end), prompt in prompts.items():
+        for temperature in map(float, args.temperatures.split(",")):
+            config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True,
+                                      temperature=temperature, seed=0 if temperature else None)
+            for name, (proposer, tree) in methods.items():
+                _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats)
+                res.update(method=name, context=n, prompts=kind, end=end, temperature=temperature)
+                record(res)
+                print(f"{n:>6} {kind:<12} end {end} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
+                      f"{res['ms_per_token']:7.2f} ms/token", flush=True)
+    # transformers last: in one process, our next generate after its compiled static-cache generate
+    # once died on the H200 ("unspecified launch failure"; gemma3_table_h200.log)
+    for (n, kind, end), prompt in prompts.items():
+        if end:
+            continue  # its speed per token: one prompt per length and kind
+        start = time.perf_counter()  # on CUDA, transformers compiles static-cache decoding itself
+        _, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, cache_implementation="static")
+        res.update(method="hf-static", context=n, prompts=kind, end=end, temperature=0.0,
+                   wall_s=time.perf_counter() - start)
+        record(res)
+        print(f"{n:>6} {kind:<12} T=0 hf-static {res['ms_per_token']:7.2f} ms/token", flush=True)
+    report["summary"] = summary(report["results"])
+    print("summary (means over the end points; x: transformers' ms/token over this one's)")
+    for r in report["summary"]:
+        print(f"{r['context']:>6} {r['prompts']:<12} T={r['temperature']:g} {r['method']:<9} "
+              f"tau {r.get('tau', float('nan')):5.2f} {r['ms_per_token']:7.2f} ms/token  x{r.get('x_hf_static', 1.0):5.2f}")
     print(json.dumps(report))
     if scratch is not None:
         scratch.cleanup()

@@ -242,3 +242,39 @@ def test_rows_are_read_a_block_at_a_time_and_a_lone_row_in_consecutive_blocks_is
             slots = physical_slots(table, 4, torch.arange(n)[None], 36)
             assert torch.equal(rows_of(store, table, 4, None, 36, n), store[..., slots, :].transpose(-4, -3))
     assert rows_of(store, torch.tensor([[2, 3, 4, 5]]), 4, None, 36, 12).data_ptr() == store[:, :, 8:].data_ptr()
+
+
+@pytest.mark.parametrize("impl", TRITON)
+def test_a_short_causal_chunk_after_a_paged_prefix_runs_on_the_triton_kernel(path, impl, monkeypatch):
+    """An eager prefill's short chunk (a chat turn, a cached prefix's tail) over rows in scattered
+    pool blocks: with the Triton implementation it goes through the kernel, which reads the pool
+    through the block table, instead of gathering the row's keys for the flash path; its logits
+    and K/V equal SDPA's. A long chunk keeps SDPA."""
+    from longspec.attention import backend
+    from longspec.attention import triton_kernels
+
+    target = load_target(path, dtype=torch.float32)
+    calls = []
+    kernel = triton_kernels.tree_attention
+    monkeypatch.setattr(triton_kernels, "tree_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or kernel(*a, **kw))
+    monkeypatch.setattr(backend, "TRITON_CAUSAL_MAX_TOKENS", 16)
+    monkeypatch.setattr("longspec.models.target.TRITON_CAUSAL_MAX_TOKENS", 16)
+    gen = torch.Generator().manual_seed(3)
+    prefix, chunk = (torch.randint(0, 160, (1, n), generator=gen) for n in (200, 12))
+    out = {}
+    for name in ("sdpa", "triton"):
+        target.attention_impl = name
+        pool = BlockPool(target.config, num_blocks=8, block_size=64)
+        pool.allocate(3)  # the row's blocks lie elsewhere, out of order
+        cache = target.new_cache(1, 256, pool=pool, paged=True)
+        cache.assign(0, 256)
+        cache.table[0] = cache.table[0].flip(0)
+        try:
+            target.prefill(prefix, torch.tensor([200]), cache)
+            logits = target.prefill(chunk, torch.tensor([12]), cache, all_logits=True)
+        finally:
+            target.attention_impl = "sdpa"
+        out[name] = (logits, cache.k[:, 0, :, :212], cache.v[:, 0, :, :212])
+    assert not cache.dense and calls == [12] * len(target.model.layers)  # the chunk alone: 200 > 16
+    for a, b in zip(out["sdpa"], out["triton"]):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()

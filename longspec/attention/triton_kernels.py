@@ -336,7 +336,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         lse_part = torch.empty(b, hkv, n_splits, rows, dtype=torch.float32, device=q.device)
     n_tree = 0 if mask is None else mask.shape[2]
     if mask is None:
-        mask = lengths  # never read
+        mask = lengths.view(torch.int8)  # never read (int8 as a real mask: the dead tree loop compiled for an
+        # int64 mask would reserve shared memory for [BLOCK_Q, BLOCK_N] int64 tiles)
         tm_strides = (0, 0)
     else:
         mask = mask.view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)  # bool: no copy

@@ -26,6 +26,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention import AttentionMeta, attend
+from ..attention.backend import TRITON_CAUSAL_MAX_TOKENS
 from ..cache import KVCache, store_kv
 from ..config import ModelConfig
 from ..parallel.sharding import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
@@ -394,11 +395,15 @@ class TargetModel(nn.Module):
         says that ``tree_mask`` is the plain causal mask (lets a prefill chunk use a causal kernel).
         ``n_keys``: cache slots to attend over, fixed by the caller (no host sync, no room
         check: see :class:`~longspec.attention.AttentionMeta`); such fixed-shape steps use
-        ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference.
+        ``attention_impl``, the others (prefill chunks) PyTorch's SDPA unless it is the reference, or
+        Triton for a causal chunk of at most ``TRITON_CAUSAL_MAX_TOKENS`` tokens (see there).
         ``slot_positions``: the committed tokens sit at slots equal to their positions and so do the
         new ones (False for anchor-offset positions or a StreamingLLM view: sliding-window layers then
         cut only the new tokens by position, see :meth:`AttentionMeta.windowed`)."""
-        impl = self.attention_impl if n_keys is not None or self.attention_impl == "reference" else "sdpa"
+        impl = self.attention_impl
+        if n_keys is None and impl != "reference" and not (impl == "triton" and causal
+                                                           and input_ids.shape[1] <= TRITON_CAUSAL_MAX_TOKENS):
+            impl = "sdpa"
         meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
         cfg = self.config
