@@ -45,10 +45,13 @@ def default_gguf() -> Path:
 
 
 def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
-                 dtype: torch.dtype = torch.float32, progress=None, force: bool = False) -> Path:
+                 dtype: torch.dtype = torch.float32, progress=None, force: bool = False,
+                 tokenizer_dir: Union[str, Path, None] = None) -> Path:
     """Dequantizes a GGUF checkpoint with transformers and writes ``config.json``,
     ``model.safetensors`` (in ``dtype``) and the tokenizer to ``out_dir``, atomically (a temporary
     directory renamed into place). ``progress(message)`` hears about each stage. Returns ``out_dir``.
+    The tokenizer is rebuilt from the file (and checked: :func:`check_tokenizer`) or, with
+    ``tokenizer_dir``, copied from that folder of the model's tokenizer files.
 
     ``out_dir`` must be new, empty or an earlier conversion, which is replaced; a folder holding
     other files only with ``force``, and then only the converted files are written into it (see
@@ -59,6 +62,9 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_file}")
     check_out_dir(out_dir, inputs=[gguf_file], force=force)
+    if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {tokenizer_dir}: no tokenizer_config.json there (a folder of the "
+                                "model's tokenizer files is needed)")
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise ImportError(f"converting GGUF needs the '{module}' package: pip install gguf accelerate")
@@ -68,10 +74,16 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
 
     from .models.checkpoint import default_mode
 
+    say("reading the tokenizer")
+    if tokenizer_dir is None:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        with tempfile.TemporaryDirectory() as saved:  # checked as it will be loaded: from its saved files
+            tokenizer.save_pretrained(saved)
+            check_tokenizer(AutoTokenizer.from_pretrained(saved), f"the tokenizer transformers rebuilt from {gguf_file.name}")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(Path(tokenizer_dir))
     say("dequantising the weights")
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
-    say("reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     config = model.config
     config.architectures = [type(model).__name__]
     if hasattr(config, "quantization_config"):
@@ -105,6 +117,30 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
             if leftover.exists():
                 shutil.rmtree(leftover)
     return out_dir
+
+
+# text a real tokenizer of thousands of tokens splits into a few characters per token
+TOKENIZER_SAMPLE = ("The report describes the results of the second quarter, and the team reviewed them carefully. "
+                    "def main(args):\n    for item in args.items:\n        print(item.name, item.value)\n    return 0\n")
+
+
+def check_tokenizer(tokenizer, what: str) -> None:
+    """Raises ValueError when a tokenizer of 16,000 tokens or more splits :data:`TOKENIZER_SAMPLE`
+    into fewer than 2.5 characters per token (Gemma 3's, Llama 3's, SmolLM2's: 3.8-4.1): it was
+    rebuilt wrongly. transformers 5.17 rebuilds Gemma 3's GGUF vocabulary (SentencePiece scores, no
+    merges) as a unigram model that gives 2.3 characters per token, and 1.0 once saved and loaded
+    again: every text then costs 3-4 times the tokens, and a draft trained on it is useless with
+    the right tokenizer."""
+    if len(tokenizer) < 16000:
+        return
+    per_token = len(TOKENIZER_SAMPLE) / len(tokenizer.encode(TOKENIZER_SAMPLE, add_special_tokens=False))
+    if per_token < 2.5:
+        import transformers
+
+        raise ValueError(f"{what} splits text into {per_token:.2f} characters per token (a vocabulary of "
+                         f"{len(tokenizer)} tokens gives about 4): transformers {transformers.__version__} "
+                         "rebuilds this file's tokenizer wrongly. Upgrade transformers (5.24 reads it right) or "
+                         "pass the model's tokenizer files: longspec convert --tokenizer DIR")
 
 
 def gemma3_from_gguf_metadata(config, gguf_file: Path) -> None:

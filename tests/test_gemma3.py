@@ -300,3 +300,44 @@ def test_convert_a_gemma3_gguf(tmp_path):
     assert tokenizer.decode(ids) == "the big cat" and all(4 <= i < len(PIECES) for i in ids)
     assert tokenizer.convert_tokens_to_ids("▁cat") == PIECES.index("▁cat")
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 1)
+
+
+def test_convert_refuses_a_tokenizer_rebuilt_as_single_characters_and_takes_a_given_one(tmp_path):
+    """A big vocabulary rebuilt so that text falls apart into characters (transformers 5.17 on Gemma
+    3's GGUF: 1.0 bytes per token instead of 3.9) is refused with a clear error; ``--tokenizer DIR``
+    takes the model's own tokenizer files instead."""
+    pytest.importorskip("gguf")
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from longspec.cli import main
+    from longspec.convert import check_tokenizer, convert_gguf
+
+    chars = sorted(set(TOKENIZER_TEXT))
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(chars)}}
+    vocab.update({f"<unused{i}>": len(vocab) + i for i in range(20000)})
+    chars_only = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    chars_only.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    broken = transformers.PreTrainedTokenizerFast(tokenizer_object=chars_only, unk_token="<unk>")
+    with pytest.raises(ValueError, match=r"1\.00 characters per token .* longspec convert --tokenizer DIR"):
+        check_tokenizer(broken, "this tokenizer")
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=8, max_position_embeddings=256, query_pre_attn_scalar=32,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    write_tiny_gemma3_gguf(randomize_(transformers.Gemma3ForCausalLM(config).eval(), 23), tmp_path / "tiny.gguf")
+    first = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "first")
+    check_tokenizer(transformers.AutoTokenizer.from_pretrained(first), "the tiny file's")  # (too few tokens to judge)
+    mine = transformers.AutoTokenizer.from_pretrained(first)
+    mine.add_special_tokens({"additional_special_tokens": ["<mine>"]})
+    mine.save_pretrained(tmp_path / "mine")
+    assert main(["convert", "--gguf", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "second"),
+                 "--tokenizer", str(tmp_path / "mine")]) == 0
+    assert "<mine>" in transformers.AutoTokenizer.from_pretrained(tmp_path / "second").get_vocab()
+    assert main(["convert", "--gguf", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "third"),
+                 "--tokenizer", str(tmp_path / "nowhere")]) != 0
+    assert not (tmp_path / "third").exists()
+
+
+TOKENIZER_TEXT = ("The report describes the results of the second quarter, and the team reviewed them carefully. "
+                  "def main(args):\n    for item in args.items:\n        print(item.name, item.value)\n    return 0\n")

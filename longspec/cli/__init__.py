@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--force", action="store_true",
                       help="write into an --out folder that holds other files (never an input's folder)")
     conv.add_argument("--dtype", default="float32")
+    conv.add_argument("--tokenizer", metavar="DIR",
+                      help="a folder of the model's tokenizer files to use instead of rebuilding it from the GGUF")
     conv.set_defaults(func=cmd_convert)
 
     tr = sub.add_parser("train", help="train a LongSpec draft for a target (torchrun for several GPUs)",

@@ -409,7 +409,7 @@ def cmd_convert(args) -> int:
     from ..convert import convert_gguf
     from ..models.checkpoint import resolve_dtype
 
-    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype), force=args.force)
+    out = convert_gguf(args.gguf, args.out, resolve_dtype(args.dtype), force=args.force, tokenizer_dir=args.tokenizer)
     print(f"wrote {out}")
     return 0
 
