@@ -1,5 +1,6 @@
-"""The attention kernels' shared memory on a Hopper GPU (the H100 / H200: 227 KB a block), read
-from Triton's own compilation for that target, which runs on any machine (Triton carries ptxas).
+"""The attention kernels' shared memory on a Hopper GPU (the H100 / H200: 227 KB a block) and on
+a consumer GPU (99 KB), read from Triton's own compilation for that target, which runs on any
+machine (Triton carries ptxas).
 A launch that asks for more fails on the GPU with OutOfResources: an 8B-shaped target's causal
 prefill chunks once asked for 256 KB, because the kernel's unused tree-mask argument was an
 int64 tensor and its (dead) tree loop reserved pipelined [BLOCK_Q, BLOCK_N] int64 tiles."""
@@ -19,7 +20,8 @@ from longspec.attention import triton_kernels
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not triton_kernels.available(), reason="needs triton")
 
-HOPPER_SHARED_MEMORY = 232448  # bytes one block may use on sm_90 (what OutOfResources names as the limit)
+# (compute capability, bytes of shared memory one block may use: what OutOfResources names as the limit)
+GPUS = {"h200": (90, 232448), "rtx4090": (89, 101376)}
 
 
 class _Recorder:
@@ -57,26 +59,32 @@ def _signature(kernel, args: tuple, kwargs: dict) -> tuple:
     return signature, constants, attrs
 
 
-def hopper_shared_memory(launch) -> int:
-    """Shared memory (bytes) of the partial kernel as ``launch()`` would launch it on sm_90. Needs
-    Triton's compiler, not its interpreter (run in a process without TRITON_INTERPRET)."""
+def shared_memory_on(gpu: str, launch) -> int:
+    """Shared memory (bytes) of the partial kernel as ``launch()`` would launch it on ``gpu`` (its
+    tiles planned for that GPU's limit). Needs Triton's compiler, not its interpreter (run in a
+    process without TRITON_INTERPRET)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel, merge, tma, calls = (triton_kernels._partial_kernel, triton_kernels._merge_kernel,
-                                 triton_kernels._tma_hardware, [])
+    arch, limit = GPUS[gpu]
+    saved = {name: getattr(triton_kernels, name) for name in ("_partial_kernel", "_merge_kernel", "_tma_hardware",
+                                                               "_shared_memory_budget")}
+    calls = []
     triton_kernels._partial_kernel, triton_kernels._merge_kernel = _Recorder(calls), _Recorder([])
     triton_kernels._tma_hardware = lambda device: False
+    triton_kernels._shared_memory_budget = lambda device: triton_kernels.shared_memory_budget(limit)
     try:
         launch()
     finally:
-        triton_kernels._partial_kernel, triton_kernels._merge_kernel, triton_kernels._tma_hardware = kernel, merge, tma
+        for name, value in saved.items():
+            setattr(triton_kernels, name, value)
+    kernel = saved["_partial_kernel"]
     args, kwargs = calls[0]
     kwargs = dict(kwargs)
     options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages", 3)}
     signature, constants, attrs = _signature(kernel, args, kwargs)
     source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).metadata.shared
 
 
 def _launch(hq, hkv, m, d, kind):
@@ -114,13 +122,15 @@ def shared_memory() -> dict:
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(case): shared for case, shared in json.loads(run.stdout.splitlines()[-1])}
+    return {(gpu, *case): shared for gpu, case, shared in json.loads(run.stdout.splitlines()[-1])}
 
 
+@pytest.mark.parametrize("gpu", sorted(GPUS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_fits_hopper_shared_memory(shared_memory, case):
-    assert shared_memory[case] <= HOPPER_SHARED_MEMORY, \
-        f"{case[-1]} launch {case} needs {shared_memory[case]} bytes of shared memory on sm_90"
+def test_kernel_fits_the_shared_memory_of_a_block(shared_memory, gpu, case):
+    """On the H200 and on a consumer GPU (99 KB a block), whose launches get smaller tiles."""
+    need, limit = shared_memory[(gpu, *case)], GPUS[gpu][1]
+    assert need <= limit, f"{case[-1]} launch {case} needs {need} bytes of shared memory on the {gpu} ({limit})"
 
 
 if __name__ == "__main__":
@@ -130,4 +140,4 @@ if __name__ == "__main__":
     except ImportError as e:
         print(f"this Triton cannot compile for a target by hand: {e}")
         sys.exit(3)
-    print(json.dumps([[case, hopper_shared_memory(_launch(*case))] for case in CASES]))
+    print(json.dumps([[gpu, case, shared_memory_on(gpu, _launch(*case))] for gpu in GPUS for case in CASES]))

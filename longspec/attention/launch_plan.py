@@ -47,16 +47,16 @@ def shared_memory_bytes(block_q: int, block_n: int, head_dim: int, elem_size: in
     return elem_size * (block_q * head_dim + 2 * stages * block_n * head_dim + block_q * block_n)
 
 
-def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int) -> tuple:
+def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int, budget: int = SHARED_MEMORY_BUDGET) -> tuple:
     """(block_q, block_n, num_warps, num_stages) of a launch: the config's, made legal for large
     head dims. The float32 accumulator [block_q, head_dim] stays within
     ``ACC_ELEMENTS_PER_THREAD`` registers per thread of 8 warps (head_dim 256: at most 64 rows),
-    and the tiles within ``SHARED_MEMORY_BUDGET`` (smaller key blocks first, then fewer pipeline
+    and the tiles within ``budget`` bytes (smaller key blocks first, then fewer pipeline
     stages, then fewer rows). ``num_stages`` 0: Triton's default (3 on Hopper), counted as 3."""
     block_q = c.block_q or max(16, min(128, next_power_of_2(rows)))
     block_q = max(16, min(block_q, 8 * 32 * ACC_ELEMENTS_PER_THREAD // head_dim))
     block_n, stages = c.block_n, c.num_stages
-    while shared_memory_bytes(block_q, block_n, head_dim, elem_size, stages or 3) > SHARED_MEMORY_BUDGET:
+    while shared_memory_bytes(block_q, block_n, head_dim, elem_size, stages or 3) > budget:
         if block_n > 32:
             block_n //= 2
         elif (stages or 3) > 2:
@@ -70,6 +70,13 @@ def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int) -> tupl
             break
     warps = c.num_warps or (4 if block_q * head_dim <= 4 * 32 * ACC_ELEMENTS_PER_THREAD and block_q <= 64 else 8)
     return block_q, block_n, warps, stages
+
+
+def shared_memory_budget(block_limit: int) -> int:
+    """The tiles' budget on a GPU whose blocks may use ``block_limit`` bytes of shared memory (its
+    opt-in maximum): 7/8 of it (room for Triton's own scratch), at most ``SHARED_MEMORY_BUDGET``.
+    A consumer GPU (about 99 KB a block) gets smaller tiles than the H100/H200 (227 KB)."""
+    return min(SHARED_MEMORY_BUDGET, block_limit * 7 // 8) if block_limit > 0 else SHARED_MEMORY_BUDGET
 
 
 def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:

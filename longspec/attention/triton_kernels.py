@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, plan,  # noqa: F401
-                          shared_memory_bytes, tile_plan)
+                          shared_memory_budget, shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
 
@@ -264,6 +264,16 @@ def _tma_hardware(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _shared_memory_budget(device: torch.device) -> int:
+    """Bytes of shared memory a launch's tiles may take on ``device`` (:func:`shared_memory_budget`
+    of its opt-in limit per block)."""
+    if device.type != "cuda":
+        return SHARED_MEMORY_BUDGET
+    props = torch.cuda.get_device_properties(device)
+    return shared_memory_budget(getattr(props, "shared_memory_per_block_optin", 0))
+
+
+@functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -320,7 +330,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     cap = table.shape[1] * block_size if paged else k_cache.shape[2]
     c, g = config, hq // hkv
     rows = g * m
-    block_q, block_n, num_warps, num_stages = tile_plan(c, rows, d, q.element_size())
+    block_q, block_n, num_warps, num_stages = tile_plan(c, rows, d, q.element_size(), _shared_memory_budget(q.device))
     tiles = triton.cdiv(rows, block_q)
     units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
