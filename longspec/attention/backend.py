@@ -28,8 +28,9 @@ from . import triton_kernels
 from .paged import LayerKV
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
-# A causal step of at most this many new tokens (an eager prefill's short chunk: a chat turn's or a
-# cached prefix's tail) runs on the Triton kernel when the target's implementation is Triton: it
+# A causal step of at most this many new tokens (an eager prefill's short chunk, e.g. a cached
+# prefix's tail outside the captured chunk steps, which use the kernel already) runs on the Triton
+# kernel when the target's implementation is Triton: it
 # packs the query heads of a KV head into one tile and reads a paged cache through its block table,
 # where the flash path first gathers the row's keys into a dense copy. H200, 8B shape (32/8 heads,
 # head_dim 128), 32k cached tokens (``attention_causal_8b_32k_h200.log``): 16 new tokens 53 us
