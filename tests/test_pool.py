@@ -244,15 +244,19 @@ def test_rows_are_read_a_block_at_a_time_and_a_lone_row_in_consecutive_blocks_is
     assert rows_of(store, torch.tensor([[2, 3, 4, 5]]), 4, None, 36, 12).data_ptr() == store[:, :, 8:].data_ptr()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("impl", TRITON)
-def test_a_short_causal_chunk_after_a_paged_prefix_runs_on_the_triton_kernel(path, impl, monkeypatch):
-    """An eager prefill's short chunk (a chat turn, a cached prefix's tail) over rows in scattered
-    pool blocks: with the Triton implementation it goes through the kernel, which reads the pool
-    through the block table, instead of gathering the row's keys for the flash path; its logits
-    and K/V equal SDPA's. A long chunk keeps SDPA."""
+def test_a_short_causal_chunk_after_a_paged_prefix_runs_on_the_triton_kernel(tiny_model_factory, impl, family,
+                                                                             monkeypatch):
+    """An eager prefill's short chunk (a cached prefix's tail) over rows in scattered pool blocks:
+    with the Triton implementation it goes through the kernel, which reads the pool through the
+    block table, instead of gathering the row's keys for the flash path; its logits and K/V equal
+    SDPA's (Gemma 3: its sliding layers' windows too). A long chunk keeps SDPA."""
     from longspec.attention import backend
     from longspec.attention import triton_kernels
 
+    extra = {"sliding_window": 64} if family == "gemma3" else {}
+    _, path = tiny_model_factory(f"pool-short-{family}", family, max_position_embeddings=512, seed=5, **extra)
     target = load_target(path, dtype=torch.float32)
     calls = []
     kernel = triton_kernels.tree_attention
