@@ -32,6 +32,23 @@ from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 
 
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """``--target`` (default: the default model), ``--device`` and ``--dtype`` (default: bfloat16
+    on CUDA, float32 on a CPU): see :func:`target_from_args`."""
+    p.add_argument("--target", help="model directory (default: the default model)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
+
+
+def target_from_args(args) -> tuple:
+    """(target directory, dtype, the loaded target) of :func:`add_target_args`' arguments."""
+    from longspec.convert import default_model_dir
+
+    target_dir = args.target or str(default_model_dir())
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    return target_dir, dtype, load_target(target_dir, dtype=dtype, device=args.device)
+
+
 def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
     """Concatenated source files of ``directory`` (sorted, with path headers), cut to n_tokens."""
     parts, total = [], 0

@@ -22,26 +22,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import code_prompt, run_hf  # noqa: E402
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.convert import default_model_dir  # noqa: E402
+from bench_generate import add_target_args, code_prompt, run_hf, target_from_args  # noqa: E402
+from longspec import GenerationConfig  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="model directory (default: the default model)")
+    add_target_args(p)
     p.add_argument("--data", required=True, help="a folder of Python files to cut the prompts from")
     p.add_argument("--length", type=int, default=2048, help="tokens per prompt")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target_dir = args.target or str(default_model_dir())
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    target = load_target(target_dir, dtype=dtype, device=args.device)
+    target_dir, dtype, target = target_from_args(args)
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
     text = code_prompt(AutoTokenizer.from_pretrained(target_dir), Path(args.data), 2 * args.length)
     prompt_a, prompt_b = text[:args.length], text[args.length:]

@@ -25,9 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import code_prompt  # noqa: E402
-from longspec import load_target  # noqa: E402
-from longspec.convert import default_model_dir  # noqa: E402
+from bench_generate import add_target_args, code_prompt, target_from_args  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 
 
@@ -57,20 +55,16 @@ def draft_dtype(draft) -> torch.dtype:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="model directory (default: the default model)")
+    add_target_args(p)
     p.add_argument("--draft", required=True)
     p.add_argument("--data", required=True, help="a folder of held-out Python files (never trained on)")
     p.add_argument("--contexts", default="256,1024,4096,7680")
     p.add_argument("--tail", type=int, default=256, help="tokens scored after each context")
     p.add_argument("--lags", default="1,2,3")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    target_dir = args.target or str(default_model_dir())
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    target = load_target(target_dir, dtype=dtype, device=args.device)
+    target_dir, dtype, target = target_from_args(args)
     draft = load_draft(args.draft, target)
     contexts = sorted(int(c) for c in args.contexts.split(","))
     lags = [int(g) for g in args.lags.split(",")]
