@@ -309,9 +309,9 @@ def test_convert_refuses_a_tokenizer_rebuilt_as_single_characters_and_takes_a_gi
     pytest.importorskip("gguf")
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from longspec.cli import main
-    from longspec.convert import check_tokenizer, convert_gguf
+    from longspec.convert import TOKENIZER_SAMPLE, check_tokenizer, convert_gguf
 
-    chars = sorted(set(TOKENIZER_TEXT))
+    chars = sorted(set(TOKENIZER_SAMPLE))
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{ch: 4 + i for i, ch in enumerate(chars)}}
     vocab.update({f"<unused{i}>": len(vocab) + i for i in range(20000)})
     chars_only = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -337,7 +337,3 @@ def test_convert_refuses_a_tokenizer_rebuilt_as_single_characters_and_takes_a_gi
     assert main(["convert", "--gguf", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "third"),
                  "--tokenizer", str(tmp_path / "nowhere")]) != 0
     assert not (tmp_path / "third").exists()
-
-
-TOKENIZER_TEXT = ("The report describes the results of the second quarter, and the team reviewed them carefully. "
-                  "def main(args):\n    for item in args.items:\n        print(item.name, item.value)\n    return 0\n")

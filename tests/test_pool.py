@@ -252,7 +252,6 @@ def test_a_short_causal_chunk_after_a_paged_prefix_runs_on_the_triton_kernel(tin
     with the Triton implementation it goes through the kernel, which reads the pool through the
     block table, instead of gathering the row's keys for the flash path; its logits and K/V equal
     SDPA's (Gemma 3: its sliding layers' windows too). A long chunk keeps SDPA."""
-    from longspec.attention import backend
     from longspec.attention import triton_kernels
 
     extra = {"sliding_window": 64} if family == "gemma3" else {}
@@ -261,7 +260,6 @@ def test_a_short_causal_chunk_after_a_paged_prefix_runs_on_the_triton_kernel(tin
     calls = []
     kernel = triton_kernels.tree_attention
     monkeypatch.setattr(triton_kernels, "tree_attention", lambda *a, **kw: calls.append(a[0].shape[2]) or kernel(*a, **kw))
-    monkeypatch.setattr(backend, "TRITON_CAUSAL_MAX_TOKENS", 16)
     monkeypatch.setattr("longspec.models.target.TRITON_CAUSAL_MAX_TOKENS", 16)
     gen = torch.Generator().manual_seed(3)
     prefix, chunk = (torch.randint(0, 160, (1, n), generator=gen) for n in (200, 12))

@@ -28,14 +28,14 @@ from . import triton_kernels
 from .paged import LayerKV
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
-# A causal step of at most this many new tokens (an eager prefill's short chunk, e.g. a cached
+# An eager causal step of at most this many new tokens (a short prefill chunk, e.g. a cached
 # prefix's tail outside the captured chunk steps, which use the kernel already) runs on the Triton
-# kernel when the target's implementation is Triton: it
+# kernel when the target's implementation is Triton (``TargetModel.forward_hidden`` picks it): it
 # packs the query heads of a KV head into one tile and reads a paged cache through its block table,
 # where the flash path first gathers the row's keys into a dense copy. H200, 8B shape (32/8 heads,
 # head_dim 128), 32k cached tokens (``attention_causal_8b_32k_h200.log``): 16 new tokens 53 us
 # against 119 us for flash over dense rows and 334 us over paged rows (gathered); 128 new tokens
-# (64-row tiles) 184 against 225 / 437 us. Longer chunks keep the flash path (2048: 3.27 ms).
+# (64-row tiles) 184 against 225 / 437 us. Longer eager chunks go to SDPA (2048: flash 3.27 ms).
 TRITON_CAUSAL_MAX_TOKENS = 128
 
 
@@ -143,7 +143,7 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     """q [B, Hq, M, D]; k_layer, v_layer [Hkv, P, D]: one layer of the pool, the new tokens' K/V
     already written. Returns o [B, Hq, M, D]."""
     kv = meta.layer(k_layer, v_layer)
-    if meta.impl == "triton" and (not meta.causal or q.shape[2] <= TRITON_CAUSAL_MAX_TOKENS):
+    if meta.impl == "triton":  # (a causal step only when short: see TRITON_CAUSAL_MAX_TOKENS)
         k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.tree_attention(q, k, v, meta.lengths, meta.tree_mask, causal=meta.tree_causal,
                                              table=table, block_size=block_size, starts=meta.starts,
