@@ -84,11 +84,12 @@ def test_the_ladders_plans():
     pads least instead; every step holds a real token."""
     from itertools import combinations_with_replacement
 
-    assert default_sizes(2048) == (64, 256, 2048) and default_sizes(1024) == (32, 128, 1024)
-    assert default_sizes(16) == (16,) and default_sizes(128) == (16, 128)
+    assert default_sizes(2048) == (64, 128, 256, 2048) and default_sizes(1024) == (32, 64, 128, 1024)
+    assert default_sizes(16) == (16,) and default_sizes(128) == (16, 128) and default_sizes(256) == (16, 32, 256)
     sizes = default_sizes(2048)
     assert chunk_plan(30, sizes, 512) == [64]  # a question after a cached document: one small step
     assert chunk_plan(2 * 2048 + 30, sizes, 512) == [2048, 2048, 64]
+    assert chunk_plan(70, sizes, 512) == [128]
     assert chunk_plan(300, sizes, 512) == [256, 64]
     assert chunk_plan(1000, sizes, 512) == [2048]  # a long rest: one big step, not four small ones
     for n in range(1, 2 * 2048 + 2):
@@ -99,9 +100,11 @@ def test_the_ladders_plans():
                    if sum(c) >= n)
         plan = chunk_plan(n, LADDER, 16)
         assert sum(plan) + 16 * len(plan) == cost, n
-    assert chunk_plan(600, sizes, 512) == [256] * 3
-    assert chunk_plan(600, sizes, 512, room=640) == [256, 256, 64, 64]  # the cheapest pads to 768
-    assert chunk_plan(600, sizes, 512, room=639) is None
+    assert chunk_plan(600, sizes, 512) == [256, 256, 128]
+    assert chunk_plan(720, sizes, 512) == [256, 256, 256]
+    assert chunk_plan(140, sizes, 512) == [256]
+    assert chunk_plan(140, sizes, 512, room=192) == [128, 64]  # the cheapest pads to 256
+    assert chunk_plan(140, sizes, 512, room=191) is None
 
 
 def test_a_chunk_step_that_failed_leaves_the_next_rows_prefill_exact(target, monkeypatch):

@@ -9,15 +9,19 @@ commits the chunk's real tokens: on CUDA each row's chunk step is captured once 
 (through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
 replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding).
 
-A ladder of chunk sizes (``sizes``, default :func:`default_sizes`: the big chunk, 1/8 and 1/32 of
-it, e.g. 2048, 256 and 64 tokens) keeps a prompt's last piece from running a whole padded big
-chunk: a 30-token question after a cached 32k-token document, or a short prompt, runs one 64-token
-step, not a 2048-token one. :func:`chunk_plan` splits a prompt: big chunks while at least a big
+A ladder of chunk sizes (``sizes``, default :func:`default_sizes`: the big chunk, 1/8, 1/16 and
+1/32 of it, e.g. 2048, 256, 128 and 64 tokens) keeps a prompt's last piece from running a whole
+padded big chunk: a 30-token question after a cached 32k-token document, or a short prompt, runs
+one 64-token step, not a 2048-token one. After a long cached prefix each padded query still
+attends over every cached key, so the rungs are close together: at the 8B shape after 32k cached
+tokens a 33-token rest took 15.4 ms to its first token in a 128-token chunk against 10 ms for a
+31-token one in a 32-token chunk (``bench_prefix_8b_32k_first_long_request_h200.log``, ladder
+32 / 128 / 1024), hence the 1/16 rung. :func:`chunk_plan` splits a prompt: big chunks while at least a big
 chunk remains, then the rest in the ladder's chunks that minimise the slots computed (real and
 padding) plus a fixed cost per step (``step_cost`` slots, default a quarter of the big chunk: a
-step's weight reads and launches); with a 2048 / 256 / 64 ladder a rest of up to 64 tokens goes
-in one 64-token chunk, up to 256 in one 256, up to 768 in two or three smaller chunks, and more in
-one big chunk. That step cost sits between a small model's (launch-bound: on the H200 a
+step's weight reads and launches); with a 2048 / 256 / 128 / 64 ladder a rest of up to 64 tokens goes
+in one 64-token chunk, up to 128 in one 128, up to 256 in one 256, up to 768 in two or three
+smaller chunks, and more in one big chunk. That step cost sits between a small model's (launch-bound: on the H200 a
 SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so fewer steps win) and an 8B
 model's (its weights' read, ~200 tokens' compute: small steps win). Each size has one chunk step,
 captured once, which serves every row: it runs on a one-row view of the cache whose block table
@@ -83,10 +87,10 @@ MIN_CHUNK = 16  # the default ladder's smallest chunk: a shorter step saves noth
 
 
 def default_sizes(chunk: int) -> tuple:
-    """The default ladder for a big chunk of ``chunk`` tokens, ascending: ``chunk``, ``chunk // 8``
-    and ``chunk // 32``, the small ones only from :data:`MIN_CHUNK` tokens (2048 -> 64, 256, 2048;
-    1024 -> 32, 128, 1024; 16 -> 16)."""
-    return tuple(sorted({chunk} | {s for s in (chunk // 8, chunk // 32) if s >= MIN_CHUNK}))
+    """The default ladder for a big chunk of ``chunk`` tokens, ascending: ``chunk``, ``chunk // 8``,
+    ``chunk // 16`` and ``chunk // 32``, the small ones only from :data:`MIN_CHUNK` tokens
+    (2048 -> 64, 128, 256, 2048; 1024 -> 32, 64, 128, 1024; 16 -> 16)."""
+    return tuple(sorted({chunk} | {s for s in (chunk // 8, chunk // 16, chunk // 32) if s >= MIN_CHUNK}))
 
 
 @functools.lru_cache(maxsize=16)
