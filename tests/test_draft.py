@@ -281,6 +281,59 @@ def test_reduced_draft_vocabulary(targets, tmp_path):
         draft.limit_vocab([1, 1000])
 
 
+class FullVocabularyProposer(LongSpecProposer):
+    """The reference: a reduced draft's rounds selecting over the whole vocabulary (its logits -inf
+    outside the reduced one), as before rounds selected among the reduced columns."""
+
+    def begin(self, *args):
+        super().begin(*args)
+        self.candidate_ids = self.candidate_index = None
+
+
+@pytest.mark.parametrize("tree,temperature", [("4,16,16,16,16", 0.0), ("3,4,4", 0.0), ("chain:3", 0.0),
+                                              ("[[0],[1],[0,0],[1,0]]", 0.0), ("chain:3", 1.0), ("3,4,4", 1.0)])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_reduced_vocabulary_draft_selects_among_its_columns_as_over_the_whole_vocabulary(
+        targets, monkeypatch, tree, temperature, hybrid):
+    """A reduced draft's rounds pick children among its C scored tokens ([.., C] logits, no
+    [.., V] tensor): every round's tree (tokens, parents) equals the one picked over the whole
+    vocabulary with -inf elsewhere, greedy (static, beam and hybrid trees) and sampled (its children
+    drawn from the whole vocabulary's distribution, the same draws)."""
+    from longspec import PromptLookup
+    from longspec.decoding.drafting import TreeDrafter
+
+    if hybrid and not tree[0].isdigit():
+        pytest.skip("the lookup chain merges into beam trees")
+    target = targets["llama"]
+    draft = noisy_draft(target, window=6)
+    seen = sorted({t for p in repetitive_prompts(2, seed=9) for t in p})
+    draft.limit_vocab(sorted(set(seen[::2]) | set(range(0, 160, 3))))  # some lookup candidates are not scored
+    trees = []
+    propose = TreeDrafter.propose
+
+    def recorded(self, root):
+        out = propose(self, root)
+        trees.append((out.tokens.clone(), out.parents.clone()))
+        return out
+
+    monkeypatch.setattr(TreeDrafter, "propose", recorded)
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True, temperature=temperature,
+                              seed=3 if temperature else None)
+    prompts = repetitive_prompts(2, seed=9)
+    runs = {}
+    for cls in (LongSpecProposer, FullVocabularyProposer):
+        trees.clear()
+        proposer = cls(draft, lookup=PromptLookup() if hybrid else None)
+        out = Generator(target, proposer=proposer, tree=tree).generate(prompts, config)
+        runs[cls] = (out.sequences, list(trees))
+        if cls is LongSpecProposer:
+            assert proposer.candidate_ids is not None and proposer.candidate_ids.numel() < target.config.vocab_size
+    (compact, compact_trees), (full, full_trees) = runs.values()
+    assert compact == full and len(compact_trees) == len(full_trees) > 0
+    for (tokens, parents), (ref_tokens, ref_parents) in zip(compact_trees, full_trees):
+        assert torch.equal(tokens, ref_tokens) and torch.equal(parents, ref_parents)
+
+
 def test_frequent_tokens_of_data(tmp_path):
     from longspec.training import frequent_tokens
 

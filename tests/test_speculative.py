@@ -200,6 +200,31 @@ def reference_candidates(context: list, max_ngram: int, min_ngram: int, candidat
     return found
 
 
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_greedy_lookup_chain_is_the_tree_the_generic_growth_picks(targets, depth):
+    """Prompt lookup's greedy chains go by ``first_candidate`` (no [B, 1, V] pseudo-logits): the
+    same tokens, parents and mask as the generic tree growth wherever the chain has a match (where
+    it has none, both propose an arbitrary token)."""
+    from longspec.cache import KVCache
+    from longspec.decoding.drafting import TreeDrafter
+
+    target = targets["llama"]
+    gen = torch.Generator().manual_seed(depth)
+    lookup = PromptLookup()
+    lookup.begin(target, KVCache(target.config, 3, 64), TreeSpec.chain(depth), GenerationConfig(), None)
+    motif = torch.randint(0, 160, (6,), generator=gen).tolist()
+    histories = [motif * 4 + motif[:2], torch.randint(0, 4, (40,), generator=gen).tolist(), [7, 8, 9]]
+    for row, h in enumerate(histories):
+        lookup.add(row, h[:-1], h[-1])
+    root = torch.tensor([h[-1] for h in histories])
+    fast, generic = lookup.propose(root), TreeDrafter.propose(lookup, root)
+    assert torch.equal(fast.parents, generic.parents) and torch.equal(fast.mask, generic.mask)
+    assert torch.equal(fast.depths, generic.depths) and fast.level_sizes == generic.level_sizes
+    assert torch.equal(fast.tokens[:2], generic.tokens[:2])  # (the third row's history has no match)
+    assert fast.tokens[0, 1:].tolist() == (motif * 2)[2:2 + depth]
+    assert fast.draft_probs is None and not fast.children_sampled
+
+
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
 def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngram):
     """The vectorised lookup ranks exactly the candidates the by-hand search finds, for the

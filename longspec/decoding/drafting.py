@@ -136,6 +136,12 @@ class TreeDrafter(Proposer):
 
     lookup: Optional["PromptLookup"] = None
     narrowable = True
+    # a proposer that scores part of the vocabulary (a draft's reduced head): the level logits are
+    # [.., C] over the token ids ``candidate_ids`` [C], and ``candidate_index`` [V] maps a token id
+    # to its column (-1: not scored). Greedy selection then runs over C columns, not the whole
+    # vocabulary (Gemma 3: 8,192 against 262,144); None: the logits cover the whole vocabulary
+    candidate_ids: Optional[torch.Tensor] = None
+    candidate_index: Optional[torch.Tensor] = None
 
     def begin(self, target, cache, tree, config, rng):
         self.target, self.cache, self.config, self.rng = target, cache, config, rng
@@ -193,6 +199,17 @@ class TreeDrafter(Proposer):
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Level logits [.., C] over ``candidate_ids`` -> [.., V] (-inf for the tokens not scored)."""
+        if self.candidate_ids is None:
+            return logits
+        full = torch.full((*logits.shape[:-1], self.candidate_index.shape[0]), float("-inf"), device=logits.device)
+        return full.scatter(-1, self.candidate_ids.expand(*logits.shape[:-1], -1), logits.float())
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of the level logits -> token ids."""
+        return columns if self.candidate_ids is None else self.candidate_ids[columns]
+
     def _level_logits(self, tokens, positions, mask, tree_tokens) -> torch.Tensor:
         raise NotImplementedError
 
@@ -214,7 +231,7 @@ class TreeDrafter(Proposer):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
             if self.sample_children:
                 c = self.config
-                q = warp_probs(level_logits, c.temperature, c.top_k, c.top_p)  # [B, n_prev, V]
+                q = warp_probs(self._whole_vocabulary(level_logits), c.temperature, c.top_k, c.top_p)  # [B, n_prev, V]
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
                     valid = torch.ones(b, n, dtype=torch.bool, device=device)
@@ -228,13 +245,14 @@ class TreeDrafter(Proposer):
             elif spec.is_static:
                 top, _ = topk_children(level_logits, spec.max_children)
                 local_parent, rank = self.static_levels[depth]
-                new_tokens = top[:, local_parent, rank]
+                new_tokens = self._token_ids(top[:, local_parent, rank])
                 local_parent = local_parent.expand(b, -1)
             else:
-                logprobs = level_logits.float().log_softmax(-1)
+                logprobs = level_logits.float().log_softmax(-1)  # (over the C scored tokens: the same values)
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
+                new_tokens = self._token_ids(new_tokens)
                 if chain is not None:
-                    chain.extend(local_parent, new_tokens, cum, logprobs)
+                    chain.extend(local_parent, new_tokens, cum, logprobs, self.candidate_index)
             parent = local_parent + prev.start
             tokens[:, cur], parents[:, cur] = new_tokens, parent
             mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]
@@ -257,14 +275,21 @@ class _LookupChain:
         self.node = torch.zeros(b, dtype=torch.long, device=device)  # its node's index within the level
         self.alive = torch.ones(b, dtype=torch.bool, device=device)
 
-    def extend(self, local_parent, new_tokens, cum, logprobs) -> None:
-        """Overwrites the last pair of the level (in place) where the chain has a candidate."""
+    def extend(self, local_parent, new_tokens, cum, logprobs, columns=None) -> None:
+        """Overwrites the last pair of the level (in place) where the chain has a candidate.
+        ``columns`` [V]: the column of each token id in ``logprobs`` (-1: not scored), when
+        ``logprobs`` covers only part of the vocabulary."""
         found, token = self.lookup.first_candidate(self.path)
         found, token = found[:, 0], token[:, 0]
         self.alive = self.alive & found
         rows = torch.arange(token.shape[0], device=token.device)
         parent_cum = cum.new_zeros(token.shape) if self.path.shape[-1] == 0 else self.cum
-        chain_cum = parent_cum + logprobs[rows, self.node, token]
+        if columns is None:
+            token_logprob = logprobs[rows, self.node, token]
+        else:
+            column = columns[token]
+            token_logprob = torch.where(column >= 0, logprobs[rows, self.node, column.clamp(min=0)], float("-inf"))
+        chain_cum = parent_cum + token_logprob
         last = new_tokens.shape[1] - 1
         new_tokens[:, last] = torch.where(self.alive, token, new_tokens[:, last])
         local_parent[:, last] = torch.where(self.alive, self.node, local_parent[:, last])

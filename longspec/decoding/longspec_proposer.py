@@ -34,6 +34,14 @@ class LongSpecProposer(TreeDrafter):
         super().begin(target, cache, tree, config, rng)
         if self.draft.config.draft_vocab and self.draft.target.shard is None:
             self.draft.reduced_head(check=True)
+            # rounds select among the reduced vocabulary's columns (see TreeDrafter.candidate_ids)
+            subset = self.draft.vocab_subset
+            self.candidate_ids = subset
+            self.candidate_index = torch.full((self.draft.config.vocab_size,), -1, dtype=torch.long,
+                                              device=subset.device).scatter(0, subset, torch.arange(subset.numel(),
+                                                                                                    device=subset.device))
+        else:
+            self.candidate_ids = self.candidate_index = None
         b, device = cache.batch_size, target.device
         self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
         self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)
@@ -100,7 +108,8 @@ class LongSpecProposer(TreeDrafter):
         hidden = self.draft.forward_step(ids, index, index, torch.full_like(index, -1), valid, self.ring,
                                          self.target_kv, cross_limit=index, cross_keys=self.cross_keys)
         self.root_index = self.cache.lengths.clone()
-        return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True)
+        return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True,
+                                 compact=self.candidate_ids is not None)
 
     def _level_logits(self, tokens, positions, mask, tree_tokens):
         n_prev = mask.shape[-1] - tokens.shape[1]
@@ -110,7 +119,7 @@ class LongSpecProposer(TreeDrafter):
         hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, self.target_kv,
                                          cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node,
                                          cross_keys=self.cross_keys)
-        return self.draft.logits(hidden, reduced=True)
+        return self.draft.logits(hidden, reduced=True, compact=self.candidate_ids is not None)
 
     def propose(self, root):
         """A round's tree; with a lookup and a chain tree (``with_tree``; ``--proposer auto``
@@ -119,6 +128,7 @@ class LongSpecProposer(TreeDrafter):
         beam trees can return later."""
         if self.lookup is not None and self.spec.kind == "chain":
             self.decoded(root)
+            self.lookup.sample_children = self.sample_children  # what the engine told this round
             return self.lookup.propose(root)
         return super().propose(root)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .drafting import TreeDrafter
+from .tree import DraftTree
 
 
 class PromptLookup(TreeDrafter):
@@ -63,6 +64,25 @@ class PromptLookup(TreeDrafter):
 
     def state_tensors(self):
         return [self.hist, self.hist_len]
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        """A greedy chain goes by :meth:`first_candidate` level by level: each token is the best
+        candidate after the chain so far, the token the generic tree growth would pick, without
+        its [B, 1, V] pseudo-logits (262,144 columns for Gemma 3) and their top-k. Where there
+        is no match the token is arbitrary there and here, not the same one. Other trees, and
+        chains under sampling: :meth:`TreeDrafter.propose`."""
+        spec = self.spec
+        if spec.kind != "chain" or self.sample_children:  # (the engine sets it per kind of round)
+            return super().propose(root)
+        b, n = root.shape[0], spec.num_nodes
+        path = torch.zeros(b, 1, 0, dtype=torch.long, device=root.device)
+        for _ in range(spec.depth):
+            _, token = self.first_candidate(path)
+            path = torch.cat([path, token[:, :, None]], -1)
+        tokens = torch.cat([root[:, None], path[:, 0]], 1)
+        parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
+        mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
+        return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, level_sizes=spec.level_sizes)
 
     def _root_logits(self, root):
         # the root was emitted last round and is already in the history

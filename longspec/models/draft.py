@@ -166,11 +166,13 @@ class LongSpecDraft(nn.Module):
         """Bytes of the reduced vocabulary's head rows, copied on first use (0 before / without)."""
         return 0 if self._head_rows is None else self._head_rows[1].nbytes
 
-    def logits(self, hidden: torch.Tensor, reduced: bool = False) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, reduced: bool = False, compact: bool = False) -> torch.Tensor:
         """Draft hidden [..., H] -> float32 logits [..., V] through the target's LM head (after its
         final norm when ``config.head_norm``, as our drafts are trained; published drafts have
         none). ``reduced`` (drafting) with a reduced vocabulary: only those rows of the head are
-        computed, the other tokens get -inf; training always scores the whole vocabulary."""
+        computed, the other tokens get -inf; with ``compact`` too, only their scores
+        [..., V_draft] (the tokens of ``vocab_subset``) are returned. Training always scores the
+        whole vocabulary."""
         h = self.head_input(hidden)
         if reduced and self.config.draft_vocab and self.target.shard is not None:
             # the head's rows are spread over the ranks: every score, the others masked
@@ -179,6 +181,8 @@ class LongSpecDraft(nn.Module):
         if not (reduced and self.config.draft_vocab):
             return self.target.logits(h)
         scores = F.linear(h, self.reduced_head()).float()
+        if compact:
+            return scores
         full = torch.full((*h.shape[:-1], self.config.vocab_size), float("-inf"), device=h.device)
         return full.scatter(-1, self.vocab_subset.expand(*h.shape[:-1], -1), scores)
 
