@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "acceptance table; a bucket where no tree is predicted faster decodes plainly), off (--tree "
                           "everywhere) or 'B=TREE;B=TREE', e.g. '16=2,2,2' or '16=plain' (default: auto)")
     srv.add_argument("--prefill-chunk", type=int, default=None,
-                     help="prefill arriving prompts in fixed-shape chunks of N tokens, a prompt's rest in chunks of N/8 "
-                          "and N/32, each row's and size's captured as a CUDA graph at warm-up (less host work per "
+                     help="prefill arriving prompts in fixed-shape chunks of N tokens, a prompt's rest in chunks of N/8, "
+                          "N/16 and N/32, each row's and size's captured as a CUDA graph at warm-up (less host work per "
                           "arriving request; a large admission still goes as one batched forward); 0 = always one "
                           "eager prefill (default: 1024 on CUDA, 0 on a CPU)")
     srv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
