@@ -3,7 +3,8 @@
 1. parity of our logits with transformers' in bfloat16 on an 8k prompt (the last 256 positions:
    max abs diff and argmax agreement; float32 in the CPU smoke run);
 2. tau and decode ms/token at each length of ``--lengths`` for plain decoding, prompt lookup,
-   LongSpec (beam tree), the hybrid (draft + lookup), greedy and T=1 (``--temperatures``), and
+   LongSpec (beam tree), the hybrid (draft + lookup), ``auto`` (what ``longspec generate`` runs by
+   default: the proposer and tree its cost model picks), greedy and T=1 (``--temperatures``), and
    transformers' compiled static-cache ``generate`` (greedy, after all of ours), prompts cut from
    held-out text (``--prompt-dirs``: folders of Python files, e.g. code and the documentation text
    of ``pydoc_data``; it is a base model, so completion prompts). ``--ends`` prompts per kind,
@@ -13,7 +14,7 @@
 3. the draft's memory (its ring buffer and reduced head) after a prompt of the shortest and of the
    longest length: it must not grow with the context.
 
-Prints a line per result, a summary (mean tau and ms/token over the end points, the speed-up per
+``--methods`` picks among them (e.g. ``hf-static`` alone in a process of its own). Prints a line per result, a summary (mean tau and ms/token over the end points, the speed-up per
 token over transformers) and one JSON line last; ``--out`` is rewritten after every result.
 
     python benchmarks/bench_gemma3.py --target DIR --draft DIR --prompt-dirs SRC_DIR PROSE_DIR \
@@ -145,6 +146,8 @@ def main(argv=None):
     p.add_argument("--hybrid-tree", default="4,16,16,16,16,1,1,1,1,1")
     p.add_argument("--pld-tree", default="chain:5")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default="plain,pld,longspec,hybrid,auto,hf-static",
+                   help="which to run (hf-static: transformers' compiled static cache, after all of ours)")
     p.add_argument("--ends", type=int, default=3, help="prompts per kind of text: end points --end-shift apart")
     p.add_argument("--end-shift", type=int, default=1024, help="tokens between two prompts' end points")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
@@ -186,7 +189,13 @@ def main(argv=None):
 
     methods = {"plain": (None, None), "pld": (PromptLookup(), args.pld_tree),
                "longspec": (LongSpecProposer(draft), args.tree),
-               "hybrid": (LongSpecProposer(draft, lookup=PromptLookup()), args.hybrid_tree)}
+               "hybrid": (LongSpecProposer(draft, lookup=PromptLookup()), args.hybrid_tree),
+               "auto": ("auto", None)}  # what `longspec generate` runs by default
+    chosen = [m for m in args.methods.split(",") if m]
+    unknown = set(chosen) - set(methods) - {"hf-static"}
+    if unknown:
+        p.error(f"unknown --methods {sorted(unknown)}; expected some of {', '.join([*methods, 'hf-static'])}")
+    methods = {name: methods[name] for name in chosen if name in methods}
     prompts = {(n, Path(d).name, end): prompt for d in args.prompt_dirs
                for end, tokens in enumerate(ended_prompts(tokenizer, Path(d), lengths[-1], args.ends, args.end_shift))
                for n, prompt in ((n, tokens[-n:]) for n in lengths)}
@@ -195,7 +204,8 @@ def main(argv=None):
             config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True,
                                       temperature=temperature, seed=0 if temperature else None)
             for name, (proposer, tree) in methods.items():
-                _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats)
+                _, res = run_ours(target, proposer, tree and TreeSpec.parse(tree), prompt, config, args.repeats,
+                                  draft=draft)
                 res.update(method=name, context=n, prompts=kind, end=end, temperature=temperature)
                 record(res)
                 print(f"{n:>6} {kind:<12} end {end} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
@@ -203,7 +213,7 @@ def main(argv=None):
     # transformers last: in one process, our next generate after its compiled static-cache generate
     # once died on the H200 ("unspecified launch failure"; gemma3_table_h200.log)
     for (n, kind, end), prompt in prompts.items():
-        if end:
+        if end or "hf-static" not in chosen:
             continue  # its speed per token: one prompt per length and kind
         start = time.perf_counter()  # on CUDA, transformers compiles static-cache decoding itself
         _, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, cache_implementation="static")

@@ -119,12 +119,14 @@ def peak_mib(fn):
     return out, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run_ours(target, proposer, tree, prompt, config, repeats, retune=None):
+def run_ours(target, proposer, tree, prompt, config, repeats, retune=None, draft=None):
+    """``proposer``: an object, None, or a name (``draft``: the LongSpec draft "auto" and the
+    named drafts use)."""
     gc.collect()  # the previous method's engine (a reference cycle) must not count here
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     make = lambda: Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,  # noqa: E731
-                             retune=retune)
+                             retune=retune, draft=draft)
     gen = make()
     t0 = time.perf_counter()
     # the first call on a fresh generator: engine, compilation, CUDA-graph capture, caches
