@@ -227,3 +227,32 @@ def test_big_project_documents_tokenise_by_file_with_the_same_tokens():
     assert len(text) > 1 << 18 and len(pieces) > 100 and "".join(pieces) == text
     assert [t for p in pieces for t in fast(p, add_special_tokens=False)["input_ids"]] == whole
     assert tokenize_documents([Document("pkg", text)], fast).tolist() == whole
+
+
+def test_tokenizing_reports_its_progress_in_batches_with_the_same_tokens(monkeypatch, capsys):
+    """A fast tokenizer goes in batch calls of about ``BATCH_CHARACTERS`` (each on every core), and
+    the progress it reports adds up to the text; the tokens are those of one call. Without a bar
+    (``--no-progress``) the progress goes to stderr as lines, at most one per ``every`` seconds and
+    at the end."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from longspec.training import data
+
+    tok = Tokenizer(models.WordLevel({chr(97 + i): i for i in range(26)} | {"[UNK]": 26}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    rng = random.Random(0)
+    docs = [Document(f"d{i}", "".join(rng.choice("abcdefgh \n") for _ in range(rng.randint(50, 3000))))
+            for i in range(40)]
+    whole = data.tokenize_documents(docs, fast).tolist()
+    calls = []
+    encode = PreTrainedTokenizerFast.__call__
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", lambda self, texts, **kw: calls.append(len(texts))
+                        or encode(self, texts, **kw))
+    monkeypatch.setattr(data, "BATCH_CHARACTERS", 5000)
+    shown = data.Progress(sum(len(d.text) for d in docs), "tokenizing", bar=False, every=3600)
+    assert data.tokenize_documents(docs, fast, progress=shown).tolist() == whole
+    assert len(calls) > 5 and sum(calls) == len(docs) and shown.done == shown.total
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "tokenizing" in lines[0] and "of" in lines[0]  # only the last one (every 3600 s)

@@ -22,6 +22,8 @@ import hashlib
 import itertools
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -223,20 +225,64 @@ def _file_pieces(text: str, size: int = 1 << 18) -> list:
         start = cut
 
 
-def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional[int] = None) -> torch.Tensor:
+class Progress:
+    """How far tokenising has come, in characters: a tqdm bar (``bar``), or else a line on stderr
+    at most every ``every`` seconds (a log file sees progress, not a bar)."""
+
+    def __init__(self, total: int, desc: str, bar: bool = True, every: float = 10.0):
+        from tqdm.auto import tqdm
+
+        self.total, self.desc, self.every, self.done = total, desc, every, 0
+        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True) if bar else None
+        self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.last >= self.every or self.done >= self.total:
+            self.last = time.monotonic()
+            print(f"[longspec] {self.desc}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} M characters",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+BATCH_CHARACTERS = 1 << 23  # text per batch call of a fast tokenizer: all cores busy, progress seen often
+
+
+def tokenize_documents(docs: Sequence[Document], tokenizer, vocab_size: Optional[int] = None,
+                       progress: Optional[Progress] = None) -> torch.Tensor:
     """One token stream (long [N]): every document as ``[bos] + encode(text) + [eos]`` (bos / eos
     where the tokenizer has them). ``tokenizer`` needs ``encode(text, add_special_tokens=False)``
-    (any Hugging Face tokenizer, or a small object in tests)."""
+    (any Hugging Face tokenizer, or a small object in tests). ``progress`` is told the characters
+    done after every batch (fast tokenizers: ``BATCH_CHARACTERS`` a call) or document."""
     bos = getattr(tokenizer, "bos_token_id", None)
     eos = getattr(tokenizer, "eos_token_id", None)
     texts = [doc.text for doc in docs]
+    tell = progress.update if progress is not None else (lambda n: None)
     if texts and getattr(tokenizer, "is_fast", False):  # Rust tokenizer: a batch call runs on all cores
         pieces_of = [_file_pieces(text) for text in texts]  # a whole package is one document: by files
-        flat = tokenizer([p for pieces in pieces_of for p in pieces], add_special_tokens=False)["input_ids"]
+        flat, batch, size = [], [], 0
+        for piece in itertools.chain.from_iterable(pieces_of):
+            batch.append(piece)
+            size += len(piece)
+            if size >= BATCH_CHARACTERS:
+                flat += tokenizer(batch, add_special_tokens=False)["input_ids"]
+                tell(size)
+                batch, size = [], 0
+        if batch:
+            flat += tokenizer(batch, add_special_tokens=False)["input_ids"]
+            tell(size)
         ends = list(itertools.accumulate(len(pieces) for pieces in pieces_of))
         encoded = [flat[end - len(pieces):end] for pieces, end in zip(pieces_of, ends)]
     else:
-        encoded = [[tokenizer.encode(text, add_special_tokens=False)] for text in texts]
+        encoded = []
+        for text in texts:
+            encoded.append([tokenizer.encode(text, add_special_tokens=False)])
+            tell(len(text))
     head, tail = [bos] if bos is not None else [], [eos] if eos is not None else []
     pieces = [torch.tensor(ids, dtype=torch.long) for doc in encoded for ids in (head, *doc, tail)]
     stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
@@ -319,12 +365,13 @@ def data_key(docs: Sequence[Document], config: DataConfig, tokenizer) -> str:
 
 def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
                vocab_size: Optional[int] = None, cache_dir: Optional[str] = None,
-               write_cache: bool = True) -> PackedData:
+               write_cache: bool = True, progress: Optional[bool] = None) -> PackedData:
     """Reads every path, splits by document, tokenises and packs both sides. Raises ValueError
     for a path without usable text, ``seq_len`` above ``max_position_embeddings``, or a training
     side shorter than one chunk. ``cache_dir``: the packed tokens are kept there (int32), keyed by
     :func:`data_key`, and read back instead of tokenising again (``write_cache``: this process
-    writes a missing entry; under DDP only rank 0 does)."""
+    writes a missing entry; under DDP only rank 0 does). ``progress``: tokenising shows a bar
+    (True), lines on stderr (False) or nothing (None)."""
     check_seq_len(config.seq_len, max_position_embeddings)
     if not config.paths:
         raise ValueError("no data paths given")
@@ -337,8 +384,14 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
         for ids in (train, held):
             check_token_ids(ids, vocab_size, f"the cached data in {cached} holds")
     else:
-        train = pack(tokenize_documents(train_docs, tokenizer, vocab_size), config.seq_len)
-        held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size), config.seq_len)
+        total = sum(len(d.text) for d in docs)
+        shown = None if progress is None else Progress(total, "tokenizing", bar=progress)
+        try:
+            train = pack(tokenize_documents(train_docs, tokenizer, vocab_size, shown), config.seq_len)
+            held = pack(tokenize_documents(eval_docs, tokenizer, vocab_size, shown), config.seq_len)
+        finally:
+            if shown is not None:
+                shown.close()
         if cached is not None and write_cache:
             from ..models.checkpoint import write_atomic
             from ..outdir import remove_stale

@@ -171,6 +171,7 @@ class DraftLoss(nn.Module):
         self.draft = draft
         self.distill_weight = distill_weight
         self.chunk = chunk
+        self.compiled = compile
         self._forward_train = compile_step(draft.forward_train) if compile else draft.forward_train
         self._chunk_terms = compile_step(_chunk_terms) if compile else _chunk_terms
 

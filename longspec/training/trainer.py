@@ -414,9 +414,13 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
     check_seq_len(config.seq_len, target.config.max_position_embeddings)  # before tokenising anything
     if tokenizer is None:
         tokenizer = load_tokenizer(config.tokenizer or config.target)
+    if env.is_main:
+        print(f"[longspec train] reading and tokenizing {', '.join(map(str, config.data))}", file=sys.stderr,
+              flush=True)
     data = build_data(DataConfig(config.data, config.seq_len, config.text_field, config.eval_fraction,
                                  config.max_file_bytes, tuple(config.exclude)), tokenizer, target.config.max_position_embeddings,
-                      target.config.vocab_size, cache_dir=config.data_cache, write_cache=env.is_main)
+                      target.config.vocab_size, cache_dir=config.data_cache, write_cache=env.is_main,
+                      progress=config.progress if env.is_main else None)
     checkpoint = latest_checkpoint(out)
     if checkpoint is not None and not config.resume:
         raise ValueError(f"{out} already holds a training run (checkpoint {checkpoint.name}): pass --resume to "
@@ -436,6 +440,9 @@ def _run(config, env, tokenizer, target, callback) -> TrainResult:
         if data.eval.shape[0] == 0:
             print("[longspec train] warning: no held-out chunk (too few held-out documents / tokens): "
                   "no evaluation", file=sys.stderr)
+        if trainer.loss.compiled:
+            print("[longspec train] compiling the draft's step (its first evaluation and steps take a minute or "
+                  "two)", file=sys.stderr, flush=True)
     history, window, pending = [], [], []
 
     def record(row: dict) -> None:
