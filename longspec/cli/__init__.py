@@ -219,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None, help="cpu, cuda ... (default: cuda if available)")
     tr.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
-    tr.add_argument("--no-progress", action="store_true", help="no progress bars: lines on stderr instead (a line per logged step, tokenizing at most every 10 s)")
+    tr.add_argument("--no-progress", action="store_true",
+                    help="no progress bars: lines on stderr instead (a line per logged step, tokenizing at most "
+                         "every 10 s)")
     tr.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                     help="the draft's forward and backward and the loss chunks through torch.compile (Inductor): "
                          "1.8x the tokens/s on the H200 with --distill (default: auto = on CUDA)")
