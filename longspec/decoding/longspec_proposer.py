@@ -36,10 +36,10 @@ class LongSpecProposer(TreeDrafter):
             self.draft.reduced_head(check=True)
             # rounds select among the reduced vocabulary's columns (see TreeDrafter.candidate_ids)
             subset = self.draft.vocab_subset
+            columns = torch.arange(subset.numel(), device=subset.device)
             self.candidate_ids = subset
             self.candidate_index = torch.full((self.draft.config.vocab_size,), -1, dtype=torch.long,
-                                              device=subset.device).scatter(0, subset, torch.arange(subset.numel(),
-                                                                                                    device=subset.device))
+                                              device=subset.device).scatter(0, subset, columns)
         else:
             self.candidate_ids = self.candidate_index = None
         b, device = cache.batch_size, target.device
@@ -55,6 +55,7 @@ class LongSpecProposer(TreeDrafter):
     def release(self):
         super().release()
         self.ring = self.reread = self.reread_count = self.target_kv = self.root_index = self.cross_keys = None
+        self.candidate_ids = self.candidate_index = None
 
     def add(self, row, prompt, first_token):
         """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a

@@ -16,14 +16,15 @@ one 64-token step, not a 2048-token one. After a long cached prefix each padded 
 attends over every cached key, so the rungs are close together: at the 8B shape after 32k cached
 tokens a 33-token rest took 15.4 ms to its first token in a 128-token chunk against 10 ms for a
 31-token one in a 32-token chunk (``bench_prefix_8b_32k_first_long_request_h200.log``, ladder
-32 / 128 / 1024), hence the 1/16 rung. :func:`chunk_plan` splits a prompt: big chunks while at least a big
-chunk remains, then the rest in the ladder's chunks that minimise the slots computed (real and
-padding) plus a fixed cost per step (``step_cost`` slots, default a quarter of the big chunk: a
-step's weight reads and launches); with a 2048 / 256 / 128 / 64 ladder a rest of up to 64 tokens goes
-in one 64-token chunk, up to 128 in one 128, up to 256 in one 256, up to 768 in two or three
-smaller chunks, and more in one big chunk. That step cost sits between a small model's (launch-bound: on the H200 a
-SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so fewer steps win) and an 8B
-model's (its weights' read, ~200 tokens' compute: small steps win). Each size has one chunk step,
+32 / 128 / 1024), hence the 1/16 rung. :func:`chunk_plan` splits a prompt: big chunks while at
+least a big chunk remains, then the rest in the ladder's chunks that minimise the slots computed
+(real and padding) plus a fixed cost per step (``step_cost`` slots, default a quarter of the big
+chunk: a step's weight reads and launches); with a 2048 / 256 / 128 / 64 ladder a rest of up to
+64 tokens goes in one 64-token chunk, up to 128 in one 128, up to 256 in one 256, up to 768 in two
+or three smaller chunks, and more in one big chunk. That step cost sits between a small model's
+(launch-bound: on the H200 a SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so
+fewer steps win) and an 8B model's (its weights' read, ~200 tokens' compute: small steps win).
+Each size has one chunk step,
 captured once, which serves every row: it runs on a one-row view of the cache whose block table
 and length are buffers of its own, loaded with a row's before its steps (its length copied back
 after); the small sizes' static buffers and graphs are small.
