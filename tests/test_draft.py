@@ -293,12 +293,14 @@ class FullVocabularyProposer(LongSpecProposer):
 @pytest.mark.parametrize("tree,temperature", [("4,16,16,16,16", 0.0), ("3,4,4", 0.0), ("chain:3", 0.0),
                                               ("[[0],[1],[0,0],[1,0]]", 0.0), ("chain:3", 1.0), ("3,4,4", 1.0)])
 @pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("narrow", [False, True])
 def test_a_reduced_vocabulary_draft_selects_among_its_columns_as_over_the_whole_vocabulary(
-        targets, monkeypatch, tree, temperature, hybrid):
+        targets, monkeypatch, tree, temperature, hybrid, narrow):
     """A reduced draft's rounds pick children among its C scored tokens ([.., C] logits, no
     [.., V] tensor): every round's tree (tokens, parents) equals the one picked over the whole
-    vocabulary with -inf elsewhere, greedy (static, beam and hybrid trees) and sampled (its children
-    drawn from the whole vocabulary's distribution, the same draws)."""
+    vocabulary with -inf elsewhere (float32 logits: no ties), greedy (static, beam and hybrid
+    trees) and sampled (its children drawn from the whole vocabulary's distribution, the same
+    draws). A vocabulary narrower than a level (``narrow``: 3 tokens) goes whole, as before."""
     from longspec import PromptLookup
     from longspec.decoding.drafting import TreeDrafter
 
@@ -307,7 +309,8 @@ def test_a_reduced_vocabulary_draft_selects_among_its_columns_as_over_the_whole_
     target = targets["llama"]
     draft = noisy_draft(target, window=6)
     seen = sorted({t for p in repetitive_prompts(2, seed=9) for t in p})
-    draft.limit_vocab(sorted(set(seen[::2]) | set(range(0, 160, 3))))  # some lookup candidates are not scored
+    # some lookup candidates are not scored
+    draft.limit_vocab([3, 7, 11] if narrow else sorted(set(seen[::2]) | set(range(0, 160, 3))))
     trees = []
     propose = TreeDrafter.propose
 
@@ -328,10 +331,48 @@ def test_a_reduced_vocabulary_draft_selects_among_its_columns_as_over_the_whole_
         runs[cls] = (out.sequences, list(trees))
         if cls is LongSpecProposer:
             assert proposer.candidate_ids is not None and proposer.candidate_ids.numel() < target.config.vocab_size
+            assert (proposer._columns() is None) == (narrow and TreeSpec.parse(tree).max_children > 3)
+        if cls is LongSpecProposer and not narrow:  # the vocabulary changed after begin: the new one's columns
+            draft.limit_vocab(range(0, 160, 2))
+            assert torch.equal(proposer._columns(), torch.arange(0, 160, 2))
+            draft.limit_vocab(sorted(set(seen[::2]) | set(range(0, 160, 3))))
     (compact, compact_trees), (full, full_trees) = runs.values()
     assert compact == full and len(compact_trees) == len(full_trees) > 0
     for (tokens, parents), (ref_tokens, ref_parents) in zip(compact_trees, full_trees):
         assert torch.equal(tokens, ref_tokens) and torch.equal(parents, ref_parents)
+
+
+def test_the_hybrids_chain_rounds_draft_as_the_engine_says(targets, monkeypatch):
+    """A hybrid bucket switched to a chain (``with_tree``, as ``--proposer auto`` does) lets the
+    lookup draft alone, and tells it the kind of round the engine runs: its greedy rounds take the
+    lookup's best matches directly (no whole-vocabulary pseudo-logits), its sampled rounds draw the
+    chain from the lookup's distribution. An engine whose rows are separate requests samples by
+    its settings (``RowSampling.greedy`` is False), so the flag, not those settings, decides."""
+    from longspec import PromptLookup
+    from longspec.cache import KVCache
+    from longspec.decoding.drafting import TreeDrafter
+    from longspec.decoding.sampling import RowSampling, Uniforms
+
+    target = targets["llama"]
+    proposer = LongSpecProposer(noisy_draft(target, window=6), lookup=PromptLookup())
+    proposer.begin(target, KVCache(target.config, 1, 96), TreeSpec.parse("2,2,2"), RowSampling.zeros(1, "cpu"),
+                   Uniforms(None, "cpu"))
+    prompt = repetitive_prompts(1, seed=4)[0]
+    proposer.add(0, prompt[:-1], prompt[-1])
+    generic = []
+    grow = TreeDrafter.propose
+    monkeypatch.setattr(TreeDrafter, "propose", lambda self, root: generic.append(type(self).__name__)
+                        or grow(self, root))
+    chain = proposer.with_tree(TreeSpec.chain(3))
+    root = torch.tensor([prompt[-1]])
+    for sampled in (False, True):
+        generic.clear()
+        chain.sample_children = sampled  # what Engine._round sets on the bucket's view
+        tree = chain.propose(root)
+        assert generic == (["PromptLookup"] if sampled else [])
+        assert tree.tokens.shape == (1, 4) and tree.children_sampled == sampled
+    chain.sample_children = False
+    assert chain.propose(root).tokens[0, 1:].tolist() == (prompt[prompt.index(prompt[-1]) + 1:] * 2)[:3]
 
 
 def test_frequent_tokens_of_data(tmp_path):

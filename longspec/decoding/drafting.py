@@ -125,7 +125,8 @@ class TreeDrafter(Proposer):
     Subclasses implement ``_root_logits(root) -> [B, V]`` (start a round) and
     ``_level_logits(tokens [B, n], positions [B, n], mask [B, n, P+n], tree_tokens [B, P+n])
     -> [B, n, V]`` (the distribution after each new node; ``mask`` is ancestor-or-self over the
-    ``tree_tokens`` so far), and may override ``_end_round``. Children are the top-k (static
+    ``tree_tokens`` so far), or [.., C] over the tokens :meth:`_columns` names, and may override
+    ``_end_round``. Children are the top-k (static
     trees), the best cumulative log-probability pairs (beam trees), or, for a chain under
     sampling, drawn from the draft's own warped distribution (the residual verification rule then
     applies). Shapes are fixed by the tree spec: no host synchronisation.
@@ -199,16 +200,19 @@ class TreeDrafter(Proposer):
     def _root_logits(self, root: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """Level logits [.., C] over ``candidate_ids`` -> [.., V] (-inf for the tokens not scored)."""
-        if self.candidate_ids is None:
+    def _columns(self) -> Optional[torch.Tensor]:
+        """The token ids [C] the level logits score this round, or None (the whole vocabulary):
+        ``candidate_ids`` when no level of the tree picks more than C tokens a node (a narrower
+        vocabulary goes whole, its other tokens -inf, so such a tree still fills)."""
+        ids = self.candidate_ids
+        return ids if ids is not None and ids.numel() >= self.spec.max_children else None
+
+    def _whole_vocabulary(self, logits: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Level logits [.., C] over ``ids`` -> [.., V] (-inf for the tokens not scored)."""
+        if ids is None:
             return logits
         full = torch.full((*logits.shape[:-1], self.candidate_index.shape[0]), float("-inf"), device=logits.device)
-        return full.scatter(-1, self.candidate_ids.expand(*logits.shape[:-1], -1), logits.float())
-
-    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Columns of the level logits -> token ids."""
-        return columns if self.candidate_ids is None else self.candidate_ids[columns]
+        return full.scatter(-1, ids.expand(*logits.shape[:-1], -1), logits.float())
 
     def _level_logits(self, tokens, positions, mask, tree_tokens) -> torch.Tensor:
         raise NotImplementedError
@@ -224,14 +228,16 @@ class TreeDrafter(Proposer):
         mask = torch.zeros(b, n, n, dtype=torch.bool, device=device)
         tokens[:, 0], mask[:, 0, 0] = root, True
         draft_probs, valid = None, None
-        level_logits = self._root_logits(root)[:, None]  # [B, 1, V]
+        ids = self._columns()  # the level logits' columns' tokens (None: every token)
+        level_logits = self._root_logits(root)[:, None]  # [B, 1, V or C]
         cum = torch.zeros(b, 1, device=device)
         chain = _LookupChain(self.lookup, b, device) if self.lookup is not None else None
         for depth in range(1, spec.depth + 1):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
             if self.sample_children:
                 c = self.config
-                q = warp_probs(self._whole_vocabulary(level_logits), c.temperature, c.top_k, c.top_p)  # [B, n_prev, V]
+                q = warp_probs(self._whole_vocabulary(level_logits, ids), c.temperature, c.top_k,
+                               c.top_p)  # [B, n_prev, V]
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
                     valid = torch.ones(b, n, dtype=torch.bool, device=device)
@@ -245,14 +251,15 @@ class TreeDrafter(Proposer):
             elif spec.is_static:
                 top, _ = topk_children(level_logits, spec.max_children)
                 local_parent, rank = self.static_levels[depth]
-                new_tokens = self._token_ids(top[:, local_parent, rank])
+                new_tokens = top[:, local_parent, rank]
+                new_tokens = new_tokens if ids is None else ids[new_tokens]
                 local_parent = local_parent.expand(b, -1)
             else:
-                logprobs = level_logits.float().log_softmax(-1)  # (over the C scored tokens: the same values)
+                logprobs = level_logits.float().log_softmax(-1)  # (over C columns: the others' exp is 0)
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
-                new_tokens = self._token_ids(new_tokens)
+                new_tokens = new_tokens if ids is None else ids[new_tokens]
                 if chain is not None:
-                    chain.extend(local_parent, new_tokens, cum, logprobs, self.candidate_index)
+                    chain.extend(local_parent, new_tokens, cum, logprobs, None if ids is None else self.candidate_index)
             parent = local_parent + prev.start
             tokens[:, cur], parents[:, cur] = new_tokens, parent
             mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]

@@ -34,7 +34,16 @@ class LongSpecProposer(TreeDrafter):
         super().begin(target, cache, tree, config, rng)
         if self.draft.config.draft_vocab and self.draft.target.shard is None:
             self.draft.reduced_head(check=True)
-            # rounds select among the reduced vocabulary's columns (see TreeDrafter.candidate_ids)
+        self._take_columns()
+        b, device = cache.batch_size, target.device
+        self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
+        self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)
+        self.reread_count = torch.zeros(b, dtype=torch.long, device=device)  # accepted drafts, root excluded
+
+    def _take_columns(self) -> None:
+        """Rounds select among the reduced vocabulary's columns (see TreeDrafter.candidate_ids):
+        its tokens and the column of each token id."""
+        if self.draft.config.draft_vocab and self.draft.target.shard is None:
             subset = self.draft.vocab_subset
             columns = torch.arange(subset.numel(), device=subset.device)
             self.candidate_ids = subset
@@ -42,10 +51,11 @@ class LongSpecProposer(TreeDrafter):
                                               device=subset.device).scatter(0, subset, columns)
         else:
             self.candidate_ids = self.candidate_index = None
-        b, device = cache.batch_size, target.device
-        self.ring = DraftCache(self.draft.config, b, tree.num_nodes, target.dtype, device)
-        self.reread = torch.zeros(b, tree.depth + 1, dtype=torch.long, device=device)
-        self.reread_count = torch.zeros(b, dtype=torch.long, device=device)  # accepted drafts, root excluded
+
+    def _columns(self):
+        if self.candidate_ids is not None and self.candidate_ids is not self.draft.vocab_subset:
+            self._take_columns()  # the draft's vocabulary changed (limit_vocab) since ``begin``
+        return super()._columns()
 
     def rows(self, n, cache):
         view = super().rows(n, cache)
@@ -110,7 +120,7 @@ class LongSpecProposer(TreeDrafter):
                                          self.target_kv, cross_limit=index, cross_keys=self.cross_keys)
         self.root_index = self.cache.lengths.clone()
         return self.draft.logits(hidden[torch.arange(b, device=device), self.reread_count], reduced=True,
-                                 compact=self.candidate_ids is not None)
+                                 compact=self._columns() is not None)
 
     def _level_logits(self, tokens, positions, mask, tree_tokens):
         n_prev = mask.shape[-1] - tokens.shape[1]
@@ -120,7 +130,7 @@ class LongSpecProposer(TreeDrafter):
         hidden = self.draft.forward_step(tokens, positions, positions, node, valid, self.ring, self.target_kv,
                                          cross_limit, tree_mask=mask, slot=self.root_index[:, None] + node,
                                          cross_keys=self.cross_keys)
-        return self.draft.logits(hidden, reduced=True, compact=self.candidate_ids is not None)
+        return self.draft.logits(hidden, reduced=True, compact=self._columns() is not None)
 
     def propose(self, root):
         """A round's tree; with a lookup and a chain tree (``with_tree``; ``--proposer auto``
