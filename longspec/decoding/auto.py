@@ -215,13 +215,19 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
     return out
 
 
+# bumped when the steps' code changes what they cost, so measurements of older code are not reused
+# (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches)
+COSTS_VERSION = 2
+
+
 def device_key(target) -> str:
-    """What step costs depend on: the device (and CPU threads), the model and its dtype."""
+    """What step costs depend on: the device (and CPU threads), the model and its dtype, and the
+    code (:data:`COSTS_VERSION`)."""
     device = target.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"cpu x{torch.get_num_threads()} threads")
     model = os.path.basename(str(target.path or "model").rstrip("/"))
-    return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl}"
+    return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl} | v{COSTS_VERSION}"
 
 
 def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None, batch: int = 1,
