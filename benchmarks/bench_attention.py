@@ -148,6 +148,9 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=None, help="a sliding-window layer's window (default: none)")
     p.add_argument("--causal", action="store_true",
                    help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated names of the rows to time, e.g. 'triton' or 'triton,flash (causal)' "
+                        "(default: all)")
     args = p.parse_args(argv)
     if args.sweep and args.window:
         p.error("--sweep times the kernel without a window: run it without --window")
@@ -213,6 +216,8 @@ def main(argv=None):
                 impls["flash (causal)"] = lambda: causal_attention(q, k, v)
                 impls["gather+flash"] = lambda: causal_attention(
                     q, rows_of(store_k, table, PAGE_BLOCK, None, 0, cap), rows_of(store_v, table, PAGE_BLOCK, None, 0, cap))
+            if args.methods:  # only these (the references above cost most of a run's time)
+                impls = {name: fn for name, fn in impls.items() if name in args.methods.split(",")}
             # a sliding layer needs only the keys of its window (and the tree's or chunk's own)
             floor = floor_s(h, hkv, m, min(cap, args.window + m) if args.window else cap, d, bandwidth, rate,
                             args.causal)
