@@ -14,8 +14,9 @@
 3. the draft's memory (its ring buffer and reduced head) after a prompt of the shortest and of the
    longest length: it must not grow with the context.
 
-``--methods`` picks among them (e.g. ``hf-static`` alone in a process of its own). Prints a line per result, a summary (mean tau and ms/token over the end points, the speed-up per
-token over transformers) and one JSON line last; ``--out`` is rewritten after every result.
+``--methods`` picks among them (e.g. ``hf-static`` alone in a process of its own). Prints a line
+per result, a summary (mean tau and ms/token over the end points, the speed-up per token over
+transformers) and one JSON line last; ``--out`` is rewritten after every result.
 
     python benchmarks/bench_gemma3.py --target DIR --draft DIR --prompt-dirs SRC_DIR PROSE_DIR \
         --lengths 2048,8192,16384,32512 --out gemma3.json

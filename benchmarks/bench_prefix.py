@@ -52,12 +52,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_steps import SHAPES, copy_bandwidth, random_target  # noqa: E402
 
+from longspec.cache import token_bytes  # noqa: E402
 
-def cached_kv_bytes(config, tokens: int, elem_size: int) -> int:
+
+def cached_kv_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of K/V that a request's queries read from ``tokens`` cached ones: every layer's (a
     sliding-window layer's window only)."""
-    per_token = 2 * config.num_kv_heads * config.head_dim * elem_size
-    return sum(per_token * (min(tokens, config.sliding_window) if config.is_sliding(i) else tokens)
+    per_layer = token_bytes(config, dtype) // config.num_layers  # one token's K/V in one layer
+    return sum(per_layer * (min(tokens, config.sliding_window) if config.is_sliding(i) else tokens)
                for i in range(config.num_layers))
 
 
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth() if target.device.type == "cuda" else None
     if bandwidth:
         say(f"\n# copy bandwidth {bandwidth / 1e12:.2f} TB/s: reading the cached K/V once takes at least "
-            f"{1e3 * cached_kv_bytes(target.config, args.context, dtype.itemsize) / bandwidth:.2f} ms for "
+            f"{1e3 * cached_kv_bytes(target.config, args.context, dtype) / bandwidth:.2f} ms for "
             f"{args.context} cached tokens")
     for kind in ("document", "chat"):
         say(f"\n## {kind} trace")
@@ -311,7 +313,7 @@ def main(argv=None) -> int:
                 full_ratios.append(c["ttft_s"] / n["ttft_s"])
                 prefill_ratios.append(c["server_ms"]["prefill"] / tail["server_ms"]["prefill"])
                 if bandwidth:  # the best cached / tail ratio: the tail's TTFT plus one read of the cached K/V
-                    read_s = cached_kv_bytes(target.config, c["cached_tokens"], dtype.itemsize) / bandwidth
+                    read_s = cached_kv_bytes(target.config, c["cached_tokens"], dtype) / bandwidth
                     floors.append((tail["ttft_s"] + read_s) / tail["ttft_s"])
             say(f"{i:>3} {c['prompt_tokens']:>7} {c['shared']:>7} {c['cached_tokens']:>7} {c['ttft_s']:>12.3f} "
                 f"{n['ttft_s']:>11.3f} {len(c['prompt']) - c['shared'] if tail else 0:>5} "

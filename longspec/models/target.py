@@ -401,8 +401,8 @@ class TargetModel(nn.Module):
         new ones (False for anchor-offset positions or a StreamingLLM view: sliding-window layers then
         cut only the new tokens by position, see :meth:`AttentionMeta.windowed`)."""
         impl = self.attention_impl
-        if n_keys is None and impl != "reference" and not (impl == "triton" and causal
-                                                           and input_ids.shape[1] <= TRITON_CAUSAL_MAX_TOKENS):
+        short_causal = impl == "triton" and causal and input_ids.shape[1] <= TRITON_CAUSAL_MAX_TOKENS
+        if n_keys is None and impl != "reference" and not short_causal:
             impl = "sdpa"
         meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
         x = self.embed(input_ids)
