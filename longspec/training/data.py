@@ -233,7 +233,7 @@ class Progress:
         from tqdm.auto import tqdm
 
         self.total, self.desc, self.every, self.done = total, desc, every, 0
-        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True) if bar else None
+        self.bar = tqdm(total=total, desc=desc, unit="char", unit_scale=True) if bar else None
         self.last = time.monotonic()
 
     def update(self, n: int) -> None:
