@@ -36,21 +36,18 @@ def context_row(target, draft, ids: torch.Tensor, tail: int, lags: list) -> dict
     n = inputs.shape[1]
     cache = target.new_cache(1, n)
     logits = target.prefill(inputs, torch.tensor([n]), cache, all_logits=True)[0]
-    k, v = target.last_layer_kv(cache).dense(n)
+    dtype = next(draft.parameters()).dtype
+    k, v = (x.to(dtype) for x in target.last_layer_kv(cache).dense(n))  # once for every lag
     positions = torch.arange(n, device=ids.device)[None]
     target_top = logits.argmax(-1)
     last = slice(n - tail, n)
     row = {"context": n + 1 - tail, "target_acc": float((target_top[last] == labels[last]).float().mean())}
     for lag in lags:
-        hidden = draft.forward_train(inputs, positions, k.to(draft_dtype(draft)), v.to(draft_dtype(draft)), lag=lag)
+        hidden = draft.forward_train(inputs, positions, k, v, lag=lag)
         picked = draft.logits(hidden, reduced=False)[0].argmax(-1)
         row[f"lag{lag}_vs_target"] = float((picked[last] == target_top[last]).float().mean())
         row[f"lag{lag}_vs_text"] = float((picked[last] == labels[last]).float().mean())
     return row
-
-
-def draft_dtype(draft) -> torch.dtype:
-    return next(draft.parameters()).dtype
 
 
 def main(argv=None):
