@@ -101,13 +101,16 @@ def ended_prompts(tokenizer, directory: Path, longest: int, ends: int, shift: in
 
 def summary(results: list) -> list:
     """Per length, kind and temperature: each method's mean tau and ms/token over the end points,
-    and its speed-up per token over transformers' compiled static cache."""
+    and its speed-up per token over transformers' compiled static cache (at the same length; of the
+    same kind of text where it ran on it)."""
     groups: dict = {}
     for r in results:
         groups.setdefault((r["context"], r["prompts"], r["temperature"], r["method"]), []).append(r)
     rows = []
     for (n, kind, temperature, method), rs in sorted(groups.items(), key=lambda kv: kv[0]):
-        hf = groups.get((n, kind, 0.0, "hf-static"))
+        # transformers' time per token depends on the length, not the text: any kind's at this length
+        hf = groups.get((n, kind, 0.0, "hf-static")) or next(
+            (rs for key, rs in groups.items() if key[0] == n and key[3] == "hf-static"), None)
         ms = statistics.mean(r["ms_per_token"] for r in rs)
         row = {"context": n, "prompts": kind, "temperature": temperature, "method": method, "prompts_n": len(rs),
                "ms_per_token": ms}
@@ -154,6 +157,8 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--random-tiny", action="store_true", help="CPU smoke run on a tiny random Gemma 3")
+    p.add_argument("--merge", help="the --out JSON of an earlier run whose results join this one's summary (e.g. "
+                   "ours, when transformers' --methods hf-static runs in a process of its own)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     args = p.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -197,9 +202,10 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown --methods {sorted(unknown)}; expected some of {', '.join([*methods, 'hf-static'])}")
     methods = {name: methods[name] for name in chosen if name in methods}
-    prompts = {(n, Path(d).name, end): prompt for d in args.prompt_dirs
-               for end, tokens in enumerate(ended_prompts(tokenizer, Path(d), lengths[-1], args.ends, args.end_shift))
-               for n, prompt in ((n, tokens[-n:]) for n in lengths)}
+    by_kind = {Path(d).name: ended_prompts(tokenizer, Path(d), lengths[-1], args.ends, args.end_shift)
+               for d in args.prompt_dirs}
+    # end points outermost: a run cut short still has every kind and length for its first end points
+    prompts = {(n, kind, end): by_kind[kind][end][-n:] for end in range(args.ends) for kind in by_kind for n in lengths}
     for (n, kind, end), prompt in prompts.items():
         for temperature in map(float, args.temperatures.split(",")):
             config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True,
@@ -210,7 +216,7 @@ def main(argv=None):
                 res.update(method=name, context=n, prompts=kind, end=end, temperature=temperature)
                 record(res)
                 print(f"{n:>6} {kind:<12} end {end} T={temperature:g} {name:<9} tau {res['tau']:5.2f} "
-                      f"{res['ms_per_token']:7.2f} ms/token", flush=True)
+                      f"{res['ms_per_token']:7.2f} ms/token  (first call {res['first_call_s']:.2f} s)", flush=True)
     # transformers last: in one process, our next generate after its compiled static-cache generate
     # once died on the H200 ("unspecified launch failure"; gemma3_table_h200.log)
     for (n, kind, end), prompt in prompts.items():
@@ -222,11 +228,13 @@ def main(argv=None):
                    wall_s=time.perf_counter() - start)
         record(res)
         print(f"{n:>6} {kind:<12} T=0 hf-static {res['ms_per_token']:7.2f} ms/token", flush=True)
+    if args.merge:
+        report["results"] += json.loads(Path(args.merge).read_text())["results"]
     report["summary"] = summary(report["results"])
     print("summary (means over the end points; x: transformers' ms/token over this one's)")
     for r in report["summary"]:
         print(f"{r['context']:>6} {r['prompts']:<12} T={r['temperature']:g} {r['method']:<9} "
-              f"tau {r.get('tau', float('nan')):5.2f} {r['ms_per_token']:7.2f} ms/token  x{r.get('x_hf_static', 1.0):5.2f}")
+              f"tau {r.get('tau', float('nan')):5.2f} {r['ms_per_token']:7.2f} ms/token  x{r.get('x_hf_static', float('nan')):5.2f}")
     print(json.dumps(report))
     if scratch is not None:
         scratch.cleanup()
