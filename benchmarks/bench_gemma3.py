@@ -236,6 +236,7 @@ def main(argv=None):
         print(f"{r['context']:>6} {r['prompts']:<12} T={r['temperature']:g} {r['method']:<9} "
               f"tau {r.get('tau', float('nan')):5.2f} {r['ms_per_token']:7.2f} ms/token  x{r.get('x_hf_static', float('nan')):5.2f}")
     print(json.dumps(report))
+    Path(args.out).write_text(json.dumps(report) + "\n")  # (with the merged results and the summary)
     if scratch is not None:
         scratch.cleanup()
 

@@ -2,6 +2,7 @@
 round by hand, prompt lookup's hit rates on texts with known answers, the draft's acceptance table,
 and the choice from costs (measured once, then read from the cache)."""
 import json
+import random
 
 import pytest
 import torch
@@ -311,3 +312,45 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
 
 def test_step_costs_made_monotone():
     assert auto.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == {"1": 57.5, "2": 57.5, "3": 62.5, "11": 62.5}
+
+
+def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0) -> list:
+    """The definition, one position at a time: PromptLookup's first guess from dicts of n-grams."""
+    ids = list(token_ids)
+    last = [dict() for _ in range(max_ngram + 1)]  # n -> {n-gram: position that followed it}
+    hit = []
+    for s in range(len(ids)):
+        guess = None
+        for n in range(min(max_ngram, s), 0, -1):
+            follower = last[n].get(tuple(ids[s - n:s]))
+            if follower is not None:
+                guess = ids[follower]
+                break
+        if s >= len(ids) - tail:
+            hit.append(guess == ids[s])
+        for n in range(1, min(max_ngram, s) + 1):
+            last[n][tuple(ids[s - n:s])] = s
+    q, runs = [], list(range(len(hit)))
+    for d in range(depths):
+        ok = [t for t in runs if t + d < len(hit) and hit[t + d]]
+        valid = [t for t in runs if t + d < len(hit)]
+        weight = prior_weight if prior else 0.0
+        extra = weight * prior[min(d, len(prior) - 1)] if prior else 0.0
+        q.append(round((len(ok) + extra) / (len(valid) + weight), 4) if valid or weight else 0.0)
+        runs = ok
+    return q
+
+
+def test_lookup_acceptance_equals_its_definition():
+    """The sorting implementation gives the position-by-position definition's rates: empty and
+    tiny texts, 2-token to 300k-token vocabularies, repeated halves, every n-gram cap, priors."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n, vocab = rng.choice([0, 1, 2, 3, 4, 5, 10, 50, 300, 2000]), rng.choice([2, 3, 5, 50, 300000])
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        if n > 20 and rng.random() < 0.5:
+            ids = ids[:n // 2] * 2
+        kw = dict(depths=rng.choice([1, 3, 10]), max_ngram=rng.choice([1, 2, 3, 4]), tail=rng.choice([1, 5, 1024]))
+        if rng.random() < 0.3:
+            kw.update(prior=[0.5, 0.3], prior_weight=8.0)
+        assert lookup_acceptance(ids, **kw) == lookup_acceptance_reference(ids, **kw), (n, vocab, kw)

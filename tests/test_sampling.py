@@ -97,3 +97,15 @@ def test_per_row_warping_equals_scalar_warping():
     rows = warp_probs_rows(logits, t, k, p)
     for i, (ti, ki, pi) in enumerate(settings):
         assert torch.allclose(rows[i], warp_probs(logits[i], ti, ki, pi), atol=1e-6), settings[i]
+
+
+def test_per_row_warping_without_top_k_and_top_p_skips_them_with_the_same_result():
+    """top_k / top_p None (no row uses them): the same distributions as with them off (0 / 1.0),
+    greedy rows still one-hot."""
+    from longspec.decoding.sampling import warp_probs_rows
+
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    t = torch.tensor([0.0, 0.7, 1.3])
+    off = warp_probs_rows(logits, t, torch.zeros(3, dtype=torch.long), torch.ones(3))
+    assert torch.equal(warp_probs_rows(logits, t, None, None), off)
+    assert torch.equal(off[0], torch.nn.functional.one_hot(logits[0].argmax(-1), 50).float())

@@ -38,7 +38,7 @@ def test_sequences_join_and_leave_between_rounds(targets, proposer):
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
-    assert {n for _, n in engine.runners} == {1, 2, 3}
+    assert {key[-1] for key in engine.runners} == {1, 2, 3}
 
 
 @pytest.mark.parametrize("proposer", ["streaming", "pld", "hybrid"])
@@ -68,7 +68,7 @@ def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
     run_joining(engine, seqs)
     assert [s.tokens for s in seqs] == alone
-    assert {n for _, n in engine.runners} == {1, 2, 3}
+    assert {key[-1] for key in engine.runners} == {1, 2, 3}
     assert [engine.view(n).draft_tree.num_nodes for n in (1, 2, 3)] == [9, 5, 3]  # what each bucket drafted
     # a bucket that decodes plainly (where no tree pays): rows moving from and back into drafting
     # buckets keep the proposer's state (draft ring buffer, lookup history) up to date
@@ -78,7 +78,7 @@ def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
     assert [s.tokens for s in seqs] == alone
     assert engine.view(2).draft_tree is None and engine.view(3).draft_tree.num_nodes == 9
     # only the draft has state to bring up to date in a plain round: the others run the target alone
-    assert len(engine.runners[True, 2].phases) == (2 if proposer == "hybrid" else 1)
+    assert len(engine.runners[True, False, 2].phases) == (2 if proposer == "hybrid" else 1)
     assert len(engine.phase_times()) == 2 and all(t >= 0 for t in engine.phase_times())
 
     class Unaware(PromptLookup):  # a proposer that does not say it can follow plain rounds
@@ -152,7 +152,7 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     expected = Generator(target, PromptLookup(), "2,2").generate([prompt], config).sequences[0]
     engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=5, max_len=64)
     engine.warm_up(sampled=True)
-    assert set(engine.runners) == {(g, n) for g in (True, False) for n in (1, 2, 4, 5)}
+    assert set(engine.runners) == {(g, False, n) for g in (True, False) for n in (1, 2, 4, 5)}
     seq = Sequence(prompt, 9)
     engine.add([seq])
     while engine.has_active:
@@ -161,6 +161,31 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     engine.add([Sequence(prompt, 20)])
     with pytest.raises(RuntimeError, match="empty engine"):
         engine.warm_up()
+
+
+@pytest.mark.parametrize("proposer", ["none", "pld"])
+def test_rounds_sort_for_top_k_or_top_p_only_while_a_sampled_row_uses_them(targets, proposer):
+    """Sampled rounds skip top-k / top-p's sorts of the whole vocabulary unless a sampled row uses
+    them (a kind of round with graphs of its own): a top-k 1 row still gets the greedy tokens
+    beside a row sampled from the whole distribution, and once it has left, rounds go without."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.decoding.sampling import RowSampling
+
+    target = targets["llama"]
+    prompt = prompts_for(1, seed=3)[0]
+    draft, tree = (None, None) if proposer == "none" else (PromptLookup(), TreeSpec.parse("2,2"))
+    greedy = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=10, ignore_eos=True)).sequences[0]
+    engine = Engine(target, draft, tree, max_batch=2, max_len=96, config=RowSampling.zeros(2, "cpu"))
+    engine.uniforms.generator = torch.Generator().manual_seed(0)
+    top1, free = Sequence(prompt, 10, temperature=1.5, top_k=1), Sequence(prompt, 40, temperature=1.5)
+    engine.add([top1, free])
+    kinds = []
+    while engine.has_active:
+        engine.step()
+        kinds.append(engine.round_kind)
+    assert top1.tokens == greedy and free.tokens[:10] != greedy
+    assert kinds[0] == (False, True) and kinds[-1] == (False, False)
+    assert {key[:2] for key in engine.runners} == {(False, True), (False, False)}
 
 
 def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
@@ -203,7 +228,8 @@ def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
                     config=RowSampling.zeros(2, "cpu"))
     engine.warm_up(sampled=True)
     assert {key: seen[id(r)] for key, r in engine.runners.items()} == {
-        (True, 1): False, (True, 2): False, (False, 1): True, (False, 2): True}
+        (True, False, 1): False, (True, False, 2): False, (False, False, 1): True, (False, False, 2): True,
+        (False, True, 1): True, (False, True, 2): True}
 
     class Whole(Proposer):  # no rows(): not narrowable
         def begin(self, target, cache, tree, config, rng):

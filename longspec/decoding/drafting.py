@@ -13,7 +13,7 @@ import torch
 
 from ..cache import KVCache
 from ..config import GenerationConfig
-from .sampling import config_rows, uniform, warp_probs
+from .sampling import config_rows, uniform, warp_with
 from .tree import DraftTree, TreeSpec
 
 if TYPE_CHECKING:
@@ -235,9 +235,7 @@ class TreeDrafter(Proposer):
         for depth in range(1, spec.depth + 1):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
             if self.sample_children:
-                c = self.config
-                q = warp_probs(self._whole_vocabulary(level_logits, ids), c.temperature, c.top_k,
-                               c.top_p)  # [B, n_prev, V]
+                q = warp_with(self.config, self._whole_vocabulary(level_logits, ids))  # [B, n_prev, V]
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
                     valid = torch.ones(b, n, dtype=torch.bool, device=device)

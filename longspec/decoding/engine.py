@@ -29,10 +29,10 @@ from .admission import Admission
 from .drafting import Proposer
 from .prefill import ChunkedPrefill
 from .runner import PhaseRunner, RoundRows, batch_buckets
-from .sampling import RowSampling, Uniforms, config_rows, sample, warp_probs
+from .sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
 from .sequence import Sequence, Streamer
 from .tree import TreeSpec
-from .verify import verify_tree
+from .verify import verify_greedy, verify_sampling
 
 __all__ = ["Engine", "Sequence", "owner_of"]  # (Sequence: what callers add, imported from here too)
 
@@ -169,14 +169,9 @@ class Engine(Admission):
     # ---- the round --------------------------------------------------------------------------
     def _next_token(self, logits: torch.Tensor, greedy: bool, rows: slice = slice(None)) -> torch.Tensor:
         """logits [n, V] of batch rows ``rows`` -> their next tokens [n] (``greedy``: every row is)."""
-        c = self.config
         if greedy:
             return logits.argmax(-1)
-        if isinstance(c, RowSampling):
-            probs = warp_probs(logits, c.temperature[rows], c.top_k[rows], c.top_p[rows])
-        else:
-            probs = warp_probs(logits, c.temperature, c.top_k, c.top_p)
-        return sample(probs, self.uniforms)
+        return sample(warp_with(self.config, logits, rows), self.uniforms)
 
     def view(self, n: int) -> "RoundRows":
         """The round's state over batch rows ``0..n-1`` (a bucket): views of the engine's storage."""
@@ -214,7 +209,7 @@ class Engine(Admission):
             old = self.tree_of(b)
             if old == tree:
                 continue
-            runners = {key: self.runners.pop(key) for key in [k for k in self.runners if k[1] == b]}
+            runners = {key: self.runners.pop(key) for key in [k for k in self.runners if k[-1] == b]}
             self.parked[b, old] = (self._views.pop(b, None), runners)
             view, runners = self.parked.pop((b, tree), (None, {}))
             if view is not None:
@@ -249,10 +244,9 @@ class Engine(Admission):
         """Verifies the tree against the target's logits [n, N, V], commits the accepted K/V and
         sets the round's outputs and the next roots."""
         if self.greedy_round:
-            result = verify_tree(tree, logits)
+            result = verify_greedy(tree, logits)
         else:
-            c = config_rows(self.config, v.n)
-            result = verify_tree(tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms)
+            result = verify_sampling(tree, warp_with(config_rows(self.config, v.n), logits), self.uniforms)
         v.cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * v.active)
         emitted, counts = result.emitted()
         v.proposer.accepted(emitted, counts)
@@ -260,10 +254,23 @@ class Engine(Admission):
         v.out_counts.copy_(counts)
         v.root.copy_(result.bonus_token)
 
+    @property
+    def round_kind(self) -> tuple:
+        """(greedy, truncating) of the current round: every row greedy; or sampled, with top-k /
+        top-p on for some row (their sorts) or for none. Each kind has its own captured graphs."""
+        truncating = not self.greedy_round and isinstance(self.config, RowSampling) and self.config.truncating
+        return self.greedy_round, truncating
+
+    def _set_round_kind(self, seqs: list) -> None:
+        """The kind of round for these sequences (see :attr:`round_kind`)."""
+        self.greedy_round = self._all_greedy(seqs)
+        if isinstance(self.config, RowSampling):
+            self.config.truncating = any(s.temperature > 0 and truncates(s.top_k, s.top_p) for s in seqs)
+
     def runner(self, n: int) -> PhaseRunner:
         """The runner of the current kind of round over bucket ``n`` (created, and its graphs
         captured, on first use)."""
-        key = (self.greedy_round, n)
+        key = (*self.round_kind, n)
         if key not in self.runners:
             v = self.view(n)
             state = [v.root, v.cache.lengths, v.out_tokens, v.out_counts]
@@ -319,7 +326,10 @@ class Engine(Admission):
         graphs compiled ({what: :func:`compile_counts`' counts})."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
-        t0, kind = time.perf_counter(), self.greedy_round
+        t0, kind = time.perf_counter(), self.round_kind
+        kinds = [(True, False)]  # (greedy, truncating); sampled: with per-row settings, with top-k / top-p too
+        if sampled:
+            kinds += [(False, False), (False, True)] if isinstance(self.config, RowSampling) else [(False, False)]
         own = {b: self.tree_of(b) for b in self.buckets}
         self.warm_up_seconds, self.warm_up_graphs = {}, {}
 
@@ -334,17 +344,23 @@ class Engine(Admission):
             for tree in trees if trees is not None else [_OWN_TREES]:
                 if tree is not _OWN_TREES:
                     self.use_tree(tree)
-                for self.greedy_round in (True, False) if sampled else (True,):
+                for greedy, truncating in kinds:
+                    self._use_round_kind(greedy, truncating)
                     for n in self.buckets:
                         which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
-                        part(f"bucket {n}'s {'greedy' if self.greedy_round else 'sampled'} rounds{which}",
-                             self._round(n)[1].prepare)
+                        what = "greedy" if greedy else "sampled (top-k / top-p)" if truncating else "sampled"
+                        part(f"bucket {n}'s {what} rounds{which}", self._round(n)[1].prepare)
         finally:
             self.warming = None
         if trees is not None and len(set(map(str, own.values()))) == 1:
             self.use_tree(own[self.buckets[0]])
-        self.greedy_round = kind
+        self._use_round_kind(*kind)
         return time.perf_counter() - t0
+
+    def _use_round_kind(self, greedy: bool, truncating: bool) -> None:
+        self.greedy_round = greedy
+        if isinstance(self.config, RowSampling):
+            self.config.truncating = truncating
 
     def prepare_prefill(self, by_layer: bool = False) -> None:
         """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,
@@ -386,10 +402,11 @@ class Engine(Admission):
     def step(self, streamer: Optional[Streamer] = None) -> None:
         """Advances every active sequence by one round; finished ones leave the batch. The round
         computes only the rows of the smallest bucket holding every active sequence; a round in
-        which every row decodes greedily skips the sampling work (its own captured graphs)."""
+        which every row decodes greedily skips the sampling work, one in which no sampled row uses
+        top-k or top-p skips their sorts (each kind its own captured graphs)."""
         if not self.has_active:
             return
-        self.greedy_round = self._all_greedy([s for s in self.rows if s is not None])
+        self._set_round_kind([s for s in self.rows if s is not None])
         v, runner = self._round(self.bucket())
         runner.run_round()
         self.rounds += 1

@@ -9,13 +9,13 @@ sampling with these settings would have.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 __all__ = ["RowSampling", "Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs",
-           "warp_probs_rows"]
+           "truncates", "warp_probs_rows", "warp_with"]
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
@@ -88,15 +88,21 @@ def warp_probs(
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
-def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
+                    top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """``warp_probs`` with settings per batch row: logits [B, ..., V]; temperature [B] float
     (0 = greedy: the one-hot of the argmax), top_k [B] long (0 = off), top_p [B] float (1 = off).
-    The same warpers as transformers, in the same order, with no host synchronisation."""
+    The same warpers as transformers, in the same order, with no host synchronisation. top_k and
+    top_p None: no row uses them, and their two sorts of the whole vocabulary are skipped (at a
+    262k vocabulary and a 69-node tree they cost more than the target's forward)."""
     view = (-1,) + (1,) * (logits.dim() - 1)
-    t, k, p = temperature.view(view), top_k.view(view), top_p.view(view).float()
+    t = temperature.view(view)
     greedy = t == 0
     scores = logits.float() / torch.where(greedy, 1.0, t.float())
+    onehot = torch.zeros_like(scores).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if top_k is None and top_p is None:
+        return torch.where(greedy, onehot, scores.softmax(dim=-1))
+    k, p = top_k.view(view), top_p.view(view).float()
     vocab = scores.shape[-1]
     ordered = scores.sort(dim=-1, descending=True).values
     kth = ordered.gather(-1, (k.clamp(1, vocab) - 1).expand(*scores.shape[:-1], 1))
@@ -106,7 +112,6 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     remove[..., -1:] = False  # always keep the most likely token
     remove = remove & (p < 1.0)
     scores = scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
-    onehot = torch.zeros_like(scores).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, onehot, scores.softmax(dim=-1))
 
 
@@ -119,6 +124,10 @@ class RowSampling:
     top_k: torch.Tensor  # [B] long
     top_p: torch.Tensor  # [B] float
     seed: Optional[int] = None
+    # host-side, shared with the row views: {"on": whether some row may use top-k or top-p}. Off,
+    # warping skips their sorts; ``set_row`` turns it on for such a row, the engine sets it for
+    # each round from its rows (a kind of round of its own: its captured graphs keep the setting)
+    truncation: dict = field(default_factory=lambda: {"on": False})
     greedy = False  # the engine samples (greedy rows get one-hot distributions)
 
     @classmethod
@@ -126,13 +135,40 @@ class RowSampling:
         return cls(torch.zeros(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device),
                    torch.ones(batch, device=device))
 
+    @property
+    def truncating(self) -> bool:
+        return self.truncation["on"]
+
+    @truncating.setter
+    def truncating(self, on: bool) -> None:
+        self.truncation["on"] = bool(on)
+
     def rows(self, n: int) -> "RowSampling":
-        """The settings of rows ``0..n-1`` (views: later ``set_row`` calls show through)."""
-        return RowSampling(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed)
+        """The settings of rows ``0..n-1`` (views: later ``set_row`` calls and the truncation
+        switch show through)."""
+        return RowSampling(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed, self.truncation)
 
     def set_row(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
         check_sampling_args(temperature, top_k, top_p)
         self.temperature[row], self.top_k[row], self.top_p[row] = temperature, top_k or 0, top_p or 1.0
+        if truncates(top_k, top_p):
+            self.truncating = True
+
+
+def truncates(top_k: Optional[int], top_p: Optional[float]) -> bool:
+    """Whether these settings cut the distribution (top-k or top-p on)."""
+    return bool(top_k) or (top_p is not None and top_p < 1.0)
+
+
+def warp_with(config, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+    """``warp_probs`` of ``logits`` [n, ..., V] with the settings of ``config``: a
+    ``GenerationConfig`` (every row), or a :class:`RowSampling`'s rows ``rows`` (top-k and top-p
+    left out while its truncation switch is off)."""
+    if not isinstance(config, RowSampling):
+        return warp_probs(logits, config.temperature, config.top_k, config.top_p)
+    if not config.truncating:
+        return warp_probs_rows(logits, config.temperature[rows], None, None)
+    return warp_probs_rows(logits, config.temperature[rows], config.top_k[rows], config.top_p[rows])
 
 
 def config_rows(config, n: int):
