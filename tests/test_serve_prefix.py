@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("openai")  # (server_process imports it)
 httpx = pytest.importorskip("httpx")
 
 from longspec import GenerationConfig, load_target  # noqa: E402

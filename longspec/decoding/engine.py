@@ -155,7 +155,7 @@ class Engine(Admission):
         self._views: dict = {}
         self.chunked_prefill = (ChunkedPrefill(target, self.cache, prefill_chunk, self.step_keys, self.cuda_graphs)
                                 if prefill_chunk else None)
-        # one runner (and set of graphs) per kind of round (greedy, or with sampled rows) and bucket;
+        # one runner (and set of graphs) per kind of round (greedy; sampled; sampled with top-k / top-p) and bucket;
         # ``parked``: {(bucket, tree): (its view, its runners)} of trees :meth:`use_tree` replaced,
         # taken back when that tree returns (their times still count)
         self.runners: dict = {}
