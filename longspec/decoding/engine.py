@@ -263,9 +263,8 @@ class Engine(Admission):
 
     def _set_round_kind(self, seqs: list) -> None:
         """The kind of round for these sequences (see :attr:`round_kind`)."""
-        self.greedy_round = self._all_greedy(seqs)
-        if isinstance(self.config, RowSampling):
-            self.config.truncating = any(s.temperature > 0 and truncates(s.top_k, s.top_p) for s in seqs)
+        self._use_round_kind(self._all_greedy(seqs),
+                             any(s.temperature > 0 and truncates(s.top_k, s.top_p) for s in seqs))
 
     def runner(self, n: int) -> PhaseRunner:
         """The runner of the current kind of round over bucket ``n`` (created, and its graphs
@@ -358,6 +357,8 @@ class Engine(Admission):
         return time.perf_counter() - t0
 
     def _use_round_kind(self, greedy: bool, truncating: bool) -> None:
+        """Rounds from now on are greedy or sampled, with top-k / top-p (``truncating``, for an
+        engine with per-row settings) or without."""
         self.greedy_round = greedy
         if isinstance(self.config, RowSampling):
             self.config.truncating = truncating
