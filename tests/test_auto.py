@@ -105,6 +105,35 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(10))
 
 
+def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, monkeypatch):
+    """On CUDA with a draft, auto weighs the hybrid's tree and its lookup's chain (run by the same
+    hybrid proposer, so one engine serves both), the chain rated on the lookup's hits alone; the
+    trees an engine captures on auto's first call are exactly those candidates'."""
+    target, draft = tiny
+    monkeypatch.setattr(draft.config, "acceptance", [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6)
+    repeating = list(range(60)) * 3
+    hits = lookup_acceptance(repeating)
+    on_cuda = auto._candidates(repeating, draft, hits, on_cuda=True)
+    chain = TreeSpec.chain(auto.GPU_LOOKUP_CHAINS[0])
+    assert set(on_cuda) == {f"hybrid {t}" for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}"}
+    assert on_cuda[f"hybrid {chain}"][2] == pytest.approx(expected_tokens(chain, lookup=hits))
+    assert type(on_cuda[f"hybrid {chain}"][1]()).__name__ == "LongSpecProposer"
+    assert set(auto._candidates(repeating, None, hits, on_cuda=True)) == {f"pld {chain}"}
+    assert auto.cuda_trees(draft) == [TreeSpec.parse(t) for t in auto.GPU_CANDIDATE_TREES] + [chain]
+    assert auto.cuda_trees(None) == [chain]
+    # as pick runs on CUDA: drafting costly, verifying cheap, a repeating text -> the hybrid's chain
+    candidates = auto._candidates
+    monkeypatch.setattr(auto, "_candidates", lambda ids, d, h, on_cuda=False: candidates(ids, d, h, True))
+    costs = tmp_path / "costs.json"
+    fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
+               {f"hybrid {t}": 5.0 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
+    assert pick(target, repeating, draft, costs_file=str(costs))[:3] == ("hybrid", chain, draft)
+    # drafting cheap: the hybrid's tree, whose draft levels add to the lookup's
+    fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
+               {f"hybrid {t}": 0.05 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
+    assert pick(target, repeating, draft, costs_file=str(costs))[1] == TreeSpec.parse(auto.GPU_CANDIDATE_TREES[0])
+
+
 def test_costs_are_measured_once(tiny, tmp_path):
     target, draft = tiny
     draft.config.acceptance = [ROW]

@@ -315,6 +315,31 @@ def test_steady_state_compiles_and_captures_nothing(model):
     assert graphs() == captured
 
 
+def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
+    """``--proposer auto`` with a draft on CUDA: its first call captures every tree it may pick
+    (the hybrid's, its lookup's chain, plain rounds), so later calls, whichever they pick, capture
+    nothing, and each gives plain decoding's tokens."""
+    from longspec.decoding import auto
+
+    _, path = model
+    target = cuda_target(path, torch.bfloat16)
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
+    labels = [f"hybrid {t}" for t in auto.cuda_trees(draft)] + [None]
+    script = iter(labels * 2)
+    monkeypatch.setattr(auto, "choose", lambda target, candidates, *a, **k: (next(script), 1.5, {}))
+    gen, plain = Generator(target, "auto", draft=draft), Generator(target)
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    rng = torch.Generator().manual_seed(3)
+    for i, label in enumerate(labels * 2):
+        prompt = torch.randint(0, 160, (30 + 11 * i,), generator=rng).tolist() * 2
+        out = gen.generate([prompt], config)
+        assert out.sequences == plain.generate([prompt], config).sequences, label
+        assert out.stats["trees"][0][1] == (label.split()[1] if label else "None"), (label, out.stats["trees"])
+        if i > 0:
+            assert out.stats["capture_s"] == 0.0, label
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_lower_right_causal_attention_equals_eager(dtype):
     """A prefill chunk after cached tokens in a compiled step (flash's lower-right causal flag in

@@ -336,21 +336,36 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
     make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
     and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
-    fewer: the hybrid's default tree with a draft, else a 5-token lookup chain: each tree an
-    engine drafts is compiled and captured once, and a choice among many would capture again
-    for a later prompt; the rounds are short there, so a tree's exact shape matters less."""
+    fewer, those of :func:`cuda_trees`: each tree an engine drafts is compiled and captured once,
+    and a choice among many would capture again for a later prompt; the rounds are short there,
+    so a tree's exact shape matters less. With a draft on CUDA the lookup chains are the
+    hybrid's (labelled "hybrid chain:N"): its lookup drafts them alone in the hybrid's engine
+    (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
     from .proposers import LongSpecProposer, PromptLookup
 
     candidates = {}
     chains, trees = (LOOKUP_CHAINS, CANDIDATE_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
-    for n in chains if draft is None or not on_cuda else ():
+    for n in chains:
         tree = TreeSpec.chain(n)
-        candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
+        if on_cuda and draft is not None:
+            candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
+                                            expected_tokens(tree, lookup=hits))
+        else:
+            candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
     for shape in trees if draft is not None else ():
         tree = TreeSpec.parse(shape)
         candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                         expected_tokens(tree, draft.config.acceptance, hits))
     return candidates
+
+
+def cuda_trees(draft) -> list:
+    """Every tree ``--proposer auto`` may run on CUDA (with a ``draft``: the hybrid's trees and its
+    lookup's chains, else prompt lookup's chains), biggest first: what an engine captures on
+    auto's first call, so that no later choice captures (with plain rounds)."""
+    chains = [TreeSpec.chain(n) for n in GPU_LOOKUP_CHAINS]
+    trees = [TreeSpec.parse(shape) for shape in GPU_CANDIDATE_TREES] if draft is not None else []
+    return sorted(trees + chains, key=lambda t: (-t.num_nodes, -t.depth))
 
 
 def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None) -> tuple:

@@ -279,7 +279,10 @@ class Generator:
             engine.prepare_prefill()
         if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing
-            engine.warm_up(trees=[tree, None], prefill_by_layer=False)  # (only a long prompt needs that)
+            from .auto import cuda_trees
+
+            every = [t for t in cuda_trees(self.draft) if t.fits_in(tree)]
+            engine.warm_up(trees=[*dict.fromkeys([tree, *every]), None], prefill_by_layer=False)  # (only a long prompt needs that)
             engine.auto_ready = True
         if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
