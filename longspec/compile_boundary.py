@@ -29,3 +29,42 @@ def mark_compile_boundaries() -> None:
     for call in _BOUNDARIES:
         if call.run is call.__wrapped__:
             call.run = torch.compiler.disable(call.__wrapped__)
+
+
+class ShortCompileFailures:
+    """A logging filter for TorchDynamo's "WON'T CONVERT" warning (a step Inductor cannot compile
+    runs uncompiled: ``compile_step``'s ``suppress_errors``): one line per failing function and
+    error, instead of Dynamo's ~300 lines of two tracebacks on every failure; the full trace with
+    ``LONGSPEC_COMPILE_VERBOSE=1``."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def filter(self, record) -> bool:
+        import os
+
+        message = str(record.msg)
+        if not message.startswith("WON'T CONVERT") or os.environ.get("LONGSPEC_COMPILE_VERBOSE") == "1":
+            return True
+        where = message.splitlines()[0][len("WON'T CONVERT "):].strip()
+        err = record.exc_info[1] if record.exc_info else None
+        while err is not None and (err.__cause__ or getattr(err, "inner_exception", None)) is not None:
+            err = err.__cause__ or err.inner_exception  # the compiler's own error, not Dynamo's wrapper
+        lines = str(err).strip().splitlines() if err is not None else []
+        why = f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__ if err else "unknown error"
+        if (where, why) in self.seen:
+            return False
+        self.seen.add((where, why))
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            f"longspec: torch.compile could not compile {where} ({why}); it runs uncompiled (same results, "
+            "slower). LONGSPEC_COMPILE_VERBOSE=1 prints the full trace", (), None, None)
+        return True
+
+
+def shorten_compile_failures() -> None:
+    """Installs :class:`ShortCompileFailures` on TorchDynamo's logger (once)."""
+    import logging
+
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(f, ShortCompileFailures) for f in logger.filters):
+        logger.addFilter(ShortCompileFailures())

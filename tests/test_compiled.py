@@ -117,6 +117,8 @@ def test_the_triton_attention_is_no_graph_break_of_a_compiled_round(tiny, compil
 def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
     """Where compilation fails (no Triton for Inductor, a compiler bug), every step still runs,
     once, uncompiled: the same tokens."""
+    import logging
+
     import torch._dynamo
     from torch._dynamo import register_backend
 
@@ -168,3 +170,57 @@ def test_compile_counts_count_the_graphs_compiled(tiny, compiled_backend):
     assert all(_graphs(c) == "" for c in engine.warm_up_graphs.values())
     line = _graphs({"graphs": 59, "loaded": 33, "traced": 26, "compiled": 0})
     assert line == " (59 graphs: 33 loaded whole from the compile cache, 26 traced again, 0 compiled by Inductor)"
+
+
+def test_a_step_that_cannot_compile_runs_uncompiled_with_a_one_line_warning(monkeypatch):
+    """When the compiler fails on a step, the step runs eagerly with the same result, and the user
+    sees one line saying so, not Dynamo's two tracebacks; ``LONGSPEC_COMPILE_VERBOSE=1`` keeps them."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo import register_backend
+
+    from longspec.models.target import compile_step
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("no kernel for this op\nsecond line of the compiler's message")
+
+    if "longspec_test_failing_op" not in torch._dynamo.list_backends(exclude_tags=()):
+        register_backend(failing, name="longspec_test_failing_op")
+
+    monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "longspec_test_failing_op")
+    x = torch.arange(6.0)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    logger.addHandler(handler)
+    try:
+        _fail_twice(compile_step, x, records, monkeypatch)
+    finally:
+        logger.removeHandler(handler)
+        torch._dynamo.reset()
+
+
+def _fail_twice(compile_step, x, records, monkeypatch) -> None:
+    """A failing step compiled and run twice, quiet then verbose; ``records``: what was logged."""
+    import logging
+
+    import torch._dynamo
+
+    for verbose in ("0", "1"):
+        monkeypatch.setenv("LONGSPEC_COMPILE_VERBOSE", verbose)
+        torch._dynamo.reset()
+        records.clear()
+
+        def double_plus_one(t):
+            return t * 2 + 1
+
+        step = compile_step(double_plus_one)
+        assert torch.equal(step(x), x * 2 + 1) and torch.equal(step(x), x * 2 + 1)
+        text = "\n".join(logging.Formatter().format(r) for r in records)
+        if verbose == "0":
+            assert len(text.splitlines()) == 1, text
+            assert "double_plus_one" in text and "RuntimeError: no kernel for this op" in text and "uncompiled" in text
+        else:
+            assert "WON'T CONVERT double_plus_one" in text and len(text.splitlines()) > 10, text

@@ -223,9 +223,10 @@ def compile_step(fn):
     uncompiled, with a warning: the same results, slower."""
     import torch._dynamo
 
-    from ..compile_boundary import mark_compile_boundaries
+    from ..compile_boundary import mark_compile_boundaries, shorten_compile_failures
 
     mark_compile_boundaries()
+    shorten_compile_failures()
     from ..attention import ops
 
     ops.register()  # (after the boundaries: the attention kernels become operators, not graph breaks)
