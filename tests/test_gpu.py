@@ -279,7 +279,7 @@ def test_chunked_prefill_with_graphs_equals_the_eager_prefill(model, chunk):
 
 
 def test_steady_state_compiles_and_captures_nothing(model):
-    """After a warm-up (a greedy and a sampled call per generator), 20 requests of varied prompt
+    """After a warm-up (a greedy, a sampled and a top-k call per generator), 20 requests of varied prompt
     lengths, max_new_tokens and sampling settings, on engines that already have their trees,
     cause no Dynamo compilation and no CUDA-graph capture, and give plain decoding's tokens."""
     import torch._dynamo
@@ -293,9 +293,9 @@ def test_steady_state_compiles_and_captures_nothing(model):
             Generator(target, PromptLookup(), "chain:4")]
     gen = torch.Generator().manual_seed(0)
     for g in gens:
-        for temperature in (0.0, 0.8):
+        for temperature, top_k in ((0.0, 0), (0.8, 0), (0.8, 10)):
             g.generate([torch.randint(0, 160, (50,), generator=gen).tolist()],
-                       GenerationConfig(max_new_tokens=8, temperature=temperature, seed=1))
+                       GenerationConfig(max_new_tokens=8, temperature=temperature, top_k=top_k, seed=1))
 
     def graphs():
         return sum(len(r.graphs or []) for g in gens for r in g._engine.all_runners)

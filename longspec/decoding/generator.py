@@ -4,8 +4,9 @@
 One engine per (target, proposer, tree, context) lives as long as its target, shared by every
 ``Generator`` of that target: its KV block pool, its proposer's state and its captured CUDA
 graphs serve every later call whatever the prompt's length, ``max_new_tokens`` or sampling
-settings (those are per-row tensors), so only the first call of a process pays compilation and
-capture."""
+settings (those are per-row tensors), so only a process's first call of each kind of round pays
+compilation and capture: greedy, sampled, sampled with top-k / top-p (its rounds sort the
+vocabulary: a kind of their own, which other sampled calls do not pay for)."""
 from __future__ import annotations
 
 import time
@@ -122,8 +123,9 @@ class Generator:
     reuses its K/V and prefills only the rest, with the same output (``stats["cached_tokens"]``).
 
     Calls run on a long-lived engine shared by every Generator of the target with the same
-    proposer, tree and ``max_len`` (see the module docstring): after the first call, new prompt
-    lengths, ``max_new_tokens`` and sampling settings capture and compile nothing."""
+    proposer, tree and ``max_len`` (see the module docstring): after the first call of each kind
+    (greedy, sampled, sampled with top-k / top-p), new prompt lengths, ``max_new_tokens`` and
+    sampling settings capture and compile nothing."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
                  cuda_graphs: Optional[bool] = None, retune=None, draft=None, window: int = 512,
