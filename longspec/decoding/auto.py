@@ -190,8 +190,15 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
     from ..config import GenerationConfig
     from .sampling import Uniforms
 
+    from .longspec_proposer import LongSpecProposer
+
     device, vocab = target.device, target.config.vocab_size
-    biggest = max(tree.num_nodes for tree, _, _ in candidates.values())
+    # the tree each proposer begins with: the hybrid drafts a chain (its lookup alone) only as a view
+    # of a beam tree's proposer (``with_tree``), as in its engine
+    made = {label: make() for label, (_, make, _) in candidates.items()}
+    hosts = {label: TreeSpec.parse(HYBRID_TREE) if isinstance(made[label], LongSpecProposer) and made[label].lookup
+             is not None and tree.kind == "chain" else tree for label, (tree, _, _) in candidates.items()}
+    biggest = max(tree.num_nodes for tree in hosts.values())
     cache = target.new_cache(batch, -(-(context + biggest) // 64) * 64)
     prompt = torch.randint(0, vocab, (batch, context), device=device)
     for store in (cache.pool.k, cache.pool.v):  # random K/V (no prefill: a step's time does not depend on them)
@@ -210,15 +217,16 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 
         out["target_ms"][str(m)] = 1e3 * _time(step, device, repeats)
     root = prompt[:, -1]
-    for label, (tree, make_proposer, _) in candidates.items():
-        proposer = make_proposer()
-        proposer.begin(target, cache, tree, GenerationConfig(), Uniforms(None, device))
+    for label, (tree, _, _) in candidates.items():
+        proposer = made[label]
+        proposer.begin(target, cache, hosts[label], GenerationConfig(), Uniforms(None, device))
         for row in range(batch):
             proposer.add(row, prompt[row, :-1].tolist(), int(root[row]))
+        drafting = proposer if hosts[label] == tree else proposer.with_tree(tree)
 
         def propose():
-            proposer.propose(root)
-            proposer._end_round()
+            drafting.propose(root)
+            drafting._end_round()
 
         out["draft_ms"][label] = 1e3 * _time(propose, device, repeats)
     return out
