@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, random_target  # noqa: E402
+from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
 from longspec import GenerationConfig  # noqa: E402
 from longspec.attention import fast  # noqa: E402
 from longspec.decoding.engine import Engine, Sequence  # noqa: E402
@@ -300,9 +300,7 @@ def main(argv=None):
     contexts = [int(x) for x in (args.contexts or DEFAULT_CONTEXTS.get(args.shape, "2048")).split(",")]
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    target = random_target(args.shape, getattr(torch, args.dtype), args.device)
-    if cuda:
-        target.attention_impl, target.compile_steps = "triton", True  # load_target's CUDA defaults
+    target = cuda_defaults(random_target(args.shape, getattr(torch, args.dtype), args.device))  # load_target's
     draft = init_draft(DraftConfig.for_target(target), target)
     draft.fuse_projections()
     say(f"{args.shape} ({args.dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'}): target and random draft "

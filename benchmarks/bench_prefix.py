@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, copy_bandwidth, random_target  # noqa: E402
+from bench_steps import SHAPES, copy_bandwidth, cuda_defaults, random_target  # noqa: E402
 
 from longspec.cache import token_bytes  # noqa: E402
 
@@ -228,12 +228,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.shape:
-        target, tokenizer, model = random_target(args.shape, dtype, args.device), IdTokenizer(), f"random {args.shape}"
-        if target.device.type == "cuda":  # as load_target sets a model up on CUDA
-            from longspec.attention import triton_kernels
-
-            target.attention_impl = "triton" if triton_kernels.available() else "matmul"
-            target.compile_steps = True
+        target = cuda_defaults(random_target(args.shape, dtype, args.device))  # as load_target sets it up
+        tokenizer, model = IdTokenizer(), f"random {args.shape}"
     else:
         from transformers import AutoTokenizer
 

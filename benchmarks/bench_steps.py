@@ -96,6 +96,17 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     return model.eval().requires_grad_(False)
 
 
+def cuda_defaults(target):
+    """``target`` (from :func:`random_target`) with what ``load_target`` sets up on CUDA: the Triton
+    attention kernels (where Triton is installed) and compiled steps."""
+    from longspec.attention import triton_kernels
+
+    if target.device.type == "cuda":
+        target.attention_impl = "triton" if triton_kernels.available() else "matmul"
+        target.compile_steps = True
+    return target
+
+
 def hf_decode_step(target, ids, replays: int = 10) -> float:
     """Median seconds of one decode step of transformers' Llama (SDPA) with ``ids`` in its cache."""
     import transformers

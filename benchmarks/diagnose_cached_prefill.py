@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, random_target  # noqa: E402
+from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
 
 from longspec.decoding.engine import Sequence  # noqa: E402
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from longspec.serve import build_server
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    target = random_target(args.shape, dtype, args.device)
+    target = cuda_defaults(random_target(args.shape, dtype, args.device))  # as load_target sets it up
     tails = [int(t) for t in args.tails.split(",")]
     max_len = args.context + max(tails) + 64
     server = build_server(target, None, "diagnose", None, None, max_batch=1, max_len=max_len,
