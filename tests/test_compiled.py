@@ -224,3 +224,26 @@ def _fail_twice(compile_step, x, records, monkeypatch) -> None:
             assert "double_plus_one" in text and "RuntimeError: no kernel for this op" in text and "uncompiled" in text
         else:
             assert "WON'T CONVERT double_plus_one" in text and len(text.splitlines()) > 10, text
+
+
+def test_a_large_vocabularys_sampled_argmax_runs_apart_with_the_same_result(compiled_backend):
+    """Above ``LARGE_VOCAB`` columns the sampled rounds' greedy argmax is a graph break (Inductor
+    cannot fuse it with the softmax there): a compiled warp gives the eager warp's probabilities
+    either way, as two graphs for a large vocabulary and one for a small one."""
+    import torch._dynamo
+
+    from longspec.decoding.sampling import LARGE_VOCAB, warp_probs_rows
+    from longspec.models.target import compile_step
+
+    temperature = torch.tensor([0.0, 0.7])
+    graphs = {}
+    for vocab in (1000, LARGE_VOCAB + 8):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        logits = torch.randn(2, 3, vocab, generator=torch.Generator().manual_seed(vocab))
+        logits[0, 1, 5] = logits[0, 1, 9] = logits[0, 1].max() + 1  # a tie: the first index wins
+        warp = compile_step(lambda x, t: warp_probs_rows(x, t, None, None))
+        assert torch.equal(warp(logits, temperature), warp_probs_rows(logits, temperature, None, None))
+        assert warp(logits, temperature)[0, 1].argmax() == 5
+        graphs[vocab] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs[1000] == 1 and graphs[LARGE_VOCAB + 8] == 2, graphs

@@ -14,6 +14,15 @@ from typing import Optional
 
 import torch
 
+from ..compile_boundary import compile_boundary
+
+# Vocabularies above this many tokens take the sampled rounds' greedy argmax outside the compiled
+# graph (a graph break; eager, the same index): on the H200, at Gemma 3's 262,144 tokens, Inductor
+# fused it with the softmax's reductions into a kernel it cannot generate ("NYI
+# TritonSplitDimKernel reductions"), and the whole acceptance of every sampled round then ran
+# uncompiled (``gemma3_auto_chain_h200.log``); at 49,152 (the default model) it compiles
+LARGE_VOCAB = 65536
+
 __all__ = ["RowSampling", "Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs",
            "truncates", "warp_probs_rows", "warp_with"]
 
@@ -99,7 +108,8 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     t = temperature.view(view)
     greedy = t == 0
     scores = logits.float() / torch.where(greedy, 1.0, t.float())
-    onehot = torch.zeros_like(scores).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    top = _argmax_apart(logits) if logits.shape[-1] > LARGE_VOCAB else logits.argmax(dim=-1, keepdim=True)
+    onehot = torch.zeros_like(scores).scatter_(-1, top, 1.0)
     if top_k is None and top_p is None:
         return torch.where(greedy, onehot, scores.softmax(dim=-1))
     k, p = top_k.view(view), top_p.view(view).float()
@@ -113,6 +123,13 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     remove = remove & (p < 1.0)
     scores = scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
     return torch.where(greedy, onehot, scores.softmax(dim=-1))
+
+
+@compile_boundary
+def _argmax_apart(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1, keepdim=True)`` as its own (uncompiled) operation (see
+    :data:`LARGE_VOCAB`)."""
+    return logits.argmax(dim=-1, keepdim=True)
 
 
 @dataclass
