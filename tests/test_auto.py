@@ -97,6 +97,9 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
     name, tree, chosen, why = pick(target, ids, draft, costs_file=str(costs))
     assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16,1,1,1,1,1", draft) and why.startswith("cost model")
+    # the note says what was predicted for every candidate (a call's stats["auto"])
+    assert all(f"{label}: " in why for label in labels) and "plain: 1 token in 1.00 ms" in why
+    assert "pld chain:1: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
     # verifying costs grow with the tokens: plain decoding wins
     fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
     assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("none", None, None)

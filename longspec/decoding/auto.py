@@ -387,12 +387,20 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
         return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
     hits = lookup_acceptance(ids) if hits is None else hits
     candidates = _candidates(ids, draft, hits, target.device.type == "cuda")
-    label, gain, _ = choose(target, candidates, len(ids), costs_file)
+    label, gain, costs = choose(target, candidates, len(ids), costs_file)
     if label is None:
-        return "none", None, None, "cost model: plain decoding is fastest here"
+        return "none", None, None, f"cost model: plain decoding is fastest here ({predictions(candidates, costs)})"
     name = label.split()[0]
     return (name, candidates[label][0], draft if name == "hybrid" else None,
-            f"cost model: {gain:.2f}x plain decoding predicted")
+            f"cost model: {gain:.2f}x plain decoding predicted ({predictions(candidates, costs)})")
+
+
+def predictions(candidates: dict, costs: dict) -> str:
+    """What the cost model predicted, for a call's stats: tokens and milliseconds per round of
+    each candidate, and plain decoding's milliseconds per token."""
+    rounds = [f"{label}: {tokens:.2f} tokens in {costs['draft_ms'][label] + costs['target_ms'][str(tree.num_nodes)]:.2f} ms"
+              for label, (tree, _, tokens) in candidates.items()]
+    return "; ".join(rounds + [f"plain: 1 token in {costs['target_ms']['1']:.2f} ms"])
 
 
 @dataclass
