@@ -53,10 +53,12 @@ def ours(target, proposer, draft, config):
         out = gen.generate([prompt], config)
         sync()
         stats = out.stats
+        # (per round: draft_s / steps and verify_s / steps, device time: what auto's note predicted)
         return out.sequences[0], {"wall_s": time.perf_counter() - t, "prefill_s": stats["prefill_s"],
                                   "capture_s": stats["capture_s"], "plan_s": stats.get("plan_s", 0.0),
                                   "tau": stats.get("tau", 1.0), "trees": stats.get("trees"),
-                                  "auto": stats.get("auto")}
+                                  "auto": stats.get("auto"), "steps": stats["steps"],
+                                  "draft_s": stats.get("draft_s"), "verify_s": stats.get("verify_s")}
     return call
 
 
