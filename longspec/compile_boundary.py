@@ -34,7 +34,8 @@ def mark_compile_boundaries() -> None:
 class ShortCompileFailures:
     """A logging filter for TorchDynamo's "WON'T CONVERT" warning (a step Inductor cannot compile
     runs uncompiled: ``compile_step``'s ``suppress_errors``): one line per failing function and
-    error, instead of Dynamo's ~300 lines of two tracebacks on every failure; the full trace with
+    error, instead of Dynamo's ~300 lines of two tracebacks on every failure, and none of
+    Inductor's dump of the node it could not generate code for; all of it with
     ``LONGSPEC_COMPILE_VERBOSE=1``."""
 
     def __init__(self):
@@ -44,7 +45,11 @@ class ShortCompileFailures:
         import os
 
         message = str(record.msg)
-        if not message.startswith("WON'T CONVERT") or os.environ.get("LONGSPEC_COMPILE_VERBOSE") == "1":
+        if os.environ.get("LONGSPEC_COMPILE_VERBOSE") == "1":
+            return True
+        if message.startswith("Error in codegen for"):  # Inductor's dump of the node it failed on
+            return False  # (~25 lines; the failure is then Dynamo's warning, shortened below)
+        if not message.startswith("WON'T CONVERT"):
             return True
         where = message.splitlines()[0][len("WON'T CONVERT "):].strip()
         err = record.exc_info[1] if record.exc_info else None
@@ -62,9 +67,11 @@ class ShortCompileFailures:
 
 
 def shorten_compile_failures() -> None:
-    """Installs :class:`ShortCompileFailures` on TorchDynamo's logger (once)."""
+    """Installs :class:`ShortCompileFailures` on TorchDynamo's and Inductor's loggers (once)."""
     import logging
 
-    logger = logging.getLogger("torch._dynamo.convert_frame")
-    if not any(isinstance(f, ShortCompileFailures) for f in logger.filters):
-        logger.addFilter(ShortCompileFailures())
+    short = ShortCompileFailures()
+    for name in ("torch._dynamo.convert_frame", "torch._inductor.scheduler"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ShortCompileFailures) for f in logger.filters):
+            logger.addFilter(short)

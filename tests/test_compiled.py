@@ -224,6 +224,13 @@ def _fail_twice(compile_step, x, records, monkeypatch) -> None:
             assert "double_plus_one" in text and "RuntimeError: no kernel for this op" in text and "uncompiled" in text
         else:
             assert "WON'T CONVERT double_plus_one" in text and len(text.splitlines()) > 10, text
+    # Inductor's dump of a node it cannot generate code for is left out too (verbose: kept)
+    scheduler = logging.getLogger("torch._inductor.scheduler")
+    for verbose, kept in (("0", False), ("1", True)):
+        monkeypatch.setenv("LONGSPEC_COMPILE_VERBOSE", verbose)
+        record = scheduler.makeRecord(scheduler.name, logging.CRITICAL, __file__, 1, "Error in codegen for %s",
+                                      ("ComputedBuffer(...)",), None)
+        assert bool(scheduler.filter(record)) is kept  # (Python 3.12: the record, or False)
 
 
 def test_a_large_vocabularys_sampled_argmax_runs_apart_with_the_same_result(compiled_backend):
