@@ -36,7 +36,8 @@ class ShortCompileFailures:
     runs uncompiled: ``compile_step``'s ``suppress_errors``): one line per failing function and
     error, instead of Dynamo's ~300 lines of two tracebacks on every failure, and none of
     Inductor's dump of the node it could not generate code for; all of it with
-    ``LONGSPEC_COMPILE_VERBOSE=1``."""
+    ``LONGSPEC_COMPILE_VERBOSE=1`` (``torch._dynamo.config.verbose`` alone is shortened too). A
+    failure already reported (the same function and error) is not repeated."""
 
     def __init__(self):
         self.seen: set = set()
@@ -53,7 +54,10 @@ class ShortCompileFailures:
             return True
         where = message.splitlines()[0][len("WON'T CONVERT "):].strip()
         err = record.exc_info[1] if record.exc_info else None
-        while err is not None and (err.__cause__ or getattr(err, "inner_exception", None)) is not None:
+        seen_errors = set()  # (a chain of causes that loops back ends there)
+        while err is not None and id(err) not in seen_errors and \
+                (err.__cause__ or getattr(err, "inner_exception", None)) is not None:
+            seen_errors.add(id(err))
             err = err.__cause__ or err.inner_exception  # the compiler's own error, not Dynamo's wrapper
         lines = str(err).strip().splitlines() if err is not None else []
         why = f"{type(err).__name__}: {lines[0][:200]}" if lines else type(err).__name__ if err else "unknown error"

@@ -124,6 +124,8 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
     assert set(auto._candidates(repeating, None, hits, on_cuda=True)) == {f"pld {chain}"}
     assert auto.cuda_trees(draft) == [TreeSpec.parse(t) for t in auto.GPU_CANDIDATE_TREES] + [chain]
     assert auto.cuda_trees(None) == [chain]
+    tableless = init_draft(DraftConfig.for_target(target, window=16), target)  # pick's default tree alone
+    assert not tableless.config.acceptance and auto.cuda_trees(tableless) == [TreeSpec.parse(auto.HYBRID_TREE)]
     # its costs: the chain drafted by a hybrid begun with its beam tree, as in the engine
     costs = auto.measure_costs(target, on_cuda, context=64, repeats=1)
     assert set(costs["draft_ms"]) == set(on_cuda) and min(costs["draft_ms"].values()) > 0

@@ -60,6 +60,8 @@ def test_file_errors_name_the_file(capsys, tmp_path):
 def test_auto_line_says_what_runs_and_why():
     chain = TreeSpec.chain(5)
     assert commands.auto_line("pld", chain, 1.6) == "auto: prompt lookup, chain of 5 (predicted 1.60x plain decoding)"
+    assert commands.auto_line("hybrid", chain, 1.6) == \
+        "auto: prompt lookup alone in the hybrid's engine, chain of 5 (predicted 1.60x plain decoding)"
     assert commands.auto_line("none", None, None) == \
         "auto: plain decoding: no speculative setting is predicted faster on this prompt"
     hybrid = commands.auto_line("hybrid", TreeSpec.parse("4,4,4,4,4"), 1.41)

@@ -1,6 +1,7 @@
 """CUDA checks (``-m gpu``): the same engine on the GPU — parity with transformers, CUDA-graph
 rounds equal to eager rounds, greedy losslessness in float32 (and a bfloat16 run), sampling
 against the exact distribution, and at most one host synchronisation per round."""
+import itertools
 import warnings
 
 import pytest
@@ -326,8 +327,12 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
     labels = [f"hybrid {t}" for t in auto.cuda_trees(draft)] + [None]
-    script = iter(labels * 2)
-    monkeypatch.setattr(auto, "choose", lambda target, candidates, *a, **k: (next(script), 1.5, {}))
+    script = itertools.cycle(labels)
+    def choose(target, candidates, *args, **kwargs):  # the script's label, with costs shaped as measured ones
+        sizes = {"1"} | {str(tree.num_nodes) for tree, _, _ in candidates.values()}
+        return next(script), 1.5, {"draft_ms": dict.fromkeys(candidates, 1.0), "target_ms": dict.fromkeys(sizes, 1.0)}
+
+    monkeypatch.setattr(auto, "choose", choose)
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     rng = torch.Generator().manual_seed(3)
@@ -338,6 +343,12 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
         assert out.stats["trees"][0][1] == (label.split()[1] if label else "None"), (label, out.stats["trees"])
         if i > 0:
             assert out.stats["capture_s"] == 0.0, label
+    # near the context's end no tree fits: plain rounds in a plain engine, whose first call captures them
+    fresh = Generator(target, "auto", draft=init_draft(DraftConfig.for_target(target, window=16), target))
+    fresh.draft.config.acceptance = draft.config.acceptance
+    prompt = torch.randint(0, 160, (470,), generator=rng).tolist()
+    out = fresh.generate([prompt], config)  # (470 + 24 new tokens: room for plain rounds, not for a tree)
+    assert out.sequences == plain.generate([prompt], config).sequences and out.stats["auto"].startswith("the prompt")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -309,6 +309,8 @@ def auto_line(name: str, tree, gain, retune=None) -> str:
         return f"auto: prompt lookup, {describe_tree(tree)}{predicted}{later}"
     first = ("" if retune is None or start == tree else
              f", starting with {'plain rounds' if start is None else 'prompt lookup alone, ' + describe_tree(start)}")
+    if getattr(tree, "kind", None) == "chain":  # (on CUDA: the hybrid's engine runs its lookup's chain)
+        return f"auto: prompt lookup alone in the hybrid's engine, {describe_tree(tree)}{predicted}{first}{later}"
     return f"auto: LongSpec draft + prompt lookup (hybrid), {describe_tree(tree)}{predicted}{first}{later}"
 
 

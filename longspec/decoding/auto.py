@@ -368,20 +368,23 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
 
 
 def cuda_trees(draft) -> list:
-    """Every tree ``--proposer auto`` may run on CUDA (with a ``draft``: the hybrid's trees and its
-    lookup's chains, else prompt lookup's chains), biggest first: what an engine captures on
-    auto's first call, so that no later choice captures (with plain rounds)."""
-    chains = [TreeSpec.chain(n) for n in GPU_LOOKUP_CHAINS]
-    trees = [TreeSpec.parse(shape) for shape in GPU_CANDIDATE_TREES] if draft is not None else []
-    return sorted(trees + chains, key=lambda t: (-t.num_nodes, -t.depth))
+    """Every tree ``--proposer auto`` may run on CUDA, biggest first: its candidates' there (with
+    a ``draft``: the hybrid's trees and its lookup's chains, else prompt lookup's chains; a draft
+    without an acceptance table: the hybrid's default tree alone, see :func:`pick`), what an
+    engine captures on auto's first call so that no later choice captures (with plain rounds)."""
+    if draft is not None and not draft.config.acceptance:
+        return [TreeSpec.parse(HYBRID_TREE)]
+    trees = [tree for tree, _, _ in _candidates([], draft, [], on_cuda=True).values()]
+    return sorted(trees, key=lambda t: (-t.num_nodes, -t.depth))
 
 
 def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None,
          hits: Optional[list] = None) -> tuple:
     """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
-    tree or None, the draft if the hybrid is chosen, why). Candidates: prompt-lookup chains of
-    ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an acceptance table, the hybrid with each of
-    ``CANDIDATE_TREES``; the one :func:`choose` predicts fastest, or plain decoding. ``hits``:
+    tree or None, the draft if the hybrid is chosen, why). Candidates (:func:`_candidates`; on
+    CUDA fewer): prompt-lookup chains of ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an
+    acceptance table, the hybrid with each of ``CANDIDATE_TREES``; the one :func:`choose` predicts
+    fastest, or plain decoding. ``hits``:
     :func:`lookup_acceptance` of ``ids``, if the caller has it."""
     if draft is not None and not draft.config.acceptance:
         return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
@@ -422,7 +425,8 @@ def resolve(target, ids: Sequence[int], draft, max_new_tokens: int, max_len: Opt
     its biggest candidate fits ``max_len`` (default: the model's context) with ``max_new_tokens``."""
     from .sequence import cache_need, round_slots
 
-    hits = lookup_acceptance(ids)  # (once for both: ~2 ms at 7,600 tokens on a CPU)
+    # (once for both, ~2 ms at 7,600 tokens on a CPU; neither needs them for a draft without a table)
+    hits = lookup_acceptance(ids) if draft is None or draft.config.acceptance else None
     name, tree, chosen_draft, note = pick(target, ids, draft, hits=hits)
     retune = retuner(target, ids, name, tree, draft, hits=hits)
     limit = max_len or target.config.max_position_embeddings

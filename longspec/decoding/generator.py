@@ -279,8 +279,10 @@ class Generator:
         captures_before = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
-        if self.proposer == "auto" and engine.cuda_graphs and not getattr(engine, "auto_ready", False):
+        if self.proposer == "auto" and proposer is not None and engine.cuda_graphs and \
+                not getattr(engine, "auto_ready", False):
             # everything auto may switch this engine to, captured now: later calls capture nothing
+            # (a plain engine, near the context's end, captures its one round as it runs it)
             from .auto import cuda_trees
 
             every = [t for t in cuda_trees(self.draft) if t.fits_in(tree)]
