@@ -328,6 +328,7 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
     labels = [f"hybrid {t}" for t in auto.cuda_trees(draft)] + [None]
     script = itertools.cycle(labels)
+
     def choose(target, candidates, *args, **kwargs):  # the script's label, with costs shaped as measured ones
         sizes = {"1"} | {str(tree.num_nodes) for tree, _, _ in candidates.values()}
         return next(script), 1.5, {"draft_ms": dict.fromkeys(candidates, 1.0), "target_ms": dict.fromkeys(sizes, 1.0)}
