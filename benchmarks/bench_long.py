@@ -300,7 +300,7 @@ def main(argv=None):
     contexts = [int(x) for x in (args.contexts or DEFAULT_CONTEXTS.get(args.shape, "2048")).split(",")]
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    target = cuda_defaults(random_target(args.shape, getattr(torch, args.dtype), args.device))  # load_target's
+    target = cuda_defaults(random_target(args.shape, getattr(torch, args.dtype), args.device))  # as load_target
     draft = init_draft(DraftConfig.for_target(target), target)
     draft.fuse_projections()
     say(f"{args.shape} ({args.dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'}): target and random draft "

@@ -384,8 +384,8 @@ def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = Non
     tree or None, the draft if the hybrid is chosen, why). Candidates (:func:`_candidates`; on
     CUDA fewer): prompt-lookup chains of ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an
     acceptance table, the hybrid with each of ``CANDIDATE_TREES``; the one :func:`choose` predicts
-    fastest, or plain decoding. ``hits``:
-    :func:`lookup_acceptance` of ``ids``, if the caller has it."""
+    fastest, or plain decoding. ``hits``: :func:`lookup_acceptance` of ``ids``, if the caller has
+    it."""
     if draft is not None and not draft.config.acceptance:
         return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree"
     hits = lookup_acceptance(ids) if hits is None else hits
