@@ -52,6 +52,8 @@ def profile(engine, prompt: list, label: str, top: int) -> None:
     print(f"\n## {label}: {ms:.2f} ms under the profiler; CUDA kernels {cuda_us / 1e3:.2f} ms in all")
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=top,
                        max_name_column_width=60))
+    if cuda:  # the host's side: what Python and the launches cost
+        print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def main(argv=None) -> int:
@@ -70,8 +72,10 @@ def main(argv=None) -> int:
     target = cuda_defaults(random_target(args.shape, dtype, args.device))  # as load_target sets it up
     tails = [int(t) for t in args.tails.split(",")]
     max_len = args.context + max(tails) + 64
+    # a pool with room for the document and a cold tail beside it: no admission evicts the document
     server = build_server(target, None, "diagnose", None, None, max_batch=1, max_len=max_len,
-                          prefill_chunk=args.prefill_chunk if args.device == "cuda" else None, prefix_cache=True)
+                          prefill_chunk=args.prefill_chunk if args.device == "cuda" else None, prefix_cache=True,
+                          pool_tokens=2 * max_len)
     engine = server.engine
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"# {args.shape} {str(dtype)[6:]} on {where}, document {args.context} tokens, "
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
         admit_ms(engine, document + fresh(tail)), admit_ms(engine, fresh(tail))  # each path once first
         cached = statistics.median(admit_ms(engine, document + fresh(tail)) for _ in range(args.repeats))
         cold = statistics.median(admit_ms(engine, fresh(tail)) for _ in range(args.repeats))
-        print(f"{tail:>5} {cached:>10.2f} {cold:>13.2f} {cached / cold:>6.2f}")
+        print(f"{tail:>5} {cached:>10.2f} {cold:>13.2f} {cached / cold:>6.2f}   "
+              f"(pool: {engine.prefix.stats()['evicted_blocks']} blocks evicted so far)")
     profile(engine, document + fresh(tails[0]), f"cached, tail {tails[0]}", args.top)
     profile(engine, fresh(tails[0]), f"cold, tail {tails[0]}", args.top)
     engine.close()

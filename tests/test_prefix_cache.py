@@ -379,14 +379,15 @@ def test_cached_prefixes_through_the_triton_kernels_and_cuda_graphs(tiny_model_f
     target = load_target(tiny_model_factory("prefix-llama", "llama", max_position_embeddings=512, seed=11)[1],
                          device="cuda")
     target.compile_steps = False
-    # chunks of 512, 64 and 16 (the default ladder of 512): the document in one 512-token chunk,
-    # each question after it (captured on first use after the cached tokens) in a small one
+    # chunks of 512, 64, 32 and 16 (the default ladder of 512): the document in one 512-token
+    # chunk, each question's rest after the cached tokens (captured on first use) in a 16- or a
+    # 32-token one
     engine = Engine(target, *proposer(target, name), max_batch=2, max_len=512, prefix_cache=True, prefill_chunk=512)
     doc = tokens(200, 60)
     for q in (tokens(5, 61), tokens(30, 62), tokens(3, 63)):
         (s,) = run(engine, [doc + q])
         assert s.tokens == cold(target, doc + q)
-    assert set(engine.chunked_prefill.steps_run) == {16, 64, 512}
+    assert set(engine.chunked_prefill.steps_run) == {16, 32, 512}
     turn2 = doc + q + s.tokens + tokens(9, 64)
     (s,) = run(engine, [turn2])
     assert s.cached_tokens >= len(doc) + 3 and s.tokens == cold(target, turn2)
