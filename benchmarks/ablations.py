@@ -2,7 +2,7 @@
 noisy lags and distillation, and with other widths (by ``benchmarks/ablations.sh``), plus
 the reduced draft vocabulary, compared on held-out
 text by their acceptance (teacher-forced top-k hit rates per tree depth,
-``longspec.decoding.auto.measure_acceptance``), the tokens per round those predict for the
+``longspec.decoding.acceptance.measure_acceptance``), the tokens per round those predict for the
 default beam tree and a chain, and the T=1 overlap ``sum min(p, q)`` with the target at depths 1
 and 5 (``draft_overlap.py``); held-out loss curves plotted (PNG). Prints a table and one JSON
 line last.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_acceptance import source_tokens  # noqa: E402
 from draft_overlap import overlaps  # noqa: E402
 from longspec import load_target  # noqa: E402
-from longspec.decoding.auto import expected_tokens, measure_acceptance  # noqa: E402
+from longspec.decoding.acceptance import expected_tokens, measure_acceptance  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 from longspec.training.data import frequent_tokens  # noqa: E402

@@ -80,7 +80,7 @@ def methods(args, target, prompt):
     if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
         from longspec.decoding.auto import pick, retuner
         loaded = load_draft(args.draft, target) if args.draft else None
-        name, tree, chosen, note = pick(target, prompt, loaded)
+        name, tree, chosen, note, _ = pick(target, prompt, loaded)
         retune = retuner(target, prompt, name, tree, loaded)
         if retune is not None:
             name, note = retune.proposer, note + "; retuned while generating"

@@ -7,7 +7,7 @@ tail length of ``--tails`` the document + a fresh tail (a hit of the whole docum
 alone (cold) are admitted ``--repeats`` times each; per tail the median milliseconds of
 ``Engine.add`` (to the first token, synchronised) of both and their ratio. Then one cached and one
 cold admission of the first tail under ``torch.profiler``: the CUDA kernels by total time, and
-the host time outside them. No HTTP: what the server's ``timings_ms["prefill"]`` measures.
+the host's operations; then under ``cProfile``: the Python functions by their own time. No HTTP: what the server's ``timings_ms["prefill"]`` measures.
 
     python benchmarks/diagnose_cached_prefill.py --shape llama-8b --context 32768 --tails 31,35,64,200
 """
@@ -56,6 +56,26 @@ def profile(engine, prompt: list, label: str, top: int) -> None:
         print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
+def host_profile(engine, prompt: list, label: str, top: int) -> None:
+    """The Python functions of one admission by their own time (a wait at a device sync shows
+    in the function that syncs)."""
+    import cProfile
+    import io
+    import pstats
+
+    seq, profiler = Sequence(prompt, 1), cProfile.Profile()
+    profiler.enable()
+    engine.add([seq])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler.disable()
+    while engine.has_active:
+        engine.step()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"\n## {label}: Python functions by own time\n" + out.getvalue().split("\n", 4)[-1].strip())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
@@ -97,6 +117,8 @@ def main(argv=None) -> int:
               f"(pool: {engine.prefix.stats()['evicted_blocks']} blocks evicted so far)")
     profile(engine, document + fresh(tails[0]), f"cached, tail {tails[0]}", args.top)
     profile(engine, fresh(tails[0]), f"cold, tail {tails[0]}", args.top)
+    host_profile(engine, document + fresh(tails[0]), f"cached, tail {tails[0]}", args.top)
+    host_profile(engine, fresh(tails[0]), f"cold, tail {tails[0]}", args.top)
     engine.close()
     return 0
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import load_target  # noqa: E402
 from longspec.convert import default_model_dir  # noqa: E402
-from longspec.decoding.auto import ACCEPTANCE_WIDTHS, measure_acceptance  # noqa: E402
+from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, measure_acceptance  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Checks ``longspec.decoding.auto.HIT_CORRELATION`` on held-out text: generates greedily with the
+"""Checks ``longspec.decoding.acceptance.HIT_CORRELATION`` on held-out text: generates greedily with the
 hybrid proposer (draft beam + lookup chain) and, for each tree, compares the measured tokens per
 round with what ``expected_tokens`` predicts from the draft's acceptance table and the lookup's
 true hit rates on the generated text, at several correlations (0: draft and lookup hits
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import code_prompt  # noqa: E402
 from longspec import GenerationConfig, default_draft_path, default_model_path, load_draft, load_target  # noqa: E402
-from longspec.decoding import auto  # noqa: E402
+from longspec.decoding import acceptance  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
@@ -57,11 +57,11 @@ def main(argv=None):
                 out = Generator(target, LongSpecProposer(draft, PromptLookup()), tree, cuda_graphs=False).generate(
                     [prompt], config)
                 tokens = prompt + out.sequences[0]
-                hits = auto.lookup_acceptance(tokens, tail=len(out.sequences[0]))
+                hits = acceptance.lookup_acceptance(tokens, tail=len(out.sequences[0]))
                 predicted = {}
                 for c in CORRELATIONS:
-                    auto.HIT_CORRELATION = c
-                    predicted[c] = auto.expected_tokens(TreeSpec.parse(tree), draft.config.acceptance, hits)
+                    acceptance.HIT_CORRELATION = c
+                    predicted[c] = acceptance.expected_tokens(TreeSpec.parse(tree), draft.config.acceptance, hits)
                 row = dict(prompt=Path(directory).name, length=length, tree=tree, tau=out.stats["tau"],
                            predicted={str(c): round(v, 3) for c, v in predicted.items()})
                 rows.append(row)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from longspec import load_target
-from longspec.decoding import auto, bucket_choice
-from longspec.decoding.auto import (ACCEPTANCE_WIDTHS, device_key, expected_tokens, lookup_acceptance,
-                                    measure_acceptance, pick)
+from longspec.decoding import acceptance, auto, bucket_choice
+from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
+from longspec.decoding.auto import device_key, pick
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
@@ -24,7 +24,7 @@ def test_expected_tokens_by_hand():
     assert expected_tokens(beam, [ROW, deeper]) == pytest.approx(1 + 0.6 + 0.6 * 0.5)
     # the lookup chain takes one slot per level: draft top-1 there, combined halfway between
     # independent hits and the better of the two (HIT_CORRELATION)
-    assert auto.HIT_CORRELATION == 0.5
+    assert acceptance.HIT_CORRELATION == 0.5
     level1 = 0.5 * 0.5 + 0.5 * (1 - 0.5 * 0.5)  # draft top-1 0.5, lookup 0.5
     level2 = 0.5 * 0.5 + 0.5 * (1 - 0.6 * 0.5)  # draft top-1 0.4, lookup 0.5
     assert expected_tokens(beam, [ROW, deeper], [0.5, 0.5]) == pytest.approx(1 + level1 + level1 * level2)
@@ -95,7 +95,7 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
     # verifying is as cheap as decoding: the deepest, widest tree pays most
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
-    name, tree, chosen, why = pick(target, ids, draft, costs_file=str(costs))
+    name, tree, chosen, why, _ = pick(target, ids, draft, costs_file=str(costs))
     assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16,1,1,1,1,1", draft) and why.startswith("cost model")
     # the note says what was predicted for every candidate (a call's stats["auto"])
     assert all(f"{label}: " in why for label in labels) and "plain: 1 token in 1.00 ms" in why
@@ -189,7 +189,7 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     chosen, lines = bucket_choice.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
     # batch 1: every size costs the same, so the most tokens a round wins (a deeper candidate than
     # the engine's own tree, with this table)
-    most = max(fits, key=lambda t: auto.expected_tokens(t, draft.config.acceptance))
+    most = max(fits, key=lambda t: expected_tokens(t, draft.config.acceptance))
     assert most != big and most.fits_in(big)
     assert chosen == {1: most, 4: TreeSpec.parse("2,2,2"), 16: None}
     assert lines[0].startswith(f"bucket 1: {most} (") and lines[1].startswith("bucket 4: 2,2,2 (")
@@ -210,7 +210,7 @@ def test_retuner_follows_the_generated_texts_repeats(tiny, tmp_path):
     labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS]
     # verifying m tokens costs 1 + m/5: a chain pays once the lookup hits often enough
     fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 5 for m in range(1, 12)}, {k: 0.01 for k in labels})
-    name, tree, _, _ = pick(target, ids, None, costs_file=str(costs))
+    name, tree, *_ = pick(target, ids, None, costs_file=str(costs))
     assert (name, tree) == ("none", None)
     retune = auto.retuner(target, ids, name, tree, None, costs_file=str(costs))
     assert retune.proposer == "pld" and retune.start is None and retune.biggest == TreeSpec.chain(10)
@@ -391,3 +391,36 @@ def test_lookup_acceptance_equals_its_definition():
         if rng.random() < 0.3:
             kw.update(prior=[0.5, 0.3], prior_weight=8.0)
         assert lookup_acceptance(ids, **kw) == lookup_acceptance_reference(ids, **kw), (n, vocab, kw)
+
+
+def test_plain_is_faster_by_measurement():
+    # 20 tokens in 10 rounds over 50 ms: 10 drafting, 30 verifying, 1 ms a round outside both. A
+    # plain step at half the verification's cost: 10 x (1.5 + 1) ms = 25 ms for 10 tokens, 50 ms
+    # for the 20 (no faster); at 0.3 of it: 38 ms, and 1.25 x 38 < 50
+    assert not auto.plain_is_faster(0.5, 0.050, 0.010, 0.030, 10, 20)
+    assert auto.plain_is_faster(0.3, 0.050, 0.010, 0.030, 10, 20)
+    assert not auto.plain_is_faster(0.3, 0.0, 0.0, 0.0, 0, 0)
+
+
+@pytest.mark.parametrize("plain_step", [1e-9, 1e9])
+def test_auto_goes_plain_when_its_rounds_measure_slower(tiny, monkeypatch, plain_step):
+    """``--proposer auto`` checks its speculative rounds against plain decoding while it
+    generates (their verification's measured time scaled by the cost model's step ratio): where
+    plain rounds would have been faster (a one-token step of no time), plain rounds for the rest of
+    the call, the same tokens; where not (a one-token step of forever), no switch."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+
+    target, draft = tiny
+    tree = TreeSpec.parse("2,2,1,1")
+    steps = {"1": plain_step, str(tree.num_nodes): 1.0}
+    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, draft, "scripted", target_ms=steps))
+    prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 2
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    out = Generator(target, "auto", draft=draft).generate([prompt], config)
+    assert out.sequences == Generator(target).generate([prompt], config).sequences
+    trees = out.stats["trees"]
+    if plain_step < 1:
+        assert [t for _, t in trees] == [str(tree), "None"] and trees[1][0] >= auto.Retuner.first
+    else:
+        assert trees == [(0, str(tree))]

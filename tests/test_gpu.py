@@ -352,6 +352,34 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     assert out.sequences == plain.generate([prompt], config).sequences and out.stats["auto"].startswith("the prompt")
 
 
+def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
+    """``--proposer auto`` on CUDA switching to plain rounds mid-call where they measure faster
+    (a one-token step of no time: always), greedy and sampled (the sampled plain rounds are
+    captured at the switch): float32 greedy tokens equal plain decoding's, a sampled call ends in
+    plain rounds, and a greedy call after the first captures nothing."""
+    from longspec.decoding import auto
+
+    _, path = model
+    target = cuda_target(path, torch.float32)
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
+    tree = auto.cuda_trees(draft)[0]
+    steps = {"1": 1e-9, str(tree.num_nodes): 1.0}
+    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, draft, "scripted", target_ms=steps))
+    gen, plain = Generator(target, "auto", draft=draft), Generator(target)
+    rng = torch.Generator().manual_seed(6)
+    for i, temperature in enumerate((0.0, 1.0, 0.0)):
+        prompt = torch.randint(0, 160, (40 + 9 * i,), generator=rng).tolist() * 2
+        config = GenerationConfig(max_new_tokens=40, temperature=temperature, seed=i, ignore_eos=True)
+        out = gen.generate([prompt], config)
+        assert [t for _, t in out.stats["trees"]] == [str(tree), "None"], out.stats["trees"]
+        assert len(out.sequences[0]) == 40
+        if temperature == 0:
+            assert out.sequences == plain.generate([prompt], config).sequences, i
+        if i == 2:
+            assert out.stats["capture_s"] == 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_lower_right_causal_attention_equals_eager(dtype):
     """A prefill chunk after cached tokens in a compiled step (flash's lower-right causal flag in

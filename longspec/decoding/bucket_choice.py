@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .auto import CANDIDATE_TREES, choose, expected_tokens
+from .acceptance import expected_tokens
+from .auto import CANDIDATE_TREES, choose
 from .runner import batch_buckets
 from .tree import TreeSpec
 

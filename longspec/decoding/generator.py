@@ -177,18 +177,43 @@ class Generator:
         return prompts
 
     @staticmethod
-    def _rounds(engine: Engine, seqs: list, streamer, retune, trees: list, check) -> int:
-        """Rounds until every row is done, switching trees as ``retune`` says; returns their number."""
-        rounds = 0
+    def _rounds(engine: Engine, seqs: list, streamer, retune, trees: list, check, target_ms=None, clock=None) -> int:
+        """Rounds until every row is done, switching trees as ``retune`` says, and to plain rounds
+        for good where those would have been faster than the current tree's rounds since it took
+        over (``target_ms``: the cost model's steps, see
+        :func:`~longspec.decoding.auto.plain_is_faster`; checked at ``retune``'s points, or from
+        :attr:`~longspec.decoding.auto.Retuner.first` generated tokens, doubling); returns their number."""
+        from .auto import Retuner, plain_is_faster
+
+        rounds, seq = 0, seqs[0]
+        guard = target_ms is not None and len(seqs) == 1
+        check = check or (Retuner.first if guard else None)
+
+        def mark() -> tuple:  # where the current tree's rounds began: rounds, tokens, time, phase times
+            return rounds, len(seq.tokens), clock() if guard else 0.0, engine.phase_times()
+
+        since = mark()
         while engine.has_active:
             engine.step(streamer)
             rounds += 1
-            if retune is not None and len(seqs[0].tokens) >= check and engine.has_active:
-                switch = retune(seqs[0].prompt + seqs[0].tokens, len(seqs[0].prompt))
-                if str(switch) != trees[-1][1]:
-                    engine.use_tree(switch)
-                    trees.append((len(seqs[0].tokens), str(switch)))
-                check *= 2
+            if check is None or len(seq.tokens) < check or not engine.has_active:
+                continue
+            check *= 2
+            switch = retune(seq.prompt + seq.tokens, len(seq.prompt)) if retune is not None else False
+            tree = engine.tree_of(engine.bucket_for(1))
+            step = target_ms.get(str(tree.num_nodes)) if guard and tree is not None else None
+            if step:
+                r0, n0, t0, (draft0, verify0) = since
+                draft1, verify1 = engine.phase_times()
+                if plain_is_faster(target_ms["1"] / step, clock() - t0, draft1 - draft0, verify1 - verify0,
+                                   rounds - r0, len(seq.tokens) - n0):
+                    switch, retune, guard = None, None, False  # plain rounds for the rest of the call
+            if switch is not False and switch != tree:
+                engine.use_tree(switch)
+                trees.append((len(seq.tokens), str(switch)))
+                since = mark()
+            if retune is None and not guard:
+                check = None
         return rounds
 
     @staticmethod
@@ -226,7 +251,8 @@ class Generator:
         biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_TREE if on_cuda else PLD_BIGGEST)
         start = chosen.retune.start if chosen.retune is not None else chosen.tree
         return CallPlan(_shared_proposer(self.target, family, self.draft), biggest, start, chosen.retune, chosen.note,
-                        chosen.name if start is None and chosen.retune is None else family, chosen.tree)
+                        chosen.name if start is None and chosen.retune is None else family, chosen.tree,
+                        chosen.target_ms)
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
@@ -303,7 +329,8 @@ class Generator:
         try:
             engine.add(seqs, streamer)
             t_prefill = clock()
-            rounds = self._rounds(engine, seqs, streamer, retune, trees, check)
+            rounds = self._rounds(engine, seqs, streamer, retune, trees, check,
+                                  plan.target_ms if start is not None else None, clock)
         finally:  # a failed or interrupted call leaves the shared engine empty
             for s in seqs:
                 engine.cancel(s)
@@ -347,6 +374,7 @@ class CallPlan:
     note: str = ""
     name: str = ""
     picked: Optional[TreeSpec] = None  # the tree auto's cost model picked (a retuner may start elsewhere)
+    target_ms: Optional[dict] = None  # auto: the cost model's steps, to check the rounds against plain ones
 
 
 def _family(proposer) -> str:
