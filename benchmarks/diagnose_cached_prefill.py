@@ -7,7 +7,8 @@ tail length of ``--tails`` the document + a fresh tail (a hit of the whole docum
 alone (cold) are admitted ``--repeats`` times each; per tail the median milliseconds of
 ``Engine.add`` (to the first token, synchronised) of both and their ratio. Then one cached and one
 cold admission of the first tail under ``torch.profiler``: the CUDA kernels by total time, and
-the host's operations; then under ``cProfile``: the Python functions by their own time. No HTTP: what the server's ``timings_ms["prefill"]`` measures.
+the host's operations; then under ``cProfile``: the Python functions by their own time. No HTTP:
+what the server's ``timings_ms["prefill"]`` measures.
 
     python benchmarks/diagnose_cached_prefill.py --shape llama-8b --context 32768 --tails 31,35,64,200
 """

@@ -272,9 +272,9 @@ def cuda_trees(draft) -> list:
 def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None,
          hits: Optional[list] = None) -> tuple:
     """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
-    tree or None, the draft if the hybrid is chosen, why, plain decoding's measured milliseconds
-    steps {tokens verified: ms} or None where nothing was measured). Candidates (:func:`_candidates`; on
-    CUDA fewer): prompt-lookup chains of ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an
+    tree or None, the draft if the hybrid is chosen, why, the target's measured steps {tokens
+    verified: ms} or None where nothing was measured). Candidates (:func:`_candidates`; on CUDA
+    fewer): prompt-lookup chains of ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an
     acceptance table, the hybrid with each of ``CANDIDATE_TREES``; the one :func:`choose` predicts
     fastest, or plain decoding. ``hits``: :func:`lookup_acceptance` of ``ids``, if the caller has
     it."""
