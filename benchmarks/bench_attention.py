@@ -22,6 +22,12 @@ blocks below a tile's window; the floor counts the window's keys), e.g. Gemma 3
 1024,8192,32768``; its time should not grow with the context. Checked against the float64
 reference with the window in a dense mask.
 
+``--capacity N``: the cache holds N slots and the row only its S cached keys + M (a long-lived
+engine's cache, sized for its longest request, serving a shorter one); the Triton rows only, the
+floor counting the row's keys, e.g. ``--contexts 8192,32768,65536 --trees 1,32,64 --capacity
+131136`` (the split-KV plan is made for the capacity; the kernel spreads a row over the splits by
+its own length).
+
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
 block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles)
 per shape instead, and prints the fastest few and the default's rank (each checked against the
@@ -148,10 +154,14 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=None, help="a sliding-window layer's window (default: none)")
     p.add_argument("--causal", action="store_true",
                    help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
+    p.add_argument("--capacity", type=int, default=0,
+                   help="cache slots (default: S + M, the row fills the cache); the Triton rows only")
     p.add_argument("--methods", default=None,
                    help="comma-separated names of the rows to time, e.g. 'triton' or 'triton,flash (causal)' "
                         "(default: all)")
     args = p.parse_args(argv)
+    if args.capacity and (args.sweep or args.window):
+        p.error("--capacity times the default launch without a window: run it without --sweep and --window")
     if args.sweep and args.window:
         p.error("--sweep times the kernel without a window: run it without --window")
     torch.manual_seed(0)
@@ -160,7 +170,7 @@ def main(argv=None):
     rows = []
     for s in map(int, args.contexts.split(",")):
         for m in map(int, args.trees.split(",")):
-            cap = s + m
+            cap = max(s + m, args.capacity)
             q = torch.randn(1, h, m, d, dtype=torch.bfloat16, device="cuda")
             k = torch.randn(1, hkv, cap, d, dtype=torch.bfloat16, device="cuda")
             v = torch.randn(1, hkv, cap, d, dtype=torch.bfloat16, device="cuda")
@@ -185,7 +195,7 @@ def main(argv=None):
                 ref = reference.dense_attention(q.double(), k.double(), v.double(), dense)[0]
             else:
                 ref = reference.hybrid_attention(q.double(), k[:, :, :s].double(), v[:, :, :s].double(), lengths,
-                                                 k[:, :, s:].double(), v[:, :, s:].double(), tree)
+                                                 k[:, :, s:s + m].double(), v[:, :, s:s + m].double(), tree)
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
@@ -216,10 +226,12 @@ def main(argv=None):
                 impls["flash (causal)"] = lambda: causal_attention(q, k, v)
                 impls["gather+flash"] = lambda: causal_attention(
                     q, rows_of(store_k, table, PAGE_BLOCK, None, 0, cap), rows_of(store_v, table, PAGE_BLOCK, None, 0, cap))
+            if cap > s + m:  # the other rows would attend over the whole cache
+                impls = {name: fn for name, fn in impls.items() if name.startswith("triton")}
             if args.methods:  # only these (the references above cost most of a run's time)
                 impls = {name: fn for name, fn in impls.items() if name in args.methods.split(",")}
             # a sliding layer needs only the keys of its window (and the tree's or chunk's own)
-            floor = floor_s(h, hkv, m, min(cap, args.window + m) if args.window else cap, d, bandwidth, rate,
+            floor = floor_s(h, hkv, m, min(s + m, args.window + m) if args.window else s + m, d, bandwidth, rate,
                             args.causal)
             for name, fn in impls.items():
                 try:

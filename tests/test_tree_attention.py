@@ -153,6 +153,18 @@ def test_plan_covers_the_capacity():
                 assert splits * units <= max(132, units)  # one wave at most
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_rows_far_shorter_than_the_cache(causal, paged):
+    """The split-KV chunks follow the keys a tile's rows see, not the capacity the launch was
+    planned for: rows of 700, 65 and 0 keys in a cache of 2048 slots beside a full row, each
+    spread over the splits (chunks of at least ``min_chunk``), tree or causal, contiguous or
+    through a shuffled block table."""
+    table = torch.randperm(4 * 32, generator=torch.Generator().manual_seed(3)).view(4, 32) if paged else None
+    check([2030, 700, 65, 0], 9, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=2048,
+          causal=causal, pending=2, table=table, config=KernelConfig(block_n=16, programs=64, min_chunk=32))
+
+
 def test_tree_masks_of_any_layout_and_dtype_give_the_same_output():
     """A bool mask is read in place (no copy per layer); a strided or int8 one is made contiguous."""
     gen = torch.Generator().manual_seed(4)

@@ -155,7 +155,7 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, sst_b, sst_m,
                         stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, N_SPLITS, CAP, BS, qk_scale,
+                        HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
@@ -180,10 +180,18 @@ if triton is not None:
         last_start = tl.max(tl.where(row_ok, row_start, 0), 0)
         first_block = first_start // BLOCK_N * BLOCK_N
         # WINDOWED: the splits tile the span from the tile's lowest start (the plan covers one
-        # window), not the whole cache: the work and the partials to merge do not grow with it
-        lo = (first_block if WINDOWED else 0) + split * CHUNK
-        every_end = tl.minimum(lo + CHUNK, first_end)  # every row sees the keys below
-        any_end = tl.minimum(lo + CHUNK, last_end)  # some row sees the keys below
+        # window), not the whole cache: the work and the partials to merge do not grow with it.
+        # Otherwise they tile the keys the tile's rows see (not the capacity the plan was made for):
+        # a row shorter than the cache still spreads over every split, so its time follows its
+        # length (a 64k row in a 128k cache: all the programs, not half of them)
+        if WINDOWED:
+            chunk = CHUNK
+            lo = first_block + split * chunk
+        else:
+            chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(last_end, N_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK), CHUNK)
+            lo = split * chunk
+        every_end = tl.minimum(lo + chunk, first_end)  # every row sees the keys below
+        any_end = tl.minimum(lo + chunk, last_end)  # some row sees the keys below
         head = tl.maximum(lo, first_block)
         full = tl.maximum(head, tl.cdiv(last_start, BLOCK_N) * BLOCK_N)
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, head, tl.minimum(full, any_end),
@@ -375,7 +383,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *start_strides, *tm_strides,
             tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, n_splits, cap, block_size, LOG2E / math.sqrt(d),
+            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, cap,
+            block_size, LOG2E / math.sqrt(d),
             HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
             PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
