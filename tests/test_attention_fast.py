@@ -37,6 +37,35 @@ def test_masked_attention_matches_dense_reference(hq, hkv):
     assert ours[1, :, 2].abs().max() == 0
 
 
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_attention_over_runs_of_blocks_matches_the_gathered_row(hq, hkv):
+    """One paged row whose slots lie in three runs of pool blocks, attended run by run and merged
+    by log-sum-exp, against masked attention over the row gathered: a query that sees nothing in
+    one run, one that sees nothing at all (zeros)."""
+    from longspec.attention.fast import runs_attention
+    from longspec.attention.paged import LayerKV
+
+    gen = torch.Generator().manual_seed(hq)
+    m, d, block = 5, 16, 4
+    table = torch.tensor([[6, 7, 8, 2, 3, 0, 10]])  # runs: slots 0-11, 12-19, 20-23 (+ an unused block)
+    k, v = (torch.randn(hkv, 11 * block, d, generator=gen) for _ in range(2))
+    kv = LayerKV(k, v, table, block)
+    n_keys = 22
+    runs = kv.runs(n_keys)
+    assert [(lo, hi) for lo, hi, _, _ in runs] == [(0, 12), (12, 20), (20, 22)]
+    q = torch.randn(1, hq, m, d, generator=gen)
+    mask = torch.rand(1, m, n_keys, generator=gen) < 0.5
+    mask[0, 1, :12] = False  # sees nothing in the first run
+    mask[0, 1, 13] = True
+    mask[0, 3] = False  # sees nothing at all
+    k_row, v_row = kv.dense(n_keys)
+    ours = runs_attention(q, runs, mask)
+    ref = attend_masked(q, k_row, v_row, mask, "sdpa", may_be_empty=True)
+    assert torch.allclose(ours, ref, atol=1e-5) and ours[0, :, 3].abs().max() == 0
+    assert LayerKV(k, v, table[:, 3:], block).runs(8) is None  # one run: viewed, not split
+    assert LayerKV(k, v, table.expand(2, -1), block).runs(8) is None  # two rows: gathered
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_fast_path_equals_reference_path(tiny_model_factory, family):
     """prefill in chunks (ragged batch), then a tree verify and a tree grown level by level

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import reference
-from .fast import causal_attention, masked_attention
+from .fast import causal_attention, masked_attention, runs_attention
 from . import triton_kernels
 from .paged import LayerKV
 
@@ -150,6 +150,9 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
                                              window=meta.window or 0)
     if meta.causal and meta.window is not None:
         return band_attention(q, kv, meta.n_keys, meta.window)
+    runs = kv.runs(meta.n_keys) if meta.impl == "sdpa" and not meta.causal else None
+    if runs is not None:  # one paged row on a CPU in a few runs of blocks: attended run by run
+        return runs_attention(q, runs, meta.key_mask)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
     if meta.causal:
         return causal_attention(q, k, v)

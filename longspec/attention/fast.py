@@ -44,6 +44,26 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
+def runs_attention(q: torch.Tensor, runs: list, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention of one row over keys that lie in runs (pieces of a paged pool, see
+    :meth:`~longspec.attention.paged.LayerKV.runs`) instead of one tensor: each run's attention
+    with its log-sum-exp (PyTorch's flash kernel for CPUs), merged exactly by the LSEs. q [1, Hq,
+    M, D]; runs ``[(lo, hi, k, v)]`` with k, v [1, Hkv, hi - lo, D], the row's slots ``lo..hi-1``;
+    mask [1, M, S] bool over the row's slots (true = visible). A query that sees no key gets
+    zeros. Returns o [1, Hq, M, D] in q's dtype."""
+    outs, lses = [], []
+    for lo, hi, k, v in runs:
+        seen = mask[..., lo:hi]
+        bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype),
+                                                                            attn_mask=bias[:, None])
+        outs.append(o)
+        lses.append(lse.float().masked_fill(~seen.any(-1)[:, None], float("-inf")))  # (the kernel gives 0)
+    lse = torch.stack(lses)  # [R, 1, Hq, M]
+    weights = torch.softmax(lse, dim=0).nan_to_num(0.0)  # a query that sees nothing: all -inf, zeros
+    return (torch.stack(outs).float() * weights[..., None]).sum(0).to(q.dtype)
+
+
 # backends a prompt's causal attention may use, in order of preference (``sdpa_kernel`` with
 # ``set_priority``; an ineligible one, e.g. for lower-right causal, is skipped). cuDNN first: on the
 # H200 (``benchmarks/bench_causal.py``, ``causal_attention_h200.log``; 32 query and 8 KV heads, bf16)
