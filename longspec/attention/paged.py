@@ -44,8 +44,9 @@ class LayerKV:
         consecutive pool blocks (a cached prefix's blocks, then the request's own) on a CPU:
         ``[(lo, hi, k, v)]``, per run its logical slots ``lo..hi-1`` and views of them in the pool
         (k, v [1, Hkv, hi - lo, D]), for attention run by run merged by log-sum-exp instead of
-        gathering the row (SmolLM2 after a 3,000-token cached document on a 2-core CPU: 57.7 ms a
-        decode step run by run, 65.7 gathered, 54.7 for a cold request's row in one run). None otherwise (dense rows, several rows, CUDA, whose
+        gathering the row (SmolLM2 after a 3,000-token cached document on a 2-core CPU: 53.7 ms a
+        decode step run by run, 65.8 gathered, 51.7 for a cold request's row in one run,
+        ``benchmarks/bench_cached_decode.py``). None otherwise (dense rows, several rows, CUDA, whose
         kernel reads the table, one run, which :meth:`dense` views, or many runs)."""
         if self.dense_row0 is not None or self.table.shape[0] != 1 or self.k.is_cuda:
             return None
