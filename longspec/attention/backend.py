@@ -37,10 +37,6 @@ IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 # against 119 us for flash over dense rows and 334 us over paged rows (gathered); 128 new tokens
 # (64-row tiles) 184 against 225 / 437 us. Longer eager chunks go to SDPA (2048: flash 3.27 ms).
 TRITON_CAUSAL_MAX_TOKENS = 128
-# A causal step of at most this many new tokens over one paged row in runs of blocks on a CPU (a
-# prefix-cache hit's tail) goes run by run with an explicit [M, S] mask instead of gathering the
-# row for the unmasked causal kernel: the mask costs M floats a key, the gather ~2 * Hkv * D.
-RUNS_CAUSAL_MAX_TOKENS = 256
 
 
 @dataclass
@@ -154,15 +150,9 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
                                              window=meta.window or 0)
     if meta.causal and meta.window is not None:
         return band_attention(q, kv, meta.n_keys, meta.window)
-    short = not meta.causal or q.shape[2] <= RUNS_CAUSAL_MAX_TOKENS
-    runs = kv.runs(meta.n_keys) if meta.impl == "sdpa" and short else None
+    runs = kv.runs(meta.n_keys) if meta.impl == "sdpa" and not meta.causal else None
     if runs is not None:  # one paged row on a CPU in a few runs of blocks: attended run by run
-        mask = meta.key_mask
-        if meta.causal:  # query i sees slots 0 .. n_keys - M + i
-            m = q.shape[2]
-            mask = (torch.arange(meta.n_keys, device=q.device)[None, None, :]
-                    <= torch.arange(meta.n_keys - m, meta.n_keys, device=q.device)[None, :, None])
-        return runs_attention(q, runs, mask)
+        return runs_attention(q, runs, meta.key_mask)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
     if meta.causal:
         return causal_attention(q, k, v)
@@ -220,12 +210,8 @@ def attend_prefix(q: torch.Tensor, kv: LayerKV, limits: torch.Tensor, impl: str,
         k, v, table, block_size = kv.for_kernel(triton_kernels.DEFAULT_CONFIG.block_n)
         return triton_kernels.prefix_attention(q, k.to(q.dtype), v.to(q.dtype), limits, table=table,
                                                block_size=block_size)
-    runs = kv.runs(n_keys) if impl == "sdpa" and n_keys is not None else None
-    n_keys = kv.capacity if n_keys is None else n_keys
-    visible = torch.arange(n_keys, device=q.device) < limits[..., None]
-    if runs is not None:  # one paged row on a CPU in a few runs of blocks (see ``attend``)
-        return runs_attention(q, runs, visible)
-    k, v = kv.dense(n_keys)
+    k, v = kv.dense(kv.capacity if n_keys is None else n_keys)
+    visible = torch.arange(k.shape[2], device=q.device) < limits[..., None]
     return attend_masked(q, k, v, visible, impl, may_be_empty=True)
 
 
