@@ -5,6 +5,7 @@ import torch
 
 from longspec import load_target
 from longspec.attention import attend_masked, causal_attention, triton_kernels, dense_attention, matmul_attention
+from longspec.attention.fast import runs_attention
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
@@ -41,29 +42,37 @@ def test_masked_attention_matches_dense_reference(hq, hkv):
 def test_attention_over_runs_of_blocks_matches_the_gathered_row(hq, hkv):
     """One paged row whose slots lie in three runs of pool blocks, attended run by run and merged
     by log-sum-exp, against masked attention over the row gathered: a query that sees nothing in
-    one run, one that sees nothing at all (zeros)."""
-    from longspec.attention.fast import runs_attention
-    from longspec.attention.paged import LayerKV
+    one run, one that sees nothing at all (zeros), a run every query sees whole."""
+    from longspec.attention.backend import AttentionMeta
+    from longspec.attention.paged import LayerKV, block_runs
 
     gen = torch.Generator().manual_seed(hq)
     m, d, block = 5, 16, 4
     table = torch.tensor([[6, 7, 8, 2, 3, 0, 10]])  # runs: slots 0-11, 12-19, 20-23 (+ an unused block)
     k, v = (torch.randn(hkv, 11 * block, d, generator=gen) for _ in range(2))
-    kv = LayerKV(k, v, table, block)
     n_keys = 22
-    runs = kv.runs(n_keys)
-    assert [(lo, hi) for lo, hi, _, _ in runs] == [(0, 12), (12, 20), (20, 22)]
+    assert block_runs(table, block, n_keys) == [(0, 12, 24), (12, 20, 8), (20, 22, 0)]
+    assert block_runs(table[:, 3:], block, 8) is None  # one run: viewed, not split
+    assert block_runs(table.expand(2, -1), block, 8) is None  # two rows: gathered
     q = torch.randn(1, hq, m, d, generator=gen)
     mask = torch.rand(1, m, n_keys, generator=gen) < 0.5
     mask[0, 1, :12] = False  # sees nothing in the first run
     mask[0, 1, 13] = True
     mask[0, 3] = False  # sees nothing at all
-    k_row, v_row = kv.dense(n_keys)
-    ours = runs_attention(q, runs, mask)
+    mask[0, :, 20:] = True  # the last run: seen whole ...
+    mask[0, 3, 20:] = False  # ... but for the blind query
+    meta = AttentionMeta("sdpa", torch.tensor([n_keys - m]), torch.zeros(1, m, dtype=torch.long),
+                         torch.ones(1, m, m, dtype=torch.bool), 0, n_keys, table, block, None, 0, key_mask=mask)
+    runs = meta.key_runs()
+    assert [(at, n) for at, n, _, _ in runs] == [(24, 12), (8, 8), (0, 2)] and meta.key_runs() is runs
+    ours = runs_attention(q, k, v, runs)
+    k_row, v_row = LayerKV(k, v, table, block).dense(n_keys)
     ref = attend_masked(q, k_row, v_row, mask, "sdpa", may_be_empty=True)
     assert torch.allclose(ours, ref, atol=1e-5) and ours[0, :, 3].abs().max() == 0
-    assert LayerKV(k, v, table[:, 3:], block).runs(8) is None  # one run: viewed, not split
-    assert LayerKV(k, v, table.expand(2, -1), block).runs(8) is None  # two rows: gathered
+    mask[:] = True  # every query sees the whole row: no masks, no blind queries
+    meta.runs = None
+    assert all(bias is None and blind is None for _, _, bias, blind in meta.key_runs())
+    assert torch.allclose(runs_attention(q, k, v, meta.runs), attend_masked(q, k_row, v_row, mask, "sdpa"), atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -243,7 +243,7 @@ def test_a_cached_row_in_runs_of_blocks_is_attended_run_by_run(target, name, mon
 
     calls = []
     real = backend.runs_attention
-    monkeypatch.setattr(backend, "runs_attention", lambda q, runs, mask: calls.append(len(runs)) or real(q, runs, mask))
+    monkeypatch.setattr(backend, "runs_attention", lambda q, k, v, runs: calls.append(len(runs)) or real(q, k, v, runs))
     engine = engine_for(target, name, max_batch=1)
     doc = tokens(70, 4)
     first, second = run(engine, [doc + tokens(9, 5)]), run(engine, [doc + tokens(6, 6)])

@@ -44,24 +44,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
-def runs_attention(q: torch.Tensor, runs: list, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention of one row over keys that lie in runs (pieces of a paged pool, see
-    :meth:`~longspec.attention.paged.LayerKV.runs`) instead of one tensor: each run's attention
-    with its log-sum-exp (PyTorch's flash kernel for CPUs), merged exactly by the LSEs. q [1, Hq,
-    M, D]; runs ``[(lo, hi, k, v)]`` with k, v [1, Hkv, hi - lo, D], the row's slots ``lo..hi-1``;
-    mask [1, M, S] bool over the row's slots (true = visible). A query that sees no key gets
-    zeros. Returns o [1, Hq, M, D] in q's dtype."""
+def runs_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, runs: list) -> torch.Tensor:
+    """Masked attention of one row whose keys lie in runs of a paged pool layer instead of one
+    tensor: each run's attention with its log-sum-exp (PyTorch's flash kernel for CPUs), merged
+    exactly by the LSEs. q [1, Hq, M, D]; k_layer, v_layer [Hkv, P, D]; runs ``[(at, n, bias,
+    blind)]`` (see :meth:`~longspec.attention.backend.AttentionMeta.key_runs`): the run's pool
+    slots ``at..at + n - 1``, its additive mask [1, 1, M, n] (None: every query sees every key)
+    and the queries that see none of it [1, 1, M] (None: none such). A query that sees no key at
+    all gets zeros. Returns o [1, Hq, M, D] in q's dtype."""
     outs, lses = [], []
-    for lo, hi, k, v in runs:
-        seen = mask[..., lo:hi]
-        bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.to(q.dtype), v.to(q.dtype),
-                                                                            attn_mask=bias[:, None])
+    for at, n, bias, blind in runs:
+        k, v = (x[None, :, at:at + n].to(q.dtype) for x in (k_layer, v_layer))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=None if bias is None else bias.to(q.dtype))
         outs.append(o)
-        lses.append(lse.float().masked_fill(~seen.any(-1)[:, None], float("-inf")))  # (the kernel gives 0)
-    lse = torch.stack(lses)  # [R, 1, Hq, M]
-    weights = torch.softmax(lse, dim=0).nan_to_num(0.0)  # a query that sees nothing: all -inf, zeros
-    return (torch.stack(outs).float() * weights[..., None]).sum(0).to(q.dtype)
+        lses.append(lse if blind is None else lse.masked_fill(blind, float("-inf")))  # (the kernel gives 0)
+    weights = torch.softmax(torch.stack(lses).float(), dim=0)  # [R, 1, Hq, M]
+    if any(blind is not None for *_, blind in runs):  # a query that sees nothing: all -inf, zeros
+        weights = weights.nan_to_num(0.0)
+    return (torch.stack(outs) * weights[..., None]).sum(0).to(q.dtype)
 
 
 # backends a prompt's causal attention may use, in order of preference (``sdpa_kernel`` with

@@ -39,33 +39,26 @@ class LayerKV:
             return self.k, self.v, self.table, self.block_size
         return (*self.dense(self.capacity), None, 0)
 
-    def runs(self, n_keys: int) -> Optional[list]:
-        """A single row whose slots ``0..n_keys-1`` lie in 2 to :data:`MOST_RUNS` runs of
-        consecutive pool blocks (a cached prefix's blocks, then the request's own) on a CPU:
-        ``[(lo, hi, k, v)]``, per run its logical slots ``lo..hi-1`` and views of them in the pool
-        (k, v [1, Hkv, hi - lo, D]), for attention run by run merged by log-sum-exp instead of
-        gathering the row (SmolLM2 after a 3,000-token cached document on a 2-core CPU: 53.7 ms a
-        decode step run by run, 65.8 gathered, 51.7 for a cold request's row in one run,
-        ``benchmarks/bench_cached_decode.py``). None otherwise (dense rows, several rows, CUDA, whose
-        kernel reads the table, one run, which :meth:`dense` views, or many runs)."""
-        if self.dense_row0 is not None or self.table.shape[0] != 1 or self.k.is_cuda:
-            return None
-        used = self.table[0, :-(-n_keys // self.block_size)].tolist()
-        firsts = [0] + [j for j in range(1, len(used)) if used[j] != used[j - 1] + 1]
-        if not 1 < len(firsts) <= MOST_RUNS:
-            return None
-        out = []
-        for a, b in zip(firsts, firsts[1:] + [len(used)]):
-            lo, hi = a * self.block_size, min(b * self.block_size, n_keys)
-            at = used[a] * self.block_size
-            out.append((lo, hi, self.k[None, :, at:at + hi - lo], self.v[None, :, at:at + hi - lo]))
-        return out
-
     def dense(self, n_keys: int) -> tuple:
         """k, v [B, Hkv, n_keys, D] of the rows' slots ``0..n_keys-1``: a view of the pool when the
         rows are dense, else gathered through the table (a copy)."""
         return tuple(rows_of(x, self.table, self.block_size, self.dense_row0, self.scratch, n_keys)
                      for x in (self.k, self.v))
+
+
+def block_runs(table: torch.Tensor, block_size: int, n_keys: int) -> Optional[list]:
+    """Where a single row's slots ``0..n_keys-1`` lie when they fill 2 to :data:`MOST_RUNS`
+    runs of consecutive pool blocks (a cached prefix's blocks, then the request's own): per run
+    ``(lo, hi, at)``, its logical slots ``lo..hi-1`` at pool slots ``at..``; None otherwise
+    (several rows, one run, which :func:`rows_of` views, or many). table [1, max_blocks]."""
+    if table.shape[0] != 1:
+        return None
+    used = table[0, :-(-n_keys // block_size)].tolist()
+    firsts = [0] + [j for j in range(1, len(used)) if used[j] != used[j - 1] + 1]
+    if not 1 < len(firsts) <= MOST_RUNS:
+        return None
+    return [(a * block_size, min(b * block_size, n_keys), used[a] * block_size)
+            for a, b in zip(firsts, firsts[1:] + [len(used)])]
 
 
 def rows_of(store: torch.Tensor, table: torch.Tensor, block_size: int, dense_row0: Optional[int], scratch: int,
