@@ -79,7 +79,7 @@ class AttentionMeta:
         gathered and 56.2 for a cold request's row in one run (``benchmarks/bench_cached_decode.py``)."""
         if self.runs is None:
             spans = None
-            if self.dense_row0 is None and not self.lengths.is_cuda and self.key_mask is not None:
+            if self.dense_row0 is None and self.key_mask is not None:
                 spans = block_runs(self.table, self.block_size, self.n_keys)
             self.runs = []
             for lo, hi, at in spans or ():
@@ -170,7 +170,8 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
                                              window=meta.window or 0)
     if meta.causal and meta.window is not None:
         return band_attention(q, kv, meta.n_keys, meta.window)
-    runs = meta.key_runs() if meta.impl == "sdpa" and not meta.causal else None
+    paged_on_cpu = meta.dense_row0 is None and not q.is_cuda and not torch.compiler.is_compiling()
+    runs = meta.key_runs() if paged_on_cpu and meta.impl == "sdpa" and not meta.causal else None
     if runs:  # one paged row on a CPU in a few runs of blocks: attended run by run
         return runs_attention(q, k_layer, v_layer, runs)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
