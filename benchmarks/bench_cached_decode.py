@@ -1,7 +1,7 @@
 """Decode steps of a prefix-cache hit against a cold request, on the engine (no server): a
 document of ``--context`` tokens and questions after it, one request at a time, plain decoding.
 A cached request's row is the document's cached blocks followed by its own blocks elsewhere in
-the pool; on a CPU it is attended run by run (``LayerKV.runs``), or, with ``gathered``, gathered
+the pool; on a CPU it is attended run by run (``AttentionMeta.key_runs``), or, with ``gathered``, gathered
 through the block table every step as before. Prints milliseconds per decode step per request
 (the first request of each engine is cold) and the median of the later ones.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from longspec import load_target
-from longspec.attention import paged
+from longspec.attention.backend import AttentionMeta
 from longspec.convert import default_model_dir
 from longspec.decoding.engine import Engine, Sequence
 
@@ -56,9 +56,9 @@ def main(argv=None) -> int:
     doc = tokenizer(text, add_special_tokens=False).input_ids[:args.context]
     questions = [tokenizer(f"\n\nQuestion {k}: what does section {k} say?\nAnswer:", add_special_tokens=False).input_ids
                  for k in range(args.questions)]
-    runs = paged.LayerKV.runs
+    key_runs = AttentionMeta.key_runs
     for mode in args.modes.split(","):
-        paged.LayerKV.runs = (lambda self, n_keys: None) if mode == "gathered" else runs
+        AttentionMeta.key_runs = (lambda self: []) if mode == "gathered" else key_runs
         engine = Engine(target, None, None, max_batch=1, max_len=args.context + 512, prefix_cache=mode != "cold",
                         cuda_graphs=False)
         times = []
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             print(f"{mode:<9} request {k}: {ms:6.1f} ms a step ({cached} tokens from the cache)", flush=True)
         print(f"{mode:<9} median of requests 1-{len(questions) - 1}: {statistics.median(times[1:]):.1f} ms a step",
               flush=True)
-    paged.LayerKV.runs = runs
+    AttentionMeta.key_runs = key_runs
     return 0
 
 
