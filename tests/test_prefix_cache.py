@@ -238,16 +238,19 @@ def test_questions_about_one_document_and_a_chat_decode_what_cold_requests_do(ta
 @pytest.mark.parametrize("name", ["none", "hybrid"])
 def test_a_cached_row_in_runs_of_blocks_is_attended_run_by_run(target, name, monkeypatch):
     """One request at a time on a CPU: a cached request's row (the document's blocks, then its own
-    elsewhere in the pool) is attended run by run (no gather), and decodes what a cold request does."""
+    elsewhere in the pool) is attended run by run (no gather), its tail's prefill (causal) as its
+    decode steps, and it decodes what a cold request does."""
     from longspec.attention import backend
 
     calls = []
     real = backend.runs_attention
-    monkeypatch.setattr(backend, "runs_attention", lambda q, k, v, runs: calls.append(len(runs)) or real(q, k, v, runs))
+    monkeypatch.setattr(backend, "runs_attention",
+                        lambda q, k, v, runs: calls.append((len(runs), q.shape[2])) or real(q, k, v, runs))
     engine = engine_for(target, name, max_batch=1)
     doc = tokens(70, 4)
     first, second = run(engine, [doc + tokens(9, 5)]), run(engine, [doc + tokens(6, 6)])
-    assert second[0].cached_tokens == 70 and calls and min(calls) >= 2
+    assert second[0].cached_tokens == 70 and calls and min(n for n, _ in calls) >= 2
+    assert (2, 6) in calls  # the tail after the 70 cached tokens, prefilled over two runs
     assert first[0].tokens == cold(target, doc + tokens(9, 5)) and second[0].tokens == cold(target, doc + tokens(6, 6))
     assert_no_leak(engine)
 

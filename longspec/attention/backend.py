@@ -37,6 +37,11 @@ IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 # against 119 us for flash over dense rows and 334 us over paged rows (gathered); 128 new tokens
 # (64-row tiles) 184 against 225 / 437 us. Longer eager chunks go to SDPA (2048: flash 3.27 ms).
 TRITON_CAUSAL_MAX_TOKENS = 128
+# A causal step of at most this many new tokens over one paged row in runs of blocks on a CPU (a
+# prefix-cache hit's tail) goes run by run with an explicit [M, S] mask instead of gathering the
+# row for the unmasked causal kernel: the mask costs M floats a key, the gather ~2 * Hkv * D. The
+# default model, 20 tokens after 3,000 cached ones on a 2-core CPU: 122 ms against 142 gathered.
+RUNS_CAUSAL_MAX_TOKENS = 256
 
 
 @dataclass
@@ -72,18 +77,23 @@ class AttentionMeta:
 
     def key_runs(self) -> list:
         """One paged row on a CPU whose keys lie in 2 to ``MOST_RUNS`` runs of pool blocks (a
-        prefix-cache hit: the cached blocks, then the request's own): what
+        prefix-cache hit: the cached blocks, then the request's own), in a step with a key mask
+        or a causal chunk (its mask spelled out here): what
         :func:`~longspec.attention.fast.runs_attention` needs per run, prepared once per step for
         every layer; empty otherwise. Attending run by run instead of gathering the row: SmolLM2
-        after a 3,000-token cached document on a 2-core CPU, 59.1 ms a decode step against 70.4
-        gathered and 56.2 for a cold request's row in one run (``benchmarks/bench_cached_decode.py``)."""
+        after a 3,000-token cached document on a 2-core CPU, 57.5 ms a decode step against 70.0
+        gathered and 55.5 for a cold request's row in one run (``benchmarks/bench_cached_decode.py``)."""
         if self.runs is None:
-            spans = None
-            if self.dense_row0 is None and self.key_mask is not None:
+            mask, spans = self.key_mask, None
+            if mask is None and self.causal:  # a prefill chunk: query i sees slots 0 .. n_keys - M + i
+                n, m = self.n_keys, self.tree_mask.shape[-2]
+                mask = (torch.arange(n, device=self.table.device)[None, None, :]
+                        <= torch.arange(n - m, n, device=self.table.device)[None, :, None])
+            if self.dense_row0 is None and mask is not None:
                 spans = block_runs(self.table, self.block_size, self.n_keys)
             self.runs = []
             for lo, hi, at in spans or ():
-                seen = self.key_mask[:, None, :, lo:hi]  # [1, 1, M, n]
+                seen = mask[:, None, :, lo:hi]  # [1, 1, M, n]
                 bias = None if bool(seen.all()) else torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
                 blind = ~seen.any(-1)
                 self.runs.append((at, hi - lo, bias, blind if bool(blind.any()) else None))
@@ -171,7 +181,8 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     if meta.causal and meta.window is not None:
         return band_attention(q, kv, meta.n_keys, meta.window)
     paged_on_cpu = meta.dense_row0 is None and not q.is_cuda and not torch.compiler.is_compiling()
-    runs = meta.key_runs() if paged_on_cpu and meta.impl == "sdpa" and not meta.causal else None
+    short = not meta.causal or q.shape[2] <= RUNS_CAUSAL_MAX_TOKENS
+    runs = meta.key_runs() if paged_on_cpu and meta.impl == "sdpa" and short else None
     if runs:  # one paged row on a CPU in a few runs of blocks: attended run by run
         return runs_attention(q, k_layer, v_layer, runs)
     k, v = kv.dense(meta.n_keys)  # a view for dense rows, else gathered
