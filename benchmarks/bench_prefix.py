@@ -28,6 +28,12 @@ two requests in neither trace: a short one, and one as long as the document shar
 server would pay the process's first long prompt's one-off costs. (The hit rate counts them.) A
 table, then one JSON line last.
 
+Requests go as token ids (``--api completions``, the default) or, with a real tokenizer, as chat
+messages (``--api chat``): the server then renders and tokenises the whole conversation on every
+request, as it does for a chat client (its tokenizer cache keeps the earlier messages' ids, see
+``longspec/tokenizing.py``); the document trace sends the document as a system message and the
+question as the user's. Either way a request's JSON body is encoded before its clock starts.
+
 The server runs in this process (FastAPI app on uvicorn in a thread, the same code as
 ``longspec serve``), so a random-weight target needs no files:
 
@@ -122,28 +128,34 @@ class InProcessServer:
 _client = None
 
 
-def stream(url: str, prompt: list, max_tokens: int) -> dict:
-    """One streamed greedy completion -> ttft_s, ms per decoded token, generated ids, usage."""
+def stream(url: str, prompt, max_tokens: int) -> dict:
+    """One streamed greedy completion of ``prompt`` (token ids: ``/v1/completions``; chat messages:
+    ``/v1/chat/completions``) -> ttft_s, ms per decoded token, generated ids, usage. The body is
+    encoded to JSON before the clock starts: the client's own encoding is not the server's time."""
     import httpx
 
+    chat = isinstance(prompt[0], dict)
+    body = json.dumps({"messages" if chat else "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
     start = time.perf_counter()
     first = last = None
     final = {}
     global _client
     if _client is None:  # one connection for the run, as an API client keeps (not a new one per request)
         _client = httpx.Client(timeout=3600)
-    with _client.stream("POST", url + "/v1/completions",
-                        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+    with _client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), content=body,
+                        headers={"content-type": "application/json"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             payload = json.loads(line[6:])
             now = time.perf_counter()
-            if payload["choices"][0]["text"] and first is None:
+            choice = payload["choices"][0]
+            if (choice["delta"].get("content") if chat else choice["text"]) and first is None:
                 first = now
             last = now
-            if payload["choices"][0]["finish_reason"] is not None:
+            if choice["finish_reason"] is not None:
                 final = payload
     first = first or last
     ids = final["longspec"]["token_ids"]
@@ -153,8 +165,9 @@ def stream(url: str, prompt: list, max_tokens: int) -> dict:
 
 
 def build_traces(args, vocab: int, tokenizer) -> dict:
-    """{trace: (requests as token-id lists or chat steps, shared prefix of each)}: the document
-    trace's prompts are fixed; the chat's are built while it runs (they contain the answers)."""
+    """{doc, questions, turns}: token ids, or with ``--api chat`` texts (and ``chat``: the
+    tokenizer); the document trace's prompts are fixed, the chat's are built while it runs (they
+    contain the answers)."""
     if tokenizer is not None and not isinstance(tokenizer, IdTokenizer):
         root = Path(__file__).resolve().parent.parent
         text = "\n\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md")) + [root / "README.md"])
@@ -177,25 +190,60 @@ def build_traces(args, vocab: int, tokenizer) -> dict:
             "what would you test first?", "summarise the previous answer."]
     questions = [say(k, asks[k % len(asks)]) for k in range(args.questions)]
     turns = [say(100 + k, asks[(k + 3) % len(asks)]) for k in range(args.turns)]
+    if args.api == "chat":  # the same texts, as a chat client sends them
+        return {"doc": tokenizer.decode(doc), "questions": [tokenizer.decode(q).strip() for q in questions],
+                "turns": [tokenizer.decode(t).strip() for t in turns], "chat": tokenizer}
     return {"doc": doc, "questions": questions, "turns": turns}
 
 
 def run_trace(url: str, trace: dict, kind: str, max_tokens: int, replay: list = None) -> list:
-    """Requests of trace ``kind`` one after another -> per request: prompt, shared prefix, result.
-    ``replay``: the chat prompts of an earlier run (so both servers see the same prompts)."""
-    doc, out = trace["doc"], []
+    """Requests of trace ``kind`` one after another -> per request: prompt (token ids), shared
+    prefix, result. ``replay``: the chat prompts of an earlier run (so both servers see the same
+    prompts). With ``trace["chat"]`` (a tokenizer: ``--api chat``) each request goes as chat
+    messages: the document trace as the document in a system message and a question, the chat
+    as the conversation so far; a request's shared prefix is the tokens it starts with of the
+    request before it (the server tokenises the messages; this client does the same to know
+    which tokens the cache could hold)."""
+    doc, out, chat = trace["doc"], [], trace.get("chat")
+    if chat is not None:
+        def ids(messages):
+            return chat(chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False).input_ids
+
+        def shared(prompt):
+            before = out[-1]["prompt"] if out else []
+            return next((i for i, (a, b) in enumerate(zip(prompt, before)) if a != b), min(len(prompt), len(before)))
+
     if kind == "document":
         for q in trace["questions"]:
-            out.append({"prompt": doc + q, "shared": len(doc), **stream(url, doc + q, max_tokens)})
+            if chat is None:
+                out.append({"prompt": doc + q, "shared": len(doc), **stream(url, doc + q, max_tokens)})
+            else:
+                messages = [{"role": "system", "content": doc}, {"role": "user", "content": q}]
+                prompt = ids(messages)
+                out.append({"prompt": prompt, "shared": shared(prompt), **stream(url, messages, max_tokens)})
         return out
-    prompt, shared = doc[len(doc) // 2:], 0  # (not the document's start: its blocks are cached)
+    if chat is not None:
+        messages = [{"role": "user", "content": doc[len(doc) // 2:]}]  # (not the document's start: its blocks are cached)
+        for k, turn in enumerate(trace["turns"]):
+            if replay is not None:
+                messages = replay[k]["messages"]
+            else:
+                messages = messages[:-1] + [{"role": "user", "content": messages[-1]["content"] + "\n\n" + turn}] \
+                    if k == 0 else messages + [{"role": "assistant", "content": chat.decode(
+                        out[-1]["ids"], skip_special_tokens=True)}, {"role": "user", "content": turn}]
+            prompt = ids(messages)
+            out.append({"prompt": prompt, "shared": shared(prompt) if k else 0, "messages": messages,
+                        **stream(url, messages, max_tokens)})
+        return out
+    prompt, shared_ids = doc[len(doc) // 2:], 0  # (not the document's start: its blocks are cached)
     for k, turn in enumerate(trace["turns"]):
         if replay is not None:
-            prompt, shared = replay[k]["prompt"], replay[k]["shared"]
+            prompt, shared_ids = replay[k]["prompt"], replay[k]["shared"]
         else:
-            prompt, shared = (prompt + turn if k == 0 else prompt + out[-1]["ids"] + turn), len(prompt) + (
+            prompt, shared_ids = (prompt + turn if k == 0 else prompt + out[-1]["ids"] + turn), len(prompt) + (
                 len(out[-1]["ids"]) if k else 0)
-        out.append({"prompt": prompt, "shared": shared if k else 0, **stream(url, prompt, max_tokens)})
+        out.append({"prompt": prompt, "shared": shared_ids if k else 0, **stream(url, prompt, max_tokens)})
     return out
 
 
@@ -208,6 +256,9 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=int, default=3, help="questions about the document (default: 3)")
     p.add_argument("--turns", type=int, default=3, help="chat turns (default: 3)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--api", default="completions", choices=["completions", "chat"],
+                   help="requests as token ids (completions) or as chat messages whose text the server tokenises "
+                        "(chat; needs a model with a chat template)")
     p.add_argument("--proposer", default="none", choices=["none", "pld", "streaming", "longspec", "hybrid"])
     p.add_argument("--tree", default=None)
     p.add_argument("--draft", default=None, help="LongSpec draft directory (longspec, hybrid)")
@@ -239,9 +290,13 @@ def main(argv=None) -> int:
         path = Path(args.target) if args.target else default_model_dir()
         target, tokenizer, model = load_target(path, dtype=dtype, device=args.device), \
             AutoTokenizer.from_pretrained(path), path.name
+    if args.api == "chat" and not getattr(tokenizer, "chat_template", None):
+        p.error("--api chat needs a tokenizer with a chat template (not --shape)")
     trace = build_traces(args, target.config.vocab_size, tokenizer)
-    longest = args.context // 2 + sum(map(len, trace["turns"])) + args.turns * args.max_tokens
-    longest = max(longest, args.context + max(map(len, trace["questions"]), default=0))
+    size = len if args.api == "completions" else (  # tokens of a request's part (chat: + its template's)
+        lambda text: len(tokenizer(text, add_special_tokens=False).input_ids) + 16)
+    longest = size(trace["doc"]) // 2 + sum(map(size, trace["turns"])) + args.turns * (args.max_tokens + 16)
+    longest = max(longest, size(trace["doc"]) + max(map(size, trace["questions"]), default=0) + 32)
     args.max_len = args.max_len or -(-(longest + args.max_tokens + 128) // 1024) * 1024
     lines = []
 
@@ -261,7 +316,7 @@ def main(argv=None) -> int:
     warm = torch.randint(0, target.config.vocab_size, (64,), generator=gen).tolist()
     # as long as the document, sharing nothing with the traces: the first long prompt's one-off costs
     # (in one process: the servers share the target, so only the first server would pay them)
-    long_warm = torch.randint(0, target.config.vocab_size, (len(trace["doc"]),), generator=gen).tolist()
+    long_warm = torch.randint(0, target.config.vocab_size, (args.context,), generator=gen).tolist()
     for cached in (True, False):
         server = InProcessServer(target, tokenizer, args, prefix_cache=cached)
         try:
@@ -278,11 +333,14 @@ def main(argv=None) -> int:
             if not cached:  # the goal's yardstick: the uncached part of each cached request, cold
                 for kind, reqs in runs.items():
                     for r, c in zip(reqs, results["cache"][kind]):
-                        if c["cached_tokens"]:
+                        if c["cached_tokens"] and c["shared"]:  # (not a chat's first turn: a template's first tokens)
                             r["tail"] = stream(server.url, c["prompt"][c["shared"]:], args.max_tokens)
             import httpx
 
-            health["cache" if cached else "no_cache"] = httpx.get(server.url + "/health").json()["kv_cache"]
+            state = httpx.get(server.url + "/health").json()
+            health["cache" if cached else "no_cache"] = state["kv_cache"]
+            if cached:
+                health["tokenizer"] = state["tokenizer_cache"]
         finally:
             server.close()
         results["cache" if cached else "no_cache"] = runs
@@ -343,6 +401,7 @@ def main(argv=None) -> int:
                          "outputs_equal": all(c["ids"] == n["ids"] for c, n in
                                               zip(results["cache"][kind], results["no_cache"][kind]))}
     say(f"\nKV pool with the cache (/health): {json.dumps(health['cache'])}")
+    say(f"tokenizer cache (/health): {json.dumps(health['tokenizer'])}")
     summary["hit_rate"] = health["cache"]["hit_rate"]
     say(json.dumps(summary))
     if args.out:

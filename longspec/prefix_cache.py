@@ -90,6 +90,11 @@ class PrefixCache:
         self.prompt_tokens = 0  # over the admitted requests
         self.hit_tokens = 0
         self.evicted = 0
+        # what ``match`` found for recent prompts while the index stayed the same (a server matches a
+        # waiting request to see whether it fits, then admits it: one walk of a 128k prompt, not two)
+        self.version = 0  # bumped whenever the index changes
+        self._matched: dict = {}  # id(prompt) -> (prompt, its length, Hit), found at version _matched_at
+        self._matched_at = 0
 
     # ---- the allocator ---------------------------------------------------------------------
     @property
@@ -131,6 +136,7 @@ class PrefixCache:
         else:
             del self.idle[block]
         cached = self.blocks.pop(block)
+        self.version += 1
         del self.index[cached.key]
         self.children.get(cached.key[0], set()).discard(block)  # (none left if the parent went first)
         self.children.pop(cached.node, None)  # its children are unreachable now: they age out
@@ -146,7 +152,13 @@ class PrefixCache:
         """The cached blocks holding the longest prefix of ``prompt`` in whole blocks, then the
         cached block after them that starts with most of the prompt's next tokens (its first
         tokens are copied, not shared), leaving at least the prompt's last token to compute.
-        Nothing is taken: see :meth:`acquire`."""
+        Nothing is taken: see :meth:`acquire`. (A prompt list must not change in place while it
+        waits to be admitted: what was found for it is reused while the index is unchanged.)"""
+        if self._matched_at != self.version:
+            self._matched, self._matched_at = {}, self.version
+        seen = self._matched.get(id(prompt))
+        if seen is not None and seen[0] is prompt and seen[1] == len(prompt):
+            return seen[2]
         found, parent = [], ROOT
         for tokens in self._keys(prompt, (len(prompt) - 1) // self.block_size):
             block = self.index.get((parent, tokens))
@@ -161,7 +173,11 @@ class PrefixCache:
             n = next((i for i, (a, b) in enumerate(zip(cached, rest)) if a != b), min(len(rest), len(cached)))
             if n > common:
                 best, common = block, n
-        return Hit(found, best, common)
+        if len(self._matched) >= 64:
+            self._matched.clear()
+        hit = Hit(found, best, common)
+        self._matched[id(prompt)] = (prompt, len(prompt), hit)
+        return hit
 
     def acquire(self, blocks: list) -> None:
         """A row holds ``blocks`` (from :meth:`match`) from now on: they cannot be evicted."""
@@ -222,6 +238,7 @@ class PrefixCache:
         pool when released). ``indexed``: the first blocks are known to be indexed under these
         tokens (the cached blocks the row holds since its admission): they are not walked again."""
         parent, size = ROOT, self.block_size
+        self.version += 1
         if indexed and blocks[indexed - 1] in self.blocks:
             parent = self.blocks[blocks[indexed - 1]].node
             blocks, tokens = blocks[indexed:], tokens[indexed * size:]

@@ -27,6 +27,7 @@ from .decoding.engine import Engine, Sequence
 from .decoding.sampling import check_sampling_args
 from .decoding.sequence import cache_need
 from .serve_engine import EngineCalls, build_engine
+from .tokenizing import PieceCache
 
 UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
                "response_format", "top_logprobs")
@@ -380,6 +381,7 @@ class Server:
                  on_stop=None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.worker = Worker(engine, tokenizer, max_queue, calls)
+        self.pieces = PieceCache(tokenizer)  # a chat's earlier messages are not tokenised again
         self.on_stop = on_stop  # called once the worker has stopped (e.g. stopping worker processes)
         self.eos = frozenset(engine.target.config.eos_token_ids)
         # positions a request may use: the cache's rows, never beyond the model's positions
@@ -478,7 +480,7 @@ class Server:
                                                       add_generation_prompt=True, tokenize=False)
         except Exception as err:  # noqa: BLE001 - a template that refuses these messages (e.g. roles out of order)
             raise APIError(400, f"the chat template refused these messages: {err}"[:500], "messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.pieces.encode(text)
 
 
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,

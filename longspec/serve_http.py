@@ -122,7 +122,7 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
     async def health():
         if server.worker.failure is not None:  # (load balancers: take this server out)
             return JSONResponse({"status": "failed", **error_body(503, server.worker.failure)}, status_code=503)
-        return {"status": "ok", **server.worker.stats()}
+        return {"status": "ok", **server.worker.stats(), "tokenizer_cache": server.pieces.stats()}
 
     @app.get("/v1/models")
     async def models():

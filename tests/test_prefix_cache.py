@@ -108,6 +108,20 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     assert not cache.blocks and not cache.idle and not cache.index
 
 
+def test_a_prompt_is_matched_once_while_the_index_stays_the_same(target):
+    cache = PrefixCache(BlockPool(target.config, num_blocks=8, block_size=4))
+    prompt = list(range(13))
+    assert cache.match(prompt) == Hit([])
+    a = cache.allocate(3)
+    cache.register(a, prompt[:12])  # the index changed: matched again
+    first = cache.match(prompt)
+    assert first == Hit(a) and cache.match(prompt) is first  # (a server checks it fits, then admits it)
+    assert cache.match(list(prompt)) == first  # another list of the same tokens: matched anew
+    cache.release(a)
+    cache.allocate(8)  # evicts them: matched again
+    assert cache.match(prompt) == Hit([])
+
+
 def test_registering_after_the_blocks_a_row_took_from_the_cache_indexes_what_a_full_walk_does(target):
     """``register(indexed=k)`` (a row's first k blocks came from the cache: not walked again)
     leaves the index as registering every block does, a block whose content is cached

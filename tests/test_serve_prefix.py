@@ -84,6 +84,24 @@ def test_a_request_after_a_cached_document_reads_its_blocks(server, alone):
     assert pool["cached_tokens"] >= 150 and 0 < pool["hit_rate"] < 1
 
 
+def test_a_chats_next_turn_reuses_the_tokens_and_the_blocks_of_its_first(server, model_dir, alone):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    doc = "Summarise: " + " ".join(f"line {k} of the notes says {k * 7 % 13}." for k in range(12))  # (~110 tokens)
+    chat = [{"role": "user", "content": doc}]
+    first = server.post({"messages": chat, "max_tokens": 4, "temperature": 0}, path="/v1/chat/completions").json()
+    chat += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "Shorter?"}]
+    second = server.post({"messages": chat, "max_tokens": 4, "temperature": 0}, path="/v1/chat/completions").json()
+    prompt = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False).input_ids
+    assert second["usage"]["prompt_tokens"] == len(prompt) and second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert second["longspec"]["token_ids"] == alone(prompt, 4)
+    pieces = settle(server)["tokenizer_cache"]
+    assert pieces["enabled"] and pieces["pieces"] >= 1 and pieces["hit_rate"] > 0.3  # (the second's document)
+
+
 def test_requests_wait_for_blocks_when_the_pool_is_short(server, alone):
     """Two requests that need 4 blocks each against a pool of 7: the second waits for the first
     to end (not an error), and both get a lone run's tokens."""
