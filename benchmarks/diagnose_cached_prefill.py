@@ -29,9 +29,10 @@ from longspec.decoding.engine import Sequence  # noqa: E402
 
 
 def admit_ms(engine, prompt: list) -> float:
-    """Milliseconds of ``engine.add`` for ``prompt`` (one new token), synchronised; the row is
-    freed after."""
-    seq, sync = Sequence(prompt, 1), torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    """Milliseconds of ``engine.add`` for ``prompt``, synchronised: to its first token, the row
+    still running (two new tokens: a server's request lets go of its blocks after its first
+    token went out); the row ends and is freed after."""
+    seq, sync = Sequence(prompt, 2), torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
     engine.add([seq])
@@ -64,7 +65,7 @@ def host_profile(engine, prompt: list, label: str, top: int) -> None:
     import io
     import pstats
 
-    seq, profiler = Sequence(prompt, 1), cProfile.Profile()
+    seq, profiler = Sequence(prompt, 2), cProfile.Profile()
     profiler.enable()
     engine.add([seq])
     if torch.cuda.is_available():
