@@ -14,7 +14,6 @@ Endpoints (:mod:`longspec.serve_http`): ``POST /v1/completions``, ``POST /v1/cha
 ids) in responses."""
 
 import asyncio
-import json
 import threading
 import time
 from collections import deque
@@ -359,17 +358,15 @@ def _number(body: dict, name: str, kind, default, lo=None, hi=None):
     return kind(value)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def decode_json(raw: bytes):
-    """The request body as JSON (NaN, Infinity and nesting too deep to parse refused). Raises APIError."""
+    """The request body as JSON (NaN, Infinity and nesting deeper than 200 refused), parsed by
+    pydantic-core (FastAPI's): twice as fast as the json module on a long prompt's token ids.
+    Raises APIError."""
+    from pydantic_core import from_json
+
     try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        return from_json(raw, allow_inf_nan=False)
+    except ValueError as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
 
 
@@ -460,7 +457,8 @@ class Server:
             self._check_chars(len(prompt), "prompt")
             return self.tokenizer(prompt).input_ids
         vocab = self.engine.target.config.vocab_size
-        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
+        if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int} and 0 <= min(prompt) \
+                and max(prompt) < vocab:
             return prompt
         raise APIError(400, "'prompt' must be one non-empty string or one list of token ids in the vocabulary",
                        "prompt")
