@@ -164,6 +164,12 @@ def stream(url: str, prompt, max_tokens: int) -> dict:
             "cached_tokens": final["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
+def before_prefill(result: dict) -> float:
+    """Milliseconds the server spent on a request before its prefill: parsing its body
+    (tokenising a text) and waiting for the worker (matching its prompt against the cache)."""
+    return result["server_ms"]["parse"] + result["server_ms"]["queue"]
+
+
 def build_traces(args, vocab: int, tokenizer) -> dict:
     """{doc, questions, turns}: token ids, or with ``--api chat`` texts (and ``chat``: the
     tokenizer); the document trace's prompts are fixed, the chat's are built while it runs (they
@@ -357,7 +363,8 @@ def main(argv=None) -> int:
         say(f"\n## {kind} trace")
         say(f"{'req':>3} {'prompt':>7} {'shared':>7} {'cached':>7} {'ttft cache s':>12} {'ttft cold s':>11} "
             f"{'tail':>5} {'ttft tail s':>11} {'cache/tail':>10} {'cache/cold':>10} {'ms/tok cache':>12} "
-            f"{'ms/tok cold':>11} {'prefill ms cache':>16} {'cold':>7} {'tail':>6} same")
+            f"{'ms/tok cold':>11} {'prefill ms cache':>16} {'cold':>7} {'tail':>6} {'parse+queue ms cache':>20} {'tail':>6} "
+            f"same")
         ratios, full_ratios, prefill_ratios, floors = [], [], [], []
         for i, (c, n) in enumerate(zip(results["cache"][kind], results["no_cache"][kind])):
             tail = n.get("tail")
@@ -374,6 +381,7 @@ def main(argv=None) -> int:
                 f"{tail['ttft_s'] if tail else float('nan'):>11.3f} {ratio:>10.2f} {c['ttft_s'] / n['ttft_s']:>10.3f} "
                 f"{c['decode_ms']:>12.1f} {n['decode_ms']:>11.1f} {c['server_ms']['prefill']:>16.1f} "
                 f"{n['server_ms']['prefill']:>7.1f} {tail['server_ms']['prefill'] if tail else float('nan'):>6.1f} "
+                f"{before_prefill(c):>20.1f} {before_prefill(tail) if tail else float('nan'):>6.1f} "
                 f"{c['ids'] == n['ids']}")
         gen_tokens = {k: sum(len(r["ids"]) for r in results[k][kind]) for k in ("cache", "no_cache")}
         wall = {k: sum(r["ttft_s"] + r["decode_ms"] * (len(r["ids"]) - 1) / 1000 for r in results[k][kind])

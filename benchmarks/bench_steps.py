@@ -70,7 +70,7 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
           # a CPU smoke-test shape (tensor parallelism over up to 4 ranks)
           "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)}
+                       max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=False)}
 
 
 def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None):

@@ -15,6 +15,7 @@ what the server's ``timings_ms["prefill"]`` measures.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -44,11 +45,22 @@ def admit_ms(engine, prompt: list) -> float:
 
 
 def profile(engine, prompt: list, label: str, top: int) -> None:
+    """One admission (to its first token, not the rounds after) under ``torch.profiler``: the
+    kernels by time, the host's operations, and on CUDA the device's idle gaps (below)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     cuda = engine.target.device.type == "cuda"
-    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        ms = admit_ms(engine, prompt)
+    seq = Sequence(prompt, 2)
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=cuda) as prof:
+        start = time.perf_counter()
+        engine.add([seq])
+        if cuda:
+            torch.cuda.synchronize()
+        ms = 1e3 * (time.perf_counter() - start)
+    while engine.has_active:
+        engine.step()
     events = prof.key_averages()
     cuda_us = sum(e.self_device_time_total for e in events)
     print(f"\n## {label}: {ms:.2f} ms under the profiler; CUDA kernels {cuda_us / 1e3:.2f} ms in all")
@@ -56,6 +68,33 @@ def profile(engine, prompt: list, label: str, top: int) -> None:
                        max_name_column_width=60))
     if cuda:  # the host's side: what Python and the launches cost
         print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            print_gaps(json.load(open(f.name))["traceEvents"], top)
+
+
+def print_gaps(trace: list, top: int, min_us: float = 20.0) -> None:
+    """The device's idle time between its first and last kernel: the ``top`` longest gaps of at
+    least ``min_us``, each with the kernels around it and the Python functions the host ran
+    during it (innermost last) -- what the device waited for."""
+    kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    # the host's events on the thread that admitted the request (not the compile workers' threads)
+    main = next((e["tid"] for e in trace if e.get("cat") == "python_function" and "admission.py" in e["name"]), None)
+    host = [e for e in trace if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime") and "dur" in e
+            and (main is None or e["tid"] == main)]
+    gaps = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(kernels, kernels[1:])]
+    gaps = [g for g in gaps if g[0] >= min_us]
+    idle = sum(g[0] for g in gaps)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0
+    print(f"device idle in gaps >= {min_us:.0f} us: {idle / 1e3:.2f} ms of {span / 1e3:.2f} ms from the first kernel "
+          f"to the last ({len(gaps)} gaps)")
+    for gap, a, b in sorted(sorted(gaps, key=lambda g: -g[0])[:top], key=lambda g: g[1]["ts"]):  # in time order
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        # the host's innermost events during the gap (those that started in it), longest first
+        during = sorted((e for e in host if lo <= e["ts"] < hi), key=lambda e: -e["dur"])
+        names = "; ".join(dict.fromkeys(e["name"].split("/")[-1][:48] for e in during[:8]))
+        print(f"  at {(lo - kernels[0]['ts']) / 1e3:6.2f} ms {gap:6.0f} us after {a['name'][:32]!r} before "
+              f"{b['name'][:32]!r}: {names}")
 
 
 def host_profile(engine, prompt: list, label: str, top: int) -> None:
