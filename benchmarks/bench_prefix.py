@@ -105,7 +105,8 @@ class InProcessServer:
         if chunk and args.prefill_sizes:
             chunk = [int(s) for s in args.prefill_sizes.split(",")]
         self.server = build_server(target, tokenizer, "bench", proposer, tree, max_batch=1, max_len=args.max_len,
-                                   prefill_chunk=chunk or None, prefix_cache=prefix_cache)
+                                   prefill_chunk=chunk or None, prefix_cache=prefix_cache,
+                                   threads=args.engine_threads)
         chunked = self.server.engine.chunked_prefill
         self.prefill = f"chunks of {'/'.join(map(str, chunked.sizes[::-1]))}" if chunked else "one eager prefill"
         if cuda:
@@ -230,7 +231,8 @@ def run_trace(url: str, trace: dict, kind: str, max_tokens: int, replay: list = 
                 out.append({"prompt": prompt, "shared": shared(prompt), **stream(url, messages, max_tokens)})
         return out
     if chat is not None:
-        messages = [{"role": "user", "content": doc[len(doc) // 2:]}]  # (not the document's start: its blocks are cached)
+        # (not the document's start: its blocks are cached)
+        messages = [{"role": "user", "content": doc[len(doc) // 2:]}]
         for k, turn in enumerate(trace["turns"]):
             if replay is not None:
                 messages = replay[k]["messages"]
@@ -284,6 +286,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    args.engine_threads = None
+    if args.device == "cpu":  # as longspec serve: the engine's thread alone runs parallel CPU work
+        args.engine_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
     if args.shape:
         target = cuda_defaults(random_target(args.shape, dtype, args.device))  # as load_target sets it up
         tokenizer, model = IdTokenizer(), f"random {args.shape}"
@@ -310,7 +316,8 @@ def main(argv=None) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    say(f"# bench_prefix: {model} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads), "
+    threads = args.engine_threads or torch.get_num_threads()
+    say(f"# bench_prefix: {model} on {args.device} ({args.dtype}, {threads} threads), "
         f"{platform.node()}, torch {torch.__version__}")
     say(f"# document {args.context} tokens + {args.questions} questions; chat of {args.turns} turns from "
         f"{args.context // 2} tokens; {args.max_tokens} tokens per answer; proposer {args.proposer}; max_len "

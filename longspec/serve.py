@@ -89,8 +89,9 @@ class Worker:
     engine's state changes (:class:`~longspec.serve_engine.EngineCalls`, or under tensor
     parallelism the calls every rank repeats); ``engine`` is read directly."""
 
-    def __init__(self, engine: Engine, tokenizer, max_queue: int, calls=None):
+    def __init__(self, engine: Engine, tokenizer, max_queue: int, calls=None, threads: Optional[int] = None):
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self.threads = threads  # the engine thread's PyTorch CPU threads (None: the default)
         self.calls = calls or EngineCalls(engine)
         self.waiting: deque = deque()
         self.running: dict = {}  # Sequence id -> Request
@@ -160,6 +161,8 @@ class Worker:
 
     # ---- worker thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
         while True:
             with self.lock:
                 while not self.stopped and not self.waiting and not self.running and self.failure is None:
@@ -375,9 +378,9 @@ class Server:
     (``calls``: see :class:`Worker`)."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, max_queue: int = 64, calls=None,
-                 on_stop=None):
+                 on_stop=None, threads: Optional[int] = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.worker = Worker(engine, tokenizer, max_queue, calls)
+        self.worker = Worker(engine, tokenizer, max_queue, calls, threads)
         self.pieces = PieceCache(tokenizer)  # a chat's earlier messages are not tokenised again
         self.on_stop = on_stop  # called once the worker has stopped (e.g. stopping worker processes)
         self.eos = frozenset(engine.target.config.eos_token_ids)
@@ -484,15 +487,16 @@ class Server:
 def build_server(target, tokenizer, model_name: str, proposer=None, tree=None, max_batch: int = 8,
                  max_len: int = 4096, max_queue: int = 64, buckets=None, bucket_trees=None,
                  prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
-                 pool_tokens: Optional[int] = None) -> Server:
+                 pool_tokens: Optional[int] = None, threads: Optional[int] = None) -> Server:
     """An engine of ``max_batch`` rows of ``max_len`` slots with per-request sampling, and its
     worker. ``buckets``: the batch sizes rounds run at (default: powers of two up to ``max_batch``);
     ``bucket_trees``: {bucket: smaller tree, or None for plain rounds}; ``prefill_chunk``: prompts
     prefilled in graph-captured chunks of that many tokens; ``prefix_cache``: requests reuse the
-    K/V of cached prompt prefixes; ``pool_tokens``: the KV pool's size (see :class:`Engine`).
+    K/V of cached prompt prefixes; ``pool_tokens``: the KV pool's size (see :class:`Engine`);
+    ``threads``: the engine thread's PyTorch CPU threads (see ``longspec serve``'s loading).
     Raises ValueError for a ``max_len`` beyond the model's positions or a negative ``max_queue``."""
     if max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
     engine = build_engine(target, proposer, tree, max_batch, max_len, buckets, bucket_trees, prefill_chunk,
                           prefix_cache, pool_tokens)
-    return Server(engine, tokenizer, model_name, max_queue)
+    return Server(engine, tokenizer, model_name, max_queue, threads=threads)

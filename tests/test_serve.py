@@ -462,3 +462,24 @@ def test_the_prefill_time_of_a_request_whose_run_went_before_a_failed_one(tiny_d
             assert timings["prefill"] is not None and timings["prefill"] >= 0 and timings["queue"] >= 0, timings
     finally:
         loop.close()
+
+
+def test_the_engine_thread_runs_with_the_servers_cpu_threads(tiny_dir, monkeypatch):
+    """``longspec serve`` on a CPU loads on one thread and gives its --threads to the engine's
+    thread alone (two OpenMP pools made a decode step 1.4x slower): the worker sets them."""
+    import threading
+
+    from longspec.serve import build_server
+
+    calls = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads",
+                        lambda n: (calls.append((threading.current_thread().name, n)), set_threads(n))[1])
+    server = build_server(load_target(tiny_dir), None, "tiny", max_batch=1, max_len=64, threads=3)
+    try:
+        deadline = time.time() + 10
+        while not calls and time.time() < deadline:
+            time.sleep(0.01)
+        assert calls == [("longspec-engine", 3)]
+    finally:
+        server.worker.stop()
