@@ -11,7 +11,8 @@ A Hugging Face (fast) tokenizer first splits a text at its added tokens (``<|im_
 each piece between them on its own. So a text's ids are its pieces' ids, in order, with the added
 tokens' ids between them. A chat template puts such tokens around every message, so a
 conversation's long messages are whole pieces, the same text on every turn: their ids are kept
-(least recently used out, up to ``max_tokens`` ids) and only the new pieces are tokenised.
+(least recently used out, texts and ids together up to ``max_bytes``) and only the new pieces are
+tokenised.
 
 Not every tokenizer qualifies. A pre-tokenizer may treat the text's first piece differently: a
 SentencePiece-style ``Metaspace`` that prepends "▁" to the start of the text only gives the same
@@ -23,12 +24,13 @@ tokenised whole (:attr:`PieceCache.reason` says why)."""
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
 from typing import Optional
 
-MAX_TOKENS = 1 << 23  # ids kept (4 bytes each: 32 MiB)
+MAX_BYTES = 64 << 20  # what the cache may hold: its pieces' texts and their ids (4 bytes each)
 MIN_CHARS = 256  # shorter pieces are tokenised every time (cheap; not worth an entry)
 
 _PROBE_TEXTS = (" leading space, then words: the quick brown fox.", "\n\nnewlines first\nthen text  ",
@@ -39,10 +41,10 @@ class PieceCache:
     """``encode(text)``: the ids ``tokenizer(text, add_special_tokens=False)`` gives, its pieces
     between added tokens taken from a cache (see the module docstring). Thread-safe."""
 
-    def __init__(self, tokenizer, max_tokens: int = MAX_TOKENS, min_chars: int = MIN_CHARS):
-        self.tokenizer, self.max_tokens, self.min_chars = tokenizer, max_tokens, min_chars
+    def __init__(self, tokenizer, max_bytes: int = MAX_BYTES, min_chars: int = MIN_CHARS):
+        self.tokenizer, self.max_bytes, self.min_chars = tokenizer, max_bytes, min_chars
         self.pieces: OrderedDict = OrderedDict()  # piece text -> its ids (array), least recently used first
-        self.tokens = 0  # ids held
+        self.tokens = self.bytes = 0  # ids held, and bytes of texts and ids
         self.chars = self.hit_chars = 0  # characters encoded, and of those, read from the cache
         self.lock = threading.Lock()
         self.added, self.reason = self._added_tokens(tokenizer)
@@ -130,19 +132,25 @@ class PieceCache:
             self.pieces.move_to_end(piece)
         return found
 
+    @staticmethod
+    def _size(piece: str, ids) -> int:
+        return sys.getsizeof(piece) + 4 * len(ids)
+
     def _store(self, piece: str, ids: list) -> None:
-        if len(ids) > self.max_tokens or piece in self.pieces:
+        if self._size(piece, ids) > self.max_bytes or piece in self.pieces:
             return
         self.pieces[piece] = array("i", ids)
         self.tokens += len(ids)
-        while self.tokens > self.max_tokens:
-            _, old = self.pieces.popitem(last=False)
+        self.bytes += self._size(piece, ids)
+        while self.bytes > self.max_bytes:
+            old_piece, old = self.pieces.popitem(last=False)
             self.tokens -= len(old)
+            self.bytes -= self._size(old_piece, old)
 
     def stats(self) -> dict:
         """Whether the cache is on (else why not), its pieces and ids, and the share of the
         characters encoded that came from it."""
         with self.lock:
             return {"enabled": self.enabled, **({} if self.enabled else {"reason": self.reason}),
-                    "pieces": len(self.pieces), "tokens": self.tokens,
+                    "pieces": len(self.pieces), "tokens": self.tokens, "bytes": self.bytes,
                     "hit_rate": round(self.hit_chars / self.chars, 4) if self.chars else 0.0}

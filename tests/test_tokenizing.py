@@ -64,14 +64,15 @@ def test_a_growing_chat_gets_the_tokenizers_ids_from_the_cache():
         assert cache.encode(text) == tok(text, add_special_tokens=False).input_ids, repr(text)  # (now cached)
 
 
-def test_the_cache_keeps_at_most_max_tokens_ids():
+def test_the_cache_holds_at_most_max_bytes_of_texts_and_ids():
     tok = byte_level()
-    cache = PieceCache(tok, max_tokens=200, min_chars=16)
+    cache = PieceCache(tok, max_bytes=4000, min_chars=16)
     rng = random.Random(1)
     for _ in range(20):
         text = tok.apply_chat_template(random_chat(rng, 3), tokenize=False)
         assert cache.encode(text) == tok(text, add_special_tokens=False).input_ids
-        assert cache.tokens <= 200 and cache.tokens == sum(map(len, cache.pieces.values()))
+        assert cache.tokens == sum(map(len, cache.pieces.values()))
+        assert 0 < cache.bytes <= 4000 and cache.bytes == sum(map(PieceCache._size, *zip(*cache.pieces.items())))
 
 
 @pytest.mark.parametrize("make, why", [(metaspace_first, "depend on what precedes"),
