@@ -6,7 +6,7 @@ import random
 import pytest
 
 pytest.importorskip("tokenizers")
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402,E501
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from longspec.tokenizing import PieceCache  # noqa: E402
@@ -17,10 +17,22 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def byte_level(lstrip: bool = False) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE (GPT-2 / Llama 3 / Qwen style) with ChatML tokens."""
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def byte_level(lstrip: bool = False, style: str = "gpt2") -> PreTrainedTokenizerFast:
+    """A small byte-level BPE with ChatML tokens: GPT-2's pre-tokenizer (SmolLM2), or Llama 3's
+    split regex before the byte mapping (``llama3``), or that with Qwen 2's NFC normaliser
+    (``qwen2``)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if style != "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if style == "qwen2":
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|im_start|>", "<|im_end|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
@@ -46,8 +58,9 @@ def random_chat(rng: random.Random, turns: int) -> list:
             for k in range(turns)]
 
 
-def test_a_growing_chat_gets_the_tokenizers_ids_from_the_cache():
-    tok = byte_level()
+@pytest.mark.parametrize("style", ["gpt2", "llama3", "qwen2"])
+def test_a_growing_chat_gets_the_tokenizers_ids_from_the_cache(style):
+    tok = byte_level(style=style)
     cache = PieceCache(tok, min_chars=16)
     assert cache.enabled, cache.reason
     rng = random.Random(0)
@@ -58,7 +71,8 @@ def test_a_growing_chat_gets_the_tokenizers_ids_from_the_cache():
     stats = cache.stats()
     assert stats["pieces"] > 0 and 0.3 < stats["hit_rate"] < 1  # the earlier turns came from the cache
     for _ in range(30):  # raw texts: added tokens anywhere, spaces and newlines beside them
-        text = "".join(rng.choice(["<|im_start|>", "<|im_end|>", " ", "\n", "  x", "fox ", "é", "def"])
+        text = "".join(rng.choice(["<|im_start|>", "<|im_end|>", " ", "\n", "\r\n", "  x", "fox ", "é", "e\u0301",
+                                   "\u0301", "def", "'s", "123456"])
                        for _ in range(rng.randrange(1, 60)))
         assert cache.encode(text) == tok(text, add_special_tokens=False).input_ids, repr(text)
         assert cache.encode(text) == tok(text, add_special_tokens=False).input_ids, repr(text)  # (now cached)
