@@ -66,7 +66,7 @@ class PieceCache:
         if not getattr(tokenizer, "is_fast", False):
             return {}, "not a fast tokenizer"
         decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        raw = {i: t for i, t in decoder.items() if not getattr(t, "normalized", True)}
+        raw = {i: t for i, t in decoder.items() if not getattr(t, "normalized", True) and str(t.content)}
         if not raw:
             return {}, "no added tokens to split at"
         if any(t.lstrip or t.rstrip or t.single_word for t in raw.values()):
