@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
+from longspec.prefix_cache import common_prefix  # noqa: E402
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
 from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
 from longspec.decoding.tree import TreeSpec  # noqa: E402
@@ -96,7 +97,7 @@ def first_difference(model32, prompt: list, ours: list, ref: list) -> dict:
     between the two tokens and the size of one bfloat16 step (ulp) at the larger logit. A gap
     within a few ulps means both tokens are the target's greedy choice up to bf16 rounding; a
     large one would mean a wrong token (a bug)."""
-    i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    i = common_prefix(ours, ref)
     if i == min(len(ours), len(ref)):
         return {"index": i, "note": "one output is a prefix of the other"}
     with torch.no_grad():

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_steps import SHAPES, copy_bandwidth, cuda_defaults, random_target  # noqa: E402
 
 from longspec.cache import token_bytes  # noqa: E402
+from longspec.prefix_cache import common_prefix  # noqa: E402
 
 
 def cached_kv_bytes(config, tokens: int, dtype: torch.dtype) -> int:
@@ -219,7 +220,7 @@ def run_trace(url: str, trace: dict, kind: str, max_tokens: int, replay: list = 
 
         def shared(prompt):
             before = out[-1]["prompt"] if out else []
-            return next((i for i, (a, b) in enumerate(zip(prompt, before)) if a != b), min(len(prompt), len(before)))
+            return common_prefix(prompt, before)
 
     if kind == "document":
         for q in trace["questions"]:

@@ -52,6 +52,11 @@ ROOT = -1  # the parent of a prompt's first block
 PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
 
 
+def common_prefix(a, b) -> int:
+    """How many first items sequences ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @dataclass
 class Hit:
     """What a prompt finds in the cache: ``blocks`` holding its first tokens, whole, then
@@ -170,7 +175,7 @@ class PrefixCache:
         best, common = None, 0
         for block in self.children.get(parent, ()):
             cached = self.blocks[block].key[1]  # (fewer than block_size tokens: a row's last block)
-            n = next((i for i, (a, b) in enumerate(zip(cached, rest)) if a != b), min(len(rest), len(cached)))
+            n = common_prefix(cached, rest)
             if n > common:
                 best, common = block, n
         if len(self._matched) >= 64:
