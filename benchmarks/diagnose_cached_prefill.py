@@ -15,6 +15,7 @@ what the server's ``timings_ms["prefill"]`` measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,16 +30,17 @@ from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
 from longspec.decoding.engine import Sequence  # noqa: E402
 
 
-def admit_ms(engine, prompt: list) -> float:
+def admit_ms(engine, prompt: list, during=None) -> float:
     """Milliseconds of ``engine.add`` for ``prompt``, synchronised: to its first token, the row
     still running (two new tokens: a server's request lets go of its blocks after its first
-    token went out); the row ends and is freed after."""
+    token went out), inside the context ``during`` (a profiler); the row ends and is freed after."""
     seq, sync = Sequence(prompt, 2), torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
-    start = time.perf_counter()
-    engine.add([seq])
-    sync()
-    ms = 1e3 * (time.perf_counter() - start)
+    with during if during is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        engine.add([seq])
+        sync()
+        ms = 1e3 * (time.perf_counter() - start)
     while engine.has_active:
         engine.step()
     return ms
@@ -52,15 +54,8 @@ def profile(engine, prompt: list, label: str, top: int) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     cuda = engine.target.device.type == "cuda"
-    seq = Sequence(prompt, 2)
-    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=cuda) as prof:
-        start = time.perf_counter()
-        engine.add([seq])
-        if cuda:
-            torch.cuda.synchronize()
-        ms = 1e3 * (time.perf_counter() - start)
-    while engine.has_active:
-        engine.step()
+    prof = torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=cuda)
+    ms = admit_ms(engine, prompt, prof)
     events = prof.key_averages()
     cuda_us = sum(e.self_device_time_total for e in events)
     print(f"\n## {label}: {ms:.2f} ms under the profiler; CUDA kernels {cuda_us / 1e3:.2f} ms in all")
@@ -104,14 +99,8 @@ def host_profile(engine, prompt: list, label: str, top: int) -> None:
     import io
     import pstats
 
-    seq, profiler = Sequence(prompt, 2), cProfile.Profile()
-    profiler.enable()
-    engine.add([seq])
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    profiler.disable()
-    while engine.has_active:
-        engine.step()
+    profiler = cProfile.Profile()
+    admit_ms(engine, prompt, profiler)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     print(f"\n## {label}: Python functions by own time\n" + out.getvalue().split("\n", 4)[-1].strip())
