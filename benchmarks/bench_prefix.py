@@ -18,7 +18,9 @@ that ratio: the cold tail's TTFT plus one read of the cached K/V at the measured
 (the cached request's queries must read them; at the 8B shape 32k cached tokens are 4.3 GB, 1.0
 ms on an H200). Beside each TTFT, the server's own
 ``timings_ms["prefill"]`` (from the start of the request's prefill to its first token, without the
-client's and the server's handling of the prompt's JSON). On CUDA prompts are prefilled in
+client's and the server's handling of the prompt's JSON), its parse and queue time, its ``send``
+(the first text's way from the engine's thread out of the event loop) and what is left outside
+the server's timings (the client, the HTTP layers). On CUDA prompts are prefilled in
 captured chunks (``--prefill-chunk``, default 1024), a prompt's rest, as the tokens after a cached
 prefix, in the smaller chunks of its ladder (``--prefill-sizes``; ``--prefill-sizes 1024``: the
 big chunk alone, for comparison). Per trace and server: throughput
@@ -170,6 +172,14 @@ def before_prefill(result: dict) -> float:
     """Milliseconds the server spent on a request before its prefill: parsing its body
     (tokenising a text) and waiting for the worker (matching its prompt against the cache)."""
     return result["server_ms"]["parse"] + result["server_ms"]["queue"]
+
+
+def outside_server(result: dict) -> float:
+    """Milliseconds of its time to first token that the server's timings do not cover: the
+    client's send and receive, the HTTP layers before the body is read and after the first text
+    leaves the event loop."""
+    ms = result["server_ms"]
+    return 1e3 * result["ttft_s"] - before_prefill(result) - ms["prefill"] - ms["send"]
 
 
 def build_traces(args, vocab: int, tokenizer) -> dict:
@@ -372,7 +382,7 @@ def main(argv=None) -> int:
         say(f"{'req':>3} {'prompt':>7} {'shared':>7} {'cached':>7} {'ttft cache s':>12} {'ttft cold s':>11} "
             f"{'tail':>5} {'ttft tail s':>11} {'cache/tail':>10} {'cache/cold':>10} {'ms/tok cache':>12} "
             f"{'ms/tok cold':>11} {'prefill ms cache':>16} {'cold':>7} {'tail':>6} {'parse+queue ms cache':>20} {'tail':>6} "
-            f"same")
+            f"{'send ms cache':>13} {'tail':>5} {'outside ms cache':>16} {'tail':>5} same")
         ratios, full_ratios, prefill_ratios, floors = [], [], [], []
         for i, (c, n) in enumerate(zip(results["cache"][kind], results["no_cache"][kind])):
             tail = n.get("tail")
@@ -390,6 +400,8 @@ def main(argv=None) -> int:
                 f"{c['decode_ms']:>12.1f} {n['decode_ms']:>11.1f} {c['server_ms']['prefill']:>16.1f} "
                 f"{n['server_ms']['prefill']:>7.1f} {tail['server_ms']['prefill'] if tail else float('nan'):>6.1f} "
                 f"{before_prefill(c):>20.1f} {before_prefill(tail) if tail else float('nan'):>6.1f} "
+                f"{c['server_ms']['send']:>13.2f} {tail['server_ms']['send'] if tail else float('nan'):>5.2f} "
+                f"{outside_server(c):>16.2f} {outside_server(tail) if tail else float('nan'):>5.2f} "
                 f"{c['ids'] == n['ids']}")
         gen_tokens = {k: sum(len(r["ids"]) for r in results[k][kind]) for k in ("cache", "no_cache")}
         wall = {k: sum(r["ttft_s"] + r["decode_ms"] * (len(r["ids"]) - 1) / 1000 for r in results[k][kind])

@@ -49,19 +49,25 @@ class Request:
     created: float = field(default_factory=time.time)
     checked: float = 0.0  # when the event loop last checked that the client is still connected
     # perf_counter seconds: its body arrived (default: when it was built, after parsing), it was
-    # parsed, its prefill began and its first token was out
+    # parsed, its prefill began, its first token was out of the engine and its first text left
+    # the event loop (streamed)
     received: float = field(default_factory=time.perf_counter)
     parsed: float = field(default_factory=time.perf_counter)
     prefill_start: float = 0.0
     first_token: float = 0.0
+    first_sent: float = 0.0
 
     def timings_ms(self) -> dict:
         """Where its time to first token went on the server, in ms: parsing the body (and
-        tokenising), waiting for a row or KV blocks, and its prefill up to its first token (that
-        of its run of rows: requests admitted together are prefilled one run after another)."""
-        return {"parse": round(1e3 * (self.parsed - self.received), 3),
-                "queue": round(1e3 * (self.prefill_start - self.parsed), 3),
-                "prefill": round(1e3 * (self.first_token - self.prefill_start), 3) if self.first_token else None}
+        tokenising), waiting for a row or KV blocks, its prefill up to its first token (that of
+        its run of rows: requests admitted together are prefilled one run after another) and, for
+        a streamed request, its first text's way from the engine's thread out of the event loop
+        (``send``; None when not streamed)."""
+        def ms(start, end):
+            return round(1e3 * (end - start), 3) if start and end else None
+
+        return {"parse": ms(self.received, self.parsed), "queue": ms(self.parsed, self.prefill_start),
+                "prefill": ms(self.prefill_start, self.first_token), "send": ms(self.first_token, self.first_sent)}
 
     def push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)

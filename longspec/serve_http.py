@@ -225,6 +225,8 @@ async def _events(server: Server, request: Request, ident: str, kind: str, chat:
                 return
             kind_, value = event
             if kind_ == "text":
+                if not request.first_sent:
+                    request.first_sent = time.perf_counter()
                 yield chunk(value, None)
                 continue
             yield chunk(None, value) if kind_ == "done" else f"data: {json.dumps(value.body())}\n\n"

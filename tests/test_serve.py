@@ -73,10 +73,12 @@ def test_completion_and_chat(server, alone, tiny_dir):
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(extension["token_ids"])
     assert out.choices[0].finish_reason in ("length", "stop") and extension["tau"] >= 1.0
     timings = extension["timings_ms"]  # where its time to first token went on the server
-    assert set(timings) == {"parse", "queue", "prefill"} and min(timings.values()) >= 0 and timings["prefill"] > 0
-    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True)
+    assert set(timings) == {"parse", "queue", "prefill", "send"} and timings["send"] is None  # (not streamed)
+    assert min(timings["parse"], timings["queue"]) >= 0 and timings["prefill"] > 0
+    streamed = list(client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True))
     text = "".join(chunk.choices[0].text for chunk in streamed)
     assert text == out.choices[0].text
+    assert streamed[-1].model_extra["longspec"]["timings_ms"]["send"] >= 0  # its first text out of the event loop
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                           temperature=0)
     from transformers import AutoTokenizer
