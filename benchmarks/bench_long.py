@@ -27,6 +27,7 @@ timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -178,6 +179,16 @@ def decode_step_ms(target, engine, cuda: bool) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
+def say_profile(profiler, what: str, cuda: bool, rows: int = 12) -> None:
+    """The host operations of a profiled call by their own time, then its device kernels."""
+    averages = profiler.key_averages()
+    say(f"{what}: host operations by their own time")
+    say(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    if cuda:
+        say(f"{what}: device kernels")
+        say(averages.table(sort_by="self_device_time_total", row_limit=rows))
+
+
 def run_context(target, draft, args, n: int, cuda: bool) -> dict:
     c = target.config
     tree = TreeSpec.parse(args.tree)
@@ -210,11 +221,15 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         engine.cancel(warm) if not warm.done else None
         seq = Sequence(list(prompt), args.new_tokens)
         sync(cuda)
-        with Heartbeat(f"prefill {n} {mode}:{chunk}", cuda):
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if args.profile else contextlib.nullcontext()
+        with Heartbeat(f"prefill {n} {mode}:{chunk}", cuda), profiler:
             t0 = time.perf_counter()
             engine.add([seq])
             sync(cuda)
             seconds = time.perf_counter() - t0
+        if args.profile:
+            say_profile(profiler, f"[{n}] prefill {mode}:{chunk} (under the profiler)", cuda)
         out["prefill"][f"{mode}:{chunk}"] = seconds
         out["first_tokens"][f"{mode}:{chunk}"] = seq.tokens[0]
         say(f"[{n}] prefill {mode}:{chunk}: {seconds:.3f} s (first token {seq.tokens[0]})")
@@ -285,6 +300,9 @@ def main(argv=None):
                         "cudnn,flash,efficient,math (default: flash, efficient, math)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (use --shape tiny)")
+    p.add_argument("--profile", action="store_true",
+                   help="each timed prefill under the torch profiler (its time then includes the profiler's): its "
+                        "costliest host operations and device kernels")
     p.add_argument("--out", help="also write everything printed to this file")
     args = p.parse_args(argv)
     for mode in args.prefill.split(","):
