@@ -215,19 +215,20 @@ def test_the_attention_of_prompts_by_layer_is_set_up_once_where_they_can_occur(t
     calls = []
     warm_up = layer_prefill.warm_up
     monkeypatch.setattr(layer_prefill, "warm_up", lambda *a: calls.append(a) or warm_up(*a))
-    for max_len, graphs, expected in ((40, True, 1), (20, True, 0), (40, False, 0)):
+    # (prompts of both kinds of length, each at most max_len tokens)
+    for max_len, graphs, expected in ((40, True, [9, 32]), (28, True, [9, 28]), (20, True, []), (40, False, [])):
         calls.clear()
         pool = BlockPool(target.cache_config, 24, 4, target.dtype, target.device)
         cache = target.new_cache(2, max_len, pool=pool, paged=True)  # rows taking blocks from a pool
         chunked = ChunkedPrefill(target, cache, 16, None, cuda_graphs=graphs)
         monkeypatch.setattr(chunked, "by_layer_from", 24)
+        monkeypatch.setattr(chunked, "warm_tokens", (32, 9))
         chunked.prepare(0)
         assert calls == []
         chunked.prepare_by_layer()
         chunked.prepare_by_layer()
-        assert len(calls) == expected, (max_len, graphs)
-        # a real prompt by layer ran (the path and layouts of the first one), and left nothing behind
-        assert [c[2] for c in calls] == [min(chunked.warm_tokens, max_len)] * expected
+        # real prompts by layer ran (the path and layouts of the first ones), once, and left nothing behind
+        assert [c[2] for c in calls] == expected, (max_len, graphs)
         assert not cache.lengths.any() and pool.num_free == pool.num_blocks
     # a pool with fewer free blocks than the prompt needs: a shorter prompt (nothing evicted); none free: none
     pool = BlockPool(target.cache_config, 14, 4, target.dtype, target.device)

@@ -157,7 +157,9 @@ class ChunkedPrefill:
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
     by_layer_from = 24576  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
-    warm_tokens = 257  # :meth:`prepare_by_layer`'s prompt (no multiple of 16, as most prompts' lengths)
+    # :meth:`prepare_by_layer`'s prompts: cuDNN's fused attention builds a kernel of its own (about 0.6 s
+    # on an H200, once a process) for lengths that are multiples of 128 and another for the rest
+    warm_tokens = (257, 2048)
 
     def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,
                  mode: str = "captured", step_cost: Optional[int] = None):
@@ -274,21 +276,21 @@ class ChunkedPrefill:
                 self.runner(size).prepare()
 
     def prepare_by_layer(self, row: int = 0) -> None:
-        """On CUDA, where a prompt may go layer by layer, runs one short prompt by layer into row
-        ``row`` (holding no sequence; its blocks taken from the pool's free ones, never evicting a
-        cached prefix, and given back) once (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s set-up
-        among what it pays), which the first such prompt would pay."""
+        """On CUDA, where a prompt may go layer by layer, runs short prompts by layer into row
+        ``row`` (holding no sequence; their blocks taken from the pool's free ones, never evicting
+        a cached prefix, and given back) once (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s
+        set-up, and its kernels for both kinds of length, :attr:`warm_tokens`), which the first
+        such prompts would pay."""
         if self.cuda_graphs and not self.by_layer_ready and self.by_layer(self.cache.max_len):
             free = self.cache.max_len if self.cache.dense else self.cache.pool.num_free * self.cache.block_size
-            tokens = min(self.warm_tokens, self.cache.max_len, free)
-            if tokens < 1:
-                return  # (no free block now: a later warm-up tries again)
-            self.cache.assign(row, tokens)
-            try:
-                layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)  # (drops its tokens)
-            finally:
-                self.cache.unassign(row)
-            self.by_layer_ready = True
+            lengths = sorted({min(n, self.cache.max_len, free) for n in self.warm_tokens} - {0})
+            for tokens in lengths:  # (none when no block is free now: a later warm-up tries again)
+                self.cache.assign(row, tokens)
+                try:
+                    layer_prefill.warm_up(self.target, self.cache.rows(row, row + 1), tokens)  # (drops its tokens)
+                finally:
+                    self.cache.unassign(row)
+            self.by_layer_ready = bool(lengths)
 
     def runner(self, size: Optional[int] = None) -> PhaseRunner:
         """The chunk step for chunks of ``size`` tokens (default the big chunk), on the row last
