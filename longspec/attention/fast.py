@@ -69,8 +69,9 @@ def runs_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
 # ``set_priority``; an ineligible one, e.g. for lower-right causal, is skipped). cuDNN first: on the
 # H200 (``benchmarks/bench_causal.py``, ``causal_attention_h200.log``; 32 query and 8 KV heads, bf16)
 # its causal attention ran at 565-600 TFLOP/s from 8k to 128k tokens, PyTorch's default (flash) at
-# 335-345. Its first call in a process sets cuDNN up (~0.9 s, paid at an engine's warm-up) and each
-# new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer. (Compiled
+# 335-345. Its first call in a process sets cuDNN up (~0.9 s, paid at an engine's warm-up), its first
+# of each kind of length (a multiple of 128 or not) builds a kernel (~0.6 s, also paid there), and
+# each new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer. (Compiled
 # chunk steps get PyTorch's default order: see :func:`_backends`.)
 CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_BACKENDS]
 

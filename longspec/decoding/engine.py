@@ -366,7 +366,7 @@ class Engine(Admission):
     def prepare_prefill(self, by_layer: bool = False) -> None:
         """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,
         serving every row), if it has chunk steps; ``by_layer``: sets up the attention of prompts
-        long enough to go layer by layer too (once; ~0.9 s of cuDNN's on an H200). Call with no
+        long enough to go layer by layer too (once; ~1.5-2 s of cuDNN's on an H200). Call with no
         sequences in the engine."""
         chunked = self.chunked_prefill
         if chunked is not None and chunked.captured:

@@ -62,7 +62,8 @@ new to the process:
 * 131,072 tokens: chunks 16.2 s, by layer 11.6 s, transformers 17.4 s;
 
 hence the threshold between 16k and 32k. A process's first cuDNN attention call sets cuDNN up
-(~0.9 s), which an engine's warm-up pays (:meth:`ChunkedPrefill.prepare_by_layer`; a
+(~0.9 s) and its first of each kind of length (a multiple of 128 or not) builds a kernel (~0.6 s),
+which an engine's warm-up pays (:meth:`ChunkedPrefill.prepare_by_layer`; a
 ``Generator`` leaves it to its first prompt by layer); each new prompt length still
 builds a plan (~40 ms, ``diagnose_first_prefill.py``). Only targets whose layers all see every
 earlier token go by layer (:func:`~longspec.models.layer_prefill.supports`: not Gemma 3's
