@@ -44,8 +44,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from .cache import BlockPool, PoolExhausted
 
 ROOT = -1  # the parent of a prompt's first block
@@ -202,11 +200,11 @@ class PrefixCache:
         copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
         for h in hits:  # all held first: a block one prompt holds is never another's to take over
             self.acquire(h.blocks)
-        for h in hits:
-            slots = torch.arange(h.partial_tokens, device=self.pool.k.device)
-            copies.append(None if h.partial is None else
-                          (slots, self.pool.k[:, :, h.partial * self.block_size + slots],
-                           self.pool.v[:, :, h.partial * self.block_size + slots]))
+        for h in hits:  # (a block's slots are consecutive: slices, no index tensors)
+            first = None if h.partial is None else slice(h.partial * self.block_size,
+                                                         h.partial * self.block_size + h.partial_tokens)
+            copies.append(None if first is None else (self.pool.k[:, :, first].clone(),
+                                                      self.pool.v[:, :, first].clone()))
             if h.partial in self.idle and h.partial - 1 in h.blocks[-1:] and \
                     not self.children.get(self.blocks[h.partial].node):
                 # the last block of the text a row goes on from (a chat's next turn): the row takes it
@@ -217,9 +215,10 @@ class PrefixCache:
             for row, s, need, hit, copy in zip(rows, seqs, needs, hits, copies):
                 cache.assign(row, need, shared=hit.blocks)
                 if copy is not None:  # into the row's first fresh block
-                    slots, k, v = copy
-                    fresh = cache.blocks[cache.row0 + row][len(hit.blocks)] * self.block_size + slots
-                    self.pool.k[:, :, fresh], self.pool.v[:, :, fresh] = k, v
+                    k, v = copy
+                    start = cache.blocks[cache.row0 + row][len(hit.blocks)] * self.block_size
+                    self.pool.k[:, :, start:start + hit.partial_tokens] = k
+                    self.pool.v[:, :, start:start + hit.partial_tokens] = v
                 s.cached_tokens = hit.tokens(self.block_size)
                 done += 1
         except BaseException:
