@@ -58,8 +58,8 @@ def check_supported(config) -> None:
 def warm_up(target, cache: KVCache, tokens: int) -> None:
     """One prefill by layer of ``tokens`` tokens into the idle one-row ``cache`` (its blocks
     assigned), whose K/V are then dropped (its length set back to 0): what the first prompt by
-    layer would otherwise pay once, on the same path with the same layouts (a length that is no
-    multiple of 16, as most prompts' are, for the kernels' specialisations). A process's first
+    layer would otherwise pay once, on the same path with the same layouts (the kernels specialise
+    on the length: ``ChunkedPrefill.warm_tokens`` holds one of each kind). A process's first
     causal attention sets cuDNN up (about 0.9 s on an H200, ``diagnose_first_prefill.py``), its
     first of a length that is a multiple of 128, and of one that is not, builds a kernel (about
     0.6 s each: ``ChunkedPrefill.prepare_by_layer`` warms both); each new prompt length still
