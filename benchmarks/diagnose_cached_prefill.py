@@ -65,7 +65,8 @@ def profile(engine, prompt: list, label: str, top: int) -> None:
         print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
-            print_gaps(json.load(open(f.name))["traceEvents"], top)
+            with open(f.name) as trace:
+                print_gaps(json.load(trace)["traceEvents"], top)
 
 
 def print_gaps(trace: list, top: int, min_us: float = 20.0) -> None:

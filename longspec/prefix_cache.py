@@ -200,11 +200,13 @@ class PrefixCache:
         copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
         for h in hits:  # all held first: a block one prompt holds is never another's to take over
             self.acquire(h.blocks)
-        for h in hits:  # (a block's slots are consecutive: slices, no index tensors)
-            first = None if h.partial is None else slice(h.partial * self.block_size,
-                                                         h.partial * self.block_size + h.partial_tokens)
-            copies.append(None if first is None else (self.pool.k[:, :, first].clone(),
-                                                      self.pool.v[:, :, first].clone()))
+        for h in hits:
+            if h.partial is None:
+                copies.append(None)
+            else:  # (a block's slots are consecutive: slices, no index tensors)
+                start = h.partial * self.block_size
+                copies.append((self.pool.k[:, :, start:start + h.partial_tokens].clone(),
+                               self.pool.v[:, :, start:start + h.partial_tokens].clone()))
             if h.partial in self.idle and h.partial - 1 in h.blocks[-1:] and \
                     not self.children.get(self.blocks[h.partial].node):
                 # the last block of the text a row goes on from (a chat's next turn): the row takes it
