@@ -107,8 +107,10 @@ def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: 
     return max((2 * hkv * cap * d * 2 + 2 * h * m * d * 2) / bandwidth, 4 * h * pairs * d / rate)
 
 
-def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: bool = False) -> list:
-    """Times every launch configuration of the grid on one shape; prints the fastest five."""
+def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: bool = False,
+          wide: bool = False) -> list:
+    """Times every launch configuration of the grid on one shape; prints the fastest five. ``wide``:
+    also smaller key blocks with deeper pipelines and two programs per multiprocessor for full tiles."""
     import itertools
 
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
@@ -116,7 +118,8 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
     results = []
     rows = h // hkv * m
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
-    grid = itertools.product(((64, 3), (128, 2)), (8,) if big else (4, 8), (1,) if big else (1, 2), (False, True),
+    blocks = ((32, 4), (64, 2), (64, 3), (128, 2)) if wide else ((64, 3), (128, 2))
+    grid = itertools.product(blocks, (8,) if big else (4, 8), (1, 2) if wide or not big else (1,), (False, True),
                              (0, 64) if rows > 64 else (0,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
                                                    num_stages=stages, per_sm=per_sm, tma=tma, block_q=bq)
@@ -151,6 +154,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="tune our kernel's launch parameters per shape")
+    p.add_argument("--wide", action="store_true", help="--sweep over a wider grid (more key block sizes and "
+                   "programs per multiprocessor)")
     p.add_argument("--window", type=int, default=None, help="a sliding-window layer's window (default: none)")
     p.add_argument("--causal", action="store_true",
                    help="prefill chunks instead of trees: the M new tokens causal (the kernel told so)")
@@ -199,7 +204,8 @@ def main(argv=None):
             g = h // hkv
             k_rep, v_rep = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timing
             if args.sweep:
-                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.causal))
+                rows.extend(sweep(q, k, v, lengths, tree, ref, s, m, args.repeats, bandwidth, rate, args.causal,
+                                  args.wide))
                 continue
             window = args.window or 0  # the launch splits only one window's span of the cache
             impls = {

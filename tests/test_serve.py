@@ -397,6 +397,40 @@ def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
                  "--max-batch", "2", "--bucket-trees", "off", "--warm-up", "on"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if "batch buckets [1, 2] prepared in" in x)
     assert "the prefill " in line and "bucket 1's greedy rounds " in line and "bucket 2's greedy rounds " in line
+    assert "garbage collection " in line
+
+
+def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_it_serves(tiny_dir, monkeypatch):
+    """While the server runs, the objects alive when it started (the model, its compiled steps)
+    are frozen (``gc.freeze``: no full collection scans them mid-request), garbage made before it
+    is collected first, and everything is unfrozen once it stops."""
+    import gc
+    import weakref
+
+    import uvicorn
+
+    from longspec.cli import main
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    gone = weakref.ref(garbage)
+    del garbage
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append((gc.get_freeze_count(), gone())))
+    enabled = gc.isenabled()
+    gc.disable()  # (no automatic collection before the server's own)
+    try:
+        assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
+                     "--bucket-trees", "off"]) == 0
+    finally:
+        if enabled:
+            gc.enable()
+    (count, cycle), = frozen
+    assert count > 1000 and cycle is None
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache_twice(tiny_dir, monkeypatch):

@@ -188,6 +188,69 @@ def test_rounds_sort_for_top_k_or_top_p_only_while_a_sampled_row_uses_them(targe
     assert {key[:2] for key in engine.runners} == {(False, True), (False, False)}
 
 
+def test_warm_up_ends_with_a_full_garbage_collection(targets):
+    """What the warm-up (or anything before it) left as garbage is collected by the warm-up, not
+    by a full collection in the middle of a later request."""
+    import gc
+    import weakref
+
+    from longspec.decoding.engine import Engine
+
+    class Cycle:
+        pass
+
+    engine = Engine(targets["llama"], PromptLookup(), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
+    garbage = Cycle()
+    garbage.me = garbage
+    gone = weakref.ref(garbage)
+    del garbage
+    enabled = gc.isenabled()
+    gc.disable()  # (only the warm-up's own collection can free it)
+    try:
+        assert gone() is not None
+        engine.warm_up()
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_generate_call_that_compiled_collects_its_garbage_and_one_that_did_not_leaves_it(targets, monkeypatch):
+    """A ``Generator`` call that prepared (compiled, captured) steps ends with a full collection:
+    its leftovers do not make a later call pay for one; a call that prepared nothing does not.
+    (On a CPU these steps run eagerly: the preparation's seconds are the engine's, set here.)"""
+    import gc
+    import weakref
+
+    from longspec.decoding.engine import Engine
+
+    prepared = [0.0]
+    monkeypatch.setattr(Engine, "capture_seconds", lambda self: prepared[0])
+
+    class Cycle:
+        pass
+
+    def garbage():
+        cycle = Cycle()
+        cycle.me = cycle
+        return weakref.ref(cycle)
+
+    gen = Generator(targets["llama"], proposer=PromptLookup(), tree=TreeSpec.parse("2,2"))
+    config = GenerationConfig(max_new_tokens=4)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gone = garbage()
+        first = gen.generate([[1, 2, 3, 1, 2]], config, streamer=lambda row, tokens: prepared.__setitem__(0, 1.5))
+        assert first.stats["capture_s"] == 1.5 and gone() is None
+        gone = garbage()
+        second = gen.generate([[1, 2, 3, 1, 2]], config)
+        assert second.stats["capture_s"] == 0 and gone() is not None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     """While warm_up runs, ``engine.warming`` names the part being prepared (what ``longspec
     serve``'s status line prints every ~2 s); None before and after."""
@@ -203,7 +266,8 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     assert engine.warming is None
     assert seen == ["bucket 1's greedy rounds", "bucket 2's greedy rounds", "bucket 1's sampled rounds",
                     "bucket 2's sampled rounds"]
-    assert list(engine.warm_up_seconds) == ["the prefill", *seen] and min(engine.warm_up_seconds.values()) >= 0
+    assert list(engine.warm_up_seconds) == ["the prefill", *seen, "garbage collection"]
+    assert min(engine.warm_up_seconds.values()) >= 0
     lines = []
     monkeypatch.setattr("longspec.cli.commands.status", lines.append)
     with Heartbeat(lambda: "warming up", every=0.05):

@@ -128,6 +128,7 @@ def cmd_serve(args) -> int:
 def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype) -> int:
     """Warms ``server`` up (if asked) and serves it until the process is told to stop (or, under
     tensor parallelism, a worker process dies: exit code 1)."""
+    import gc
     import time
 
     import uvicorn
@@ -166,7 +167,14 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
             http.should_exit = True
 
         parallel_engine.driver.watch(on_death)
-    http.run()
+    # what lives now (the model, the compiled steps: millions of objects on a GPU) lives as long as
+    # the server: out of the collector's reach, so that no full collection scans it mid-request
+    gc.collect()
+    gc.freeze()
+    try:
+        http.run()
+    finally:
+        gc.unfreeze()
     return 1 if server.worker.failure is not None else 0
 
 

@@ -13,6 +13,7 @@ between rounds without reallocating anything: a finished row is only masked (the
 over an engine."""
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from functools import partial
@@ -322,7 +323,9 @@ class Engine(Admission):
         default the buckets' own; ``prefill_by_layer``: the long prompts' attention too (see
         :meth:`prepare_prefill`). Call with no sequences in the engine. Returns the seconds it
         took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
-        graphs compiled ({what: :func:`compile_counts`' counts})."""
+        graphs compiled ({what: :func:`compile_counts`' counts}). Ends with a full garbage
+        collection: compiling leaves millions of new Python objects, whose first full collection
+        (a large part of a second) would otherwise fall in a request soon after."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.round_kind
@@ -349,6 +352,7 @@ class Engine(Admission):
                         which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
                         what = "greedy" if greedy else "sampled (top-k / top-p)" if truncating else "sampled"
                         part(f"bucket {n}'s {what} rounds{which}", self._round(n)[1].prepare)
+            part("garbage collection", gc.collect)
         finally:
             self.warming = None
         if trees is not None and len(set(map(str, own.values()))) == 1:

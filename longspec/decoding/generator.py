@@ -9,6 +9,7 @@ compilation and capture: greedy, sampled, sampled with top-k / top-p (its rounds
 vocabulary: a kind of their own, which other sampled calls do not pay for)."""
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -343,6 +344,10 @@ class Generator:
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
+        if stats["capture_s"] > 0:
+            # this call compiled: the millions of objects that leaves are collected now, in the call
+            # that paid seconds for them, not by a full collection in the middle of a later call
+            gc.collect()
         if trees:
             stats["trees"] = trees  # (tokens generated, tree from then on: "None" = plain rounds)
         if note:
