@@ -303,7 +303,7 @@ class Generator:
         proposer, tree, start, retune, note = plan.proposer, plan.tree, plan.start, plan.retune, plan.note
         plan_s = time.perf_counter() - t_plan
         engine = self.engine(proposer, tree, len(prompts))
-        captures_before = engine.capture_seconds()
+        captures_before = collected_at = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
         if self.proposer == "auto" and proposer is not None and engine.cuda_graphs and \
@@ -315,6 +315,7 @@ class Generator:
             every = [t for t in cuda_trees(self.draft) if t.fits_in(tree)]
             engine.warm_up(trees=[*dict.fromkeys([tree, *every]), None], prefill_by_layer=False)  # (only a long prompt needs that)
             engine.auto_ready = True
+            collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
         if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
@@ -344,7 +345,7 @@ class Generator:
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
-        if stats["capture_s"] > 0:
+        if engine.capture_seconds() > collected_at:
             # this call compiled: the millions of objects that leaves are collected now, in the call
             # that paid seconds for them, not by a full collection in the middle of a later call
             gc.collect()
