@@ -197,39 +197,47 @@ class PrefixCache:
         caller unassigns the others). ``hits``: each prompt's :meth:`match`, if nothing changed the
         cache since (default: matched now)."""
         hits = [self.match(s.prompt) for s in seqs] if hits is None else hits
-        copies = []  # the K/V of the partly matching blocks' first tokens, read before any of them is evicted
         for h in hits:  # all held first: a block one prompt holds is never another's to take over
             self.acquire(h.blocks)
         for h in hits:
-            if h.partial is None:
-                copies.append(None)
-            else:  # (a block's slots are consecutive: slices, no index tensors)
-                start = h.partial * self.block_size
-                copies.append((self.pool.k[:, :, start:start + h.partial_tokens].clone(),
-                               self.pool.v[:, :, start:start + h.partial_tokens].clone()))
             if h.partial in self.idle and h.partial - 1 in h.blocks[-1:] and \
                     not self.children.get(self.blocks[h.partial].node):
                 # the last block of the text a row goes on from (a chat's next turn): the row takes it
-                # over, so its blocks stay consecutive (a CPU reads a lone such row in place)
+                # over, so its blocks stay consecutive (a CPU reads a lone such row in place) and its
+                # tokens need no copy. (An evicted or allocated block keeps its K/V until written.)
                 self._evict(h.partial)
-        done = 0
+        done, moves = 0, []
         try:
-            for row, s, need, hit, copy in zip(rows, seqs, needs, hits, copies):
+            for row, s, need, hit in zip(rows, seqs, needs, hits):
                 cache.assign(row, need, shared=hit.blocks)
-                if copy is not None:  # into the row's first fresh block
-                    k, v = copy
-                    start = cache.blocks[cache.row0 + row][len(hit.blocks)] * self.block_size
-                    self.pool.k[:, :, start:start + hit.partial_tokens] = k
-                    self.pool.v[:, :, start:start + hit.partial_tokens] = v
+                if hit.partial is not None:  # its first tokens into the row's first fresh block
+                    moves.append((hit.partial, cache.blocks[cache.row0 + row][len(hit.blocks)], hit.partial_tokens))
                 s.cached_tokens = hit.tokens(self.block_size)
                 done += 1
         except BaseException:
             for hit in hits[done:]:
                 self.release(hit.blocks)
             raise
+        self.copy_slots(moves)
         for s in seqs:
             self.prompt_tokens += len(s.prompt)
             self.hit_tokens += s.cached_tokens
+
+    def copy_slots(self, moves: list) -> None:
+        """For each ``(source, target, n)``: block ``source``'s first ``n`` slots (every layer's K
+        and V) into block ``target``'s, every source read before any target is written (a source
+        may be another move's target); a block onto itself costs nothing. (A block's slots are
+        consecutive: slices, no index tensors.)"""
+        moves = [m for m in moves if m[0] != m[1]]
+        targets = {target for _, target, _ in moves}
+        size, pool = self.block_size, self.pool
+        read = []
+        for source, _, n in moves:
+            k, v = (x[:, :, source * size:source * size + n] for x in (pool.k, pool.v))
+            read.append((k.clone(), v.clone()) if source in targets else (k, v))
+        for (k, v), (_, target, n) in zip(read, moves):
+            pool.k[:, :, target * size:target * size + n] = k
+            pool.v[:, :, target * size:target * size + n] = v
 
     def pinned_by(self, hits: list) -> int:
         """Idle blocks among ``hits`` (from :meth:`match`): a request that takes them cannot

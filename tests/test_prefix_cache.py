@@ -209,6 +209,21 @@ def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_f
     assert pool.num_free + len(cache.idle) == 10 and not cache.refs
 
 
+def test_copies_of_partly_matching_blocks_read_every_source_before_writing_any_target(target):
+    """``copy_slots``: a source that is also another copy's target is read first; a block copied
+    onto itself (a row that took its partial block over) is left as it is."""
+    pool = BlockPool(target.config, num_blocks=6, block_size=4)
+    for x in (pool.k, pool.v):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    PrefixCache(pool).copy_slots([(1, 2, 3), (2, 3, 2), (4, 4, 4)])
+    for now, was in ((pool.k, before_k), (pool.v, before_v)):
+        assert torch.equal(now[:, :, 8:11], was[:, :, 4:7])  # block 1's first 3 slots into block 2
+        assert torch.equal(now[:, :, 12:14], was[:, :, 8:10])  # block 2's, as they were, into block 3
+        assert torch.equal(now[:, :, 11:12], was[:, :, 11:12]) and torch.equal(now[:, :, 14:], was[:, :, 14:])
+        assert torch.equal(now[:, :, :8], was[:, :, :8])
+
+
 # ---- engines -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["none", "pld", "streaming", "longspec", "hybrid"])
@@ -360,10 +375,10 @@ def test_generator_calls_reuse_the_prefixes_of_earlier_calls(target):
     assert second.sequences[0] == cold(target, doc + [2, 3], 8)
 
 
-def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_first(target):
-    """The block a prompt goes on into part of the way is copied before the admission allocates,
-    not held: a request whose fresh blocks need that very block evicted is admitted (not refused
-    for want of one block), and its output is exact."""
+def test_a_partly_matching_block_evicted_by_its_own_admission_is_copied_from(target):
+    """The block a prompt goes on into part of the way is not held: a request whose fresh blocks
+    need that very block evicted is admitted (not refused for want of one block), its tokens
+    copied after the allocation (which writes no block), and its output is exact."""
     engine = engine_for(target, "none", max_batch=1, max_len=128, pool_tokens=6 * BLOCK)
     a = tokens(40, 40)
     run(engine, [a], n=2)  # 2 whole blocks cached, and the last one (a's 41st token in it)
