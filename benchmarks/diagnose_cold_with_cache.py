@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--top", type=int, default=12, help="rows listed per profile table")
     p.add_argument("--no-profile", action="store_true", help="times only")
+    p.add_argument("--profile-first", action="store_true",
+                   help="profile the first fresh document (a new length's one-offs) instead of one after the timed ones")
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after each engine's warm-up")
     p.add_argument("--engines", default="0,1,2",
                    help="which of the three engines to build (0: no cache, 1: a pool of one row, 2: of two rows)")
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
         first = admit_ms(engine, fresh(args.context))
         first_gc = collections.take()
         length = args.context + 37 + index
+        if args.profile_first:
+            profile(engine, fresh(length), f"{label}: the first fresh document", args.top)
         times = []
         for _ in range(args.repeats):
             times.append(f"{admit_ms(engine, fresh(length)):.1f} ({collections.take()})")
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
               f"({gc.get_freeze_count()} frozen); first document {first:.1f} ms ({first_gc}); "
               f"fresh documents of {length} tokens: {', '.join(times)} ms; pool blocks {engine.pool.num_blocks}, "
               f"evicted {stats.get('evicted_blocks', 0)}; a full collection after them {after:.0f} ms", flush=True)
-        if not args.no_profile:
+        if not args.no_profile and not args.profile_first:
             profile(engine, fresh(length), f"{label}: a fresh document", args.top)
             host_profile(engine, fresh(length), f"{label}: a fresh document", args.top)
         engine.close()
