@@ -400,10 +400,13 @@ def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
     assert "garbage collection " in line
 
 
-def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_it_serves(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("warm_up", ["off", "on"])
+def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_it_serves(tiny_dir, monkeypatch,
+                                                                                          warm_up):
     """While the server runs, the objects alive when it started (the model, its compiled steps)
     are frozen (``gc.freeze``: no full collection scans them mid-request), garbage made before it
-    is collected first, and everything is unfrozen once it stops."""
+    is collected first (by the warm-up's collection, or its own), and everything is unfrozen once
+    it stops."""
     import gc
     import weakref
 
@@ -424,7 +427,7 @@ def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_
     gc.disable()  # (no automatic collection before the server's own)
     try:
         assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
-                     "--bucket-trees", "off"]) == 0
+                     "--bucket-trees", "off", "--warm-up", warm_up]) == 0
     finally:
         if enabled:
             gc.enable()

@@ -136,7 +136,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
     from ..serve_http import create_app
 
     model_name = server.model_name
-    if args.warm_up == "on" or (args.warm_up == "auto" and device.startswith("cuda")):
+    warm_up = args.warm_up == "on" or (args.warm_up == "auto" and device.startswith("cuda"))
+    if warm_up:
         status(f"warming up batch buckets {server.engine.buckets} (compiling and capturing each: up to minutes on "
                "a GPU; the server answers once they are ready)")
         start = time.perf_counter()
@@ -167,9 +168,11 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
             http.should_exit = True
 
         parallel_engine.driver.watch(on_death)
-    # what lives now (the model, the compiled steps: millions of objects on a GPU) lives as long as
-    # the server: out of the collector's reach, so that no full collection scans it mid-request
-    gc.collect()
+    # what lives now (the model, the compiled steps: some 400,000 objects at the 8B shape) lives as
+    # long as the server: out of the collector's reach, so that no full collection scans it
+    # mid-request (the warm-up ends with a full collection: none again)
+    if not warm_up:
+        gc.collect()
     gc.freeze()
     try:
         http.run()
