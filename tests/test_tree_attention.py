@@ -382,6 +382,20 @@ def test_store_kernel_writes_what_indexing_writes(m, outside):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def test_the_store_kernel_is_compiled_once_whatever_the_prompt_length():
+    """The store kernel does not specialise on what changes with a prompt's length (its row
+    count, the batch strides of its pieces and their slots): a first long prompt of a new length
+    compiles nothing. Checked on the compiled kernel (outside the interpreter the tests run in)."""
+    import subprocess
+    import sys
+
+    code = ("from longspec.attention.triton_kernels import _store_kv_kernel as k; "
+            "print(sorted(p.name for p in k.params if p.do_not_specialize))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[-2] == str(sorted(["M", "ss_b", "skn_b", "svn_b"]))
+
+
 def test_tma_loads_by_default_for_full_tiles_on_hopper(monkeypatch):
     """The default config loads K/V through TMA descriptors for tiles of 128 rows on Hopper or
     newer (faster there), not for smaller tiles (decode); the result is the same either way."""
