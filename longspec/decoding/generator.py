@@ -346,7 +346,7 @@ class Generator:
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if engine.capture_seconds() > collected_at:
-            # this call compiled: the millions of objects that leaves are collected now, in the call
+            # this call compiled: the many objects that leaves are collected now, in the call
             # that paid seconds for them, not by a full collection in the middle of a later call
             gc.collect()
         if trees:
