@@ -10,9 +10,9 @@ each engine's first prompt of that length builds its attention plan) timed from 
 to the first token, synchronised; then one more under ``torch.profiler`` (the kernels and the
 host's operations by time) and under ``cProfile`` (the Python functions by their own time).
 Python's garbage collections of the oldest generation during each timed admission are listed
-beside it (a process that compiled its steps holds hundreds of thousands of objects: one such collection can
-take a large part of a second); ``--freeze`` moves everything alive after the warm-up out of the
-collector's reach (``gc.freeze``), as ``longspec serve`` does.
+beside it (a process that compiled its steps holds hundreds of thousands of objects: one such
+collection can take a large part of a second); ``--freeze`` moves everything alive after the
+warm-up out of the collector's reach (``gc.freeze``), as ``longspec serve`` does.
 
     python benchmarks/diagnose_cold_with_cache.py --shape llama-8b --context 32768
 """
