@@ -249,9 +249,7 @@ if triton is not None:
         tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
-    # the row count and the batch strides change with every prompt's length (a prompt by layer is stored
-    # in pieces, its slots a view of the whole prompt's): compiled once for all, not once for each
-    # way they divide by 16 (a first long prompt of an odd length paid ~0.19 s of compilation)
+    # one variant for every prompt length: the row count and batch strides that change with it unspecialised
     @triton.jit(do_not_specialize=["M", "ss_b", "skn_b", "svn_b"])
     def _store_kv_kernel(K, V, KN, VN, SLOTS, sc_b, sc_h, sc_s, skn_b, skn_h, skn_m, svn_b, svn_h, svn_m, ss_b, ss_m,
                          HKV, M, CAP, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
