@@ -28,6 +28,9 @@ floor counting the row's keys, e.g. ``--contexts 8192,32768,65536 --trees 1,32,6
 131136`` (the split-KV plan is made for the capacity; the kernel spreads a row over the splits by
 its own length).
 
+``--merge 8,16,22`` times the merge of that many split-KV parts alone, in each of its forms
+(``merge_plan``), e.g. ``--trees 1,16,32,64 --merge 8,16`` at the 8B shape.
+
 ``--sweep`` times our kernel over a grid of launch parameters (:class:`KernelConfig`: key
 block, warps, pipeline stages, split-KV programs per multiprocessor, TMA loads, 64-row tiles)
 per shape instead, and prints the fastest few and the default's rank (each checked against the
@@ -145,6 +148,31 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
     return results[:5]
 
 
+def merge_forms(hkv: int, g: int, m: int, d: int, n_parts: int, repeats: int) -> dict:
+    """The merge kernel alone over ``n_parts`` random partial outputs of one row's M queries (G
+    query heads a KV head): microseconds a call of each form (``merge_plan``): ``looped`` one part
+    at a time in 16-row programs, ``at once`` every part in one load, ``plan`` the one launches use;
+    the outputs of all forms equal."""
+    rows = g * m
+    op = torch.randn(1, hkv, n_parts, rows, d, device="cuda")
+    lp = torch.randn(1, hkv, n_parts, rows, device="cuda") * 3
+    out = torch.empty(1, m, hkv * g, d, dtype=torch.bfloat16, device="cuda")
+    args = (op, lp, out, *op.stride()[:4], *lp.stride()[:3], *out.stride()[:3], hkv, m, g, n_parts)
+    forms = {"looped": (1, 16), "at once": triton_kernels.merge_plan(n_parts, rows, d, KernelConfig().merge_elements),
+             "plan": triton_kernels.merge_plan(n_parts, rows, d, KernelConfig().merge_elements, hkv,
+                                               triton_kernels._multiprocessors(out.device))}
+    times, first = {}, None
+    for name, (parts, block_r) in forms.items():
+        def call():
+            triton_kernels._merge_kernel[(hkv, -(-rows // block_r))](*args, PARTS_P2=1 << (n_parts - 1).bit_length(),
+                                                                     PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
+        call()
+        first = out.clone() if first is None else first
+        assert torch.allclose(out.float(), first.float(), atol=2e-2), f"the {name} merge differs"
+        times[name] = timed(call, repeats) * 1e6
+    return times
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="8192,32768,131072")
@@ -164,7 +192,16 @@ def main(argv=None):
     p.add_argument("--methods", default=None,
                    help="comma-separated names of the rows to time, e.g. 'triton' or 'triton,flash (causal)' "
                         "(default: all)")
+    p.add_argument("--merge", default=None, help="comma-separated part counts: time the merge kernel alone "
+                   "(its forms) over that many split-KV parts of each --trees M, instead of attention")
     args = p.parse_args(argv)
+    if args.merge:
+        for n_parts in map(int, args.merge.split(",")):
+            for m in map(int, args.trees.split(",")):
+                t = merge_forms(args.kv_heads, args.heads // args.kv_heads, m, args.head_dim, n_parts, args.repeats)
+                print(f"parts {n_parts:>3} M={m:>3} " + "  ".join(f"{k} {v:6.2f} us" for k, v in t.items()),
+                      flush=True)
+        return
     if args.capacity and (args.sweep or args.window):
         p.error("--capacity times the default launch without a window: run it without --sweep and --window")
     if args.sweep and args.window:

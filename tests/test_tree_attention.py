@@ -10,8 +10,8 @@ import torch
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
-from longspec.attention.triton_kernels import (KernelConfig, masked_attention, plan, prefix_attention,  # noqa: E402
-                                               tree_attention)
+from longspec.attention.triton_kernels import (KernelConfig, masked_attention, merge_plan, plan,  # noqa: E402
+                                               prefix_attention, tree_attention)
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
@@ -134,13 +134,29 @@ def test_lengths_outside_the_cache_never_read_outside_it():
 
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16),
-                                    KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1, merge_rows=64),
+                                    KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1),
+                                    KernelConfig(block_n=16, programs=64, min_chunk=16, merge_elements=32),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
                                     KernelConfig(block_q=32, block_n=16, programs=1, tma=True),
                                     KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
+
+
+def test_merge_plan_loads_every_part_within_the_budget():
+    """The merge takes all the parts in one load where they fit the budget (many small programs),
+    else the most that fit, looped; one part at a time in 16-row programs where those alone fill
+    the device; a power of two of rows, at least one."""
+    assert merge_plan(22, 174, 64, 4096, units=3) == (32, 2)
+    assert merge_plan(16, 64, 128, 4096, units=8) == (16, 2)
+    assert merge_plan(132, 4, 128, 4096) == (32, 1)  # looped: 5 passes of 32 parts
+    assert merge_plan(3, 1, 256, 4096) == (4, 1)
+    assert merge_plan(8, 256, 128, 4096, units=8, programs=132) == (1, 16)  # 128 programs of 16 rows
+    assert merge_plan(8, 256, 128, 4096, units=8, programs=512) == (8, 4)
+    for n_parts, rows, d in ((1, 1, 16), (7, 300, 32), (200, 16, 256)):
+        parts, block_r = merge_plan(n_parts, rows, d, 4096)
+        assert parts * block_r * d <= 4096 and block_r >= 1 and not parts & (parts - 1) and not block_r & (block_r - 1)
 
 
 def test_plan_covers_the_capacity():

@@ -25,7 +25,7 @@ class KernelConfig:
     num_stages: int = 0  # 0: Triton's default
     programs: int = 0
     per_sm: int = 0
-    merge_rows: int = 16  # rows per program of the merge kernel (smaller: more programs)
+    merge_elements: int = 4096  # partial-output elements a merge program loads at once (see merge_plan)
     min_chunk: int = 128
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
     # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
@@ -70,6 +70,19 @@ def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int, budget:
             break
     warps = c.num_warps or (4 if block_q * head_dim <= 4 * 32 * ACC_ELEMENTS_PER_THREAD and block_q <= 64 else 8)
     return block_q, block_n, warps, stages
+
+
+def merge_plan(n_parts: int, rows: int, head_dim: int, elements: int, units: int = 1, programs: int = 132) -> tuple:
+    """(parts, block_r) of the merge kernel: each program loads ``parts`` partial outputs of
+    ``block_r`` rows at once. Where 16-row programs alone fill half the device (``units`` (row,
+    KV head) pairs, ``programs`` multiprocessors), one part at a time in 16-row programs (many
+    loads in flight already); else [parts, block_r, head_dim] within ``elements``: all the parts
+    where they fit, one round trip to memory instead of one a part (a step's few rows over many
+    parts). Timings: ``bench_attention.py --merge`` (docs/benchmarks.md)."""
+    if units * -(-rows // 16) >= programs // 2:
+        return 1, 16
+    parts = min(next_power_of_2(n_parts), max(1, elements // head_dim))
+    return parts, max(1, min(next_power_of_2(rows), elements // (parts * head_dim)))
 
 
 def shared_memory_budget(block_limit: int) -> int:

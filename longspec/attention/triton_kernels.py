@@ -11,12 +11,10 @@ read the chunk's keys from L2 once it is there, and the split plan fills whole w
 device's multiprocessors. A second kernel merges the chunks' partial outputs by their LSE and
 writes the result in the layout the output projection reads (one chunk: written directly).
 
-The same kernel serves plain decode (M = 1), the draft's cross-attention into the target cache
-(:func:`prefix_attention`: per-query limits, no tree part) and its ring-buffer self-attention
-(:func:`masked_attention`: no prefix, the whole buffer as the masked part).
+The same kernel serves decode (M = 1), the draft's cross-attention into the target cache (:func:`prefix_attention`:
+per-query limits, no tree part) and its ring buffer's self-attention (:func:`masked_attention`: no prefix).
 
-The oracle is :mod:`longspec.attention.reference`; on a CPU the kernels run under
-``TRITON_INTERPRET=1`` (float16 / float32 there)."""
+The oracle is :mod:`longspec.attention.reference`; CPUs run the kernels under ``TRITON_INTERPRET=1``."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
-from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, plan,  # noqa: F401
+from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
                           shared_memory_budget, shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
@@ -224,26 +222,28 @@ if triton is not None:
                 sout_b, sout_m, sout_h, M, G, DIRECT, HEAD_D)
 
     @triton.jit
-    def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                      HKV, M, G, N_PARTS, PARTS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+    def _merge_kernel(OP, LP, OUT, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h, HKV, M, G, N_PARTS,
+                      PARTS_P2: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_D: tl.constexpr):
+        # all the LSEs at once, then the outputs PARTS parts a load (an empty part's, LSE -inf: not read)
         pid, tile = tl.program_id(0), tl.program_id(1)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
         d = tl.arange(0, HEAD_D)
-        lp = LP + b * sl_b + h * sl_h
-        parts = tl.arange(0, PARTS_P2)
-        every = tl.load(lp + parts[:, None] * sl_s + rows[None, :], mask=(parts < N_PARTS)[:, None] & row_ok[None, :],
-                        other=float("-inf"))  # [PARTS_P2, BLOCK_R]: all the parts' LSEs at once
-        m = tl.max(every, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lp, op = LP + b * sl_b + h * sl_h, OP + b * so_b + h * so_h
+        every = tl.arange(0, PARTS_P2)
+        every = tl.load(lp + every[:, None] * sl_s + rows[None, :], mask=(every < N_PARTS)[:, None] & row_ok[None, :],
+                        other=float("-inf"))  # [PARTS_P2, BLOCK_R]
+        m_safe = tl.where(tl.max(every, 0) == float("-inf"), 0.0, tl.max(every, 0))
         total = tl.sum(tl.exp2(every - m_safe[None, :]), 0)
         acc = tl.zeros([BLOCK_R, HEAD_D], tl.float32)
-        for part in range(0, N_PARTS):  # independent loads: only the sum is carried
-            w = tl.exp2(tl.load(lp + part * sl_s + rows, mask=row_ok, other=float("-inf")) - m_safe)
-            o = tl.load(OP + b * so_b + h * so_h + part * so_s + rows[:, None] * so_r + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            acc += o * w[:, None]
+        for first in range(0, N_PARTS, PARTS):  # independent loads: only the sum is carried
+            parts = first + tl.arange(0, PARTS)
+            w = tl.exp2(tl.load(lp + parts[:, None] * sl_s + rows[None, :],
+                                mask=(parts < N_PARTS)[:, None] & row_ok[None, :], other=float("-inf")) - m_safe)
+            o = tl.load(op + parts[:, None, None] * so_s + rows[None, :, None] * so_r + d[None, None, :],
+                        mask=(w > 0)[:, :, None], other=0.0)
+            acc += tl.sum(o * w[:, :, None], 0)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         g, i = rows // M, rows % M
         tl.store(OUT + b * sout_b + i[:, None] * sout_m + (h * G + g)[:, None] * sout_h + d[None, :],
@@ -319,8 +319,8 @@ def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
         raise ValueError(f"Triton attention: dtypes differ (q {q.dtype}, cache {k_cache.dtype})")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("Triton attention: the head dimension must be contiguous")
-    if (any(x & (x - 1) or 0 < x < 16 for x in (c.block_q, c.block_n, c.merge_rows)) or 0 in (c.block_n, c.merge_rows)
-            or c.programs < 0 or c.per_sm < 0 or c.min_chunk < 1):
+    blocks = (c.block_q, c.block_n, c.merge_elements)
+    if any(x & x - 1 or 0 < x < 16 for x in blocks) or 0 in blocks[1:] or min(c.programs, c.per_sm, c.min_chunk - 1) < 0:
         raise ValueError(f"Triton attention: bad kernel config {c} (block sizes: powers of two >= 16)")
     return c
 
@@ -391,9 +391,10 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
-            _merge_kernel[(b * hkv, triton.cdiv(rows, c.merge_rows))](
-                o_part, lse_part, out, *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-                hkv, m, g, n_splits, PARTS_P2=triton.next_power_of_2(n_splits), BLOCK_R=c.merge_rows, HEAD_D=d)
+            parts, block_r = merge_plan(n_splits, rows, d, c.merge_elements, b * hkv, programs)
+            _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](
+                o_part, lse_part, out, *op_strides, *lp_strides, *out.stride()[:3], hkv, m, g, n_splits,
+                PARTS_P2=triton.next_power_of_2(n_splits), PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
     return out.transpose(1, 2)
 
 
