@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longspec.attention import matmul_attention, reference  # noqa: E402
 from longspec.attention import triton_kernels  # noqa: E402
 from longspec.attention.fast import causal_attention  # noqa: E402
+from longspec.attention.launch_plan import next_power_of_2  # noqa: E402
 from longspec.attention.paged import rows_of  # noqa: E402
 from longspec.attention.triton_kernels import KernelConfig, tree_attention  # noqa: E402
 
@@ -164,7 +165,7 @@ def merge_forms(hkv: int, g: int, m: int, d: int, n_parts: int, repeats: int) ->
     times, first = {}, None
     for name, (parts, block_r) in forms.items():
         def call():
-            triton_kernels._merge_kernel[(hkv, -(-rows // block_r))](*args, PARTS_P2=1 << (n_parts - 1).bit_length(),
+            triton_kernels._merge_kernel[(hkv, -(-rows // block_r))](*args, PARTS_P2=next_power_of_2(n_parts),
                                                                      PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
         call()
         first = out.clone() if first is None else first

@@ -7,8 +7,10 @@ biases, q/k norms) changes the logits measurably.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -219,7 +221,29 @@ def needs_default_model():
         pytest.skip(str(err))
 
 
+class _Cycle:
+    """Refers to itself: only a garbage collection frees it."""
+
+
+def cyclic_garbage() -> weakref.ref:
+    """A weak reference to a new unreachable reference cycle: dead once a full collection ran."""
+    cycle = _Cycle()
+    cycle.me = cycle
+    return weakref.ref(cycle)
+
+
 # -------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+def automatic_gc_off():
+    """Python's automatic garbage collections off during the test (explicit ones still run)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

@@ -17,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from longspec import GenerationConfig, load_target  # noqa: E402
 from longspec.decoding.generator import Generator  # noqa: E402
+from conftest import cyclic_garbage  # noqa: E402
 from server_process import Server, copy_tokenizer  # noqa: E402
 
 
@@ -402,35 +403,22 @@ def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
 
 @pytest.mark.parametrize("warm_up", ["off", "on"])
 def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_it_serves(tiny_dir, monkeypatch,
-                                                                                          warm_up):
+                                                                                          warm_up, automatic_gc_off):
     """While the server runs, the objects alive when it started (the model, its compiled steps)
     are frozen (``gc.freeze``: no full collection scans them mid-request), garbage made before it
     is collected first (by the warm-up's collection, or its own), and everything is unfrozen once
     it stops."""
     import gc
-    import weakref
 
     import uvicorn
 
     from longspec.cli import main
 
-    class Cycle:
-        pass
-
-    garbage = Cycle()
-    garbage.me = garbage
-    gone = weakref.ref(garbage)
-    del garbage
+    gone = cyclic_garbage()  # (no automatic collection before the server's own)
     frozen = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append((gc.get_freeze_count(), gone())))
-    enabled = gc.isenabled()
-    gc.disable()  # (no automatic collection before the server's own)
-    try:
-        assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
-                     "--bucket-trees", "off", "--warm-up", warm_up]) == 0
-    finally:
-        if enabled:
-            gc.enable()
+    assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
+                 "--bucket-trees", "off", "--warm-up", warm_up]) == 0
     (count, cycle), = frozen
     assert count > 1000 and cycle is None
     assert gc.get_freeze_count() == 0

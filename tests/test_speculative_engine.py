@@ -12,6 +12,7 @@ from longspec.decoding.generator import Generator
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.streaming import StreamingSelfSpec
 from longspec.decoding.tree import TreeSpec
+from conftest import cyclic_garbage  # noqa: E402
 from test_speculative import prompts_for
 
 
@@ -188,67 +189,35 @@ def test_rounds_sort_for_top_k_or_top_p_only_while_a_sampled_row_uses_them(targe
     assert {key[:2] for key in engine.runners} == {(False, True), (False, False)}
 
 
-def test_warm_up_ends_with_a_full_garbage_collection(targets):
+def test_warm_up_ends_with_a_full_garbage_collection(targets, automatic_gc_off):
     """What the warm-up (or anything before it) left as garbage is collected by the warm-up, not
     by a full collection in the middle of a later request."""
-    import gc
-    import weakref
-
     from longspec.decoding.engine import Engine
 
-    class Cycle:
-        pass
-
     engine = Engine(targets["llama"], PromptLookup(), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
-    garbage = Cycle()
-    garbage.me = garbage
-    gone = weakref.ref(garbage)
-    del garbage
-    enabled = gc.isenabled()
-    gc.disable()  # (only the warm-up's own collection can free it)
-    try:
-        assert gone() is not None
-        engine.warm_up()
-        assert gone() is None
-    finally:
-        if enabled:
-            gc.enable()
+    gone = cyclic_garbage()  # (only the warm-up's own collection can free it)
+    assert gone() is not None
+    engine.warm_up()
+    assert gone() is None
 
 
-def test_a_generate_call_that_compiled_collects_its_garbage_and_one_that_did_not_leaves_it(targets, monkeypatch):
+def test_a_generate_call_that_compiled_collects_its_garbage_and_one_that_did_not_leaves_it(targets, monkeypatch,
+                                                                                             automatic_gc_off):
     """A ``Generator`` call that prepared (compiled, captured) steps ends with a full collection:
     its leftovers do not make a later call pay for one; a call that prepared nothing does not.
     (On a CPU these steps run eagerly: the preparation's seconds are the engine's, set here.)"""
-    import gc
-    import weakref
-
     from longspec.decoding.engine import Engine
 
     prepared = [0.0]
     monkeypatch.setattr(Engine, "capture_seconds", lambda self: prepared[0])
-
-    class Cycle:
-        pass
-
-    def garbage():
-        cycle = Cycle()
-        cycle.me = cycle
-        return weakref.ref(cycle)
-
     gen = Generator(targets["llama"], proposer=PromptLookup(), tree=TreeSpec.parse("2,2"))
     config = GenerationConfig(max_new_tokens=4)
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        gone = garbage()
-        first = gen.generate([[1, 2, 3, 1, 2]], config, streamer=lambda row, tokens: prepared.__setitem__(0, 1.5))
-        assert first.stats["capture_s"] == 1.5 and gone() is None
-        gone = garbage()
-        second = gen.generate([[1, 2, 3, 1, 2]], config)
-        assert second.stats["capture_s"] == 0 and gone() is not None
-    finally:
-        if enabled:
-            gc.enable()
+    gone = cyclic_garbage()
+    first = gen.generate([[1, 2, 3, 1, 2]], config, streamer=lambda row, tokens: prepared.__setitem__(0, 1.5))
+    assert first.stats["capture_s"] == 1.5 and gone() is None
+    gone = cyclic_garbage()
+    second = gen.generate([[1, 2, 3, 1, 2]], config)
+    assert second.stats["capture_s"] == 0 and gone() is not None
 
 
 def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
@@ -302,12 +271,11 @@ def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
     assert Engine(target, Whole(), TreeSpec.parse("chain:2"), max_batch=4, max_len=64).buckets == [4]
 
 
-def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targets):
+def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targets, automatic_gc_off):
     """Calls with other prompt lengths, max_new_tokens and sampling settings reuse the generator's
     engine (its pool, proposer state and graphs); a call with more prompts than it has rows
     replaces it, and the old one is released (its caches) without waiting for a garbage
     collection: the engine holds no reference cycle once closed."""
-    import gc
     import weakref
 
     target = targets["llama"]
@@ -320,12 +288,8 @@ def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targe
     assert Generator(target, gen.proposer, "2,2")._engine is None  # (built on its first call)
     old = weakref.ref(first)
     del first
-    gc.disable()
-    try:
-        gen.generate(prompts_for(2, seed=4), GenerationConfig(max_new_tokens=9, ignore_eos=True))
-        assert old() is None and len(gen._engine.rows) == 2
-    finally:
-        gc.enable()
+    gen.generate(prompts_for(2, seed=4), GenerationConfig(max_new_tokens=9, ignore_eos=True))
+    assert old() is None and len(gen._engine.rows) == 2
 
 
 @pytest.mark.parametrize("kind", ["pld", "hybrid"])

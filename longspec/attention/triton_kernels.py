@@ -229,12 +229,12 @@ if triton is not None:
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < G * M
-        d = tl.arange(0, HEAD_D)
-        lp, op = LP + b * sl_b + h * sl_h, OP + b * so_b + h * so_h
-        every = tl.arange(0, PARTS_P2)
-        every = tl.load(lp + every[:, None] * sl_s + rows[None, :], mask=(every < N_PARTS)[:, None] & row_ok[None, :],
-                        other=float("-inf"))  # [PARTS_P2, BLOCK_R]
-        m_safe = tl.where(tl.max(every, 0) == float("-inf"), 0.0, tl.max(every, 0))
+        lp, op, d = LP + b * sl_b + h * sl_h, OP + b * so_b + h * so_h, tl.arange(0, HEAD_D)
+        all_parts = tl.arange(0, PARTS_P2)  # every part's LSE in one load: [PARTS_P2, BLOCK_R]
+        every = tl.load(lp + all_parts[:, None] * sl_s + rows[None, :],
+                        mask=(all_parts < N_PARTS)[:, None] & row_ok[None, :], other=float("-inf"))
+        m = tl.max(every, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.exp2(every - m_safe[None, :]), 0)
         acc = tl.zeros([BLOCK_R, HEAD_D], tl.float32)
         for first in range(0, N_PARTS, PARTS):  # independent loads: only the sum is carried
