@@ -70,7 +70,7 @@ def code_prompt(tokenizer, directory: Path, n_tokens: int) -> list:
 
 
 def methods(args, target, prompt):
-    out = {"ar": (None, None, None),  # (proposer, tree, retuner)
+    out = {"ar": (None, None, None),  # (proposer, tree, draft)
            "pld": (PromptLookup(), TreeSpec.parse(args.pld_tree), None),
            "streaming": (StreamingSelfSpec(window=args.window), TreeSpec.parse(args.tree), None)}
     if args.draft:
@@ -79,15 +79,7 @@ def methods(args, target, prompt):
         out["longspec-chain"] = (LongSpecProposer(draft), TreeSpec.parse(args.chain_tree), None)
         out["hybrid"] = (LongSpecProposer(draft, lookup=PromptLookup()), TreeSpec.parse(args.hybrid_tree), None)
     if "auto" in args.methods.split(","):  # what `longspec generate` runs by default
-        from longspec.decoding.auto import pick, retuner
-        loaded = load_draft(args.draft, target) if args.draft else None
-        name, tree, chosen, note, _ = pick(target, prompt, loaded)
-        retune = retuner(target, prompt, name, tree, loaded)
-        if retune is not None:
-            name, note = retune.proposer, note + "; retuned while generating"
-        print(f"  auto: {name} {tree or ''} ({note})", flush=True)
-        out["auto"] = (None if name == "none" else PromptLookup() if name == "pld"
-                       else LongSpecProposer(chosen, lookup=PromptLookup()), tree, retune)
+        out["auto"] = ("auto", None, args.draft)
     return {k: v for k, v in out.items() if k in args.methods.split(",") or args.methods == "all"}
 
 
@@ -121,14 +113,13 @@ def peak_mib(fn):
     return out, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run_ours(target, proposer, tree, prompt, config, repeats, retune=None, draft=None):
+def run_ours(target, proposer, tree, prompt, config, repeats, draft=None):
     """``proposer``: an object, None, or a name (``draft``: the LongSpec draft "auto" and the
     named drafts use)."""
     gc.collect()  # the previous method's engine (a reference cycle) must not count here
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    make = lambda: Generator(target, proposer=proposer, tree=retune.biggest if retune else tree,  # noqa: E731
-                             retune=retune, draft=draft)
+    make = lambda: Generator(target, proposer=proposer, tree=tree, draft=draft)  # noqa: E731
     gen = make()
     t0 = time.perf_counter()
     # the first call on a fresh generator: engine, compilation, CUDA-graph capture, caches
@@ -235,15 +226,15 @@ def main(argv=None):
         for impl in impls:  # ours first: a crash of ours is not blamed on transformers' compiled graphs
             target.attention_impl, _, extra = impl.partition("+")  # e.g. "triton+compile"
             target.compile_steps = extra == "compile"
-            for name, (proposer, tree, retune) in methods(args, target, prompt).items():
-                seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats, retune)
+            for name, (proposer, tree, draft) in methods(args, target, prompt).items():
+                seq, res = run_ours(target, proposer, tree, prompt, config, args.repeats, draft)
                 res["attention"] = impl
                 results.append((name if impl == impls[0] else f"{name}@{impl}", tree, seq, res))
                 print(f"  done {n} {name} {impl}: {res['ms_per_token']:.2f} ms/token, tau {res['tau']:.2f}, "
                       f"first call {res['first_call_s']:.1f} s, peak +{res['peak_mib']:.0f} MiB, a fresh generator's "
                       f"+{res['warm_peak_mib']:.0f} MiB (KV + draft state {res['state_mib']:.0f} MiB, draft "
                       f"{res['draft_mib']:.0f} MiB)", flush=True)  # printed now: a later crash keeps them
-            proposer = tree = retune = None  # the last one would keep its engine's cache and buffers alive
+            proposer = tree = draft = None  # the last one would keep its engine's cache and buffers alive
         for name in filter(None, args.hf.split(",")):
             seq, res = run_hf(hf, prompt, args.max_new_tokens, args.repeats, **hf_kwargs[name])
             results.append((f"hf-{name}", None, seq, res))

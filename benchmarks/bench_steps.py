@@ -176,7 +176,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
-                        "'hybrid:' for the draft + prompt-lookup chain (default: 4,16,16,16,16)")
+                        "'hybrid:' for the draft + prompt-lookup chain, 'pld:' for prompt lookup alone (default: "
+                        "4,16,16,16,16); with --compile on the proposals are compiled too")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.kernel:
@@ -243,9 +244,9 @@ def main(argv=None):
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
             cache = None  # the proposals' engines hold caches of their own
             for spec in (args.proposals.split(";") if draft is not None else []):
-                hybrid = spec.startswith("hybrid:")
-                tree = TreeSpec.parse(spec.removeprefix("hybrid:"))
-                proposer = LongSpecProposer(draft, PromptLookup() if hybrid else None)
+                hybrid, lookup = spec.startswith("hybrid:"), spec.startswith("pld:")
+                tree = TreeSpec.parse(spec.removeprefix("hybrid:").removeprefix("pld:"))
+                proposer = PromptLookup() if lookup else LongSpecProposer(draft, PromptLookup() if hybrid else None)
                 # full rounds replayed ~45 times advance the cache by up to depth + 1 tokens each
                 room = ctx + 64 * (tree.depth + 1) + 256
                 engine = Engine(target, proposer, tree, max_batch=b, max_len=room, buckets=[b],
@@ -263,7 +264,7 @@ def main(argv=None):
                         engine._propose_phase(rows_view)
                         engine._verify_phase(rows_view)
 
-                what = f"{'hybrid ' if hybrid else ''}{tree}"
+                what = f"{'hybrid ' if hybrid else 'pld ' if lookup else ''}{tree}"
                 for name, fn in ((f"propose {what} ({tree.depth} levels)", propose), (f"round {what}", full_round)):
                     t = time_graph(fn, replays=40)
                     rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,

@@ -8,12 +8,17 @@ prompts again). Every call is timed on the wall clock from the call to its last 
 included, and reports what it spent compiling and capturing. Methods: ours (plain decoding, the
 LongSpec draft, the hybrid, ``auto``: what ``longspec generate`` runs by default) and
 transformers' ``generate`` with its compiled static cache and its dynamic cache on the same
-model. Greedy outputs are compared with our plain decoding. Then, with ``--fresh-process``, the
+model. Greedy outputs are compared with our plain decoding. ``--sampling`` runs the workload once
+per setting: ``greedy`` on the source code, sampled settings (``t1``: temperature 1; ``t0.7p0.9``:
+temperature 0.7, top-p 0.9) on the same code as a chat request ("Explain this code"). Every call
+of ours is also given as a ratio to our plain decoding's call on the same prompt, stage and
+setting: the headline is what speculation buys (median and worst call). Then, with ``--fresh-process``, the
 wall time of ``longspec generate`` on the longest prompt in a new process, with cold on-disk
 compile caches (a new folder) and with warm ones (the same folder again).
 
     python benchmarks/bench_workload.py --target DIR --draft DIR --prompt-dirs A,B,C,D \
-        --lengths 2000,5000,7600 --warmup-length 1000 --max-new-tokens 128 --fresh-process
+        --lengths 2000,5000,7600 --warmup-length 1000 --max-new-tokens 128 --fresh-process \
+        --sampling greedy,t1,t0.7p0.9
 
 Prints a table per pass and one JSON line last."""
 from __future__ import annotations
@@ -62,14 +67,34 @@ def ours(target, proposer, draft, config):
     return call
 
 
+def sampling_config(name: str, max_new_tokens: int) -> GenerationConfig:
+    """``greedy``, ``tT`` (temperature T) or ``tTpP`` (temperature T, top-p P)."""
+    if name == "greedy":
+        return GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    temperature, _, top_p = name[1:].partition("p")
+    return GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=float(temperature),
+                            top_p=float(top_p) if top_p else None, seed=0)
+
+
+def chat_prompt(tokenizer, ids: list) -> list:
+    """The code ``ids`` as a chat request asking to explain it (cut to about the same length)."""
+    code = tokenizer.decode(ids)
+    messages = [{"role": "user", "content": f"Explain what this code does, part by part:\n\n{code}"}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
 def transformers_call(model, config, **kwargs):
-    """A call of transformers' generate (greedy, exactly max_new_tokens)."""
+    """A call of transformers' generate (exactly max_new_tokens; sampled with the config's settings)."""
+    sampled = config.temperature > 0
+    if sampled:
+        kwargs.update(do_sample=True, temperature=config.temperature, top_p=config.top_p or 1.0, top_k=0)
+
     def call(prompt):
         ids = torch.tensor([prompt], device=model.device)
         sync()
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.max_new_tokens,
-                             min_new_tokens=config.max_new_tokens, do_sample=False, **kwargs)
+                             min_new_tokens=config.max_new_tokens, **({} if sampled else {"do_sample": False}), **kwargs)
         sync()
         return out[0, len(prompt):].tolist(), {"wall_s": time.perf_counter() - t}
     return call
@@ -110,6 +135,7 @@ def main(argv=None):
     p.add_argument("--methods", default="plain,longspec,hybrid,auto,hf-static,hf-dynamic")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fresh-process", action="store_true", help="also time `longspec generate` in new processes")
+    p.add_argument("--sampling", default="greedy", help="comma-separated settings: greedy, tT, tTpP (see above)")
     p.add_argument("--out", help="also write the JSON results to this file")
     args = p.parse_args(argv)
 
@@ -127,57 +153,68 @@ def main(argv=None):
         raise SystemExit(f"--prompt-dirs needs {len(lengths) + 1} folders (warm-up + one per length)")
     warmup = code_prompt(tokenizer, dirs[0], args.warmup_length)
     prompts = [code_prompt(tokenizer, d, n) for d, n in zip(dirs[1:], lengths)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     methods = [m for m in args.methods.split(",") if m]
     hf = None
-    calls = {}
-    for name in methods:
-        if name.startswith("hf-"):
-            if hf is None:
-                hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype),
-                                                          attn_implementation="sdpa").to(device).eval()
-            kwargs = {"cache_implementation": "static"} if name == "hf-static" else {}
-            calls[name] = transformers_call(hf, config, **kwargs)
-        else:
-            calls[name] = ours(target, None if name == "plain" else name, draft, config)
-    rows, reference = [], {}
-    for name in methods:  # ours first: transformers' compiled graphs come after
-        gc.collect()
-        call = calls[name]
-        for stage, prompt in [("warm-up", warmup)] + [("pass 1", x) for x in prompts] + [("pass 2", x) for x in prompts]:
-            tokens, res = call(prompt)
-            key = len(prompt)
-            if name == "plain":
-                reference.setdefault(key, tokens)
-            res.update(method=name, stage=stage, prompt_tokens=len(prompt),
-                       ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
-                       same_as_plain=tokens == reference.get(key) if key in reference else None)
-            rows.append(res)
-            print(f"{name:<11} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s"
-                  f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
-                  f"  same-as-plain {res['same_as_plain']}  {res.get('auto') or ''}", flush=True)
-    summary = []
-    base = {stage: statistics.median(r["wall_s"] for r in rows if r["method"] == "hf-static" and r["stage"] == stage)
-            for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}
-    for name in methods:
-        line = {"method": name}
-        for stage in ("warm-up", "pass 1", "pass 2"):
-            mine = [r for r in rows if r["method"] == name and r["stage"] == stage]
-            wall = statistics.median(r["wall_s"] for r in mine)
-            line[stage] = wall
-            if stage in base:
-                line[f"{stage} vs hf-static"] = base[stage] / wall
-            if stage != "warm-up" and "capture_s" in mine[0]:
-                line[f"{stage} max capture share"] = max(r["capture_s"] / r["wall_s"] for r in mine)
-        summary.append(line)
-    if summary:
-        print(f"\nmedian wall seconds per call ({args.max_new_tokens} new tokens, prefill included); ratio: "
-              "transformers' compiled static cache / this method")
+    rows, summary = [], []
+    for setting in args.sampling.split(","):
+        config = sampling_config(setting, args.max_new_tokens)
+        greedy = config.temperature == 0
+        first, tests = (warmup, prompts) if greedy else (chat_prompt(tokenizer, warmup),
+                                                          [chat_prompt(tokenizer, x) for x in prompts])
+        calls = {}
+        for name in methods:
+            if name.startswith("hf-"):
+                if hf is None:
+                    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype),
+                                                              attn_implementation="sdpa").to(device).eval()
+                kwargs = {"cache_implementation": "static"} if name == "hf-static" else {}
+                calls[name] = transformers_call(hf, config, **kwargs)
+            else:
+                calls[name] = ours(target, None if name == "plain" else name, draft, config)
+        reference, plain_wall, mine = {}, {}, []
+        for name in methods:  # ours first: transformers' compiled graphs come after
+            gc.collect()
+            call = calls[name]
+            for stage, prompt in [("warm-up", first)] + [("pass 1", x) for x in tests] + [("pass 2", x) for x in tests]:
+                tokens, res = call(prompt)
+                key = len(prompt)
+                if name == "plain":
+                    reference.setdefault(key, tokens)
+                    plain_wall[stage, key] = res["wall_s"]
+                res.update(method=name, setting=setting, stage=stage, prompt_tokens=len(prompt),
+                           ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
+                           same_as_plain=tokens == reference.get(key) if greedy and key in reference else None,
+                           vs_plain=plain_wall[stage, key] / res["wall_s"] if (stage, key) in plain_wall else None)
+                mine.append(res)
+                vs = f"{res['vs_plain']:5.2f}x plain" if res["vs_plain"] else ""
+                print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
+                      f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
+                      f"  same-as-plain {res['same_as_plain']}  {(res.get('auto') or '')[-300:]}", flush=True)
+        rows += mine
+        base = {stage: statistics.median(r["wall_s"] for r in mine if r["method"] == "hf-static" and r["stage"] == stage)
+                for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}
+        for name in methods:
+            line = {"method": name, "setting": setting}
+            for stage in ("warm-up", "pass 1", "pass 2"):
+                these = [r for r in mine if r["method"] == name and r["stage"] == stage]
+                line[stage] = statistics.median(r["wall_s"] for r in these)
+                if stage in base:
+                    line[f"{stage} vs hf-static"] = base[stage] / line[stage]
+                if stage != "warm-up" and "capture_s" in these[0]:
+                    line[f"{stage} max capture share"] = max(r["capture_s"] / r["wall_s"] for r in these)
+            tested = [r["vs_plain"] for r in mine if r["method"] == name and r["stage"] != "warm-up" and r["vs_plain"]]
+            if tested:
+                line.update(vs_plain_median=statistics.median(tested), vs_plain_worst=min(tested))
+            summary.append(line)
+    print(f"\nmedian wall seconds per call ({args.max_new_tokens} new tokens, prefill included); ours against our plain "
+          "decoding (median, worst call, passes 1 and 2); transformers' compiled static cache / this method")
     for line in summary:
         ratio = "".join(f"  x{line[f'{s} vs hf-static']:5.2f}" if f"{s} vs hf-static" in line else "" for s in
                         ("pass 1", "pass 2"))
-        print(f"{line['method']:<11} first call {line['warm-up']:7.2f}  pass 1 {line['pass 1']:7.3f}  "
-              f"pass 2 {line['pass 2']:7.3f}{ratio}")
+        plain = (f"  vs plain {line['vs_plain_median']:5.2f}x (worst {line['vs_plain_worst']:5.2f}x)"
+                 if "vs_plain_median" in line else "")
+        print(f"{line['setting']:<9} {line['method']:<10} first call {line['warm-up']:7.2f}  pass 1 {line['pass 1']:7.3f}  "
+              f"pass 2 {line['pass 2']:7.3f}{plain}{ratio}")
     fresh = {}
     if args.fresh_process:
         text = tokenizer.decode(prompts[-1])

@@ -10,11 +10,17 @@ import torch
 from longspec import load_target
 from longspec.decoding import acceptance, auto, bucket_choice
 from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
-from longspec.decoding.auto import device_key, pick
+from longspec.decoding.auto import device_key, resolve
 from longspec.decoding.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 ROW = [0.5, 0.6, 0.65, 0.7, 0.8, 0.9]  # top-1, 2, 3, 4, 8, 16
+
+
+def pick(target, ids, draft, costs_file):
+    """(proposer, the cost model's first tree or None, the draft, why) as ``resolve`` plans them."""
+    plan = resolve(target, ids, draft, costs_file=costs_file)
+    return plan.name, plan.start, plan.draft, plan.note
 assert len(ROW) == len(ACCEPTANCE_WIDTHS)
 
 
@@ -32,10 +38,14 @@ def test_expected_tokens_by_hand():
     # widths between measured columns interpolate; deeper levels reuse the last row
     assert expected_tokens(TreeSpec.parse("6"), [ROW]) == pytest.approx(1 + 0.75)
     assert expected_tokens(TreeSpec.parse("1,1,1"), [ROW]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    # a level of one node holds the lookup's candidate or the draft's: the better rate
+    # a one-node level inside the beam holds the lookup's candidate or the draft's: the better rate;
+    # the trailing one-node levels (the lookup tail) hold the lookup's alone
     level1 = 0.5 * 0.9 + 0.5 * (1 - 0.5 * 0.1)  # the first level (2 slots): draft top-1 0.5, lookup 0.9
     assert expected_tokens(TreeSpec.parse("2,1,1"), [ROW], [0.9, 0.8, 0.3]) == pytest.approx(
-        1 + level1 + level1 * 0.8 + level1 * 0.8 * 0.5)
+        1 + level1 + level1 * 0.8 + level1 * 0.8 * 0.3)
+    level3 = 0.5 * 0.7 + 0.5 * (1 - 0.5 * 0.3)  # "2,1,2": the middle level's one node, then 2 slots
+    assert expected_tokens(TreeSpec.parse("2,1,2"), [ROW], [0.9, 0.3, 0.7]) == pytest.approx(
+        1 + level1 + level1 * 0.5 + level1 * 0.5 * level3)
 
 
 def test_lookup_acceptance_on_known_texts():
@@ -91,19 +101,21 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     ids = list(range(40))  # no repeats: prompt lookup never hits
     monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
-    labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.CANDIDATE_TREES]
+    labels = [f"hybrid chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.CANDIDATE_TREES]
     sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
     # verifying is as cheap as decoding: the deepest, widest tree pays most
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
-    name, tree, chosen, why, _ = pick(target, ids, draft, costs_file=str(costs))
-    assert (name, str(tree), chosen) == ("hybrid", "4,16,16,16,16,1,1,1,1,1", draft) and why.startswith("cost model")
+    name, tree, chosen, why = pick(target, ids, draft, costs_file=str(costs))
+    # (no lookup hits: the trees' lookup tails add nothing; the deepest beam pays most)
+    assert (name, str(tree), chosen) == ("hybrid", "4,8,8,8,8,8,8,8", draft) and why.startswith("cost model")
     # the note says what was predicted for every candidate (a call's stats["auto"])
     assert all(f"{label}: " in why for label in labels) and "plain: 1 token in 1.00 ms" in why
-    assert "pld chain:1: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
-    # verifying costs grow with the tokens: plain decoding wins
+    assert "hybrid chain:1: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
+    # verifying costs grow with the tokens: plain decoding wins, in the hybrid's engine
     fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
-    assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("none", None, None)
+    assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("hybrid", None, draft)
     # no draft: only lookup chains compete
+    labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS]
     fake_costs(target, costs, len(ids), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
     assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(10))
 
@@ -136,6 +148,8 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
     fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
                {f"hybrid {t}": 5.0 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
     assert pick(target, repeating, draft, costs_file=str(costs))[:3] == ("hybrid", chain, draft)
+    plan = resolve(target, repeating, draft, costs_file=str(costs))
+    assert set(plan.predicted) == {*auto.cuda_trees(draft), None} and plan.tree == auto.cuda_trees(draft)[0]
     # drafting cheap: the hybrid's tree, whose draft levels add to the lookup's
     fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
                {f"hybrid {t}": 0.05 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
@@ -154,7 +168,7 @@ def test_costs_are_measured_once(tiny, tmp_path):
     assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[:2] == choice[:2]
     assert costs.read_text() == before
     costs.write_text("not json")  # a damaged cache is measured again, not an error
-    assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[0] in ("none", "pld", "hybrid")
+    assert pick(target, [1, 2, 3, 4] * 10, draft, costs_file=str(costs))[0] == "hybrid"
 
 
 def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch):
@@ -200,46 +214,65 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     draft.config.acceptance = []
 
 
-def test_retuner_follows_the_generated_texts_repeats(tiny, tmp_path):
-    """A prompt that never repeats itself: the cost model starts with plain rounds (prompt lookup
-    following them); once the generated text repeats the prompt the retuner picks a lookup chain,
-    and plain rounds again when it stops."""
+def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_path):
+    """A prompt that never repeats itself: the cost model starts with plain rounds; the lookup's
+    hit rate on the generated text then predicts its chains again: many tokens a round once the
+    generated text repeats the prompt, few where it does not, and few generated positions stay
+    near the prompt's rates (one hit is not enough)."""
     target, _ = tiny
     ids = list(range(100))
     costs = tmp_path / "costs.json"
     labels = [f"pld chain:{n}" for n in auto.LOOKUP_CHAINS]
     # verifying m tokens costs 1 + m/5: a chain pays once the lookup hits often enough
     fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 5 for m in range(1, 12)}, {k: 0.01 for k in labels})
-    name, tree, *_ = pick(target, ids, None, costs_file=str(costs))
-    assert (name, tree) == ("none", None)
-    retune = auto.retuner(target, ids, name, tree, None, costs_file=str(costs))
-    assert retune.proposer == "pld" and retune.start is None and retune.biggest == TreeSpec.chain(10)
-    repeating = retune(ids + ids[10:50], len(ids))
-    assert repeating is not None and repeating.kind == "chain" and repeating.depth >= 3
-    assert retune(ids + list(range(200, 240)), len(ids)) is None
-    # few generated positions stay near the prompt's rates (the prior): one hit is not enough
-    assert retune(ids + [3, 4], len(ids)) is None
-    assert auto.retuner(target, ids, "hybrid", TreeSpec.parse("2,2"),
-                        init_draft(DraftConfig.for_target(target, window=16), target)) is None  # no table
+    plan = resolve(target, ids, None, costs_file=str(costs))
+    assert (plan.name, plan.start, plan.tree) == ("pld", None, TreeSpec.chain(10)) and None in plan.predicted
+    chain = TreeSpec.chain(5)
+    assert plan.predicted[chain][0] == pytest.approx(1.0, abs=0.05)
+    assert plan.repredict(ids + ids[10:50], len(ids))[chain] > 3.5
+    assert plan.repredict(ids + list(range(200, 240)), len(ids))[chain] < 1.1
+    assert plan.repredict(ids + [3, 4], len(ids))[chain] < 2.0
 
 
-def test_the_hybrids_retuner_moves_to_a_lookup_chain_where_the_text_repeats(tiny, tmp_path, monkeypatch):
-    """The hybrid's retuner rates the lookup chains too (its lookup drafts them alone): with
-    drafting costly, generated text that repeats the prompt verbatim gets a chain, text that does
-    not gets plain rounds."""
-    target, draft = tiny
-    monkeypatch.setattr(draft.config, "acceptance", [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6)
-    ids = list(range(100))
-    costs = tmp_path / "costs.json"
-    pld = {f"pld chain:{n}": 0.01 for n in auto.LOOKUP_CHAINS}
-    fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 50 for m in range(1, 80)},
-               {**pld, **{f"hybrid {t}": 5.0 for t in auto.CANDIDATE_TREES}})
-    retune = auto.retuner(target, ids, "hybrid", TreeSpec.parse("4,4,4,4,4"), draft, costs_file=str(costs))
-    # it starts with the lookup alone (here: no repeats in the prompt, so plain rounds)
-    assert retune.proposer == "hybrid" and set(pld) <= set(retune.trees) and retune.start is None
-    repeating = retune(ids + ids[10:60], len(ids))
-    assert repeating is not None and repeating.kind == "chain" and repeating.depth >= 3
-    assert retune(ids + list(range(200, 250)), len(ids)) is None
+def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
+    """The controller starts with the predicted fastest candidate; from measured rounds it keeps
+    it where it pays, settles on plain rounds where nothing speculative does (leaving the costly
+    tree within a few rounds), and carries round times and, per sampling setting, tokens per
+    round over to its next calls."""
+    from longspec.decoding.controller import Controller
+
+    tree, chain = TreeSpec.parse("4,4,1"), TreeSpec.chain(5)
+    predicted = {tree: (3.0, 2.0), chain: (2.0, 1.2), None: (1.0, 1.0)}  # tokens/ms: 1.5, 1.67, 1
+    truth = {tree: (1.0, 2.0), chain: (1.0, 1.2), None: (1.0, 1.0)}  # nothing speculative hits
+
+    def run(c, rounds, truth):
+        ran = [c.current.tree]
+        for _ in range(rounds):
+            tokens, ms = truth[c.current.tree]
+            ran.append(c.observe(tokens, ms / 1e3))
+        return ran
+
+    c = Controller()
+    assert c.begin(predicted, "greedy") == chain
+    ran = run(c, 40, truth)
+    assert ran[:4].count(chain) <= 3 and ran[:8].count(tree) <= 3  # each left within a few rounds
+    assert set(ran[-15:]) == {None}  # then plain rounds for good
+    c.end()
+    assert c.ms == pytest.approx({"chain:5": 1.2, "4,4,1": 2.0, "plain": 1.0})
+    assert c.learned[("chain:5", "greedy")] == pytest.approx(1.0)
+    # the next call: earlier calls' tokens a round halve the prediction's optimism
+    c.begin(predicted, "greedy")
+    assert c.candidates["chain:5"].prior == pytest.approx(1.5) and c.candidates["4,4,1"].prior == pytest.approx(2.0)
+    c.begin(predicted, "sampled")
+    assert c.candidates["chain:5"].prior == pytest.approx(2.0)  # (nothing measured at that setting yet)
+    # where the chain pays, it runs throughout
+    c = Controller()
+    c.begin(predicted, "greedy")
+    assert set(run(c, 40, {**truth, chain: (5.0, 1.2)})) == {chain}
+    # a round's time is an average that follows the measurements
+    assert c.ms["chain:5"] == pytest.approx(1.2)
+    c.observe(5.0, 2.2e-3)
+    assert 1.2 < c.ms["chain:5"] < 2.2
 
 
 def test_hybrid_chain_rounds_are_the_lookups_own(tiny):
@@ -254,13 +287,13 @@ def test_hybrid_chain_rounds_are_the_lookups_own(tiny):
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = Generator(target).generate([prompt], config).sequences[0]
     alone = Generator(target, PromptLookup(), "chain:4").generate([prompt], config)
-    chain = Scripted(TreeSpec.parse("4,4,4,1,1"), TreeSpec.chain(4), [TreeSpec.chain(4)] * 8)
-    hybrid = Generator(target, LongSpecProposer(draft, PromptLookup()), "4,4,4,1,1", retune=chain)
+    chain = Scripted(TreeSpec.chain(4), [TreeSpec.chain(4)] * 8)
+    hybrid = Generator(target, LongSpecProposer(draft, PromptLookup()), "4,4,4,1,1", controller=chain)
     out = hybrid.generate([prompt], config)
     assert out.sequences[0] == alone.sequences[0] == plain
     assert out.stats["accepted_hist"][:5] == alone.stats["accepted_hist"] and out.stats["tau"] > 1.0
-    back = Scripted(TreeSpec.parse("4,4,4,1,1"), TreeSpec.chain(4), [TreeSpec.parse("3,3,1"), TreeSpec.chain(2)] * 4)
-    hybrid.retune = back
+    back = Scripted(TreeSpec.chain(4), [TreeSpec.parse("3,3,1"), TreeSpec.chain(2), None] * 4)
+    hybrid.controller = back
     assert hybrid.generate([prompt], config).sequences[0] == plain
 
 
@@ -271,15 +304,25 @@ def test_lookup_acceptance_prior():
 
 
 class Scripted:
-    """A retuner that switches on a script (the generator calls it at 4, 8, 16, ... tokens)."""
-    first = 4
+    """A controller that switches on a script: every ``every`` rounds to the script's next tree."""
+    every = 3
 
-    def __init__(self, biggest, start, script):
-        self.biggest, self.start, self.script, self.calls = biggest, start, list(script), []
+    def __init__(self, start, script):
+        self.start, self.script, self.calls, self.current = start, list(script), [], start
 
-    def __call__(self, tokens, n_prompt):
-        self.calls.append(len(tokens) - n_prompt)
-        return self.script.pop(0)
+    def begin(self, predicted, sampling):
+        self.rounds, self.current = 0, self.start
+        return self.start
+
+    def observe(self, tokens, seconds):
+        self.rounds += 1
+        if self.rounds % self.every == 0 and self.script:
+            self.calls.append(self.rounds)
+            self.current = self.script.pop(0)
+        return self.current
+
+    def end(self):
+        pass
 
 
 @pytest.mark.parametrize("family", ["pld", "hybrid"])
@@ -298,35 +341,35 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     else:
         proposer, biggest = LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("4,4,4,1,1")
         script = [TreeSpec.parse("2,2"), None, TreeSpec.chain(3), TreeSpec.parse("3,3,3,1,1"), TreeSpec.parse("2,2")]
-    retune = Scripted(biggest, None, script)
-    gen = Generator(target, proposer, biggest, retune=retune)
+    scripted = Scripted(None, script)
+    gen = Generator(target, proposer, biggest, controller=scripted)
     out = gen.generate([prompt], config)
     assert out.sequences[0] == plain
-    assert retune.calls[0] >= 4 and len(retune.calls) >= 3
+    assert len(scripted.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
     assert switched[0] == "None" and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
     assert gen._engine.parked and out.stats["verify_s"] > 0  # the replaced rounds' times still count
-    # the next calls start again from the retuner's start; a tree that returns takes its parked
+    # the next calls start again from the controller's start; a tree that returns takes its parked
     # rounds back (nothing piles up)
     for _ in range(3):
-        retune.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")] * 5
+        scripted.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2"), None] * 5
         assert gen.generate([prompt], config).sequences[0] == plain
     assert len(gen._engine.parked) <= len(set(map(str, script))) + 1
-    # a batch starts with the start tree too (switches follow one prompt only)
+    # a batch switches too (every row caught up when a tree follows plain rounds)
+    scripted.script = [TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2"), None] * 5
     two = gen.generate([prompt, prompt[:50]], config)
-    assert two.sequences[0] == plain and two.stats["trees"] == [(0, "None")]
+    assert two.sequences[0] == plain and two.sequences[1] == Generator(target).generate([prompt[:50]], config).sequences[0]
+    assert len(two.stats["trees"]) >= 3
     with pytest.raises(ValueError, match="does not fit"):
         gen._engine.use_tree(TreeSpec.chain(12) if family == "pld" else TreeSpec.parse("8,8"))
 
 
-def test_retuning_needs_a_proposer_and_the_hybrid_its_draft(tiny):
+def test_switching_needs_a_proposer(tiny):
     from longspec.decoding.engine import Engine
 
     target, _ = tiny
     with pytest.raises(ValueError, match="proposer"):
         Engine(target, None, None, max_len=64).use_tree(None)
-    with pytest.raises(ValueError, match="draft"):
-        auto.retuner(target, list(range(40)), "hybrid", TreeSpec.parse("2,2"), None)
 
 
 def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path, monkeypatch):
@@ -391,36 +434,3 @@ def test_lookup_acceptance_equals_its_definition():
         if rng.random() < 0.3:
             kw.update(prior=[0.5, 0.3], prior_weight=8.0)
         assert lookup_acceptance(ids, **kw) == lookup_acceptance_reference(ids, **kw), (n, vocab, kw)
-
-
-def test_plain_is_faster_by_measurement():
-    # 20 tokens in 10 rounds over 50 ms: 10 drafting, 30 verifying, 1 ms a round outside both. A
-    # plain step at half the verification's cost: 10 x (1.5 + 1) ms = 25 ms for 10 tokens, 50 ms
-    # for the 20 (no faster); at 0.3 of it: 38 ms, and 1.25 x 38 < 50
-    assert not auto.plain_is_faster(0.5, 0.050, 0.010, 0.030, 10, 20)
-    assert auto.plain_is_faster(0.3, 0.050, 0.010, 0.030, 10, 20)
-    assert not auto.plain_is_faster(0.3, 0.0, 0.0, 0.0, 0, 0)
-
-
-@pytest.mark.parametrize("plain_step", [1e-9, 1e9])
-def test_auto_goes_plain_when_its_rounds_measure_slower(tiny, monkeypatch, plain_step):
-    """``--proposer auto`` checks its speculative rounds against plain decoding while it
-    generates (their verification's measured time scaled by the cost model's step ratio): where
-    plain rounds would have been faster (a one-token step of no time), plain rounds for the rest of
-    the call, the same tokens; where not (a one-token step of forever), no switch."""
-    from longspec import GenerationConfig
-    from longspec.decoding.generator import Generator
-
-    target, draft = tiny
-    tree = TreeSpec.parse("2,2,1,1")
-    steps = {"1": plain_step, str(tree.num_nodes): 1.0}
-    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, draft, "scripted", target_ms=steps))
-    prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 2
-    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
-    out = Generator(target, "auto", draft=draft).generate([prompt], config)
-    assert out.sequences == Generator(target).generate([prompt], config).sequences
-    trees = out.stats["trees"]
-    if plain_step < 1:
-        assert [t for _, t in trees] == [str(tree), "None"] and trees[1][0] >= auto.Retuner.first
-    else:
-        assert trees == [(0, str(tree))]

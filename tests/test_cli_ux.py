@@ -58,14 +58,18 @@ def test_file_errors_name_the_file(capsys, tmp_path):
 
 
 def test_auto_line_says_what_runs_and_why():
-    chain = TreeSpec.chain(5)
-    assert commands.auto_line("pld", chain, 1.6) == "auto: prompt lookup, chain of 5 (predicted 1.60x plain decoding)"
+    chain, later = TreeSpec.chain(5), "; then chosen by measured speed after every round"
+    assert commands.auto_line("pld", chain, 1.6) == \
+        "auto: prompt lookup, chain of 5 (predicted 1.60x plain decoding)" + later
     assert commands.auto_line("hybrid", chain, 1.6) == \
-        "auto: prompt lookup alone in the hybrid's engine, chain of 5 (predicted 1.60x plain decoding)"
+        "auto: prompt lookup alone in the hybrid's engine, chain of 5 (predicted 1.60x plain decoding)" + later
+    assert commands.auto_line("hybrid", None, None) == \
+        "auto: plain decoding first: no speculative setting is predicted faster on this prompt" + later
     assert commands.auto_line("none", None, None) == \
-        "auto: plain decoding: no speculative setting is predicted faster on this prompt"
+        "auto: plain decoding: the prompt leaves no room for a speculative tree"
     hybrid = commands.auto_line("hybrid", TreeSpec.parse("4,4,4,4,4"), 1.41)
-    assert hybrid == "auto: LongSpec draft + prompt lookup (hybrid), tree 4,4,4,4,4 (predicted 1.41x plain decoding)"
+    assert hybrid == "auto: LongSpec draft + prompt lookup (hybrid), tree 4,4,4,4,4 (predicted 1.41x plain decoding)" \
+        + later
     assert commands.predicted_gain("cost model: 1.62x plain decoding predicted") == 1.62
     assert commands.predicted_gain("the draft has no acceptance table: default tree") is None
 

@@ -3,6 +3,7 @@ token (random draft, prompt lookup, StreamingLLM self-speculation; chain, static
 batch 1 and 3; rows ending at EOS), tau accounting, the room a round needs, trees given in any
 form, the vectorised prompt lookup against a by-hand search, errors."""
 import itertools
+from typing import Optional
 
 import pytest
 import torch
@@ -200,29 +201,47 @@ def reference_candidates(context: list, max_ngram: int, min_ngram: int, candidat
     return found
 
 
-@pytest.mark.parametrize("depth", [1, 4])
-def test_a_greedy_lookup_chain_is_the_tree_the_generic_growth_picks(targets, depth):
-    """Prompt lookup's greedy chains go by ``first_candidate`` (no [B, 1, V] pseudo-logits): the
-    same tokens, parents and mask as the generic tree growth wherever the chain has a match (where
-    it has none, both propose an arbitrary token)."""
+def reference_continuation(context: list, max_ngram: int, min_ngram: int, depth: int) -> Optional[list]:
+    """Prompt lookup decoding's chain by hand: the tokens after the best earlier occurrence of the
+    context's tail (longest, then most recent), copied on one at a time (a copy that reaches the
+    end copies what it has just copied); None where nothing matches."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == context[-n:]:
+                text = list(context)
+                for i in range(depth):
+                    text.append(text[start + n + i])
+                return text[len(context):]
+    return None
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
+@pytest.mark.parametrize("depth", [1, 4, 9])
+def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, max_ngram, min_ngram, depth):
+    """A prompt-lookup chain (alone or in the hybrid's tree) is one search: the follower of the
+    best match of the history's tail and the tokens after it, wrapping past the history's end
+    (a repeating motif, a match just before the end), as the by-hand copy gives; found is False
+    exactly where nothing matches."""
     from longspec.cache import KVCache
-    from longspec.decoding.drafting import TreeDrafter
 
     target = targets["llama"]
-    gen = torch.Generator().manual_seed(depth)
-    lookup = PromptLookup()
-    lookup.begin(target, KVCache(target.config, 3, 64), TreeSpec.chain(depth), GenerationConfig(), None)
+    gen = torch.Generator().manual_seed(depth * 100 + max_ngram * 10 + min_ngram)
+    lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
+    lookup.begin(target, KVCache(target.config, 5, 64), TreeSpec.chain(depth), GenerationConfig(), None)
     motif = torch.randint(0, 160, (6,), generator=gen).tolist()
-    histories = [motif * 4 + motif[:2], torch.randint(0, 4, (40,), generator=gen).tolist(), [7, 8, 9]]
+    histories = [motif * 4 + motif[:2], torch.randint(0, 4, (40,), generator=gen).tolist(), [7, 8, 9],
+                 [5, 6, 5, 6, 5], [3, 1, 2, 3]]
     for row, h in enumerate(histories):
         lookup.add(row, h[:-1], h[-1])
-    root = torch.tensor([h[-1] for h in histories])
-    fast, generic = lookup.propose(root), TreeDrafter.propose(lookup, root)
-    assert torch.equal(fast.parents, generic.parents) and torch.equal(fast.mask, generic.mask)
-    assert torch.equal(fast.depths, generic.depths) and fast.level_sizes == generic.level_sizes
-    assert torch.equal(fast.tokens[:2], generic.tokens[:2])  # (the third row's history has no match)
-    assert fast.tokens[0, 1:].tolist() == (motif * 2)[2:2 + depth]
-    assert fast.draft_probs is None and not fast.children_sampled
+    found, tokens = lookup.continuation(depth)
+    for row, h in enumerate(histories):
+        expected = reference_continuation(h, max_ngram, min_ngram, depth)
+        assert bool(found[row]) == (expected is not None), (h, expected)
+        if expected is not None:
+            assert tokens[row].tolist() == expected, (h, tokens[row].tolist(), expected)
+    tree = lookup.propose(torch.tensor([h[-1] for h in histories]))
+    assert torch.equal(tree.tokens[:, 1:], tokens) and tree.parents[0].tolist() == list(range(-1, depth))
+    assert tree.draft_probs is None and not tree.children_sampled
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
@@ -243,14 +262,10 @@ def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngra
     root = lookup._lookup(empty)
     paths = torch.randint(0, 5, (3, 4, 2), generator=gen)
     nodes = lookup._lookup(paths)
-    firsts = [lookup.first_candidate(empty), lookup.first_candidate(paths)]  # the hybrid chain's shortcut
     for row, h in enumerate(histories):
-        contexts = [(h, root[row, 0], (0, 0))] + [(h + paths[row, j].tolist(), nodes[row, j], (1, j))
-                                                  for j in range(4)]
-        for context, logits, (which, j) in contexts:
+        contexts = [(h, root[row, 0])] + [(h + paths[row, j].tolist(), nodes[row, j]) for j in range(4)]
+        for context, logits in contexts:
             expected = reference_candidates(context, max_ngram, min_ngram, 4)
             ranked = [int(t) for t in logits.argsort(descending=True)[:len(expected)]]
             assert ranked == expected, (context, ranked, expected)
             assert int((logits > -1e4).sum()) == len(expected)
-            found, token = (t[row, j] for t in firsts[which])
-            assert bool(found) == bool(expected) and (not expected or int(token) == expected[0])

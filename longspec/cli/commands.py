@@ -154,7 +154,7 @@ def cmd_generate(args) -> int:
     check_size(model_config.parameter_count(), safetensors_files(target_dir), target_dir)  # (load_target's, early)
     limit = model_config.max_position_embeddings
     ids = _tokenize(target_dir, text, args.chat)
-    note, retune = "", None
+    note = ""
     if name == "auto":
         biggest = auto_biggest_slots()
         if cache_need(len(ids), args.max_new_tokens, 1) <= limit < cache_need(len(ids), args.max_new_tokens, biggest):
@@ -185,8 +185,8 @@ def cmd_generate(args) -> int:
         status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
                "10-60 s, cached for later runs)")
         plan = gen.plan([ids], config)  # what `generate` runs below: the same engine as Generator(proposer="auto")
-        name, tree, note, retune = plan.name, plan.picked, plan.note, plan.retune
-        line = auto_line(name, tree, predicted_gain(note), retune)
+        name, tree, note = plan.name, plan.start, plan.note
+        line = auto_line(name, tree, predicted_gain(note))
     biggest = plan.tree if plan is not None else tree
     if cache_need(len(ids), args.max_new_tokens, round_slots(biggest)) > limit:  # (auto checked plain decoding's need above)
         check_length(len(ids), args.max_new_tokens, biggest, limit)
@@ -293,25 +293,20 @@ def predicted_gain(note: str):
     return float(found.group(1)) if found else None
 
 
-def auto_line(name: str, tree, gain, retune=None) -> str:
-    """What ``--proposer auto`` runs and why, in one line, e.g. "auto: prompt lookup, chain of 5
-    (predicted 1.60x plain decoding)"."""
+def auto_line(name: str, tree, gain) -> str:
+    """What ``--proposer auto`` starts with and why, in one line, e.g. "auto: prompt lookup, chain
+    of 5 (predicted 1.60x plain decoding); then chosen by measured speed every round"."""
     predicted = f" (predicted {gain:.2f}x plain decoding)" if gain else ""
-    later = ("; retuned while generating from how often the lookup hits the generated text"
-             if retune is not None else "")
-    start = retune.start if retune is not None else tree
-    if retune is not None and retune.proposer == "pld" and tree is None:
-        return ("auto: plain decoding: no speculative setting is predicted faster on this prompt; prompt lookup "
-                "chains are tried while generating")
-    if name == "none" or (tree is None and retune is None):
-        return "auto: plain decoding: no speculative setting is predicted faster on this prompt"
+    later = "; then chosen by measured speed after every round"
+    if name == "none":
+        return "auto: plain decoding: the prompt leaves no room for a speculative tree"
+    if tree is None:
+        return f"auto: plain decoding first: no speculative setting is predicted faster on this prompt{later}"
     if name == "pld":
         return f"auto: prompt lookup, {describe_tree(tree)}{predicted}{later}"
-    first = ("" if retune is None or start == tree else
-             f", starting with {'plain rounds' if start is None else 'prompt lookup alone, ' + describe_tree(start)}")
-    if getattr(tree, "kind", None) == "chain":  # (on CUDA: the hybrid's engine runs its lookup's chain)
-        return f"auto: prompt lookup alone in the hybrid's engine, {describe_tree(tree)}{predicted}{first}{later}"
-    return f"auto: LongSpec draft + prompt lookup (hybrid), {describe_tree(tree)}{predicted}{first}{later}"
+    if getattr(tree, "kind", None) == "chain":  # (the hybrid's engine runs its lookup's chain)
+        return f"auto: prompt lookup alone in the hybrid's engine, {describe_tree(tree)}{predicted}{later}"
+    return f"auto: LongSpec draft + prompt lookup (hybrid), {describe_tree(tree)}{predicted}{later}"
 
 
 def describe_tree(tree) -> str:

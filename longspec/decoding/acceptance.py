@@ -29,13 +29,17 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
     reuse the last row) or from the lookup chain (``lookup[d-1]``: its hit rate at depth d given a
     right path so far), which takes one of the level's slots when both are given; the two are
     combined with :data:`HIT_CORRELATION` (a level of one slot holds either: the better of the two
-    rates is assumed)."""
+    rates is assumed); with both, the tree's lookup tail (:attr:`TreeSpec.lookup_tail`) holds the
+    lookup's token alone."""
     total, alive = 1.0, 1.0
+    drafted = tree.depth - (tree.lookup_tail if lookup else 0)
     for depth, width in enumerate(tree.widths):
         hit_lookup = lookup[min(depth, len(lookup) - 1)] if lookup else 0.0
         draft_width = width - 1 if lookup and width > 1 else width
         hit_draft = _at_width(acceptance[min(depth, len(acceptance) - 1)], draft_width) if acceptance else 0.0
-        if width == 1 and lookup:
+        if depth >= drafted:
+            alive *= hit_lookup
+        elif width == 1 and lookup:
             alive *= max(hit_draft, hit_lookup)
         else:
             either = 1.0 - (1.0 - hit_draft) * (1.0 - hit_lookup)  # were they independent

@@ -235,10 +235,9 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
     make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
     and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
-    fewer, those of :func:`cuda_trees`: each tree an engine drafts is compiled and captured once,
-    and a choice among many would capture again for a later prompt; the rounds are short there,
-    so a tree's exact shape matters less. With a draft on CUDA the lookup chains are the
-    hybrid's (labelled "hybrid chain:N"): its lookup drafts them alone in the hybrid's engine
+    fewer, those of :func:`cuda_trees`: each tree an engine drafts is captured once per process
+    and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
+    chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
     from .proposers import LongSpecProposer, PromptLookup
 
@@ -246,7 +245,7 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     chains, trees = (LOOKUP_CHAINS, CANDIDATE_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
     for n in chains:
         tree = TreeSpec.chain(n)
-        if on_cuda and draft is not None:
+        if draft is not None:
             candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                             expected_tokens(tree, lookup=hits))
         else:
@@ -261,34 +260,12 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
 def cuda_trees(draft) -> list:
     """Every tree ``--proposer auto`` may run on CUDA, biggest first: its candidates' there (with
     a ``draft``: the hybrid's trees and its lookup's chains, else prompt lookup's chains; a draft
-    without an acceptance table: the hybrid's default tree alone, see :func:`pick`), what an
-    engine captures on auto's first call so that no later choice captures (with plain rounds)."""
+    without an acceptance table: the hybrid's default tree alone), what an engine captures on
+    auto's first call of each kind of round so that no later call captures (with plain rounds)."""
     if draft is not None and not draft.config.acceptance:
         return [TreeSpec.parse(HYBRID_TREE)]
     trees = [tree for tree, _, _ in _candidates([], draft, [], on_cuda=True).values()]
     return sorted(trees, key=lambda t: (-t.num_nodes, -t.depth))
-
-
-def pick(target, ids: Sequence[int], draft=None, costs_file: Optional[str] = None,
-         hits: Optional[list] = None) -> tuple:
-    """What ``--proposer auto`` runs for prompt ``ids``: (proposer name "none" / "pld" / "hybrid",
-    tree or None, the draft if the hybrid is chosen, why, the target's measured steps {tokens
-    verified: ms} or None where nothing was measured). Candidates (:func:`_candidates`; on CUDA
-    fewer): prompt-lookup chains of ``LOOKUP_CHAINS`` tokens and, with a ``draft`` that has an
-    acceptance table, the hybrid with each of ``CANDIDATE_TREES``; the one :func:`choose` predicts
-    fastest, or plain decoding. ``hits``: :func:`lookup_acceptance` of ``ids``, if the caller has
-    it."""
-    if draft is not None and not draft.config.acceptance:
-        return "hybrid", TreeSpec.parse(HYBRID_TREE), draft, "the draft has no acceptance table: default tree", None
-    hits = lookup_acceptance(ids) if hits is None else hits
-    candidates = _candidates(ids, draft, hits, target.device.type == "cuda")
-    label, gain, costs = choose(target, candidates, len(ids), costs_file)
-    steps = costs["target_ms"]
-    if label is None:
-        return "none", None, None, f"cost model: plain decoding is fastest here ({predictions(candidates, costs)})", steps
-    name = label.split()[0]
-    return (name, candidates[label][0], draft if name == "hybrid" else None,
-            f"cost model: {gain:.2f}x plain decoding predicted ({predictions(candidates, costs)})", steps)
 
 
 def predictions(candidates: dict, costs: dict) -> str:
@@ -301,124 +278,54 @@ def predictions(candidates: dict, costs: dict) -> str:
 
 @dataclass
 class Plan:
-    """What ``--proposer auto`` runs for a prompt: ``name`` ("none", "pld" or "hybrid"), its
-    ``tree`` (None: plain rounds), the ``draft`` if the hybrid is chosen, ``note`` (why), the
-    :class:`Retuner` that switches trees while generating, if any (``name`` is then the proposer
-    that runs every candidate), and the target's measured steps ({tokens verified: ms}, for
-    :func:`plain_is_faster`; None where nothing was measured)."""
+    """What ``--proposer auto`` runs for a prompt: ``name``, the proposer that runs every
+    candidate ("pld" or "hybrid"; "none": nothing speculative fits), the engine's ``tree`` (the
+    biggest candidate, which every other fits in), ``start`` (the cost model's pick: the first
+    rounds; None: plain rounds), the ``draft`` (the hybrid's), ``note`` (why) and ``predicted``
+    ({tree or None: (tokens per round, round ms)} of every candidate, the
+    :class:`~longspec.decoding.controller.Controller`'s start; None: no cost model, ``start``
+    runs throughout). ``hits``: the lookup's hit rates on the prompt and ``acceptance`` the
+    draft's table, for :meth:`repredict`."""
 
     name: str
     tree: Optional[TreeSpec]
+    start: Optional[TreeSpec]
     draft: object
     note: str
-    retune: Optional["Retuner"] = None
-    target_ms: Optional[dict] = None
+    predicted: Optional[dict] = None
+    hits: tuple = ()
+    acceptance: tuple = ()
+
+    def repredict(self, ids: Sequence[int], n_prompt: int) -> dict:
+        """{tree: tokens per round} predicted from the lookup's hit rates on the generated part of
+        ``ids`` (each depth pulled towards the prompt's rate by a few positions): a model
+        continuing code repeats the prompt far more than the prompt repeats itself (on the README's
+        CPU prompt, lookup chain:5 accepted 3.07 tokens a round against 1.82 predicted)."""
+        hits = lookup_acceptance(ids, tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0)
+        return {tree: expected_tokens(tree, () if tree.kind == "chain" else self.acceptance, hits)
+                for tree in self.predicted or {} if tree is not None}
 
 
-def resolve(target, ids: Sequence[int], draft, max_new_tokens: int, max_len: Optional[int] = None) -> Plan:
-    """``--proposer auto`` for prompt ``ids``: :func:`pick`'s choice, with a :func:`retuner` when
-    its biggest candidate fits ``max_len`` (default: the model's context) with ``max_new_tokens``."""
-    from .sequence import cache_need, round_slots
-
-    # (once for both, ~2 ms at 7,600 tokens on a CPU; neither needs them for a draft without a table)
-    hits = lookup_acceptance(ids) if draft is None or draft.config.acceptance else None
-    name, tree, chosen_draft, note, steps = pick(target, ids, draft, hits=hits)
-    retune = retuner(target, ids, name, tree, draft, hits=hits)
-    limit = max_len or target.config.max_position_embeddings
-    if retune is not None and cache_need(len(ids), max_new_tokens, round_slots(retune.biggest)) <= limit:
-        return Plan(retune.proposer, tree, chosen_draft, note + "; retuned while generating", retune, steps)
-    return Plan(name, tree, chosen_draft, note, target_ms=steps)  # (near the context's end the biggest tree may not fit)
-
-
-# a call's speculative rounds give way to plain ones when plain decoding would have been this much
-# faster: a few rounds measure a rate roughly, and a wrong switch loses the rest of the call's
-# speed-up, a missed one at most this share
-PLAIN_MARGIN = 1.25
-
-
-def plain_is_faster(step_ratio: float, wall_s: float, draft_s: float, verify_s: float, rounds: int,
-                    tokens: int) -> bool:
-    """Whether plain decoding would have been :data:`PLAIN_MARGIN` times faster than the
-    speculative rounds a call ran since its last switch of tree, measured: ``rounds`` rounds
-    emitted ``tokens`` tokens in ``wall_s`` seconds, ``draft_s`` of them drafting and ``verify_s``
-    verifying. A plain round, one token, costs the verification's measured time scaled by
-    ``step_ratio`` (the cost model's one-token step over its step for the tree's node count: a
-    ratio, so costs measured on a busier or a cooler machine still serve) plus the time per round
-    spent outside the phases here. The cost model's prediction of tokens a round does not see
-    what a call samples: at temperature 1 the draft and the lookup accept far fewer than their
-    greedy rates say (Gemma 3 on the H200: the hybrid 2.0-2.7 tokens a round, 2-2.6x slower than
-    plain decoding)."""
-    if rounds < 1 or tokens < 1:
-        return False
-    plain_round = (step_ratio * verify_s + max(wall_s - draft_s - verify_s, 0.0)) / rounds
-    return PLAIN_MARGIN * tokens * plain_round < wall_s
-
-
-class Retuner:
-    """``--proposer auto`` while it generates (one row, on a CPU): the prompt's own repeats
-    predict the lookup's hits on the generated text poorly (a model continuing code repeats the
-    prompt far more than the prompt repeats itself: on the README's CPU prompt, lookup chain:5
-    accepted 3.07 tokens a round against 1.82 predicted). At ``first`` generated tokens and each
-    doubling after, the generator calls this with the text so far and switches to the tree it
-    returns: among the chosen proposer's candidates (trees that fit :attr:`biggest`, the engine's;
-    for the hybrid also the lookup chains, which its lookup then drafts alone) and plain rounds
-    (``start`` None: plain rounds first), the one the cost model predicts fastest with the
-    lookup's hit rates on the generated positions (each depth pulled towards the prompt's rate by
-    ``prior_weight`` positions). The costs are the ones :func:`pick` measured. On CUDA a switch would compile
-    and capture another round, so :func:`retuner` gives none there."""
-
-    first = 16
-
-    def __init__(self, start: Optional[TreeSpec], candidates: dict, acceptance, prompt_hits: list, costs: dict,
-                 proposer: str = "pld", prior_weight: float = 8.0):
-        self.start, self.acceptance, self.prompt_hits, self.costs = start, acceptance, prompt_hits, costs
-        self.proposer = proposer  # what runs the candidates: "pld" or "hybrid"
-        self.trees = {label: tree for label, (tree, _, _) in candidates.items()}
-        self.biggest = max(self.trees.values(), key=lambda t: (t.num_nodes, t.depth))
-        if not all(t.fits_in(self.biggest) for t in [*self.trees.values(), *filter(None, [start])]):
-            raise ValueError(f"retuner candidates must all fit the biggest one ({self.biggest})")
-        self.prior_weight = prior_weight
-
-    def __call__(self, tokens: Sequence[int], n_prompt: int) -> Optional[TreeSpec]:
-        """The tree for the rounds from now on (None: plain rounds), given ``tokens`` (prompt,
-        then what was generated)."""
-        hits = lookup_acceptance(tokens, tail=len(tokens) - n_prompt, prior=self.prompt_hits,
-                                 prior_weight=self.prior_weight)
-        rated = {label: (tree, expected_tokens(tree, () if label.startswith("pld") else self.acceptance, hits))
-                 for label, tree in self.trees.items()}
-        best, _ = fastest(rated, self.costs)
-        return None if best is None else self.trees[best]
-
-
-def retuner(target, ids: Sequence[int], name: str, tree: Optional[TreeSpec], draft=None,
-            costs_file: Optional[str] = None, hits: Optional[list] = None) -> Optional[Retuner]:
-    """The :class:`Retuner` for :func:`pick`'s choice (``name``, ``tree``) on prompt ``ids``
-    (``draft``: the one given to :func:`pick`, whatever it chose), on a CPU: among the hybrid's
-    trees and the lookup chains (a draft with an acceptance table; it starts with the best chain),
-    or among the lookup chains for "pld" and for "none" (plain rounds first, with prompt lookup
-    following them, so a generation that turns repetitive can switch to a chain). Its ``proposer``
-    says what to run ("pld" or "hybrid"). None on CUDA, or for a hybrid without an acceptance
-    table. ``hits``: :func:`lookup_acceptance` of ``ids``, if the caller has it."""
-    if name == "hybrid" and draft is None:
-        raise ValueError("retuner: the hybrid needs its draft")
-    if target.device.type == "cuda" or (name == "hybrid" and not draft.config.acceptance):
-        return None
-    family = "hybrid" if name == "hybrid" else "pld"
-    hits = lookup_acceptance(ids) if hits is None else hits
+def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None) -> Plan:
+    """``--proposer auto`` for prompt ``ids``: the candidates (:func:`_candidates`; on CUDA
+    fewer) with their predicted tokens and times per round (:func:`choose`'s cost model), and
+    plain rounds. A ``draft`` without an acceptance table: its default hybrid tree throughout."""
     if draft is not None and not draft.config.acceptance:
-        draft = None  # pick ran without the draft's candidates
-    every = _candidates(ids, draft, hits)
-    _, _, costs = choose(target, every, len(ids), costs_file)  # pick's call: its costs, read from the cache
-    # the hybrid's candidates include the lookup chains: its lookup drafts a chain alone (the draft
-    # keeping up), where the generated text repeats enough for that to be faster
-    candidates = {label: c for label, c in every.items() if label.split()[0] in (family, "pld")}
-    start = tree
-    if family == "hybrid":
-        # start with the lookup alone (its best chain, or plain rounds): cheap rounds while the
-        # generated text shows how often the lookup hits, which the prompt under-predicts (on the
-        # README's CPU prompt 1.82 tokens a round for chain:5 against 3.07 measured), while the
-        # draft's rates do not depend on the text
-        chains = {label: (c[0], c[2]) for label, c in candidates.items() if label.startswith("pld")}
-        best, _ = fastest(chains, costs)
-        start = None if best is None else candidates[best][0]
-    return Retuner(start, candidates, draft.config.acceptance if family == "hybrid" else (), hits, costs, family)
+        tree = TreeSpec.parse(HYBRID_TREE)
+        return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
+    hits = lookup_acceptance(ids)
+    candidates = _candidates(ids, draft, hits, target.device.type == "cuda")
+    label, gain, costs = choose(target, candidates, len(ids), costs_file)
+    steps = costs["target_ms"]
+    predicted = {tree: (tokens, costs["draft_ms"][name] + steps[str(tree.num_nodes)])
+                 for name, (tree, _, tokens) in candidates.items()}
+    predicted[None] = (1.0, steps["1"])
+    biggest = max(predicted, key=lambda t: (-1, -1) if t is None else (t.num_nodes, t.depth))
+    if not all(t is None or t.fits_in(biggest) for t in predicted):
+        raise ValueError(f"auto's candidates must all fit the biggest one ({biggest})")
+    start = None if label is None else candidates[label][0]
+    why = ("cost model: plain decoding is fastest here" if label is None else
+           f"cost model: {gain:.2f}x plain decoding predicted")
+    return Plan("hybrid" if draft is not None else "pld", biggest, start, draft,
+                f"{why} ({predictions(candidates, costs)}); measured while generating", predicted, tuple(hits),
+                tuple(map(tuple, draft.config.acceptance)) if draft is not None else ())

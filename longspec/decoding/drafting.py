@@ -133,7 +133,10 @@ class TreeDrafter(Proposer):
 
     ``lookup`` (a :class:`PromptLookup`, beam trees only): the last node of every level is the
     lookup's candidate after the previous level's lookup node (the prompt-lookup chain, merged into
-    the draft's tree: the HOWL idea inside one verification), when it has one."""
+    the draft's tree: the HOWL idea inside one verification), when it has one; the tree's trailing
+    one-node levels (:attr:`TreeSpec.lookup_tail`) hold the chain alone, and the draft does not
+    run for them (past the beam its best path is rarely right: the shipped draft's top-1 rate is
+    ~0.45 a level)."""
 
     lookup: Optional["PromptLookup"] = None
     narrowable = True
@@ -231,10 +234,13 @@ class TreeDrafter(Proposer):
         ids = self._columns()  # the level logits' columns' tokens (None: every token)
         level_logits = self._root_logits(root)[:, None]  # [B, 1, V or C]
         cum = torch.zeros(b, 1, device=device)
-        chain = _LookupChain(self.lookup, b, device) if self.lookup is not None else None
+        chain = _LookupChain(self.lookup, spec.depth) if self.lookup is not None else None
+        drafted = spec.depth - (spec.lookup_tail if chain is not None else 0)  # levels the draft picks
         for depth in range(1, spec.depth + 1):
             prev, cur = spec.level_slice(depth - 1), spec.level_slice(depth)
-            if self.sample_children:
+            if depth > drafted:
+                local_parent, new_tokens = chain.tail(depth)
+            elif self.sample_children:
                 q = warp_with(self.config, self._whole_vocabulary(level_logits, ids))  # [B, n_prev, V]
                 if draft_probs is None:
                     draft_probs = torch.zeros(b, n, q.shape[-1], device=device)
@@ -257,11 +263,12 @@ class TreeDrafter(Proposer):
                 local_parent, new_tokens, cum = beam_select(cum, logprobs, spec.widths[depth - 1])
                 new_tokens = new_tokens if ids is None else ids[new_tokens]
                 if chain is not None:
-                    chain.extend(local_parent, new_tokens, cum, logprobs, None if ids is None else self.candidate_index)
+                    chain.extend(depth, local_parent, new_tokens, cum, logprobs,
+                                 None if ids is None else self.candidate_index)
             parent = local_parent + prev.start
             tokens[:, cur], parents[:, cur] = new_tokens, parent
             mask[:, cur] = mask.gather(1, parent[:, :, None].expand(-1, -1, n)) | self.eye[cur]
-            if depth < spec.depth:
+            if depth < drafted:
                 positions = self.cache.lengths[:, None] + depth
                 level_logits = self._level_logits(new_tokens, positions.expand(-1, new_tokens.shape[1]),
                                                   mask[:, cur, :cur.stop], tokens[:, :cur.stop])
@@ -272,32 +279,38 @@ class TreeDrafter(Proposer):
 
 
 class _LookupChain:
-    """The prompt-lookup chain of one round, grown inside a beam tree (see ``TreeDrafter.lookup``):
-    at each level its candidate takes the level's last slot (the beam's weakest pair)."""
+    """The prompt-lookup chain of one round inside a beam tree (see ``TreeDrafter.lookup``): its
+    tokens are the lookup's :meth:`~longspec.decoding.prompt_lookup.PromptLookup.continuation`
+    (one search a round); at each drafted level its token takes the level's last slot (the beam's
+    weakest pair) under the chain's last node, and the tree's lookup tail (``TreeSpec.lookup_tail``)
+    holds the chain alone."""
 
-    def __init__(self, lookup, b: int, device):
-        self.lookup, self.path = lookup, torch.zeros(b, 1, 0, dtype=torch.long, device=device)
-        self.node = torch.zeros(b, dtype=torch.long, device=device)  # its node's index within the level
-        self.alive = torch.ones(b, dtype=torch.bool, device=device)
+    def __init__(self, lookup, depth: int):
+        self.found, self.tokens = lookup.continuation(depth)  # [B], [B, D]
+        self.node = torch.zeros_like(self.found, dtype=torch.long)  # its node's index within the last level
+        self.cum = torch.zeros(self.found.shape, device=self.found.device)  # its cumulative draft log-probability
 
-    def extend(self, local_parent, new_tokens, cum, logprobs, columns=None) -> None:
-        """Overwrites the last pair of the level (in place) where the chain has a candidate.
+    def extend(self, depth: int, local_parent, new_tokens, cum, logprobs, columns=None) -> None:
+        """Overwrites the last pair of level ``depth`` (in place) where the chain has a candidate.
         ``columns`` [V]: the column of each token id in ``logprobs`` (-1: not scored), when
         ``logprobs`` covers only part of the vocabulary."""
-        found, token = self.lookup.first_candidate(self.path)
-        found, token = found[:, 0], token[:, 0]
-        self.alive = self.alive & found
+        token = self.tokens[:, depth - 1]
         rows = torch.arange(token.shape[0], device=token.device)
-        parent_cum = cum.new_zeros(token.shape) if self.path.shape[-1] == 0 else self.cum
         if columns is None:
             token_logprob = logprobs[rows, self.node, token]
         else:
             column = columns[token]
             token_logprob = torch.where(column >= 0, logprobs[rows, self.node, column.clamp(min=0)], float("-inf"))
-        chain_cum = parent_cum + token_logprob
+        chain_cum = self.cum + token_logprob
         last = new_tokens.shape[1] - 1
-        new_tokens[:, last] = torch.where(self.alive, token, new_tokens[:, last])
-        local_parent[:, last] = torch.where(self.alive, self.node, local_parent[:, last])
-        cum[:, last] = torch.where(self.alive, chain_cum, cum[:, last])
+        new_tokens[:, last] = torch.where(self.found, token, new_tokens[:, last])
+        local_parent[:, last] = torch.where(self.found, self.node, local_parent[:, last])
+        cum[:, last] = torch.where(self.found, chain_cum, cum[:, last])
         self.cum, self.node = chain_cum, torch.full_like(self.node, last)
-        self.path = torch.cat([self.path, token[:, None, None]], -1)
+
+    def tail(self, depth: int) -> tuple:
+        """(local parent [B, 1], token [B, 1]) of the one node of tail level ``depth``: the
+        chain's next token under its last node (arbitrary where the lookup found nothing)."""
+        parent = self.node[:, None]
+        self.node = torch.zeros_like(self.node)
+        return parent, self.tokens[:, depth - 1:depth]

@@ -161,6 +161,9 @@ class Engine(Admission):
         # taken back when that tree returns (their times still count)
         self.runners: dict = {}
         self.parked: dict = {}
+        # buckets that :meth:`use_tree` switched to plain rounds: those do not keep the proposer up
+        # (a plain round then costs what a plain engine's does); it catches up when a tree returns
+        self.detached: set = set()
         self.greedy_round = self.config.greedy
         self.rounds = 0
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
@@ -188,7 +191,8 @@ class Engine(Admission):
                                                  else proposer.propose)
             width = 1 if tree is None else tree.depth + 1
             self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
-                                       self.out_counts[:n], proposer, propose, tree)
+                                       self.out_counts[:n], proposer, propose, tree,
+                                       follows=proposer is not None and not (tree is None and n in self.detached))
         return self._views[n]
 
     def tree_of(self, n: int) -> Optional[TreeSpec]:
@@ -197,15 +201,21 @@ class Engine(Admission):
 
     def use_tree(self, tree: Optional[TreeSpec]) -> None:
         """From the next round on every bucket drafts ``tree`` (one that fits the engine's tree),
-        or decodes plainly (None; a proposer that follows plain rounds): what ``--proposer auto``
-        switches to while it generates. Verification stays exact, so the output is unchanged.
-        The replaced tree's rounds are parked (graphs and times kept) for when it returns."""
+        or decodes plainly (None): what ``--proposer auto`` switches to while it generates.
+        Verification stays exact, so the output is unchanged. The replaced tree's rounds are
+        parked (graphs and times kept) for when it returns. Plain rounds leave the proposer
+        behind (they cost what a plain engine's do); when a tree returns, the proposer takes
+        every active row in again from its text (:meth:`Proposer.add`: the draft's window of the
+        last W tokens, the lookup's history), as after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
-        if tree is None and not self.proposer.follows_plain_rounds:
-            raise ValueError(f"{type(self.proposer).__name__} cannot follow plain rounds")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
+        if tree is not None and self.detached:
+            for s in self.rows:
+                if s is not None:
+                    self.proposer.add(s.row, s.prompt + s.tokens[:-1], s.tokens[-1])
+            self.detached.clear()
         for b in self.buckets:
             old = self.tree_of(b)
             if old == tree:
@@ -220,6 +230,8 @@ class Engine(Admission):
                 del self.bucket_trees[b]
             else:
                 self.bucket_trees[b] = tree
+            if tree is None:
+                self.detached.add(b)
 
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
@@ -228,8 +240,9 @@ class Engine(Admission):
         logits = self.target.decode(v.root, v.cache, n_keys=self.step_keys, advance=v.active)
         v.root.copy_(self._next_token(logits, self.greedy_round, slice(0, v.n)))
         v.out_tokens[:, 0] = v.root
-        if v.proposer is not None:
+        if v.proposer is not None:  # (a speculative round's counts share the buffer)
             v.out_counts.fill_(1)
+        if v.follows:
             v.proposer.accepted(v.out_tokens, v.out_counts)
 
     def _propose_phase(self, v: "RoundRows") -> None:
@@ -278,9 +291,9 @@ class Engine(Admission):
                 phases = [partial(self._decode_phase, v)]
             elif v.tree is None:  # a plain bucket: the proposer takes the round's root in, if it needs to
                 phases = [partial(self._decode_phase, v)]
-                if type(v.proposer).decoded is not Proposer.decoded:
+                if v.follows and type(v.proposer).decoded is not Proposer.decoded:
                     phases.insert(0, partial(self._follow_phase, v))
-                state += v.proposer.state_tensors()
+                state += v.proposer.state_tensors() if v.follows else []
             else:
                 phases = [partial(self._propose_phase, v), partial(self._verify_phase, v)]
                 state += v.proposer.state_tensors()
@@ -316,7 +329,8 @@ class Engine(Admission):
             self.proposer.release()
 
     @torch.inference_mode()
-    def warm_up(self, sampled: bool = False, trees: Optional[list] = None, prefill_by_layer: bool = True) -> float:
+    def warm_up(self, sampled: bool = False, trees: Optional[list] = None, prefill_by_layer: bool = True,
+                kinds: Optional[list] = None) -> float:
         """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
         compilation and CUDA-graph capture, which otherwise happen on a bucket's first round;
         ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
@@ -325,13 +339,16 @@ class Engine(Admission):
         took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
         graphs compiled ({what: :func:`compile_counts`' counts}). Ends with a full garbage
         collection: compiling leaves hundreds of thousands of new Python objects, whose first full
-        collection (0.2-0.4 s at the 8B shape) would otherwise fall in a request soon after."""
+        collection (0.2-0.4 s at the 8B shape) would otherwise fall in a request soon after.
+        ``kinds``: the kinds of round to prepare instead, as (greedy, truncating) pairs (see
+        :attr:`round_kind`)."""
         if self.has_active:
             raise RuntimeError("warm_up needs an empty engine")
         t0, kind = time.perf_counter(), self.round_kind
-        kinds = [(True, False)]  # (greedy, truncating); sampled: with per-row settings, with top-k / top-p too
-        if sampled:
-            kinds += [(False, False), (False, True)] if isinstance(self.config, RowSampling) else [(False, False)]
+        if kinds is None:
+            kinds = [(True, False)]  # (greedy, truncating); sampled: with per-row settings, with top-k / top-p too
+            if sampled:
+                kinds += [(False, False), (False, True)] if isinstance(self.config, RowSampling) else [(False, False)]
         own = {b: self.tree_of(b) for b in self.buckets}
         self.warm_up_seconds, self.warm_up_graphs = {}, {}
 

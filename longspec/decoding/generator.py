@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,7 +20,7 @@ import torch
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
-from .sampling import RowSampling
+from .sampling import RowSampling, truncates
 from .sequence import DEFAULT_TREE, HYBRID_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
 
@@ -109,17 +110,20 @@ class Generator:
     """Generates with a target model, autoregressively or speculatively.
 
     ``proposer``: None or "none" (plain decoding), a name ("pld", "streaming", "longspec",
-    "hybrid", or "auto": the cost model picks plain decoding, prompt lookup or the hybrid for each
-    call, as ``longspec generate`` does), or a :class:`~longspec.decoding.proposers.Proposer`.
+    "hybrid", or "auto": plain rounds, prompt lookup's chains or the hybrid's trees, chosen while
+    generating by measured tokens per second, starting from a cost model, as ``longspec
+    generate`` does), or a :class:`~longspec.decoding.proposers.Proposer`.
     ``draft``: the LongSpec draft of "longspec" / "hybrid" / "auto" (loaded, or a checkpoint
     folder; default: the one shipped for the default model). ``tree``: the tree to draft (a
     :class:`TreeSpec` or its string form; default per proposer, see :func:`default_tree`).
     ``window``: the recent window of "streaming".
 
     ``max_len`` caps a row of the KV cache (prompt + new tokens + tree); it defaults to the
-    target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``retune``: a
-    :class:`~longspec.decoding.auto.Retuner` (a lone prompt switches trees as it says while
-    generating; ``tree`` is then the biggest it may pick). ``prefix_cache``: a call whose prompts
+    target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``controller``:
+    switches trees while generating (``begin(None, None)`` gives the first rounds' tree, then
+    ``observe(tokens, seconds)`` after each round the next; ``end()``; see
+    :class:`~longspec.decoding.controller.Controller`); ``tree`` is then the biggest it may pick.
+    ``prefix_cache``: a call whose prompts
     start with a prefix of an earlier call's prompt or text (same document, next chat turn)
     reuses its K/V and prefills only the rest, with the same output (``stats["cached_tokens"]``).
 
@@ -129,7 +133,7 @@ class Generator:
     sampling settings capture and compile nothing."""
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
-                 cuda_graphs: Optional[bool] = None, retune=None, draft=None, window: int = 512,
+                 cuda_graphs: Optional[bool] = None, controller=None, draft=None, window: int = 512,
                  prefix_cache: bool = True):
         if proposer is None or proposer == "none":
             proposer = None
@@ -147,7 +151,7 @@ class Generator:
         if proposer is not None and proposer != "auto":
             tree = TreeSpec.coerce(default_tree(_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
-        self.target, self.proposer, self.tree, self.retune, self.draft = target, proposer, tree, retune, draft
+        self.target, self.proposer, self.tree, self.controller, self.draft = target, proposer, tree, controller, draft
         self.max_len = max_len or target.config.max_position_embeddings
         self.cuda_graphs, self.prefix_cache = cuda_graphs, prefix_cache
         self._key = None  # the key of the last call's engine
@@ -178,43 +182,28 @@ class Generator:
         return prompts
 
     @staticmethod
-    def _rounds(engine: Engine, seqs: list, streamer, retune, trees: list, check, target_ms=None, clock=None) -> int:
-        """Rounds until every row is done, switching trees as ``retune`` says, and to plain rounds
-        for good where those would have been faster than the current tree's rounds since it took
-        over (``target_ms``: the cost model's steps, see
-        :func:`~longspec.decoding.auto.plain_is_faster`; checked at ``retune``'s points, or from
-        :attr:`~longspec.decoding.auto.Retuner.first` generated tokens, doubling); returns their number."""
-        from .auto import Retuner, plain_is_faster
-
-        rounds, seq = 0, seqs[0]
-        guard = target_ms is not None and len(seqs) == 1
-        check = check or (Retuner.first if guard else None)
-
-        def mark() -> tuple:  # where the current tree's rounds began: rounds, tokens, time, phase times
-            return rounds, len(seq.tokens), clock() if guard else 0.0, engine.phase_times()
-
-        since = mark()
+    def _rounds(engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None) -> int:
+        """Rounds until every row is done; with a ``controller`` (see
+        :class:`~longspec.decoding.controller.Controller`), after every round the measured round
+        (tokens per row, wall time) goes to it and the engine runs the tree it names next;
+        ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
+        given to it at 16, 32, 64, ... generated tokens. Returns the number of rounds."""
+        rounds, seq, check = 0, seqs[0], 16
         while engine.has_active:
-            engine.step(streamer)
+            before, rows = sum(len(s.tokens) for s in seqs), sum(not s.done for s in seqs)
+            start = time.perf_counter()
+            engine.step(streamer)  # (it reads the round's tokens: the device is done with it)
+            seconds = time.perf_counter() - start
             rounds += 1
-            if check is None or len(seq.tokens) < check or not engine.has_active:
+            if controller is None or not engine.has_active:
                 continue
-            check *= 2
-            switch = retune(seq.prompt + seq.tokens, len(seq.prompt)) if retune is not None else False
-            tree = engine.tree_of(engine.bucket_for(1))
-            step = target_ms.get(str(tree.num_nodes)) if guard and tree is not None else None
-            if step:
-                r0, n0, t0, (draft0, verify0) = since
-                draft1, verify1 = engine.phase_times()
-                if plain_is_faster(target_ms["1"] / step, clock() - t0, draft1 - draft0, verify1 - verify0,
-                                   rounds - r0, len(seq.tokens) - n0):
-                    switch, retune, guard = None, None, False  # plain rounds for the rest of the call
-            if switch is not False and switch != tree:
-                engine.use_tree(switch)
-                trees.append((len(seq.tokens), str(switch)))
-                since = mark()
-            if retune is None and not guard:
-                check = None
+            if repredict is not None and len(seq.tokens) >= check:
+                check *= 2
+                controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
+            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
+            if tree != engine.tree_of(engine.bucket()):
+                engine.use_tree(tree)
+                trees.append((len(seq.tokens), str(tree)))
         return rounds
 
     @staticmethod
@@ -232,28 +221,29 @@ class Generator:
                 "lower max_new_tokens, use a smaller tree, or pass Generator(max_len=...))")
 
     def plan(self, prompts: list, config: GenerationConfig) -> "CallPlan":
-        """What a call on ``prompts`` runs: this Generator's proposer and tree, or for "auto" what
-        the cost model picks on the first prompt (:func:`~longspec.decoding.auto.resolve`)."""
+        """What a call on ``prompts`` runs: this Generator's proposer and tree, or for "auto" the
+        candidates of the cost model on the first prompt (:func:`~longspec.decoding.auto.resolve`),
+        which a controller chooses among while it generates."""
         if self.proposer != "auto":
-            start = self.retune.start if self.retune else self.tree
-            return CallPlan(self.proposer, self.tree, start, self.retune)
+            return CallPlan(self.proposer, self.tree, self.tree, controller=self.controller)
         from .auto import resolve
 
-        chosen = resolve(self.target, prompts[0], self.draft, config.max_new_tokens, self.max_len)
-        on_cuda = self.target.device.type == "cuda"
-        if chosen.retune is not None:
-            family = chosen.retune.proposer
-        elif chosen.name == "none":  # plain rounds: on CUDA in the engine that captured them (see generate)
-            if not on_cuda:
-                return CallPlan(None, None, None, None, chosen.note, "none")
-            family = "hybrid" if self.draft is not None else "pld"
-        else:
-            family = chosen.name
-        biggest = TreeSpec.parse(HYBRID_TREE if family == "hybrid" else PLD_TREE if on_cuda else PLD_BIGGEST)
-        start = chosen.retune.start if chosen.retune is not None else chosen.tree
-        return CallPlan(_shared_proposer(self.target, family, self.draft), biggest, start, chosen.retune, chosen.note,
-                        chosen.name if start is None and chosen.retune is None else family, chosen.tree,
-                        chosen.target_ms)
+        chosen = resolve(self.target, prompts[0], self.draft)
+        proposer = _shared_proposer(self.target, chosen.name, self.draft)
+        return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen)
+
+    def _controller(self, engine: Engine):
+        """auto's :class:`~longspec.decoding.controller.Controller` of ``engine``: one per engine
+        in this process (what it measured serves the engine's later calls)."""
+        from .controller import Controller
+
+        engines = _engines(self.target)
+        for key in [k for k, (_, ref) in engines.items() if k[0] == "controller" and ref() is None]:
+            del engines[key]  # (of engines gone since)
+        key = ("controller", id(engine))
+        if key not in engines or engines[key][1]() is not engine:
+            engines[key] = (Controller(), weakref.ref(engine))  # (not keeping a replaced engine alive)
+        return engines[key][0]
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
@@ -299,23 +289,28 @@ class Generator:
         plan = plan or self.plan(prompts, config)
         if self.proposer == "auto" and self._need(prompts, config, plan.tree) > self.max_len:
             # near the context's end (plain decoding fits: checked above)
-            plan = CallPlan(None, None, None, None, "the prompt leaves no room for a speculative tree", "none")
-        proposer, tree, start, retune, note = plan.proposer, plan.tree, plan.start, plan.retune, plan.note
+            plan = CallPlan(None, None, None, "the prompt leaves no room for a speculative tree", "none")
+        proposer, tree, start, note = plan.proposer, plan.tree, plan.start, plan.note
         plan_s = time.perf_counter() - t_plan
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = collected_at = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
-        if self.proposer == "auto" and proposer is not None and engine.cuda_graphs and \
-                not getattr(engine, "auto_ready", False):
-            # everything auto may switch this engine to, captured now: later calls capture nothing
-            # (a plain engine, near the context's end, captures its one round as it runs it)
-            from .auto import cuda_trees
-
-            every = [t for t in cuda_trees(self.draft) if t.fits_in(tree)]
-            engine.warm_up(trees=[*dict.fromkeys([tree, *every]), None], prefill_by_layer=False)  # (only a long prompt needs that)
-            engine.auto_ready = True
-            collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
+        kind = (config.temperature == 0, config.temperature > 0 and truncates(config.top_k or 0, config.top_p or 1.0))
+        controller, predicted = plan.controller, None
+        if plan.auto is not None and plan.auto.predicted is not None:
+            controller, predicted = self._controller(engine), plan.auto.predicted
+            ready = engine.__dict__.setdefault("auto_ready", set())
+            if engine.cuda_graphs and kind not in ready:
+                # every round auto may switch to, captured for this kind of round now: later calls
+                # of this kind capture nothing
+                trees = sorted(predicted, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
+                engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
+                ready.add(kind)
+                collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
+            start = controller.begin(predicted, (config.temperature, config.top_k or 0, config.top_p or 1.0))
+        elif controller is not None:
+            start = controller.begin(None, None)
         if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
@@ -324,18 +319,18 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0) for p in prompts]
         times_before = engine.phase_times()
-        trees = [(0, str(start))] if retune is not None or self.proposer == "auto" else []
-        check = retune.first if retune is not None else None
-        retune = retune if len(seqs) == 1 else None  # switches follow one prompt only
+        trees = [(0, str(start))] if controller is not None else []
+        repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
         t0 = clock()
         try:
             engine.add(seqs, streamer)
             t_prefill = clock()
-            rounds = self._rounds(engine, seqs, streamer, retune, trees, check,
-                                  plan.target_ms if start is not None else None, clock)
+            rounds = self._rounds(engine, seqs, streamer, controller, trees, repredict)
         finally:  # a failed or interrupted call leaves the shared engine empty
             for s in seqs:
                 engine.cancel(s)
+            if controller is not None:
+                controller.end()
         t_end = clock()
         n_new = sum(len(s.tokens) for s in seqs)
         decoded = n_new - len(seqs)  # the first token of each row comes from the prefill
@@ -352,7 +347,7 @@ class Generator:
         if trees:
             stats["trees"] = trees  # (tokens generated, tree from then on: "None" = plain rounds)
         if note:
-            stats["auto"] = note
+            stats["auto"] = note + (f" ({controller.summary()})" if predicted is not None else "")
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
         if proposer is not None:
             hist = [0] * (tree.depth + 1)
@@ -370,17 +365,17 @@ class Generator:
 class CallPlan:
     """What one ``Generator.generate`` call runs: ``proposer`` (None: plain decoding), the
     engine's ``tree`` (the biggest its rounds may draft), the tree of its first rounds
-    (``start``; None: plain rounds), the ``retune`` that may switch trees while generating,
-    ``note`` (why, for "auto") and ``name`` (the proposer's name, for "auto")."""
+    (``start``; None: plain rounds), ``note`` (why, for "auto"), ``name`` (the proposer's name,
+    for "auto"), ``auto`` (auto's :class:`~longspec.decoding.auto.Plan`: the candidates a
+    controller chooses among while generating) and ``controller`` (one given to the Generator)."""
 
     proposer: object
     tree: Optional[TreeSpec]
     start: Optional[TreeSpec]
-    retune: object = None
     note: str = ""
     name: str = ""
-    picked: Optional[TreeSpec] = None  # the tree auto's cost model picked (a retuner may start elsewhere)
-    target_ms: Optional[dict] = None  # auto: the cost model's steps, to check the rounds against plain ones
+    auto: object = None
+    controller: object = None
 
 
 def _family(proposer) -> str:

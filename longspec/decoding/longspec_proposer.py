@@ -139,7 +139,6 @@ class LongSpecProposer(TreeDrafter):
         beam trees can return later."""
         if self.lookup is not None and self.spec.kind == "chain":
             self.decoded(root)
-            self.lookup.sample_children = self.sample_children  # what the engine told this round
             return self.lookup.propose(root)
         return super().propose(root)
 

@@ -66,23 +66,38 @@ class PromptLookup(TreeDrafter):
         return [self.hist, self.hist_len]
 
     def propose(self, root: torch.Tensor) -> DraftTree:
-        """A greedy chain goes by :meth:`first_candidate` level by level: each token is the best
-        candidate after the chain so far, the token the generic tree growth would pick, without
-        its [B, 1, V] pseudo-logits (262,144 columns for Gemma 3) and their top-k. Where there
-        is no match the token is arbitrary there and here, not the same one. Other trees, and
-        chains under sampling: :meth:`TreeDrafter.propose`."""
+        """A chain is the :meth:`continuation` of the history (one search a round, whatever its
+        depth), its children chosen deterministically under sampling too (verified by the
+        target's probability of each, which needs no draft distribution). Other trees:
+        :meth:`TreeDrafter.propose` over the ranked candidates' pseudo-logits."""
         spec = self.spec
-        if spec.kind != "chain" or self.sample_children:  # (the engine sets it per kind of round)
+        if spec.kind != "chain":
             return super().propose(root)
         b, n = root.shape[0], spec.num_nodes
-        path = torch.zeros(b, 1, 0, dtype=torch.long, device=root.device)
-        for _ in range(spec.depth):
-            _, token = self.first_candidate(path)
-            path = torch.cat([path, token[:, :, None]], -1)
-        tokens = torch.cat([root[:, None], path[:, 0]], 1)
+        _, path = self.continuation(spec.depth)
+        tokens = torch.cat([root[:, None], path], 1)
         parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
         mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
         return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, level_sizes=spec.level_sizes)
+
+    def continuation(self, depth: int) -> tuple:
+        """(found [B] bool, tokens [B, depth]): the chain prompt lookup drafts after each row's
+        history: the tokens that followed the best match of its tail (the longest, then most
+        recent, earlier occurrence; the top candidate of :meth:`_lookup`), copied on from there,
+        as prompt lookup decoding does. One search whatever ``depth`` (a search per level cost
+        ~68 kernel launches each on the H200). Where the copy reaches the history's end it
+        repeats the period it found (the chain continues its own text: what searching again
+        after each drafted token would find). Where nothing matches the tokens are arbitrary."""
+        empty = torch.zeros(self.hist.shape[0], 1, 0, dtype=torch.long, device=self.hist.device)
+        ctx, score = self._scores(empty)
+        # a match's score is unique to its position, so the best score names the best follower;
+        # a plain max, which Inductor can split over the positions
+        best = score.amax(-1)[:, 0]
+        follower = best.clamp(min=0) % (ctx.shape[-1] + 1)  # [B]: where the copy starts
+        period = (self.hist_len - follower).clamp(min=1)
+        steps = torch.arange(depth, device=follower.device)[None, :]
+        source = follower[:, None] + steps % period[:, None]
+        return best >= 0, self.hist.gather(1, source.clamp(max=self.capacity)).clamp(min=0)
 
     def _root_logits(self, root):
         # the root was emitted last round and is already in the history
@@ -107,18 +122,6 @@ class PromptLookup(TreeDrafter):
         rank = torch.arange(top.shape[-1], device=path.device).expand_as(top)
         logits = torch.full((b, n, self.vocab), -1e4, device=path.device)
         return logits.scatter(2, token, torch.where(top >= 0, -rank.float(), -1e4))
-
-    def first_candidate(self, path: torch.Tensor) -> tuple:
-        """path [B, n, d] -> (found [B, n] bool, token [B, n]): the best-ranked candidate of
-        :meth:`_lookup` (the follower of the longest, then most recent, match), without its
-        [B, n, V] scores: a match's score is unique to its position, so the best position's
-        token is the best token."""
-        ctx, score = self._scores(path)
-        # a plain max, which Inductor can split over the positions (max-with-index took 150 us at
-        # 16 rows on the H200, steps_batch16_h200.log; not measured since)
-        best = score.amax(-1)
-        where = best.clamp(min=0) % (ctx.shape[-1] + 1)  # the position is part of the score
-        return best >= 0, ctx.gather(2, where[..., None])[..., 0].clamp(min=0)
 
     def _scores(self, path: torch.Tensor) -> tuple:
         """(ctx [B, n, W]: history + path per node, -1 past its end; score [B, n, W]: for each

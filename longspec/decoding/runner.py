@@ -225,4 +225,5 @@ class RoundRows:
     proposer: object = None
     propose: Optional[Callable] = None
     tree: Optional[TreeSpec] = None  # what the bucket's rounds draft
+    follows: bool = False  # plain rounds keep the proposer up (a plain bucket of a speculative engine)
     draft_tree: object = None

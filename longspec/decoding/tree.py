@@ -226,6 +226,14 @@ class TreeSpec:
         return 1 + sum(self.widths)
 
     @property
+    def lookup_tail(self) -> int:
+        """Trailing one-node levels of a beam tree that is wider before them (``4,16,16,1,1``: 2):
+        in a hybrid round prompt lookup's chain alone fills them, without running the draft."""
+        if self.kind != "beam" or max(self.widths) == 1:
+            return 0
+        return len(self.widths) - 1 - max(i for i, w in enumerate(self.widths) if w > 1)
+
+    @property
     def max_width(self) -> int:
         """Largest number of nodes at one depth."""
         return max(self.widths)
