@@ -275,6 +275,28 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert 1.2 < c.ms["chain:5"] < 2.2
 
 
+def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_earlier_calls():
+    """The cost model's times run long (uncompiled steps): a candidate never run is predicted at
+    its time scaled like the measured ones', so a chain measured a little faster than predicted
+    but accepting little at temperature 1 gives way to plain rounds (whose predicted time alone
+    made the chain look faster); a sampled call's tokens a round come from earlier calls at its
+    setting, not from the greedy prediction."""
+    from longspec.decoding.controller import Controller
+
+    chain, t1 = TreeSpec.chain(5), (1.0, 0, 1.0)
+    predicted = {chain: (1.8, 1.84), None: (1.0, 1.5)}
+    truth = {chain: (1.1, 1.5), None: (1.0, 1.2)}
+    c = Controller()
+    ran = [c.begin(predicted, t1)]
+    for _ in range(60):
+        ran.append(c.observe(*[truth[ran[-1]][0], truth[ran[-1]][1] / 1e3]))
+    assert ran[0] == chain and set(ran[-20:]) == {None}
+    assert c.candidates["plain"].ms == pytest.approx(1.2)
+    c.end()
+    assert c.begin(predicted, t1) is None  # the chain's 1.1 tokens in 1.5 ms: plain from the start
+    assert c.candidates["chain:5"].prior == pytest.approx(1.1, abs=0.05)
+
+
 def test_hybrid_chain_rounds_are_the_lookups_own(tiny):
     """A hybrid engine switched to a chain drafts what prompt lookup alone drafts: the same
     tokens and the same accepted counts round by round, and beam trees can return after it."""

@@ -6,10 +6,13 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
 * **Round times** are measured on every round (wall clock: drafting, verifying, the host's work)
   and kept across calls as an exponential average per candidate: they depend on the model, the
   device and the context, not on the text. Until a candidate has run, the cost model's
-  prediction stands in (:mod:`~longspec.decoding.auto`).
-* **Tokens per round** are estimated per call: the cost model's prediction for this prompt
-  (blended with what earlier calls measured at the same sampling settings: acceptance depends on
-  the temperature), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
+  prediction stands in (:mod:`~longspec.decoding.auto`), scaled by how the measured rounds of
+  the others compare with their predictions (the cost model times uncompiled steps without the
+  host's work: on the H200 plain rounds measured 1.2-1.3 ms against 1.5 predicted).
+* **Tokens per round** are estimated per call: the cost model's prediction for this prompt,
+  worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds. What earlier calls measured at
+  the same sampling settings replaces the prediction for sampled calls (the cost model knows
+  greedy acceptance only) and is averaged with it for greedy ones (where the text decides).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN`. Plain decoding (one token a round, its time measured) is
   always a candidate, so rounds that do not pay lose their place within a few rounds."""
@@ -30,6 +33,11 @@ def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
 
 
+def sampled(sampling) -> bool:
+    """Whether a call's sampling key (temperature first, or "greedy") samples."""
+    return isinstance(sampling, tuple) and sampling[0] > 0
+
+
 @dataclass
 class Candidate:
     """One kind of round: ``tree`` (None: plain rounds), its round time ``ms`` (estimated), the
@@ -40,6 +48,7 @@ class Candidate:
     prior: float
     tokens: float = 0.0
     rounds: int = 0
+    predicted_ms: float = 0.0  # the cost model's
 
     @property
     def tokens_per_round(self) -> float:
@@ -71,8 +80,10 @@ class Controller:
         for tree, (tokens, ms) in predicted.items():
             name = label(tree)
             learned = self.learned.get((name, sampling))
-            prior = 1.0 if tree is None else tokens if learned is None else (tokens + learned) / 2
-            self.candidates[name] = Candidate(tree, self.ms.get(name, ms), prior)
+            prior = (1.0 if tree is None else tokens if learned is None else learned if sampled(sampling)
+                     else (tokens + learned) / 2)
+            self.candidates[name] = Candidate(tree, self.ms.get(name, ms), prior, predicted_ms=ms)
+        self._calibrate()
         self.current = self._best()
         return self.current.tree
 
@@ -89,10 +100,11 @@ class Controller:
         next rounds (the current one, or the candidate that now looks faster)."""
         c = self.current
         ms = 1e3 * seconds
-        c.ms = ms if c.rounds == 0 and label(c.tree) not in self.ms else TIME_DECAY * c.ms + (1 - TIME_DECAY) * ms
+        c.ms = ms if label(c.tree) not in self.ms else TIME_DECAY * c.ms + (1 - TIME_DECAY) * ms
         self.ms[label(c.tree)] = c.ms
         c.tokens += tokens
         c.rounds += 1
+        self._calibrate()
         best = self._best()
         if best is not c and best.rate > SWITCH_MARGIN * c.rate:
             self.current = best
@@ -110,6 +122,17 @@ class Controller:
         """What each candidate measured in this call (for a call's stats)."""
         return "; ".join(f"{name}: {c.rounds} rounds, {c.tokens_per_round:.2f} tokens in {c.ms:.2f} ms"
                          for name, c in self.candidates.items())
+
+    def _calibrate(self) -> None:
+        """Candidates never measured on this engine: their predicted time, scaled by the measured
+        over the predicted time of those that were (their median ratio)."""
+        ratios = sorted(self.ms[name] / c.predicted_ms for name, c in self.candidates.items()
+                        if name in self.ms and c.predicted_ms > 0)
+        if ratios:
+            scale = ratios[len(ratios) // 2]
+            for name, c in self.candidates.items():
+                if name not in self.ms:
+                    c.ms = scale * c.predicted_ms
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)

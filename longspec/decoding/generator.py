@@ -263,8 +263,10 @@ class Generator:
                           if k[0] == "engine" and (k == key or (proposer is not None and p is proposer))]:
                 engines.pop(other)[1].close()
             chunk = min(PREFILL_CHUNK, self.max_len) if self.target.device.type == "cuda" else None
+            # (with compiled steps the proposals are compiled too, once per machine: on-disk caches)
             engine = Engine(self.target, proposer, tree, batch, self.max_len, RowSampling.zeros(batch, self.target.device),
-                            self.cuda_graphs, prefill_chunk=chunk, prefix_cache=self.prefix_cache)
+                            self.cuda_graphs, prefill_chunk=chunk, prefix_cache=self.prefix_cache,
+                            compile_proposals=True)
             engines[key] = (proposer, engine)
         self._key = key
         return engine

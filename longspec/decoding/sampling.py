@@ -288,8 +288,17 @@ def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
         ``[B]`` (or ``[...]``) long token ids; a token of weight 0 is never drawn.
     """
     flat = probs.reshape(-1, probs.shape[-1]).float()
-    cdf = flat.cumsum(-1)
+    u = uniform(tuple(probs.shape[:-1]), generator, flat.device).reshape(-1)
+    return _inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+@compile_boundary
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [R, V], u [R] uniform in [0, 1) -> [R]: the first index whose cumulative weight
+    reaches ``(1 - u) * total``, as its own (uncompiled) operation: Inductor (torch 2.11) cannot
+    generate a cumulative sum over a vocabulary followed by a reduction ("NYI
+    TritonSplitDimKernel reductions"), and a sampled round's whole acceptance then ran uncompiled."""
+    cdf = weights.cumsum(-1)
     # x in (0, total]: the first index with cdf >= x has positive weight
-    x = (1.0 - uniform(tuple(probs.shape[:-1]), generator, flat.device).reshape(-1)) * cdf[:, -1]
-    out = (cdf < x[:, None]).sum(-1).clamp(max=flat.shape[-1] - 1)
-    return out.reshape(probs.shape[:-1])
+    x = (1.0 - u) * cdf[:, -1]
+    return (cdf < x[:, None]).sum(-1).clamp(max=weights.shape[-1] - 1)
