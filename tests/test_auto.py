@@ -456,3 +456,22 @@ def test_lookup_acceptance_equals_its_definition():
         if rng.random() < 0.3:
             kw.update(prior=[0.5, 0.3], prior_weight=8.0)
         assert lookup_acceptance(ids, **kw) == lookup_acceptance_reference(ids, **kw), (n, vocab, kw)
+
+
+def test_one_slow_round_does_not_keep_a_candidate_out():
+    """A round measured far slower than expected (a hiccup of the host) counts as at most
+    OUTLIER times the estimate, and a candidate measured in few rounds is not predicted slower
+    than the cost model says: plain rounds whose first round stalled still win the call."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(5)
+    c = Controller()
+    assert c.begin({chain: (1.05, 1.5), None: (1.0, 1.2)}, "greedy") is None
+    assert c.observe(1.0, 12e-3) is None  # a 12 ms plain round
+    assert c.ms["plain"] == pytest.approx(controller.OUTLIER * 1.2) and c.candidates["plain"].ms == pytest.approx(1.2)
+    c.observe(1.0, 12e-3)
+    ran = [c.observe(1.0, 12e-3)]  # three stalls in a row: now the chain looks faster
+    for _ in range(40):
+        ran.append(c.observe(1.05 if ran[-1] is not None else 1.0, (1.5 if ran[-1] is not None else 1.2) / 1e3))
+    assert set(ran[-20:]) == {None} and c.ms["plain"] == pytest.approx(1.2, rel=0.02)

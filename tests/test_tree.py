@@ -237,3 +237,17 @@ def test_topk_children_and_static_level_index():
     for i in range(1, spec.num_nodes):  # node i = rank child_rank[i] of its parent's draft
         par, rank = int(spec.parents[i]), int(spec.child_rank[i])
         assert torch.equal(tokens[:, i], order[:, par, rank])
+
+
+@pytest.mark.parametrize("shape,k", [((2, 3, 8192), 16), ((1, 16, 1024), 4), ((4, 640), 8), ((2, 300), 5)])
+def test_two_pass_topk_is_topk(shape, k):
+    """The drafter's top-k over a long last dimension (two passes) gives torch.topk's values, in
+    order, and indices that hold them; with ties too."""
+    from longspec.decoding.drafting import topk_last
+
+    gen = torch.Generator().manual_seed(sum(shape) + k)
+    for x in (torch.randn(shape, generator=gen), torch.randint(0, 5, shape, generator=gen).float()):
+        values, index = topk_last(x, k)
+        ref, _ = torch.topk(x, k, dim=-1)
+        assert torch.equal(values, ref) and torch.equal(x.gather(-1, index), values)
+        assert (index.sort(-1).values.diff(dim=-1) > 0).all()  # distinct

@@ -24,6 +24,8 @@ from typing import Optional
 from .tree import TreeSpec
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
+SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
+OUTLIER = 1.5  # a round measured this much slower than the estimate counts as this much (a hiccup of the host)
 SWITCH_MARGIN = 1.05  # a candidate takes over when it is predicted this much faster (no flapping on noise)
 TIME_DECAY = 0.7  # weight of the earlier estimate of a round's time against a newly measured round
 LEARNED_DECAY = 0.5  # weight of earlier calls' tokens per round against this call's, in the prior of the next
@@ -67,6 +69,7 @@ class Controller:
 
     def __init__(self):
         self.ms: dict = {}  # label -> round time (ms), across calls
+        self.rounds: dict = {}  # label -> rounds measured, across calls
         self.learned: dict = {}  # (label, sampling key) -> tokens per round measured by earlier calls
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
@@ -98,10 +101,11 @@ class Controller:
     def observe(self, tokens: float, seconds: float) -> Optional[TreeSpec]:
         """The round just run emitted ``tokens`` per row in ``seconds``: returns the tree for the
         next rounds (the current one, or the candidate that now looks faster)."""
-        c = self.current
-        ms = 1e3 * seconds
-        c.ms = ms if label(c.tree) not in self.ms else TIME_DECAY * c.ms + (1 - TIME_DECAY) * ms
-        self.ms[label(c.tree)] = c.ms
+        c, name = self.current, label(self.current.tree)
+        ms = min(1e3 * seconds, OUTLIER * c.ms)
+        c.ms = ms if name not in self.ms else TIME_DECAY * c.ms + (1 - TIME_DECAY) * ms
+        self.ms[name] = c.ms
+        self.rounds[name] = self.rounds.get(name, 0) + 1
         c.tokens += tokens
         c.rounds += 1
         self._calibrate()
@@ -125,14 +129,17 @@ class Controller:
 
     def _calibrate(self) -> None:
         """Candidates never measured on this engine: their predicted time, scaled by the measured
-        over the predicted time of those that were (their median ratio)."""
+        over the predicted time of those that were (their median ratio); candidates measured in
+        fewer than :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not
+        keep a candidate out for good: nothing would measure it again)."""
         ratios = sorted(self.ms[name] / c.predicted_ms for name, c in self.candidates.items()
-                        if name in self.ms and c.predicted_ms > 0)
-        if ratios:
-            scale = ratios[len(ratios) // 2]
-            for name, c in self.candidates.items():
-                if name not in self.ms:
-                    c.ms = scale * c.predicted_ms
+                        if self.rounds.get(name, 0) >= SETTLED_ROUNDS and c.predicted_ms > 0)
+        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        for name, c in self.candidates.items():
+            if name not in self.ms:
+                c.ms = scale * c.predicted_ms
+            elif self.rounds[name] < SETTLED_ROUNDS:
+                c.ms = min(self.ms[name], scale * c.predicted_ms)
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)

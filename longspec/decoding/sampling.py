@@ -118,9 +118,10 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     kth = ordered.gather(-1, (k.clamp(1, vocab) - 1).expand(*scores.shape[:-1], 1))
     scores = scores.masked_fill(((k > 0) & (k < vocab)) & (scores < kth), float("-inf"))
     ascending, index = scores.sort(dim=-1)
-    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - p)
-    remove[..., -1:] = False  # always keep the most likely token
-    remove = remove & (p < 1.0)
+    # always keep the most likely token (the last); a mask, not an in-place write into the last
+    # column, which TorchDynamo (torch 2.11) cannot trace ("list indices must be integers")
+    last = torch.arange(vocab, device=scores.device) == vocab - 1
+    remove = (ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - p)) & ~last & (p < 1.0)
     scores = scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
     return torch.where(greedy, onehot, scores.softmax(dim=-1))
 
