@@ -26,7 +26,8 @@ from .tree import TreeSpec
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 OUTLIER = 1.5  # a round measured this much slower than the estimate counts as this much (a hiccup of the host)
-SWITCH_MARGIN = 1.05  # a candidate takes over when it is predicted this much faster (no flapping on noise)
+SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much faster (with DWELL: no flapping)
+DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work)
 TIME_DECAY = 0.7  # weight of the earlier estimate of a round's time against a newly measured round
 LEARNED_DECAY = 0.5  # weight of earlier calls' tokens per round against this call's, in the prior of the next
 
@@ -73,6 +74,7 @@ class Controller:
         self.learned: dict = {}  # (label, sampling key) -> tokens per round measured by earlier calls
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
+        self.dwell = 0  # rounds the current candidate has run since it took over
         self.sampling = None
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
@@ -87,7 +89,7 @@ class Controller:
                      else (tokens + learned) / 2)
             self.candidates[name] = Candidate(tree, self.ms.get(name, ms), prior, predicted_ms=ms)
         self._calibrate()
-        self.current = self._best()
+        self.current, self.dwell = self._best(), 0
         return self.current.tree
 
     def repredict(self, tokens: dict) -> None:
@@ -108,10 +110,11 @@ class Controller:
         self.rounds[name] = self.rounds.get(name, 0) + 1
         c.tokens += tokens
         c.rounds += 1
+        self.dwell += 1
         self._calibrate()
         best = self._best()
-        if best is not c and best.rate > SWITCH_MARGIN * c.rate:
-            self.current = best
+        if best is not c and best.rate > SWITCH_MARGIN * c.rate and self.dwell >= DWELL:
+            self.current, self.dwell = best, 0
         return self.current.tree
 
     def end(self) -> None:

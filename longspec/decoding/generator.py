@@ -189,21 +189,24 @@ class Generator:
         ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
         given to it at 16, 32, 64, ... generated tokens. Returns the number of rounds."""
         rounds, seq, check = 0, seqs[0], 16
+        start = time.perf_counter()
         while engine.has_active:
             before, rows = sum(len(s.tokens) for s in seqs), sum(not s.done for s in seqs)
-            start = time.perf_counter()
             engine.step(streamer)  # (it reads the round's tokens: the device is done with it)
-            seconds = time.perf_counter() - start
             rounds += 1
             if controller is None or not engine.has_active:
                 continue
             if repredict is not None and len(seq.tokens) >= check:
                 check *= 2
                 controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
+            # a round's time: all of it since the last one ended, the controller's and a switch's
+            # work included (a switch costs what the next candidate must make up for)
+            now = time.perf_counter()
+            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, now - start)
             if tree != engine.tree_of(engine.bucket()):
                 engine.use_tree(tree)
                 trees.append((len(seq.tokens), str(tree)))
+            start = now
         return rounds
 
     @staticmethod
