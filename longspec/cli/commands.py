@@ -182,9 +182,14 @@ def cmd_generate(args) -> int:
         # cache would have nothing to reuse, the engine keeps its dense rows)
         gen = Generator(target, proposer=name, tree=tree, draft=args.draft, window=args.window, prefix_cache=False)
     if name == "auto":
-        status("auto: choosing the proposer for this prompt (the first run on a device measures the step costs, "
-               "10-60 s, cached for later runs)")
-        plan = gen.plan([ids], config)  # what `generate` runs below: the same engine as Generator(proposer="auto")
+        from ..decoding.auto import costs_measured
+
+        if costs_measured(target, gen.draft):
+            plan = gen.plan([ids], config)  # what `generate` runs below: the same engine as Generator(proposer="auto")
+        else:
+            status("auto: measuring the step costs on this device once (a few seconds; cached for later runs)")
+            with Heartbeat(lambda: "auto: measuring the step costs"):
+                plan = gen.plan([ids], config)
         name, tree, note = plan.name, plan.start, plan.note
         line = auto_line(name, tree, predicted_gain(note))
     biggest = plan.tree if plan is not None else tree

@@ -40,8 +40,13 @@ from .tree import TreeSpec
 # 4.23 tokens a round against the default's 3.71 (69 nodes, depth 5; CPU, the step-8000 draft)
 CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DEFAULT_TREE,
                    "4,8,8,8,8,8,8,8", "4,4,4,4,4,1,1,1,1,1", "4,8,8,8,8,8,8,8,1,1", HYBRID_TREE)
-LOOKUP_CHAINS = (1, 2, 3, 4, 5, 6, 8, 10)
-COST_CONTEXTS = (1024, 8192)  # where step costs are measured (once per device, model and dtype)
+# what ``--proposer auto`` weighs on a CPU (its controller measures them while generating; the
+# cost model measures each once per device, so few: the first run's measurement stays short)
+LOOKUP_CHAINS = (2, 4, 8)
+AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
+# where step costs are measured (once per device, model and dtype; beyond the second, extrapolated:
+# a step's cost is linear in the context). On a 2-core CPU the default pair's measurement takes ~8 s
+COST_CONTEXTS = (1024, 4096)
 # on CUDA: the default hybrid tree and a narrower, shallower beam with the same lookup tail (a
 # round of 2.3 against 3.1 ms on the H200 with the default pair: where the draft's deep levels
 # are rarely right, e.g. at temperature 1)
@@ -65,7 +70,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, candidates: dict, context: int, repeats: int = 5, batch: int = 1) -> dict:
+def measure_costs(target, candidates: dict, context: int, repeats: int = 3, batch: int = 1) -> dict:
     """``{"target_ms": {M: ms}, "draft_ms": {label: ms}}`` at ``context`` cached tokens in each of
     ``batch`` rows (random ids: step time does not depend on them): the target's step for M = 1
     and each candidate's node count per row, and each candidate's proposal (``candidates`` as for
@@ -127,8 +132,9 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 
 
 # bumped when the steps' code changes what they cost, so measurements of older code are not reused
-# (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches)
-COSTS_VERSION = 2
+# (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches;
+# 3: one lookup search a round, the hybrid's lookup tail without draft forwards)
+COSTS_VERSION = 3
 
 
 def device_key(target) -> str:
@@ -166,6 +172,17 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     best, gain = fastest({label: (tree, tokens) for label, (tree, _, tokens) in candidates.items()}, costs,
                          allow_plain)
     return best, gain, costs
+
+
+def costs_measured(target, draft, costs_file: Optional[str] = None) -> bool:
+    """Whether ``--proposer auto``'s step costs for ``target`` (with ``draft``) on this device
+    are cached already: no measurement before the first call."""
+    cap = max(1, target.config.max_position_embeddings - COST_MARGIN)
+    labels = _candidates([], draft if draft is None or draft.config.acceptance else None, [],
+                         target.device.type == "cuda")
+    cached = _read_costs(costs_file)
+    return all(set(labels) <= set(cached.get(f"{device_key(target)} | {min(c, cap)}", {}).get("draft_ms", {}))
+               for c in COST_CONTEXTS)
 
 
 def _costs_at(target, candidates: dict, context: int, batch: int, cached: dict, costs_file: Optional[str]) -> dict:
@@ -245,7 +262,7 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     from .proposers import LongSpecProposer, PromptLookup
 
     candidates = {}
-    chains, trees = (LOOKUP_CHAINS, CANDIDATE_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
+    chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
     for n in chains:
         tree = TreeSpec.chain(n)
         if draft is not None:

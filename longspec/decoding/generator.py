@@ -187,8 +187,11 @@ class Generator:
         :class:`~longspec.decoding.controller.Controller`), after every round the measured round
         (tokens per row, wall time) goes to it and the engine runs the tree it names next;
         ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
-        given to it at 16, 32, 64, ... generated tokens. Returns the number of rounds."""
-        rounds, seq, check = 0, seqs[0], 16
+        given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
+        milliseconds against its ~2 ms, every 8). Returns the number of rounds."""
+        rounds, seq = 0, seqs[0]
+        on_cpu = engine.target.device.type == "cpu"
+        check = 8 if on_cpu else 16
         start = time.perf_counter()
         while engine.has_active:
             before, rows = sum(len(s.tokens) for s in seqs), sum(not s.done for s in seqs)
@@ -197,7 +200,7 @@ class Generator:
             if controller is None or not engine.has_active:
                 continue
             if repredict is not None and len(seq.tokens) >= check:
-                check *= 2
+                check = check + 8 if on_cpu else 2 * check
                 controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
             # a round's time: all of it since the last one ended, the controller's and a switch's
             # work included (a switch costs what the next candidate must make up for)
