@@ -106,6 +106,11 @@ class Proposer:
         Proposers whose state follows from ``accepted`` alone leave this undefined (no work)."""
         raise NotImplementedError
 
+    def keeps_up(self, tree: TreeSpec) -> bool:
+        """Whether rounds of ``tree`` keep all of this proposer's state up with the text (else
+        the engine takes its rows in again, :meth:`add`, before rounds that need it)."""
+        return True
+
     def state_tensors(self) -> list:
         return []
 

@@ -161,9 +161,10 @@ class Engine(Admission):
         # taken back when that tree returns (their times still count)
         self.runners: dict = {}
         self.parked: dict = {}
-        # buckets that :meth:`use_tree` switched to plain rounds: those do not keep the proposer up
-        # (a plain round then costs what a plain engine's does); it catches up when a tree returns
-        self.detached: set = set()
+        # the proposer is behind the rows' text: :meth:`use_tree` switched to rounds that do not
+        # keep it up (plain rounds, which then cost what a plain engine's do; or rounds that use
+        # part of it, see Proposer.keeps_up); it catches up when the next tree takes over
+        self.behind = False
         self.greedy_round = self.config.greedy
         self.rounds = 0
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
@@ -192,7 +193,7 @@ class Engine(Admission):
             width = 1 if tree is None else tree.depth + 1
             self._views[n] = RoundRows(n, cache, self.root[:n], self.active[:n], self.out_tokens[:n, :width],
                                        self.out_counts[:n], proposer, propose, tree,
-                                       follows=proposer is not None and not (tree is None and n in self.detached))
+                                       follows=proposer is not None and not (tree is None and self.behind))
         return self._views[n]
 
     def tree_of(self, n: int) -> Optional[TreeSpec]:
@@ -204,18 +205,20 @@ class Engine(Admission):
         or decodes plainly (None): what ``--proposer auto`` switches to while it generates.
         Verification stays exact, so the output is unchanged. The replaced tree's rounds are
         parked (graphs and times kept) for when it returns. Plain rounds leave the proposer
-        behind (they cost what a plain engine's do); when a tree returns, the proposer takes
-        every active row in again from its text (:meth:`Proposer.add`: the draft's window of the
-        last W tokens, the lookup's history), as after the row's prefill."""
+        behind (they cost what a plain engine's do), and so do rounds it drafts with part of its
+        state (:meth:`Proposer.keeps_up`: the hybrid's lookup chain without its draft); when the
+        next tree takes over, the proposer takes every active row in again from its text
+        (:meth:`Proposer.add`: the draft's window of the last W tokens, the lookup's history), as
+        after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
-        if tree is not None and self.detached:
+        if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):
             for s in self.rows:
                 if s is not None:
                     self.proposer.add(s.row, s.prompt + s.tokens[:-1], s.tokens[-1])
-            self.detached.clear()
+            self.behind = False
         for b in self.buckets:
             old = self.tree_of(b)
             if old == tree:
@@ -230,8 +233,7 @@ class Engine(Admission):
                 del self.bucket_trees[b]
             else:
                 self.bucket_trees[b] = tree
-            if tree is None:
-                self.detached.add(b)
+        self.behind = self.behind or tree is None or not self.proposer.keeps_up(tree)
 
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up

@@ -132,13 +132,18 @@ class LongSpecProposer(TreeDrafter):
                                          cross_keys=self.cross_keys)
         return self.draft.logits(hidden, reduced=True, compact=self._columns() is not None)
 
+    def keeps_up(self, tree):
+        """A chain drafted by the lookup alone leaves the draft's window behind (its rounds cost
+        what prompt lookup's own do: on the H200 the draft's K/V of the re-read block made them
+        0.4 ms slower)."""
+        return not (self.lookup is not None and tree.kind == "chain")
+
     def propose(self, root):
         """A round's tree; with a lookup and a chain tree (``with_tree``; ``--proposer auto``
         switches to one where the lookup alone is predicted faster) the lookup drafts the chain
-        alone and the draft only takes in the re-read block's window K/V, as in a plain round, so
-        beam trees can return later."""
+        alone, and the draft does not follow (:meth:`keeps_up`: the engine takes the rows in
+        again before a beam tree returns)."""
         if self.lookup is not None and self.spec.kind == "chain":
-            self.decoded(root)
             return self.lookup.propose(root)
         return super().propose(root)
 
