@@ -82,7 +82,8 @@ class RequestParsing:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise APIError(400, f"'stream' must be true or false, got {stream!r}"[:200], "stream")
-        limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        # (null is absent, as for every optional field: a null max_completion_tokens leaves max_tokens)
+        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _number(body, limit, int, None, lo=1)
         temperature = _number(body, "temperature", float, 1.0, lo=0.0, hi=100.0)
         top_p = _number(body, "top_p", float, 1.0, lo=0.0, hi=1.0)
@@ -135,7 +136,8 @@ class RequestParsing:
                            "messages")
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        # every text the template renders counts (a 7.8 MB role was tokenised for 31 s before its 400)
+        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                                       add_generation_prompt=True, tokenize=False)

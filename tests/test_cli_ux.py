@@ -57,6 +57,34 @@ def test_file_errors_name_the_file(capsys, tmp_path):
     assert "no-model" in capsys.readouterr().err
 
 
+def test_a_prompt_file_is_a_regular_file_read_up_to_a_cap(capsys, tmp_path):
+    """A FIFO (which would block), a link to ``/dev/zero`` (which never ends) and a file over the
+    cap (a sparse one here: nothing is read) are refused at once, each named, before any model
+    is looked at."""
+    import os
+
+    fifo, zero, huge = tmp_path / "fifo", tmp_path / "zero", tmp_path / "huge.txt"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    with open(huge, "wb") as f:
+        f.truncate(commands.PROMPT_FILE_BYTES + 1)
+    for path, why in ((fifo, "is not a regular file"), (zero, "is not a regular file"), (huge, "has 67108865 bytes")):
+        start = time.perf_counter()
+        assert main(["generate", "--target", "/nonexistent", "--prompt-file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--prompt-file {path} {why}" in err, err
+        assert time.perf_counter() - start < 2
+
+
+@pytest.mark.parametrize("key", ["sekret ", " sekret", "  sekret  "])
+def test_an_api_key_with_whitespace_around_it_is_refused_at_start(capsys, monkeypatch, key):
+    """HTTP strips a header's surrounding whitespace: a server started with such a key answered
+    401 to every request; it is refused before anything loads."""
+    monkeypatch.delenv("LONGSPEC_API_KEY", raising=False)
+    assert main(["serve", "--target", "/nonexistent", "--api-key", key]) == 2
+    assert "whitespace around it" in capsys.readouterr().err
+
+
 def test_auto_line_says_what_runs_and_why():
     chain, later = TreeSpec.chain(5), "; then chosen by measured speed after every round"
     assert commands.auto_line("pld", chain, 1.6) == \

@@ -354,35 +354,61 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
 
 def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
     """``--proposer auto`` on CUDA switching to plain rounds mid-call where they measure faster,
-    greedy and sampled (the sampled plain rounds are captured at the switch): float32 greedy
-    tokens equal plain decoding's, a sampled call ends in plain rounds, and a greedy call after the
-    first captures nothing. The switch is forced: a one-token step of no time and a margin of
-    0.01 (a plain round still costs the time a round spends outside drafting and verifying, which
-    for a tiny model on CUDA outweighs the rest: with the real margin its many tokens a round
-    rightly stay speculative; the margin's arithmetic is tested on a CPU)."""
-    from longspec.decoding import auto
-
-    monkeypatch.setattr(auto, "PLAIN_MARGIN", 0.01)
+    greedy and sampled: a tree predicted fast (3 tokens a round in 1 ms) whose rounds measure
+    slower with a random draft gives way to plain rounds (predicted at 0.3 ms, scaled like the
+    tree's measured rounds) after the controller's dwell; float32 greedy tokens equal plain
+    decoding's, and a greedy call after the first captures nothing."""
+    from longspec.decoding import auto, controller
 
     _, path = model
     target = cuda_target(path, torch.float32)
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
     tree = auto.cuda_trees(draft)[0]
-    steps = {"1": 1e-9, str(tree.num_nodes): 1.0}
-    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, draft, "scripted", target_ms=steps))
+    predicted = {tree: (3.0, 1.0), None: (1.0, 0.3)}
+    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, tree, draft, "scripted", predicted))
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     rng = torch.Generator().manual_seed(6)
     for i, temperature in enumerate((0.0, 1.0, 0.0)):
         prompt = torch.randint(0, 160, (40 + 9 * i,), generator=rng).tolist() * 2
         config = GenerationConfig(max_new_tokens=40, temperature=temperature, seed=i, ignore_eos=True)
         out = gen.generate([prompt], config)
-        assert [t for _, t in out.stats["trees"]] == [str(tree), "None"], out.stats["trees"]
+        trees = out.stats["trees"]
+        assert [t for _, t in trees] == [str(tree), "None"] and trees[1][0] >= controller.DWELL, trees
         assert len(out.sequences[0]) == 40
         if temperature == 0:
             assert out.sequences == plain.generate([prompt], config).sequences, i
         if i == 2:
             assert out.stats["capture_s"] == 0.0
+
+
+def test_auto_sampled_calls_in_steady_state_compile_and_capture_nothing(model):
+    """``--proposer auto`` after one call of each kind of round (greedy, sampled, sampled with
+    top-p): later calls of every kind, whatever the prompt's length, temperature and top-k / top-p,
+    and whichever candidates the controller switches among, compile and capture nothing."""
+    import torch._dynamo
+
+    _, path = model
+    target = load_target(path, dtype=torch.bfloat16, device="cuda")
+    draft = init_draft(DraftConfig.for_target(target, window=16), target)
+    draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
+    gen = Generator(target, "auto", draft=draft)
+    rng = torch.Generator().manual_seed(0)
+    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.7, 0.9)):
+        gen.generate([torch.randint(0, 160, (50,), generator=rng).tolist()],
+                     GenerationConfig(max_new_tokens=16, temperature=temperature, top_p=top_p, seed=1))
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    switched = 0
+    for i in range(12):
+        prompt = torch.randint(0, 160, (20 + 23 * i,), generator=rng).tolist() * 2
+        temperature = (0.0, 1.0, 0.7, 0.5)[i % 4]
+        config = GenerationConfig(max_new_tokens=24, temperature=temperature, top_p=0.9 if i % 4 == 2 else 1.0,
+                                  top_k=20 if i % 4 == 3 else 0, seed=i, ignore_eos=True)
+        out = gen.generate([prompt], config)
+        assert out.stats["capture_s"] == 0.0, (i, out.stats["trees"])
+        switched += len(out.stats["trees"]) > 1
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames, "something was compiled in steady state"
+    assert switched, "the controller never switched: the test would not see a candidate's first rounds"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -179,6 +179,20 @@ def test_client_errors_are_400_error_objects(server, body, param):
     check_error(server.post(body), 400, param)
 
 
+def test_a_null_field_is_an_absent_one_and_a_long_role_is_counted_before_tokenising(server):
+    """``max_completion_tokens: null`` leaves ``max_tokens`` in force (it once generated 2,014
+    tokens); a role counts towards the prompt's size before anything is tokenised (a 7.8 MB role
+    was tokenised for 31 s before its 400)."""
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": None, "max_tokens": 2}
+    r = server.post(body, path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    role = "user " + "lorem ipsum " * 20_000
+    r = server.post({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2}, path="/v1/chat/completions")
+    error = check_error(r, 400, "messages", "context_length_exceeded")
+    assert "characters" in error["message"], error
+
+
 def test_zero_penalties_are_accepted_and_other_statuses_are_error_objects(server):
     ok = server.post({"prompt": ids(4), "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0})
     assert ok.status_code == 200, ok.text

@@ -256,3 +256,26 @@ def test_tokenizing_reports_its_progress_in_batches_with_the_same_tokens(monkeyp
     assert len(calls) > 5 and sum(calls) == len(docs) and shown.done == shown.total
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "tokenizing" in lines[0] and "of" in lines[0]  # only the last one (every 3600 s)
+
+
+def test_only_regular_files_are_read_and_never_past_their_cap(tmp_path):
+    """A data folder holding a FIFO (a read would block) and a link to ``/dev/zero`` (a read would
+    fill memory) gives the documents of its regular files only, at once; a FIFO as the data path
+    is refused; a file over the cap is skipped without being read."""
+    import os
+    import time
+
+    from longspec.training.data import iter_documents, read_text_file
+
+    (tmp_path / "good.py").write_text("def f():\n    return 1\n")
+    os.mkfifo(tmp_path / "pipe.py")
+    (tmp_path / "zero.py").symlink_to("/dev/zero")
+    start = time.perf_counter()
+    docs = list(iter_documents(tmp_path))
+    assert len(docs) == 1 and "return 1" in docs[0].text and "pipe.py" not in docs[0].text
+    assert time.perf_counter() - start < 2
+    with pytest.raises(ValueError, match="neither a folder nor a regular file"):
+        list(iter_documents(tmp_path / "pipe.py"))
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 1000)
+    assert read_text_file(big, max_bytes=999) is None and read_text_file(big, max_bytes=1000) == "x" * 1000

@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..files import read_text
+
 
 class UsageError(ValueError):
     """A bad command line: reported with exit code 2 before anything heavy is loaded."""
@@ -41,22 +43,17 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+PROMPT_FILE_BYTES = 64 << 20  # a prompt file read at most (1M tokens of text take ~4 MB)
+
+
 def _prompt_text(args) -> str:
     if args.prompt is not None:
         text = args.prompt
     else:
-        path = Path(args.prompt_file)
-        if path.is_dir():
-            raise UsageError(f"--prompt-file {path} is a directory, not a file")
-        if not path.is_file():
-            raise UsageError(f"--prompt-file {path} not found")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UsageError(f"--prompt-file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
-                             f"offset {err.start}): give a text file") from None
-        except OSError as err:
-            raise UsageError(f"--prompt-file {path} cannot be read: {err.strerror or err}") from None
+        try:  # (regular files only, read up to a cap: never a device's endless bytes or a 2 GB file whole)
+            text = read_text(args.prompt_file, PROMPT_FILE_BYTES, "--prompt-file")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if not text.strip():
         raise UsageError("the prompt is empty (give some text with --prompt or --prompt-file)")
     return text

@@ -22,6 +22,10 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("LONGSPEC_API_KEY")
     if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
         raise UsageError("--api-key (or LONGSPEC_API_KEY) must be printable and not empty")
+    if api_key is not None and api_key != api_key.strip():
+        # HTTP drops a header's surrounding whitespace: such a key could never be sent
+        raise UsageError("--api-key (or LONGSPEC_API_KEY) has whitespace around it, which no client can send "
+                         "(HTTP strips it from headers): give the key without it")
     if (args.prefill_chunk or 0) > args.max_len:
         raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) must not exceed --max-len ({args.max_len})")
     buckets = None

@@ -81,6 +81,9 @@ class Controller:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;
         ``sampling``: what acceptance depends on (e.g. (temperature, top_k, top_p)), the key of
         what earlier calls measured. Returns the tree of the call's first rounds."""
+        if not predicted:
+            raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
+                             "Generator(proposer='auto') gives them")
         self.sampling, self.candidates = sampling, {}
         for tree, (tokens, ms) in predicted.items():
             name = label(tree)

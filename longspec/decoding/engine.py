@@ -88,7 +88,8 @@ class Engine(Admission):
     of a round is compiled too, one frame per batch bucket. On the H200 (the default pair, the
     hybrid tree; ``serve_compiled_proposals_h200.log`` against ``serve_start_h200.log``) a
     single-stream round took 3.8 ms instead of 5.8 ms, and warming up three buckets 62 s instead
-    of 27 s with warm compiler caches: worth it for a server, not for a short-lived process."""
+    of 27 s with warm compiler caches. ``Generator`` engines compile theirs too (once per machine:
+    on-disk caches); ``longspec generate`` runs uncompiled unless ``--compile``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,

@@ -30,6 +30,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ..files import read_text
+
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 FILE_MARKER = "# ==== "  # starts each file's header line in a project document
 SKIP_DIRS = {"__pycache__", "node_modules", ".git", ".hg", ".svn", ".venv", "venv", ".tox", ".mypy_cache"}
@@ -71,20 +73,18 @@ class PackedData:
                 f"{self.eval_documents} held-out documents -> {self.eval.shape[0]} chunks")
 
 
+MAX_FILE_BYTES = 1 << 30  # a single text file read whole at most (a larger corpus: JSONL or a folder)
+
+
 def read_text_file(path: Path, max_bytes: Optional[int] = None) -> Optional[str]:
-    """The UTF-8 text of ``path``, or None when it is binary (a NUL byte early on), not UTF-8,
-    empty / whitespace only, or larger than ``max_bytes``."""
+    """The UTF-8 text of ``path``, or None when it is not a regular file (a FIFO, a link to a
+    device), binary (a NUL byte early on), not UTF-8, empty / whitespace only, or larger than
+    ``max_bytes`` (default :data:`MAX_FILE_BYTES`; never more is read)."""
     try:
-        if max_bytes is not None and path.stat().st_size > max_bytes:
-            return None
-        data = path.read_bytes()
-    except OSError:
+        text = read_text(path, MAX_FILE_BYTES if max_bytes is None else max_bytes)
+    except ValueError:
         return None
-    if b"\x00" in data[:BINARY_SNIFF]:
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
+    if "\x00" in text[:BINARY_SNIFF]:
         return None
     return text if text.strip() else None
 
@@ -165,6 +165,8 @@ def iter_documents(path, text_field: str = "text", max_file_bytes: int = 1 << 20
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data path not found: {path}")
+    if not (path.is_dir() or path.is_file()):  # (a FIFO would block, a device never end)
+        raise ValueError(f"data path {path} is neither a folder nor a regular file")
     check_not_stdlib(path)
     if path.is_dir():
         docs = _tree_documents(path, max_file_bytes, exclude)
