@@ -47,6 +47,13 @@ from typing import Optional
 from .cache import BlockPool, PoolExhausted
 
 ROOT = -1  # the parent of a prompt's first block
+
+
+def root(namespace=None):
+    """The parent of a prompt's first block in ``namespace`` (None: the shared one): requests of
+    different namespaces (tenants: API keys, cache salts) never share a block, so none can learn
+    from another's hits what that one's prompts hold."""
+    return ROOT if namespace is None else ("root", namespace)
 PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
 
 
@@ -151,18 +158,18 @@ class PrefixCache:
         size = self.block_size
         return (tuple(tokens[i * size:(i + 1) * size]) for i in range(n_blocks))
 
-    def match(self, prompt: list) -> "Hit":
+    def match(self, prompt: list, namespace=None) -> "Hit":
         """The cached blocks holding the longest prefix of ``prompt`` in whole blocks, then the
         cached block after them that starts with most of the prompt's next tokens (its first
-        tokens are copied, not shared), leaving at least the prompt's last token to compute.
-        Nothing is taken: see :meth:`acquire`. (A prompt list must not change in place while it
+        tokens are copied, not shared), leaving at least the prompt's last token to compute, among
+        the blocks of ``namespace`` (see :func:`root`). Nothing is taken: see :meth:`acquire`. (A prompt list must not change in place while it
         waits to be admitted: what was found for it is reused while the index is unchanged.)"""
         if self._matched_at != self.version:
             self._matched, self._matched_at = {}, self.version
-        seen = self._matched.get(id(prompt))
+        seen = self._matched.get((id(prompt), namespace))
         if seen is not None and seen[0] is prompt and seen[1] == len(prompt):
             return seen[2]
-        found, parent = [], ROOT
+        found, parent = [], root(namespace)
         for tokens in self._keys(prompt, (len(prompt) - 1) // self.block_size):
             block = self.index.get((parent, tokens))
             if block is None:
@@ -179,7 +186,7 @@ class PrefixCache:
         if len(self._matched) >= 64:
             self._matched.clear()
         hit = Hit(found, best, common)
-        self._matched[id(prompt)] = (prompt, len(prompt), hit)
+        self._matched[id(prompt), namespace] = (prompt, len(prompt), hit)
         return hit
 
     def acquire(self, blocks: list) -> None:
@@ -244,14 +251,15 @@ class PrefixCache:
         evict them for its fresh blocks."""
         return len({b for h in hits for b in h.blocks if b in self.idle})
 
-    def register(self, blocks: list, tokens: list, last: bool = False, indexed: int = 0) -> None:
+    def register(self, blocks: list, tokens: list, last: bool = False, indexed: int = 0, namespace=None) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
         tokens whose ids are known); ``last``: the partly filled block after them too (a row that
         has ended: nothing writes it any more; a later prompt can only copy from it). A block
         whose content is cached in another block already stays unindexed (it goes back to the
         pool when released). ``indexed``: the first blocks are known to be indexed under these
-        tokens (the cached blocks the row holds since its admission): they are not walked again."""
-        parent, size = ROOT, self.block_size
+        tokens (the cached blocks the row holds since its admission): they are not walked again.
+        ``namespace``: the row's (see :func:`root`)."""
+        parent, size = root(namespace), self.block_size
         self.version += 1
         if indexed and blocks[indexed - 1] in self.blocks:
             parent = self.blocks[blocks[indexed - 1]].node

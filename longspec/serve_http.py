@@ -5,9 +5,11 @@ What a client can count on (docs/server-security.md says it for users):
 
 * every error, whatever its status (400, 401, 404, 405, 413, 429, 500), is an OpenAI error
   object ``{"error": {"message", "type", "param", "code"}}``; a 429 carries ``Retry-After``;
-* with an API key (``--api-key`` / ``LONGSPEC_API_KEY``) every ``/v1`` route needs
-  ``Authorization: Bearer KEY`` (``/health`` stays open for load balancers), checked before the
-  body is read;
+* with API keys (``--api-key`` / ``LONGSPEC_API_KEY``) every ``/v1`` route needs
+  ``Authorization: Bearer KEY`` with one of them, checked before the body is read; each key is a
+  tenant whose requests share cached prompt blocks only with its own (and, with a request's
+  ``cache_salt``, only with requests of the same salt); ``/health`` stays open for load balancers,
+  without the per-request counters unless it is asked with a key;
 * a body over ``max_body`` bytes is refused (413) as soon as that many bytes arrived;
 * the body is parsed and the prompt tokenised on a worker thread, never on the event loop, so
   one huge prompt delays neither ``/health`` nor the running streams;
@@ -36,21 +38,33 @@ def error_body(status: int, message: str, code: Optional[str] = None) -> dict:
     return APIError(status, message, code=code, kind=KINDS.get(status, "server_error")).body()
 
 
-class Guard:
-    """ASGI middleware in front of the application: the API key (before anything is read) and
-    the body limit (the declared ``Content-Length`` at once, the bytes as they arrive)."""
+def tenant_of(api_keys: list, authorization: bytes) -> Optional[int]:
+    """The index of the key an ``Authorization`` header carries (compared with every key in
+    constant time), or None."""
+    scheme, _, given = authorization.partition(b" ")
+    found = None
+    for i, key in enumerate(api_keys):
+        if hmac.compare_digest(given, key.encode()) and scheme.lower() == b"bearer":
+            found = i
+    return found
 
-    def __init__(self, app, max_body: int, api_key: Optional[str]):
-        self.app, self.max_body, self.api_key = app, max_body, api_key
+
+class Guard:
+    """ASGI middleware in front of the application: the API keys (before anything is read; the
+    key's index, its tenant, goes to the scope's ``longspec.tenant``) and the body limit (the declared
+    ``Content-Length`` at once, the bytes as they arrive)."""
+
+    def __init__(self, app, max_body: int, api_keys: list):
+        self.app, self.max_body, self.api_keys = app, max_body, list(api_keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            expected = b"Bearer " + self.api_key.encode()
-            if not hmac.compare_digest(given, expected):
+        if self.api_keys:
+            tenant = tenant_of(self.api_keys, headers.get(b"authorization", b""))
+            scope["longspec.tenant"] = tenant
+            if tenant is None and scope["path"].startswith("/v1"):
                 return await self._reply(scope, receive, send, 401, "a valid API key is needed: "
                                          "send 'Authorization: Bearer KEY'", "invalid_api_key",
                                          {"WWW-Authenticate": "Bearer"})
@@ -94,14 +108,15 @@ class Guard:
         await JSONResponse(error_body(status, message, code), status_code=status, headers=headers)(scope, receive, send)
 
 
-def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DEFAULT_MAX_BODY):
-    """The FastAPI application serving ``server`` (see the module docstring)."""
+def create_app(server: Server, api_keys=(), max_body: int = DEFAULT_MAX_BODY):
+    """The FastAPI application serving ``server`` (see the module docstring); ``api_keys``: the
+    keys a client may send (none: no key needed)."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="longspec", description="OpenAI-compatible speculative decoding server")
-    app.add_middleware(Guard, max_body=max_body, api_key=api_key or None)
+    app.add_middleware(Guard, max_body=max_body, api_keys=api_keys)
     parser = ThreadPoolExecutor(1, thread_name_prefix="longspec-parse")  # one tokenizer user at a time
 
     @app.exception_handler(APIError)
@@ -119,10 +134,15 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
         return JSONResponse(error_body(500, f"internal error: {type(err).__name__}"), status_code=500)
 
     @app.get("/health")
-    async def health():
+    async def health(http: HTTPRequest):
         if server.worker.failure is not None:  # (load balancers: take this server out)
             return JSONResponse({"status": "failed", **error_body(503, server.worker.failure)}, status_code=503)
-        return {"status": "ok", **server.worker.stats(), "tokenizer_cache": server.pieces.stats()}
+        stats = server.worker.stats()
+        if api_keys and http.scope.get("longspec.tenant") is None:
+            # liveness and capacity only: counters that move with each request (the cache's
+            # prompt tokens) would tell one tenant another's prompt lengths
+            return {"status": "ok", **{k: stats[k] for k in ("active", "waiting", "free_rows")}}
+        return {"status": "ok", **stats, "tokenizer_cache": server.pieces.stats()}
 
     @app.get("/v1/models")
     async def models():
@@ -133,7 +153,8 @@ def create_app(server: Server, api_key: Optional[str] = None, max_body: int = DE
         received = time.perf_counter()
         raw = await http.body()
         loop = asyncio.get_running_loop()
-        seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat)
+        tenant = http.scope.get("longspec.tenant")
+        seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat, tenant)
         request = Request(seq, stop, seed, loop, asyncio.Queue(), received=received)
         server.worker.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

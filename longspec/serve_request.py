@@ -62,9 +62,11 @@ class RequestParsing:
             raise APIError(400, f"the prompt ({chars} characters) has more tokens than this server holds per request "
                                 f"({self.max_len})", param, "context_length_exceeded")
 
-    def parse(self, raw: bytes, chat: bool) -> tuple:
+    def parse(self, raw: bytes, chat: bool, tenant=None) -> tuple:
         """Request body (bytes) -> (Sequence, stop strings, seed, stream). Every field is checked
-        before the prompt is tokenised. Raises APIError. Runs off the event loop."""
+        before the prompt is tokenised. ``tenant``: the API key's index (None: no keys); with the
+        body's ``cache_salt`` it is the sequence's cache namespace (its cached prompt blocks are
+        shared with the same tenant and salt only). Raises APIError. Runs off the event loop."""
         body = decode_json(raw)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -93,6 +95,9 @@ class RequestParsing:
             check_sampling_args(temperature, top_k, top_p)
         except ValueError as err:
             raise APIError(400, str(err)) from None
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
+            raise APIError(400, "'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -110,7 +115,8 @@ class RequestParsing:
             raise APIError(400, f"the prompt ({len(ids)} tokens) with {limit} {max_tokens} needs {need} positions; "
                                 f"this server's KV pool holds {pool.num_blocks * pool.block_size} in all (--kv-memory)",
                            limit, "context_length_exceeded")
-        seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p)
+        seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p,
+                       cache_namespace=None if tenant is None and salt is None else (tenant, salt))
         return seq, stop, seed, bool(stream)
 
     def _prompt_ids(self, body: dict) -> list:

@@ -52,7 +52,7 @@ class Server:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        return httpx.get(self.url + "/health", timeout=10, headers=self.headers).json()
 
     def post(self, body, path="/v1/completions", timeout=120, **kw):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()

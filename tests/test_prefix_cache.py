@@ -472,3 +472,28 @@ def test_sampling_after_a_cached_prefix_matches_the_target_distribution(tiny_mod
     assert {s.cached_tokens for s in seqs} == {6}
     assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs])
     assert_no_leak(engine)
+
+
+def test_requests_of_different_namespaces_share_no_cached_tokens(target):
+    """A tenant (``Sequence.cache_namespace``: an API key, a cache salt) reuses its own cached
+    prompts, but another tenant's identical prompt, or one that goes on from a prefix of it (the
+    audit's guessed PIN digit), reads nothing from them: ``cached_tokens`` 0, the same tokens as a
+    cold request, and a partly matching block of another tenant is never copied."""
+    engine = engine_for(target, "none")
+    secret = tokens(70, 5)  # a whole block, then part of one
+    first = Sequence(secret, 4, cache_namespace=("key A", None))
+    engine.add([first])
+    while engine.has_active:
+        engine.step()
+    own = Sequence(secret, 4, cache_namespace=("key A", None))
+    other = Sequence(secret, 4, cache_namespace=("key B", None))
+    salted = Sequence(secret[:69] + [secret[69]], 4, cache_namespace=("key A", "another salt"))
+    guess = Sequence(secret[:66] + [7], 4)  # (the shared namespace: None)
+    for s in (own, other, salted, guess):
+        engine.add([s])
+        while engine.has_active:
+            engine.step()
+    assert own.cached_tokens > 0
+    assert other.cached_tokens == salted.cached_tokens == guess.cached_tokens == 0
+    assert other.tokens == own.tokens == first.tokens == cold(target, secret, 4)
+    assert_no_leak(engine)

@@ -434,7 +434,8 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
     from longspec.serve import Request, build_server
 
     matched, real_match = [], PrefixCache.match
-    monkeypatch.setattr(PrefixCache, "match", lambda self, prompt: matched.append(1) or real_match(self, prompt))
+    monkeypatch.setattr(PrefixCache, "match", lambda self, prompt, namespace=None: matched.append(1)
+                        or real_match(self, prompt, namespace))
     server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=8,
                           max_len=128)
     loop = asyncio.new_event_loop()

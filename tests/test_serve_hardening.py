@@ -187,10 +187,46 @@ def test_a_null_field_is_an_absent_one_and_a_long_role_is_counted_before_tokenis
     r = server.post(body, path="/v1/chat/completions")
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2
-    role = "user " + "lorem ipsum " * 20_000
+    role = "user " + "lorem ipsum " * 100_000
     r = server.post({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2}, path="/v1/chat/completions")
     error = check_error(r, 400, "messages", "context_length_exceeded")
     assert "characters" in error["message"], error
+
+
+def test_tenants_share_no_cached_prompt_and_health_tells_no_counters_without_a_key(model_dir):
+    """Two API keys are two tenants: the audit's PIN extraction (another client's prompt cut after
+    "PIN " plus one guessed digit, watching ``cached_tokens``) reads nothing across keys or across
+    cache salts, while a tenant's own repeated prompt is served from its cache with the same
+    text; ``/health`` without a key shows liveness and capacity, not the cache's counters; the
+    Bearer scheme is case-insensitive (RFC 7235)."""
+    proc = Server("--target", str(model_dir), "--model-name", "m", "--max-batch", "2", "--max-len", "2048",
+                  env={"LONGSPEC_API_KEY": "key-a,key-b"}, key="key-a")
+    try:
+        secret = "Support ticket 5521. Customer verification PIN 730914. The customer asks to reset the router."
+
+        def ask(content, key, salt=None):
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            r = proc.post(body, path="/v1/chat/completions", headers={"Authorization": f"bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["message"]
+
+        cold = ask(secret, "key-a")
+        stem = secret.split("PIN ")[0] + "PIN "
+        for key, salt in (("key-b", None), ("key-a", "other")):
+            # (each guess reuses the attacker's own earlier guesses: the same count whatever the digit)
+            seen = [ask(stem + guess, key, salt)[0] for guess in "0123456789"]
+            assert seen[0] == 0 and len(set(seen[1:])) == 1 and seen[1] < len(stem), (key, salt, seen)
+        again = ask(secret, "key-a")
+        assert again[0] > 0 and again[1] == cold[1]
+        assert ask(secret, "key-b", "fresh")[0] == 0
+        open_health = httpx.get(proc.url + "/health", timeout=10).json()
+        assert open_health["status"] == "ok" and "kv_cache" not in open_health and "free_rows" in open_health
+        assert "kv_cache" in proc.health()
+        check_error(proc.post({"prompt": "x", "cache_salt": 5}), 400, "cache_salt")
+    finally:
+        proc.close()
 
 
 def test_zero_penalties_are_accepted_and_other_statuses_are_error_objects(server):

@@ -106,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "Retry-After (default: 64)")
     srv.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes at most; then 413 "
                                                                    "(default: 8388608, 8 MiB)")
-    srv.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' on /v1 routes "
-                                                     "(default: $LONGSPEC_API_KEY; unset: no key)")
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="clients must send 'Authorization: Bearer KEY' on /v1 routes; give it several times for "
+                          "several tenants, whose prefix caches are kept apart (default: $LONGSPEC_API_KEY, keys "
+                          "separated by commas; unset: no key)")
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")

@@ -19,13 +19,16 @@ def cmd_serve(args) -> int:
                          "--max-body >= 1")
     import os
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("LONGSPEC_API_KEY")
-    if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
-        raise UsageError("--api-key (or LONGSPEC_API_KEY) must be printable and not empty")
-    if api_key is not None and api_key != api_key.strip():
-        # HTTP drops a header's surrounding whitespace: such a key could never be sent
-        raise UsageError("--api-key (or LONGSPEC_API_KEY) has whitespace around it, which no client can send "
-                         "(HTTP strips it from headers): give the key without it")
+    from_env = os.environ.get("LONGSPEC_API_KEY")
+    api_keys = args.api_key if args.api_key is not None else from_env.split(",") if from_env is not None else []
+    for key in api_keys:
+        if not key.strip() or not key.isprintable():
+            raise UsageError("--api-key (or LONGSPEC_API_KEY) must be printable and not empty")
+        if key != key.strip():  # HTTP drops a header's surrounding whitespace: such a key could never be sent
+            raise UsageError("--api-key (or LONGSPEC_API_KEY) has whitespace around it, which no client can send "
+                             "(HTTP strips it from headers): give the key without it")
+    if len(set(api_keys)) < len(api_keys):
+        raise UsageError("an API key is given twice (each key is a tenant of its own)")
     if (args.prefill_chunk or 0) > args.max_len:
         raise UsageError(f"--prefill-chunk ({args.prefill_chunk}) must not exceed --max-len ({args.max_len})")
     buckets = None
@@ -123,13 +126,13 @@ def cmd_serve(args) -> int:
                               bucket_trees=bucket_trees, prefill_chunk=chunk or None, prefix_cache=args.prefix_cache,
                               pool_tokens=pool_tokens, threads=threads)
     try:
-        return _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype)
+        return _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype)
     finally:
         if parallel_engine is not None:
             parallel_engine.close()
 
 
-def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, device, dtype) -> int:
+def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype) -> int:
     """Warms ``server`` up (if asked) and serves it until the process is told to stop (or, under
     tensor parallelism, a worker process dies: exit code 1)."""
     import gc
@@ -159,10 +162,10 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_key, dev
           f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
           f"{args.max_batch} rows of {args.max_len} tokens, KV pool {server.engine.pool.num_blocks} blocks of "
           f"{server.engine.pool.block_size} tokens, prefix cache {'on' if server.engine.prefix else 'off'}"
-          f"{', API key required' if api_key else ''}"
+          f"{f', API key required ({len(api_keys)} tenants)' if len(api_keys) > 1 else ', API key required' if api_keys else ''}"
           f"{f', tensor-parallel over {args.tensor_parallel} processes' if parallel_engine else ''})]",
           file=sys.stderr, flush=True)
-    http = uvicorn.Server(uvicorn.Config(create_app(server, api_key=api_key, max_body=args.max_body), host=args.host,
+    http = uvicorn.Server(uvicorn.Config(create_app(server, api_keys=api_keys, max_body=args.max_body), host=args.host,
                                          port=args.port, log_level=args.log_level))
     if parallel_engine is not None:
         def on_death(message: str) -> None:  # every request fails now; the server stops (no rank can run)

@@ -70,7 +70,7 @@ class Admission:
 
     def hits(self, seqs: list) -> list:
         """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
-        return [self.prefix.match(s.prompt) if self.prefix is not None else Hit([]) for s in seqs]
+        return [self.prefix.match(s.prompt, s.cache_namespace) if self.prefix is not None else Hit([]) for s in seqs]
 
     def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
         """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
@@ -102,7 +102,8 @@ class Admission:
                 self.cache.unassign(row)
             raise
         for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
-            self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size)
+            self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size,
+                                 namespace=s.cache_namespace)
         self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
         first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
@@ -156,7 +157,7 @@ class Admission:
         self.active[s.row] = 0
         if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
             self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
-                                 last=True, indexed=s.cached_tokens // self.pool.block_size)
+                                 last=True, indexed=s.cached_tokens // self.pool.block_size, namespace=s.cache_namespace)
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
 

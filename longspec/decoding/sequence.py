@@ -35,6 +35,7 @@ class Sequence:
     top_k: int = 0
     top_p: float = 1.0
     cached_tokens: int = 0  # prompt tokens read from a prefix cache instead of prefilled
+    cache_namespace: object = None  # shares cached blocks only with sequences of the same (a tenant)
 
     @property
     def tau(self) -> float:
