@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "stats); the text streamed while generating then goes to stderr, with the status lines")
     gen.add_argument("--proposer", choices=["auto", "none", "pld", "streaming", "longspec", "hybrid"],
                      default="auto",
-                     help="draft strategy: auto (the default: the hybrid with the tree a measured cost model "
-                          "picks for this device where a draft exists, else pld), none (plain decoding), "
+                     help="draft strategy: auto (the default: after every round, plain rounds, prompt lookup's "
+                          "chain or the hybrid's trees, whichever measures fastest), none (plain decoding), "
                           "pld (prompt lookup), streaming "
                           "(the target over a StreamingLLM cache, MagicDec), longspec (the LongSpec draft: "
                           "shipped for the default model, --draft DIR for other targets), hybrid (the LongSpec "
