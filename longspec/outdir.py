@@ -79,6 +79,9 @@ def check_out_dir(out, option: str = "--out", inputs: Iterable = (), force: bool
         path = Path(given).resolve()
         if real == path or real in path.parents:
             raise ValueError(f"{option} {out} would overwrite the input {given}: choose another folder")
+    if out.is_symlink():  # (written whole, then swapped in: a link would be replaced by a folder, half-way)
+        raise ValueError(f"{option} {out} is a symbolic link: give the folder it points to "
+                         f"({os.path.realpath(out)}) or another path")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{option} {out} is an existing file, not a folder: choose another path")
     if out.is_dir() and any(out.iterdir()) and not written_by_longspec(out) and not force:

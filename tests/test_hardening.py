@@ -120,6 +120,13 @@ def test_an_output_longspec_wrote_may_be_replaced(tmp_path, model_dir):
         check_out_dir(converted)
     mark(converted, "convert")
     assert check_out_dir(converted) == converted
+    # a link to an earlier output: refused up front (it was written, then the swap failed on the
+    # link: exit 2, the link replaced by a folder, a stray temporary link left)
+    link = tmp_path / "latest"
+    link.symlink_to(converted)
+    with pytest.raises(ValueError, match="is a symbolic link: give the folder it points to"):
+        check_out_dir(link)
+    assert link.is_symlink() and check_out_dir(link.resolve()) == converted
 
 
 @pytest.mark.slow
