@@ -135,11 +135,11 @@ class Worker:
             self.lock.notify()
         self.thread.join(timeout=10)
 
-    def fail_all(self, message: str) -> None:
-        """The engine cannot run any more (a tensor-parallel worker died): every request waiting
-        or running gets a 500 error now (even while the engine thread is stuck in a collective),
-        later ones a 503, and the engine thread stops."""
-        error = APIError(500, message, code="engine_failed", kind="server_error")
+    def fail_all(self, message: str, status: int = 500, code: str = "engine_failed") -> None:
+        """The engine cannot run any more (a tensor-parallel worker died; the server shuts down):
+        every request waiting or running gets an error (``status``, ``code``) now (even while the
+        engine thread is stuck in a collective), later ones a 503, and the engine thread stops."""
+        error = APIError(status, message, code=code, kind="server_error")
         with self.lock:
             self.failure = message
             requests = [*self.waiting, *list(self.running.values())]

@@ -229,6 +229,39 @@ def test_tenants_share_no_cached_prompt_and_health_tells_no_counters_without_a_k
         proc.close()
 
 
+def test_sigterm_ends_running_streams_within_the_shutdown_timeout(model_dir):
+    """After SIGTERM running requests get ``--shutdown-timeout`` seconds; a stream still running
+    then ends with an error event and ``[DONE]``, and the process exits soon after (it
+    once took 140-150 s with 8 long streams, where orchestrators kill after ~30 s)."""
+    import signal
+
+    proc = Server("--target", str(model_dir), "--model-name", "m", "--max-batch", "1", "--max-len", "2048",
+                  "--shutdown-timeout", "2")
+    events = []
+
+    def stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "stream": True, "temperature": 0}
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.time() + 30
+    while len(events) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    start = time.time()
+    proc.proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.proc.wait(timeout=20)
+    finally:
+        reader.join(timeout=20)
+        proc.close()
+    assert code in (0, -signal.SIGTERM) and time.time() - start < 10  # (uvicorn re-raises the signal after it)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-3:]
+
+
 def test_zero_penalties_are_accepted_and_other_statuses_are_error_objects(server):
     ok = server.post({"prompt": ids(4), "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0})
     assert ok.status_code == 200, ok.text

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per request (default: 4096)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row at most; then 429 with "
                                                                 "Retry-After (default: 64)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds running requests get after SIGTERM; then each ends with an error event (and "
+                          "[DONE] when streamed) and the server exits (default: 30)")
     srv.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes at most; then 413 "
                                                                    "(default: 8388608, 8 MiB)")
     srv.add_argument("--api-key", action="append", default=None,

@@ -3,6 +3,8 @@ batch buckets' trees chosen and warmed up, then the OpenAI-compatible server (``
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 from .commands import Heartbeat, UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice, status
@@ -14,9 +16,9 @@ def cmd_serve(args) -> int:
     device, dtype = _device_and_dtype(args)
     name, tree = proposer_choice(args)
     if (args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0
-            or args.max_body < 1):
-        raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0, --prefill-chunk >= 0 and "
-                         "--max-body >= 1")
+            or args.max_body < 1 or not 0 <= args.shutdown_timeout < float("inf")):
+        raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0, --prefill-chunk >= 0, "
+                         "--max-body >= 1 and --shutdown-timeout a number of seconds >= 0")
     import os
 
     from_env = os.environ.get("LONGSPEC_API_KEY")
@@ -136,7 +138,6 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, de
     """Warms ``server`` up (if asked) and serves it until the process is told to stop (or, under
     tensor parallelism, a worker process dies: exit code 1)."""
     import gc
-    import time
 
     import uvicorn
 
@@ -166,7 +167,10 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, de
           f"{f', tensor-parallel over {args.tensor_parallel} processes' if parallel_engine else ''})]",
           file=sys.stderr, flush=True)
     http = uvicorn.Server(uvicorn.Config(create_app(server, api_keys=api_keys, max_body=args.max_body), host=args.host,
-                                         port=args.port, log_level=args.log_level))
+                                         port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE))
+    threading.Thread(target=_end_requests_after, args=(http, server, args.shutdown_timeout), name="longspec-shutdown",
+                     daemon=True).start()
     if parallel_engine is not None:
         def on_death(message: str) -> None:  # every request fails now; the server stops (no rank can run)
             print(f"[longspec: {message}]", file=sys.stderr, flush=True)
@@ -185,7 +189,26 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, de
         http.run()
     finally:
         gc.unfreeze()
-    return 1 if server.worker.failure is not None else 0
+    return 1 if server.worker.failure not in (None, SHUTDOWN_MESSAGE) else 0
+
+
+SHUTDOWN_MESSAGE = "the server is shutting down (--shutdown-timeout)"
+SHUTDOWN_GRACE = 5.0  # seconds uvicorn waits after that for the answers to go out, then cancels
+
+
+def _end_requests_after(http, server, timeout: float) -> None:
+    """Once the server is told to stop (SIGTERM, Ctrl-C: uvicorn stops accepting connections),
+    its running requests get ``timeout`` seconds; those still running then end with an error
+    (a streamed one with an error event and ``[DONE]``), so the process ends in bounded time."""
+    while not http.should_exit:
+        time.sleep(0.2)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = server.worker.stats()
+        if not stats["active"] and not stats["waiting"]:
+            return
+        time.sleep(0.2)
+    server.worker.fail_all(SHUTDOWN_MESSAGE, status=503, code="server_shutting_down")
 
 
 def _graphs(counts) -> str:
