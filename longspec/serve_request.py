@@ -23,7 +23,7 @@ class APIError(Exception):
 
 
 UNSUPPORTED = ("n", "logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",
-               "response_format", "top_logprobs")
+               "response_format", "top_logprobs", "tool_choice", "parallel_tool_calls", "function_call")
 UNSUPPORTED_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 TEXT_MARGIN = 4  # a normaliser may merge characters (e.g. NFKC composing accents): a wide margin
@@ -72,7 +72,8 @@ class RequestParsing:
             raise APIError(400, "the request body must be a JSON object")
         for name in UNSUPPORTED:
             value = body.get(name)
-            if not (value is None or value is False or (name in ("n", "best_of") and value == 1)):
+            if not (value is None or value is False or (name in ("n", "best_of") and type(value) is int and value == 1)
+                    or (name in ("tool_choice", "function_call") and value == "none")):
                 raise APIError(400, f"'{name}' is not supported by this server", name)
         for name in UNSUPPORTED_PENALTIES:
             if _number(body, name, float, 0.0) != 0:

@@ -174,6 +174,9 @@ def test_a_seeded_request_gets_the_same_text_beside_other_requests(server):
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": True}, "parallel_tool_calls"),
 ])
 def test_client_errors_are_400_error_objects(server, body, param):
     check_error(server.post(body), 400, param)
