@@ -27,7 +27,8 @@ PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 OUTLIER = 1.5  # a round measured this much slower than the estimate counts as this much (a hiccup of the host)
 SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much faster (with DWELL: no flapping)
-DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work)
+DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
+CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (a CPU's 170 ms rounds: leave at once)
 TIME_DECAY = 0.7  # weight of the earlier estimate of a round's time against a newly measured round
 LEARNED_DECAY = 0.5  # weight of earlier calls' tokens per round against this call's, in the prior of the next
 
@@ -116,7 +117,8 @@ class Controller:
         self.dwell += 1
         self._calibrate()
         best = self._best()
-        if best is not c and best.rate > SWITCH_MARGIN * c.rate and self.dwell >= DWELL:
+        if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
+                              and self.dwell >= DWELL):
             self.current, self.dwell = best, 0
         return self.current.tree
 
