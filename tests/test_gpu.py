@@ -354,18 +354,18 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
 
 def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
     """``--proposer auto`` on CUDA switching to plain rounds mid-call where they measure faster,
-    greedy and sampled: a tree predicted fast (3 tokens a round in 1 ms) whose rounds measure
-    slower with a random draft gives way to plain rounds (predicted at 0.3 ms, scaled like the
-    tree's measured rounds) after the controller's dwell; float32 greedy tokens equal plain
-    decoding's, and a greedy call after the first captures nothing."""
-    from longspec.decoding import auto, controller
+    greedy and sampled: a tree predicted fast (3 tokens a round in 0.5 ms) whose rounds accept
+    about one token with a random draft gives way to plain rounds (predicted at 0.3 ms, scaled
+    like the tree's measured rounds) and keeps them; float32 greedy tokens equal plain decoding's,
+    and a greedy call after the first captures nothing."""
+    from longspec.decoding import auto
 
     _, path = model
     target = cuda_target(path, torch.float32)
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
     tree = auto.cuda_trees(draft)[0]
-    predicted = {tree: (3.0, 1.0), None: (1.0, 0.3)}
+    predicted = {tree: (3.0, 0.5), None: (1.0, 0.3)}
     monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, tree, draft, "scripted", predicted))
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     rng = torch.Generator().manual_seed(6)
@@ -374,7 +374,7 @@ def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
         config = GenerationConfig(max_new_tokens=40, temperature=temperature, seed=i, ignore_eos=True)
         out = gen.generate([prompt], config)
         trees = out.stats["trees"]
-        assert [t for _, t in trees] == [str(tree), "None"] and trees[1][0] >= controller.DWELL, trees
+        assert [t for _, t in trees] == [str(tree), "None"], trees
         assert len(out.sequences[0]) == 40
         if temperature == 0:
             assert out.sequences == plain.generate([prompt], config).sequences, i
