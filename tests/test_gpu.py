@@ -318,32 +318,33 @@ def test_steady_state_compiles_and_captures_nothing(model):
 
 def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     """``--proposer auto`` with a draft on CUDA: its first call captures every tree it may pick
-    (the hybrid's, its lookup's chain, plain rounds), so later calls, whichever they pick, capture
-    nothing, and each gives plain decoding's tokens."""
+    (the hybrid's, its lookup's chain, plain rounds), so later calls, whichever they start with
+    (each candidate in turn predicted fastest), capture nothing, and each gives plain decoding's
+    tokens."""
     from longspec.decoding import auto
 
     _, path = model
     target = cuda_target(path, torch.bfloat16)
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
-    labels = [f"hybrid {t}" for t in auto.cuda_trees(draft)] + [None]
-    script = itertools.cycle(labels)
+    trees = auto.cuda_trees(draft)
+    script = itertools.cycle([*trees, None])
 
-    def choose(target, candidates, *args, **kwargs):  # the script's label, with costs shaped as measured ones
-        sizes = {"1"} | {str(tree.num_nodes) for tree, _, _ in candidates.values()}
-        return next(script), 1.5, {"draft_ms": dict.fromkeys(candidates, 1.0), "target_ms": dict.fromkeys(sizes, 1.0)}
+    def resolve(target, ids, draft, costs_file=None):  # the script's tree predicted fastest
+        first = next(script)
+        predicted = {t: (1.0, 1.0) for t in [*trees, None]} | {first: (10.0, 1.0)}
+        return auto.Plan("hybrid", trees[0], first, draft, "scripted", predicted)
 
-    monkeypatch.setattr(auto, "choose", choose)
+    monkeypatch.setattr(auto, "resolve", resolve)
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     rng = torch.Generator().manual_seed(3)
-    for i, label in enumerate(labels * 2):
+    for i in range(2 * (len(trees) + 1)):
         prompt = torch.randint(0, 160, (30 + 11 * i,), generator=rng).tolist() * 2
         out = gen.generate([prompt], config)
-        assert out.sequences == plain.generate([prompt], config).sequences, label
-        assert out.stats["trees"][0][1] == (label.split()[1] if label else "None"), (label, out.stats["trees"])
+        assert out.sequences == plain.generate([prompt], config).sequences, i
         if i > 0:
-            assert out.stats["capture_s"] == 0.0, label
+            assert out.stats["capture_s"] == 0.0, (i, out.stats["trees"])
     # near the context's end no tree fits: plain rounds in a plain engine, whose first call captures them
     fresh = Generator(target, "auto", draft=init_draft(DraftConfig.for_target(target, window=16), target))
     fresh.draft.config.acceptance = draft.config.acceptance
