@@ -319,7 +319,9 @@ def test_serve_refuses_a_max_len_beyond_the_models_positions(model_dir, capsys):
 def test_soak(model_dir):
     """SOAK_REQUESTS (default 500) mixed requests in waves of 16 concurrent clients: streamed and
     not, greedy, seeded and sampled, clients that disconnect, hostile bodies (too large, too
-    deep, wrong types, no key). Afterwards: greedy outputs equal a lone run, every row is free,
+    deep, wrong types, no key), and tenants: a second API key, and requests with a salt of their
+    own whose overlapping prompts never read a cached token. Afterwards: greedy outputs equal a
+    lone run, every row is free,
     no row keeps a seed's generator, nothing waits, and the memory after warm-up grew less than
     15%. Run: ``python -m pytest -m slow -s tests/test_serve_hardening.py -k soak`` (about 6
     minutes on a 2-core CPU)."""
@@ -327,7 +329,8 @@ def test_soak(model_dir):
 
     total = int(os.environ.get("SOAK_REQUESTS", "500"))
     proc = Server("--target", str(model_dir), "--model-name", "m", "--proposer", "pld", "--max-batch", "4",
-                  "--max-len", "1024", "--max-queue", "8", "--max-body", str(1 << 20), "--api-key", KEY, key=KEY)
+                  "--max-len", "1024", "--max-queue", "8", "--max-body", str(1 << 20), "--api-key", KEY,
+                  "--api-key", KEY + "-2", key=KEY)
     target = load_target(model_dir)
     expected = {i: Generator(target).generate([ids(i)], GenerationConfig(max_new_tokens=12)).sequences[0]
                 for i in range(8)}
@@ -337,7 +340,8 @@ def test_soak(model_dir):
                b'{"prompt": "x", "stream": "yes"}', json.dumps({"prompt": "y" * (2 << 20)}).encode()]
 
     async def one(client, k):
-        kind = rng.choice(["greedy", "greedy", "stream", "seeded", "sampled", "disconnect", "hostile", "nokey"])
+        kind = rng.choice(["greedy", "greedy", "stream", "seeded", "sampled", "disconnect", "hostile", "nokey",
+                           "salted", "tenant 2"])
         i = k % 8
         try:
             if kind == "hostile":
@@ -364,17 +368,23 @@ def test_soak(model_dir):
                     assert lines[-1] == "data: [DONE]"
                     assert json.loads(lines[-2][6:])["longspec"]["token_ids"] == expected[i]
             else:
-                body = {"prompt": ids(i), "max_tokens": 12, "temperature": 0 if kind == "greedy" else 0.8}
+                greedy = kind in ("greedy", "salted", "tenant 2")
+                body = {"prompt": ids(i), "max_tokens": 12, "temperature": 0 if greedy else 0.8}
                 if kind == "seeded":
                     body["seed"] = i
-                r = await client.post("/v1/completions", json=body)
+                if kind == "salted":  # a salt no other request has: nothing cached to read
+                    body["cache_salt"] = f"salt-{rng.getrandbits(64)}"
+                headers = {"Authorization": f"Bearer {KEY}-2"} if kind == "tenant 2" else None
+                r = await client.post("/v1/completions", json=body, headers=headers)
                 if r.status_code == 429:
                     kind = "429"
                     assert int(r.headers["retry-after"]) >= 1
                 else:
                     assert r.status_code == 200, r.text
-                    if kind == "greedy":
+                    if greedy:
                         assert r.json()["longspec"]["token_ids"] == expected[i]
+                    if kind == "salted":
+                        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         finally:
             counts[kind] = counts.get(kind, 0) + 1
 
