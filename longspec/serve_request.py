@@ -143,7 +143,7 @@ class RequestParsing:
                            "messages")
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        # every text the template renders counts (a 7.8 MB role was tokenised for 31 s before its 400)
+        # every text the template renders counts (a huge role was tokenised whole before its 400)
         self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],

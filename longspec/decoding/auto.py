@@ -45,11 +45,11 @@ CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DE
 LOOKUP_CHAINS = (2, 4, 8)
 AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # where step costs are measured (once per device, model and dtype; beyond the second, extrapolated:
-# a step's cost is linear in the context). On a 2-core CPU the default pair's measurement takes ~8 s
+# a step's cost is linear in the context); short ones, so the first measurement stays short
 COST_CONTEXTS = (1024, 4096)
 # on CUDA: the default hybrid tree and a narrower, shallower beam with the same lookup tail (a
-# round of 2.3 against 3.1 ms on the H200 with the default pair: where the draft's deep levels
-# are rarely right, e.g. at temperature 1)
+# cheaper round, for where the draft's deep levels are rarely right, e.g. at temperature 1;
+# docs/benchmarks.md has both rounds' costs)
 GPU_CANDIDATE_TREES = (HYBRID_TREE, "4,8,8,1,1,1,1,1,1,1")
 GPU_LOOKUP_CHAINS = (5,)
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
@@ -157,10 +157,8 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     the context), each measured once per device / model / dtype (cached in ``costs_file``,
     default ``<longspec home>/costs.json``), so every later prompt, whatever its length, is
     decided without measuring anything."""
-    # the same contexts for every candidate set (the cache keys), below the model's last positions
-    cap = max(1, target.config.max_position_embeddings - COST_MARGIN)
     n = max(prompt_len, 1)
-    lo, hi = min(COST_CONTEXTS[0], cap), min(COST_CONTEXTS[1], cap)
+    lo, hi = _cost_contexts(target)
     weight = max((n - lo) / (hi - lo), 0.0) if hi > lo else 0.0  # (beyond hi: extrapolated)
     cached = _read_costs(costs_file)
     at = {context: _costs_at(target, candidates, context, batch, cached, costs_file) for context in {lo, hi}}
@@ -174,21 +172,32 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     return best, gain, costs
 
 
+def _cost_contexts(target) -> tuple:
+    """The contexts of :data:`COST_CONTEXTS`, below the model's last positions: the same for every
+    candidate set (they are the cache's keys)."""
+    cap = max(1, target.config.max_position_embeddings - COST_MARGIN)
+    return tuple(min(c, cap) for c in COST_CONTEXTS)
+
+
+def _cost_key(target, context: int, batch: int = 1) -> str:
+    """The costs file's key of ``target``'s costs at ``context`` for ``batch`` rows."""
+    return f"{device_key(target)} | {context}" + (f" | batch {batch}" if batch > 1 else "")
+
+
 def costs_measured(target, draft, costs_file: Optional[str] = None) -> bool:
     """Whether ``--proposer auto``'s step costs for ``target`` (with ``draft``) on this device
     are cached already: no measurement before the first call."""
-    cap = max(1, target.config.max_position_embeddings - COST_MARGIN)
     labels = _candidates([], draft if draft is None or draft.config.acceptance else None, [],
                          target.device.type == "cuda")
     cached = _read_costs(costs_file)
-    return all(set(labels) <= set(cached.get(f"{device_key(target)} | {min(c, cap)}", {}).get("draft_ms", {}))
-               for c in COST_CONTEXTS)
+    return all(set(labels) <= set(cached.get(_cost_key(target, c), {}).get("draft_ms", {}))
+               for c in _cost_contexts(target))
 
 
 def _costs_at(target, candidates: dict, context: int, batch: int, cached: dict, costs_file: Optional[str]) -> dict:
     """The costs of ``candidates`` at ``context`` from ``cached`` (the file's contents), measuring
     (and writing back) the ones missing."""
-    key = f"{device_key(target)} | {context}" + (f" | batch {batch}" if batch > 1 else "")
+    key = _cost_key(target, context, batch)
     costs = cached.get(key, {"target_ms": {}, "draft_ms": {}})
     missing = {label: c for label, c in candidates.items() if label not in costs["draft_ms"]}
     if missing:
@@ -299,7 +308,7 @@ def predictions(candidates: dict, costs: dict) -> str:
 @dataclass
 class Plan:
     """What ``--proposer auto`` runs for a prompt: ``name``, the proposer that runs every
-    candidate ("pld" or "hybrid"; "none": nothing speculative fits), the engine's ``tree`` (the
+    candidate ("pld" or "hybrid"), the engine's ``tree`` (the
     biggest candidate, which every other fits in), ``start`` (the cost model's pick: the first
     rounds; None: plain rounds), the ``draft`` (the hybrid's), ``note`` (why) and ``predicted``
     ({tree or None: (tokens per round, round ms)} of every candidate, the

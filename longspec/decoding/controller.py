@@ -8,7 +8,7 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   device and the context, not on the text. Until a candidate has run, the cost model's
   prediction stands in (:mod:`~longspec.decoding.auto`), scaled by how the measured rounds of
   the others compare with their predictions (the cost model times uncompiled steps without the
-  host's work: on the H200 plain rounds measured 1.2-1.3 ms against 1.5 predicted).
+  host's work).
 * **Tokens per round** are estimated per call: the cost model's prediction for this prompt,
   worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds. What earlier calls measured at
   the same sampling settings replaces the prediction for sampled calls (the cost model knows
@@ -28,7 +28,7 @@ SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predict
 OUTLIER = 1.5  # a round measured this much slower than the estimate counts as this much (a hiccup of the host)
 SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much faster (with DWELL: no flapping)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
-CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (a CPU's 170 ms rounds: leave at once)
+CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 TIME_DECAY = 0.7  # weight of the earlier estimate of a round's time against a newly measured round
 LEARNED_DECAY = 0.5  # weight of earlier calls' tokens per round against this call's, in the prior of the next
 
@@ -77,6 +77,7 @@ class Controller:
         self.current: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.sampling = None
+        self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;

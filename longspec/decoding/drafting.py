@@ -50,8 +50,8 @@ def topk_last(x: torch.Tensor, k: int, chunk: int = 128) -> tuple:
     """``torch.topk(x, k, dim=-1)`` (values, indices; descending) in two passes where the last
     dimension is long: the top k of each ``chunk`` columns, then the top k of those. The same
     values (an element of the top k is in its chunk's top k); among equal values the indices may
-    differ. On the H200 a single top-16 of 16 rows of 8,192 columns took 50 us (one thread block
-    a row), more than the draft level's block."""
+    differ. A single top-k over few long rows runs one thread block a row, leaving most of a GPU
+    idle (docs/benchmarks.md, "Speculation against our own plain decoding")."""
     n = x.shape[-1]
     if n <= 4 * chunk or n % chunk or k > chunk:
         return torch.topk(x, k, dim=-1)

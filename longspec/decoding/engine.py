@@ -278,10 +278,14 @@ class Engine(Admission):
         truncating = not self.greedy_round and isinstance(self.config, RowSampling) and self.config.truncating
         return self.greedy_round, truncating
 
+    def round_kind_of(self, seqs: list) -> tuple:
+        """(greedy, truncating): the kind of round these sequences run together (see
+        :attr:`round_kind`)."""
+        return self._all_greedy(seqs), any(s.temperature > 0 and truncates(s.top_k, s.top_p) for s in seqs)
+
     def _set_round_kind(self, seqs: list) -> None:
         """The kind of round for these sequences (see :attr:`round_kind`)."""
-        self._use_round_kind(self._all_greedy(seqs),
-                             any(s.temperature > 0 and truncates(s.top_k, s.top_p) for s in seqs))
+        self._use_round_kind(*self.round_kind_of(seqs))
 
     def runner(self, n: int) -> PhaseRunner:
         """The runner of the current kind of round over bucket ``n`` (created, and its graphs

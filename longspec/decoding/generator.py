@@ -20,13 +20,12 @@ import torch
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
-from .sampling import RowSampling, truncates
+from .sampling import RowSampling
 from .sequence import DEFAULT_TREE, HYBRID_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
 
 PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
 PLD_TREE = "chain:5"
-PLD_BIGGEST = "chain:10"  # the longest lookup chain ``auto`` may pick
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): on the H200 (SmolLM2 shape, ``bench_prefill_chunks_h200.log``) 2,000 /
 # 5,000 / 7,600 tokens took 4.2 / 20 / 31 ms, against 24 / 86 / 116 ms as one eager forward and
@@ -304,17 +303,19 @@ class Generator:
         captures_before = collected_at = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
-        kind = (config.temperature == 0, config.temperature > 0 and truncates(config.top_k or 0, config.top_p or 1.0))
+        eos = frozenset(config.eos_ids(self.target.config))
+        seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
+                         top_p=config.top_p or 1.0) for p in prompts]
         controller, predicted = plan.controller, None
         if plan.auto is not None and plan.auto.predicted is not None:
             controller, predicted = self._controller(engine), plan.auto.predicted
-            ready = engine.__dict__.setdefault("auto_ready", set())
-            if engine.cuda_graphs and kind not in ready:
+            kind = engine.round_kind_of(seqs)
+            if engine.cuda_graphs and kind not in controller.captured_kinds:
                 # every round auto may switch to, captured for this kind of round now: later calls
                 # of this kind capture nothing
                 trees = sorted(predicted, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
                 engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
-                ready.add(kind)
+                controller.captured_kinds.add(kind)
                 collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
             start = controller.begin(predicted, (config.temperature, config.top_k or 0, config.top_p or 1.0))
         elif controller is not None:
@@ -323,9 +324,6 @@ class Generator:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
                                      torch.Generator(device=self.target.device).manual_seed(config.seed))
-        eos = frozenset(config.eos_ids(self.target.config))
-        seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
-                         top_p=config.top_p or 1.0) for p in prompts]
         times_before = engine.phase_times()
         trees = [(0, str(start))] if controller is not None else []
         repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None

@@ -84,8 +84,8 @@ class PromptLookup(TreeDrafter):
         """(found [B] bool, tokens [B, depth]): the chain prompt lookup drafts after each row's
         history: the tokens that followed the best match of its tail (the longest, then most
         recent, earlier occurrence; the top candidate of :meth:`_lookup`), copied on from there,
-        as prompt lookup decoding does. One search whatever ``depth`` (a search per level cost
-        ~68 kernel launches each on the H200). Where the copy reaches the history's end it
+        as prompt lookup decoding does. One search whatever ``depth`` (a search per level
+        launched dozens of small kernels each). Where the copy reaches the history's end it
         repeats the period it found (the chain continues its own text: what searching again
         after each drafted token would find). Where nothing matches the tokens are arbitrary."""
         empty = torch.zeros(self.hist.shape[0], 1, 0, dtype=torch.long, device=self.hist.device)
