@@ -67,6 +67,16 @@ def ours(target, proposer, draft, config):
     return call
 
 
+def parts(res: dict) -> str:
+    """Where a call of ours spent its time: auto's plan, the prefill, the rounds (their number,
+    and auto's switches between kinds of round)."""
+    if "prefill_s" not in res:
+        return ""
+    switches = f" switches {len(res['trees']) - 1}" if res.get("trees") else ""
+    return (f"  plan {1e3 * res['plan_s']:5.1f} ms  prefill {1e3 * res['prefill_s']:6.1f} ms  rounds {res['steps']:3d}"
+            f" ({1e3 * (res['wall_s'] - res['prefill_s'] - res['plan_s']) / max(res['steps'], 1):.2f} ms each){switches}")
+
+
 def sampling_config(name: str, max_new_tokens: int) -> GenerationConfig:
     """``greedy``, ``tT`` (temperature T) or ``tTpP`` (temperature T, top-p P)."""
     if name == "greedy":
@@ -189,7 +199,7 @@ def main(argv=None):
                 vs = f"{res['vs_plain']:5.2f}x plain" if res["vs_plain"] else ""
                 print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
                       f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
-                      f"  same-as-plain {res['same_as_plain']}  {(res.get('auto') or '')[-300:]}", flush=True)
+                      f"  same-as-plain {res['same_as_plain']}{parts(res)}  {(res.get('auto') or '')[-300:]}", flush=True)
         rows += mine
         base = {stage: statistics.median(r["wall_s"] for r in mine if r["method"] == "hf-static" and r["stage"] == stage)
                 for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}

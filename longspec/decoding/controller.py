@@ -3,16 +3,18 @@ one engine can run (plain rounds, prompt lookup's chain alone, the hybrid's tree
 tokens per second. A policy above the engine: it chooses, the engine runs what it is told
 (:meth:`~longspec.decoding.engine.Engine.use_tree`).
 
-* **Round times** are measured on every round (wall clock: drafting, verifying, the host's work)
-  and kept across calls as an exponential average per candidate: they depend on the model, the
-  device and the context, not on the text. Until a candidate has run, the cost model's
-  prediction stands in (:mod:`~longspec.decoding.auto`), scaled by how the measured rounds of
-  the others compare with their predictions (the cost model times uncompiled steps without the
-  host's work).
+* **Round times** are measured on every round (the engine's round: drafting, verifying, the
+  host's reading of it; not the controller's own work or a switch's) and kept across calls per
+  candidate: the median of its last :data:`TIME_WINDOW` rounds (a round's time depends on the
+  model, the device and the context, not on the text; a median is not moved by a hiccup of the
+  host, which an average would carry for good into a candidate that then never runs again). Until
+  a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
+  scaled by how the measured rounds of the others compare with their predictions (the cost model
+  times uncompiled steps without the host's work).
 * **Tokens per round** are estimated per call: the cost model's prediction for this prompt,
-  worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds. What earlier calls measured at
-  the same sampling settings replaces the prediction for sampled calls (the cost model knows
-  greedy acceptance only) and is averaged with it for greedy ones (where the text decides).
+  corrected by what earlier calls measured against their predictions at the same sampling
+  settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
+  less), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN`. Plain decoding (one token a round, its time measured) is
   always a candidate, so rounds that do not pay lose their place within a few rounds."""
@@ -25,12 +27,12 @@ from .tree import TreeSpec
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
-OUTLIER = 1.5  # a round measured this much slower than the estimate counts as this much (a hiccup of the host)
+TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
 SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much faster (with DWELL: no flapping)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
-TIME_DECAY = 0.7  # weight of the earlier estimate of a round's time against a newly measured round
-LEARNED_DECAY = 0.5  # weight of earlier calls' tokens per round against this call's, in the prior of the next
+LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
+MAX_CORRECTION = 3.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero)
 
 
 def label(tree: Optional[TreeSpec]) -> str:
@@ -50,6 +52,7 @@ class Candidate:
     tree: Optional[TreeSpec]
     ms: float
     prior: float
+    predicted: float = 1.0  # the cost model's tokens per round (before the correction)
     tokens: float = 0.0
     rounds: int = 0
     predicted_ms: float = 0.0  # the cost model's
@@ -70,14 +73,33 @@ class Controller:
     returns the tree to run next), then :meth:`end`."""
 
     def __init__(self):
-        self.ms: dict = {}  # label -> round time (ms), across calls
-        self.rounds: dict = {}  # label -> rounds measured, across calls
-        self.learned: dict = {}  # (label, sampling key) -> tokens per round measured by earlier calls
+        self.times: dict = {}  # label -> its last round times (ms), across calls
+        # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
+        # (decayed sums over their rounds; extra: beyond the one a plain round emits)
+        self.learned: dict = {}
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
+
+    def round_ms(self, name: str) -> Optional[float]:
+        """The measured round time of candidate ``name`` (the median of its last rounds), or None."""
+        times = self.times.get(name)
+        return sorted(times)[len(times) // 2] if times else None
+
+    def correction(self, name: str) -> float:
+        """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
+        calls at this call's sampling settings (1: none measured). Greedy calls take it half-way
+        (the text decides there: the prediction reads this prompt)."""
+        measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
+        if predicted <= 0.0:
+            return 1.0
+        factor = min(measured / predicted, MAX_CORRECTION)
+        return factor if sampled(self.sampling) else (1.0 + factor) / 2
+
+    def _prior(self, c: Candidate) -> float:
+        return 1.0 if c.tree is None else 1.0 + max(c.predicted - 1.0, 0.0) * self.correction(label(c.tree))
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;
@@ -88,11 +110,9 @@ class Controller:
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates = sampling, {}
         for tree, (tokens, ms) in predicted.items():
-            name = label(tree)
-            learned = self.learned.get((name, sampling))
-            prior = (1.0 if tree is None else tokens if learned is None else learned if sampled(sampling)
-                     else (tokens + learned) / 2)
-            self.candidates[name] = Candidate(tree, self.ms.get(name, ms), prior, predicted_ms=ms)
+            c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
+            c.prior = self._prior(c)
+            self.candidates[label(tree)] = c
         self._calibrate()
         self.current, self.dwell = self._best(), 0
         return self.current.tree
@@ -103,16 +123,16 @@ class Controller:
         for tree, value in tokens.items():
             c = self.candidates.get(label(tree))
             if c is not None and c.rounds == 0 and tree is not None:
-                c.prior = value
+                c.predicted = value
+                c.prior = self._prior(c)
 
     def observe(self, tokens: float, seconds: float) -> Optional[TreeSpec]:
         """The round just run emitted ``tokens`` per row in ``seconds``: returns the tree for the
         next rounds (the current one, or the candidate that now looks faster)."""
         c, name = self.current, label(self.current.tree)
-        ms = min(1e3 * seconds, OUTLIER * c.ms)
-        c.ms = ms if name not in self.ms else TIME_DECAY * c.ms + (1 - TIME_DECAY) * ms
-        self.ms[name] = c.ms
-        self.rounds[name] = self.rounds.get(name, 0) + 1
+        times = self.times.setdefault(name, [])
+        times.append(1e3 * seconds)
+        del times[:-TIME_WINDOW]
         c.tokens += tokens
         c.rounds += 1
         self.dwell += 1
@@ -124,12 +144,14 @@ class Controller:
         return self.current.tree
 
     def end(self) -> None:
-        """Folds this call's measured tokens per round into the predictions of later calls."""
+        """Folds this call's measured tokens per round, against the predictions, into the
+        correction of later calls at the same sampling settings."""
         for name, c in self.candidates.items():
             if c.rounds and c.tree is not None:
-                key, measured = (name, self.sampling), c.tokens / c.rounds
-                old = self.learned.get(key)
-                self.learned[key] = measured if old is None else LEARNED_DECAY * old + (1 - LEARNED_DECAY) * measured
+                measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
+                self.learned[name, self.sampling] = (
+                    LEARNED_DECAY * measured + c.tokens - c.rounds,
+                    LEARNED_DECAY * predicted + c.rounds * max(c.predicted - 1.0, 0.0))
 
     def summary(self) -> str:
         """What each candidate measured in this call (for a call's stats)."""
@@ -141,14 +163,17 @@ class Controller:
         over the predicted time of those that were (their median ratio); candidates measured in
         fewer than :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not
         keep a candidate out for good: nothing would measure it again)."""
-        ratios = sorted(self.ms[name] / c.predicted_ms for name, c in self.candidates.items()
-                        if self.rounds.get(name, 0) >= SETTLED_ROUNDS and c.predicted_ms > 0)
+        measured = {name: self.round_ms(name) for name in self.candidates}
+        ratios = sorted(measured[name] / c.predicted_ms for name, c in self.candidates.items()
+                        if len(self.times.get(name, ())) >= SETTLED_ROUNDS and c.predicted_ms > 0)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
         for name, c in self.candidates.items():
-            if name not in self.ms:
+            if measured[name] is None:
                 c.ms = scale * c.predicted_ms
-            elif self.rounds[name] < SETTLED_ROUNDS:
-                c.ms = min(self.ms[name], scale * c.predicted_ms)
+            elif len(self.times[name]) < SETTLED_ROUNDS:
+                c.ms = min(measured[name], scale * c.predicted_ms)
+            else:
+                c.ms = measured[name]
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)

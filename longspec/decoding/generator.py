@@ -191,24 +191,21 @@ class Generator:
         rounds, seq = 0, seqs[0]
         on_cpu = engine.target.device.type == "cpu"
         check = 8 if on_cpu else 16
-        start = time.perf_counter()
         while engine.has_active:
             before, rows = sum(len(s.tokens) for s in seqs), sum(not s.done for s in seqs)
+            start = time.perf_counter()
             engine.step(streamer)  # (it reads the round's tokens: the device is done with it)
+            seconds = time.perf_counter() - start  # (the round's: not the controller's work or a switch's)
             rounds += 1
             if controller is None or not engine.has_active:
                 continue
             if repredict is not None and len(seq.tokens) >= check:
                 check = check + 8 if on_cpu else 2 * check
                 controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-            # a round's time: all of it since the last one ended, the controller's and a switch's
-            # work included (a switch costs what the next candidate must make up for)
-            now = time.perf_counter()
-            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, now - start)
+            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
             if tree != engine.tree_of(engine.bucket()):
                 engine.use_tree(tree)
                 trees.append((len(seq.tokens), str(tree)))
-            start = now
         return rounds
 
     @staticmethod

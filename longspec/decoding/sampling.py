@@ -121,7 +121,7 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     # always keep the most likely token (the last); a mask, not an in-place write into the last
     # column, which TorchDynamo (torch 2.11) cannot trace ("list indices must be integers")
     last = torch.arange(vocab, device=scores.device) == vocab - 1
-    remove = (ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - p)) & ~last & (p < 1.0)
+    remove = (_cumsum_apart(ascending.softmax(dim=-1)) <= (1 - p)) & ~last & (p < 1.0)
     scores = scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
     return torch.where(greedy, onehot, scores.softmax(dim=-1))
 
@@ -131,6 +131,15 @@ def _argmax_apart(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1, keepdim=True)`` as its own (uncompiled) operation (see
     :data:`LARGE_VOCAB`)."""
     return logits.argmax(dim=-1, keepdim=True)
+
+
+@compile_boundary
+def _cumsum_apart(probs: torch.Tensor) -> torch.Tensor:
+    """``probs.cumsum(dim=-1)`` as its own (uncompiled) operation: Inductor (torch 2.11, CUDA)
+    splits a scan over a whole vocabulary for a few rows and fails to generate that code ("list
+    indices must be integers or slices, not NoneType"), which left every top-p round's acceptance
+    uncompiled."""
+    return probs.cumsum(dim=-1)
 
 
 @dataclass
