@@ -97,7 +97,7 @@ class InProcessServer:
     def __init__(self, target, tokenizer, args, prefix_cache: bool):
         import uvicorn
 
-        from longspec.decoding.generator import build_proposer, default_tree
+        from longspec.decoding.proposers import build_proposer, default_tree
         from longspec.serve import build_server
         from longspec.serve_http import create_app
 

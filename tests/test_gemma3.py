@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from longspec import GenerationConfig, load_target
 from longspec.attention import triton_kernels
 from longspec.config import ModelConfig
-from longspec.decoding.generator import Generator, default_tree
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import default_tree
 from longspec.decoding.prefill import ChunkedPrefill
 from longspec.decoding.proposers import LongSpecProposer, PromptLookup
 from longspec.decoding.streaming import StreamingSelfSpec

@@ -140,7 +140,7 @@ def cmd_generate(args) -> int:
     name, tree = proposer_choice(args)
     parallel = _tensor_parallel(args, device)
     if parallel and name == "auto":  # (auto's cost model times steps per device: not across ranks)
-        from ..decoding.generator import default_tree
+        from ..decoding.proposers import default_tree
         from ..decoding.tree import TreeSpec
 
         name = "hybrid" if args.draft or not args.target else "pld"
@@ -187,8 +187,9 @@ def cmd_generate(args) -> int:
             status("auto: measuring the step costs on this device once (a few seconds; cached for later runs)")
             with Heartbeat(lambda: "auto: measuring the step costs"):
                 plan = gen.plan([ids], config)
-        name, tree, note = plan.name, plan.start, plan.note
-        line = auto_line(name, tree, predicted_gain(note))
+        name, note = plan.name, plan.note
+        tree, gain = gen.first_rounds(plan, config)
+        line = auto_line(name, tree, gain if gain is not None else predicted_gain(note))
     biggest = plan.tree if plan is not None else tree
     if cache_need(len(ids), args.max_new_tokens, round_slots(biggest)) > limit:  # (auto checked plain decoding's need above)
         check_length(len(ids), args.max_new_tokens, biggest, limit)
@@ -322,7 +323,7 @@ def describe_tree(tree) -> str:
 def proposer_choice(args):
     """(proposer name, TreeSpec or None) from --proposer / --tree / --draft, checked without loading
     anything."""
-    from ..decoding.generator import default_tree
+    from ..decoding.proposers import default_tree
     from ..decoding.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer

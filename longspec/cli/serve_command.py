@@ -87,7 +87,7 @@ def cmd_serve(args) -> int:
         server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
                         on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
-        from ..decoding.generator import build_proposer
+        from ..decoding.proposers import build_proposer
 
         threads = None
         if device == "cpu":

@@ -42,7 +42,7 @@ CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DE
                    "4,8,8,8,8,8,8,8", "4,4,4,4,4,1,1,1,1,1", "4,8,8,8,8,8,8,8,1,1", HYBRID_TREE)
 # what ``--proposer auto`` weighs on a CPU (its controller measures them while generating; the
 # cost model measures each once per device, so few: the first run's measurement stays short)
-LOOKUP_CHAINS = (2, 4, 8)
+LOOKUP_CHAINS = (8,)  # (one: a shorter chain saves a CPU round little and misses long repeats, see docs/benchmarks.md)
 AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # where step costs are measured (once per device, model and dtype; beyond the second, extrapolated:
 # a step's cost is linear in the context); short ones, so the first measurement stays short
@@ -145,6 +145,16 @@ def device_key(target) -> str:
              else f"cpu x{torch.get_num_threads()} threads")
     model = os.path.basename(str(target.path or "model").rstrip("/"))
     return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl} | v{COSTS_VERSION}"
+
+
+def corrections_key(target, draft) -> str:
+    """What auto's corrections of its predictions depend on: the model, the draft (its acceptance
+    table) and the prediction's code (:data:`COSTS_VERSION`)."""
+    import hashlib
+
+    model = os.path.basename(str(target.path or "model").rstrip("/"))
+    table = json.dumps(draft.config.acceptance if draft is not None else None)
+    return f"{model} | draft {hashlib.sha1(table.encode()).hexdigest()[:12]} | v{COSTS_VERSION}"
 
 
 def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None, batch: int = 1,

@@ -20,7 +20,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   always a candidate, so rounds that do not pay lose their place within a few rounds."""
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from .tree import TreeSpec
@@ -32,7 +35,9 @@ SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much fa
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
-MAX_CORRECTION = 3.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero)
+MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero) ...
+MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
+SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 
 
 def label(tree: Optional[TreeSpec]) -> str:
@@ -72,11 +77,17 @@ class Controller:
     :meth:`begin` with the cost model's predictions, then :meth:`observe` after every round (it
     returns the tree to run next), then :meth:`end`."""
 
-    def __init__(self):
+    def __init__(self, store: Optional[str] = None, key: str = ""):
+        """``store``: a JSON file that keeps what the corrections learned (under ``key``: the
+        model and draft) for the next process, e.g. the next ``longspec generate``."""
         self.times: dict = {}  # label -> its last round times (ms), across calls
         # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
         # (decayed sums over their rounds; extra: beyond the one a plain round emits)
         self.learned: dict = {}
+        self.store, self.key, self.saved_at = store, key, None
+        for text, pair in self._stored().get(key, {}).items():
+            name, sampling = json.loads(text)
+            self.learned[name, tuple(sampling) if isinstance(sampling, list) else sampling] = tuple(pair)
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
@@ -90,13 +101,13 @@ class Controller:
 
     def correction(self, name: str) -> float:
         """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
-        calls at this call's sampling settings (1: none measured). Greedy calls take it half-way
-        (the text decides there: the prediction reads this prompt)."""
+        calls at this call's sampling settings (1: none measured): the prediction reads this
+        prompt, the correction what the cost model misses (a sampled call's lower acceptance; a
+        model continuing code repeats its prompt far more than the prompt repeats itself)."""
         measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
         if predicted <= 0.0:
             return 1.0
-        factor = min(measured / predicted, MAX_CORRECTION)
-        return factor if sampled(self.sampling) else (1.0 + factor) / 2
+        return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
 
     def _prior(self, c: Candidate) -> float:
         return 1.0 if c.tree is None else 1.0 + max(c.predicted - 1.0, 0.0) * self.correction(label(c.tree))
@@ -116,6 +127,11 @@ class Controller:
         self._calibrate()
         self.current, self.dwell = self._best(), 0
         return self.current.tree
+
+    def gain(self) -> Optional[float]:
+        """The current candidate's expected speed over plain rounds' (None: no plain candidate)."""
+        plain = self.candidates.get("plain")
+        return None if plain is None else self.current.rate / plain.rate
 
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
@@ -152,6 +168,26 @@ class Controller:
                 self.learned[name, self.sampling] = (
                     LEARNED_DECAY * measured + c.tokens - c.rounds,
                     LEARNED_DECAY * predicted + c.rounds * max(c.predicted - 1.0, 0.0))
+        if self.store is not None and (self.saved_at is None or time.monotonic() - self.saved_at > SAVE_EVERY_S):
+            self.save()
+
+    def _stored(self) -> dict:
+        try:
+            data = json.loads(Path(self.store).read_text()) if self.store is not None else {}
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: learn again
+
+    def save(self) -> None:
+        """Writes the corrections learned to the store (other keys' kept)."""
+        from ..models.checkpoint import write_atomic
+
+        data = self._stored()
+        data[self.key] = {json.dumps([name, sampling]): list(pair) for (name, sampling), pair in self.learned.items()}
+        path = Path(self.store)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
+        self.saved_at = time.monotonic()
 
     def summary(self) -> str:
         """What each candidate measured in this call (for a call's stats)."""

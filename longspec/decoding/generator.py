@@ -21,11 +21,11 @@ from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
 from .sampling import RowSampling
-from .sequence import DEFAULT_TREE, HYBRID_TREE, GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
+from .proposers import PROPOSERS, build_proposer, default_tree, proposer_family, resolve_draft
+from .sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .tree import TreeSpec
 
-PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
-PLD_TREE = "chain:5"
+CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): on the H200 (SmolLM2 shape, ``bench_prefill_chunks_h200.log``) 2,000 /
 # 5,000 / 7,600 tokens took 4.2 / 20 / 31 ms, against 24 / 86 / 116 ms as one eager forward and
@@ -52,57 +52,6 @@ class _Clock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-
-def default_tree(proposer: str) -> str:
-    """pld: a 5-token chain; longspec and streaming: the paper's beam tree; hybrid: that tree plus
-    five levels of one node, which the lookup chain fills when the text repeats."""
-    return {"pld": PLD_TREE, "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
-
-
-def default_draft(target: TargetModel):
-    """The draft shipped for the default model when ``target`` is it, else None."""
-    from pathlib import Path
-
-    from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
-    from ..models.checkpoint import load_draft
-
-    shipped_for = home_dir() / "models" / DEFAULT_NAME
-    if target.path is None or Path(target.path).resolve() != shipped_for.resolve():
-        return None
-    return load_draft(DEFAULT_DRAFT, target)
-
-
-def build_proposer(name: str, target: TargetModel, draft=None, window: int = 512):
-    """The proposer object for ``name`` (one of :data:`PROPOSERS` but "auto"; "none": None).
-    ``draft``: a loaded LongSpec draft or a checkpoint folder, needed by "longspec" and "hybrid"
-    (default: the draft shipped for the default model)."""
-    from .proposers import LongSpecProposer, PromptLookup
-    from .streaming import StreamingSelfSpec
-
-    if name == "none":
-        return None
-    if name == "pld":
-        return PromptLookup()
-    if name == "streaming":
-        return StreamingSelfSpec(window=window)
-    if name not in ("longspec", "hybrid"):
-        raise ValueError(f"unknown proposer {name!r}; expected one of {', '.join(PROPOSERS)}")
-    draft = _load_draft(draft, target)
-    if draft is None:
-        raise ValueError(f"proposer {name!r} needs a LongSpec draft for this target: pass draft=<checkpoint folder> "
-                         "(only the default model ships one)")
-    return LongSpecProposer(draft, lookup=PromptLookup() if name == "hybrid" else None)
-
-
-def _load_draft(draft, target):
-    if draft is None:
-        return default_draft(target)
-    if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
-        from ..models.checkpoint import load_draft
-
-        return load_draft(draft, target)
-    return draft
 
 
 class Generator:
@@ -148,7 +97,7 @@ class Generator:
             else:  # one proposer per name and draft in the process: Generators of it share its engine
                 proposer = _shared_proposer(target, proposer, draft, window)
         if proposer is not None and proposer != "auto":
-            tree = TreeSpec.coerce(default_tree(_family(proposer)) if tree is None else tree)
+            tree = TreeSpec.coerce(default_tree(proposer_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree, self.controller, self.draft = target, proposer, tree, controller, draft
         self.max_len = max_len or target.config.max_position_embeddings
@@ -237,15 +186,35 @@ class Generator:
     def _controller(self, engine: Engine):
         """auto's :class:`~longspec.decoding.controller.Controller` of ``engine``: one per engine
         in this process (what it measured serves the engine's later calls)."""
-        from .controller import Controller
-
         engines = _engines(self.target)
         for key in [k for k, (_, ref) in engines.items() if k[0] == "controller" and ref() is None]:
             del engines[key]  # (of engines gone since)
         key = ("controller", id(engine))
         if key not in engines or engines[key][1]() is not engine:
-            engines[key] = (Controller(), weakref.ref(engine))  # (not keeping a replaced engine alive)
+            engines[key] = (self._new_controller(), weakref.ref(engine))  # (not keeping a replaced engine alive)
         return engines[key][0]
+
+    def _new_controller(self):
+        """A controller whose corrections of the cost model (what it learns about a checkpoint's
+        acceptance) are kept for the next process beside the step costs (for a checkpoint on disk)."""
+        from .controller import Controller
+
+        if self.target.path is None:
+            return Controller()
+        from ..convert import home_dir
+        from .auto import corrections_key
+
+        return Controller(str(home_dir() / CORRECTIONS_FILE), corrections_key(self.target, self.draft))
+
+    def first_rounds(self, plan: "CallPlan", config: GenerationConfig) -> tuple:
+        """(tree, predicted speed over plain decoding) of the first rounds of a call of ``plan``
+        (from :meth:`plan`) in a new process: for "auto" its controller's choice, from the cost
+        model's predictions corrected by what earlier processes measured; else ``plan.start``."""
+        if plan.auto is None or plan.auto.predicted is None:
+            return plan.start, None
+        controller = self._new_controller()
+        tree = controller.begin(plan.auto.predicted, sampling_key(config))
+        return tree, controller.gain()
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
@@ -314,7 +283,7 @@ class Generator:
                 engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
                 controller.captured_kinds.add(kind)
                 collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
-            start = controller.begin(predicted, (config.temperature, config.top_k or 0, config.top_p or 1.0))
+            start = controller.begin(predicted, sampling_key(config))
         elif controller is not None:
             start = controller.begin(None, None)
         if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
@@ -381,16 +350,9 @@ class CallPlan:
     controller: object = None
 
 
-def _family(proposer) -> str:
-    """The name of a proposer object's kind (for its default tree)."""
-    from .proposers import LongSpecProposer, PromptLookup
-    from .streaming import StreamingSelfSpec
-
-    if isinstance(proposer, LongSpecProposer):
-        return "hybrid" if proposer.lookup is not None else "longspec"
-    if isinstance(proposer, StreamingSelfSpec):
-        return "streaming"
-    return "pld" if isinstance(proposer, PromptLookup) else "longspec"
+def sampling_key(config: GenerationConfig) -> tuple:
+    """What acceptance depends on in a call's settings: (temperature, top_k, top_p)."""
+    return config.temperature, config.top_k or 0, config.top_p or 1.0
 
 
 def _shared_draft(target: TargetModel, draft):
@@ -401,7 +363,7 @@ def _shared_draft(target: TargetModel, draft):
     engines = _engines(target)
     key = ("draft", None if draft is None else str(draft))
     if key not in engines:
-        engines[key] = (_load_draft(draft, target), None)
+        engines[key] = (resolve_draft(draft, target), None)
     return engines[key][0]
 
 
