@@ -525,3 +525,26 @@ def test_corrections_are_kept_for_the_next_process(tmp_path):
     other.observe(1.0, 1e-3)
     other.end()
     assert set(json.loads(store.read_text())) == {"model A", "model B"}
+
+
+def test_lookup_index_predicts_as_the_whole_texts_sort():
+    """The prompt's index predicts what lookup_predictions does on the whole text, on the prompt
+    and on what follows it (texts that repeat much or not at all, continuations that copy the
+    prompt, vocabularies of 2 to 50,000, prompts shorter than an n-gram)."""
+    import numpy as np
+
+    from longspec.decoding.acceptance import LookupIndex, lookup_predictions
+
+    rng = random.Random(0)
+    for trial in range(300):
+        vocab, p, t = rng.choice([2, 3, 5, 20, 50000]), rng.randint(1, 300), rng.randint(0, 80)
+        ids = [rng.randrange(vocab) for _ in range(p + t)]
+        if rng.random() < 0.3:
+            start = rng.randrange(p)
+            ids = ids[:p] + (ids[start:p] * 80)[:t]
+        index, whole = LookupIndex(ids[:p]), lookup_predictions(np.asarray(ids), 3)
+        assert (index.predictions(ids) == whole[p:]).all() and (index.prompt_guess == lookup_predictions(
+            np.asarray(ids[:p]), 3)).all(), (trial, vocab, p, t)
+        tail = rng.randint(1, max(t, 1))
+        assert lookup_acceptance(ids, tail=tail, index=index if t else LookupIndex(ids)) == lookup_acceptance(
+            ids, tail=tail)

@@ -4,7 +4,7 @@
 rates on a text, :func:`lookup_acceptance`); :func:`expected_tokens` combines them."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,15 +49,20 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
 
 
 def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024,
-                      prior: Sequence[float] = (), prior_weight: float = 0.0) -> list:
+                      prior: Sequence[float] = (), prior_weight: float = 0.0, index: "LookupIndex" = None) -> list:
     """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
     the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
     prediction for position s is what followed the most recent earlier occurrence of the longest
     (up to ``max_ngram``) suffix of ``token_ids[:s]``, as :class:`PromptLookup` ranks first;
     measured over the last ``tail`` positions. With a ``prior`` (rates per depth), each depth's
-    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it)."""
+    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it).
+    ``index``: a :class:`LookupIndex` of ``token_ids`` or of a prompt they continue (its
+    predictions on the continuation cost little)."""
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    hit = (lookup_predictions(ids, max_ngram) == ids)[max(0, len(ids) - tail):]
+    guess = index.last_predictions(ids, tail) if index is not None and index.max_ngram == max_ngram else None
+    if guess is None:
+        guess = lookup_predictions(ids, max_ngram)[max(0, len(ids) - tail):]
+    hit = guess == ids[len(ids) - len(guess):]
     q, runs = [], np.arange(len(hit))  # starts whose chain is right so far
     weight = prior_weight if prior else 0.0
     for d in range(depths):
@@ -87,6 +92,70 @@ def lookup_predictions(ids: np.ndarray, max_ngram: int = 3) -> np.ndarray:
         rank = np.empty(m, dtype=np.int64)
         rank[order] = np.concatenate(([0], np.cumsum(~same)))
     return guess
+
+
+class LookupIndex:
+    """Prompt lookup's predictions (:func:`lookup_predictions`) on the positions a text gains
+    after ``prompt``, for re-predicting while generating: the prompt's n-grams are sorted once
+    (each one's last occurrence with a follower in the prompt), the gained part is compared with
+    itself directly (few positions), so a query costs little whatever the prompt's length. An
+    n-gram's key is its tokens' bits side by side (exact: ``max_ngram`` x 21 bits fit an int64);
+    texts it cannot key exactly fall back to :func:`lookup_predictions`."""
+
+    BITS = 21
+
+    def __init__(self, prompt: Sequence[int], max_ngram: int = 3):
+        ids = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        self.prompt_len, self.max_ngram = len(ids), max_ngram
+        self.exact = (max_ngram * self.BITS < 64 and len(ids) > max_ngram
+                      and 0 <= int(ids.min()) and int(ids.max()) < 1 << self.BITS)
+        self.last = []  # per n: (sorted keys of the prompt's n-grams, the start of each one's last occurrence)
+        # the predictions on the prompt itself, from the same sorts (as lookup_predictions)
+        self.prompt_guess = np.full(len(ids), -1, dtype=np.int64) if self.exact else lookup_predictions(ids, max_ngram)
+        for n in range(1, max_ngram + 1) if self.exact else ():
+            keys = self._keys(ids, n)[:len(ids) - n]  # (the n-grams a prompt token follows)
+            order = np.argsort(keys, kind="stable")  # equal n-grams together, in text order
+            ordered = keys[order]
+            same = ordered[1:] == ordered[:-1]
+            self.prompt_guess[order[1:][same] + n] = ids[order[:-1][same] + n]
+            last = np.append(~same, True)
+            self.last.append((ordered[last], order[last]))
+
+    def last_predictions(self, token_ids: np.ndarray, tail: int) -> Optional[np.ndarray]:
+        """Predictions on the last ``tail`` positions of ``token_ids`` (the prompt, or the prompt
+        and more), or None where they reach back into a longer text's prompt."""
+        gained = len(token_ids) - self.prompt_len
+        if gained == 0:
+            return self.prompt_guess[max(0, self.prompt_len - tail):]
+        return self.predictions(token_ids)[gained - tail:] if 0 < tail <= gained else None
+
+    @classmethod
+    def _keys(cls, ids: np.ndarray, n: int) -> np.ndarray:
+        """[len(ids) - n + 1]: the key of the n-gram starting at each position."""
+        key = np.zeros(len(ids) - n + 1, dtype=np.int64)
+        for i in range(n):
+            key = (key << cls.BITS) | ids[i:len(ids) - n + 1 + i]
+        return key
+
+    def predictions(self, token_ids: Sequence[int]) -> np.ndarray:
+        """``token_ids`` [N] (the prompt, then more) -> [N - prompt length]: the token prompt
+        lookup predicts at each position after the prompt (-1 where nothing matches)."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        p, total = self.prompt_len, len(ids)
+        if not self.exact or total == p or int(ids[p:].min()) < 0 or int(ids[p:].max()) >= 1 << self.BITS:
+            return lookup_predictions(ids, self.max_ngram)[p:]
+        guess = np.full(total - p, -1, dtype=np.int64)
+        for n, (keys, starts) in enumerate(self.last, start=1):  # (a longer n-gram overrides a shorter)
+            region = p - n  # n-grams starting here or later have their follower after the prompt
+            gained = self._keys(ids[region:], n)  # [total - p + 1]: keys of those starting at region..
+            query = gained[:-1]  # the n-gram before each gained position s starts at s - n
+            earlier = np.arange(len(query))[:, None] > np.arange(len(query))[None, :]
+            found = np.where((query[:, None] == query[None, :]) & earlier, np.arange(len(query))[None, :], -1).max(1)
+            j = np.where(found >= 0, region + found, -1)  # the most recent occurrence after the prompt's ...
+            at = np.searchsorted(keys, query).clip(max=len(keys) - 1)  # ... else the prompt's last
+            j = np.where((j < 0) & (keys[at] == query), starts[at], j)
+            guess = np.where(j >= 0, ids[(j + n).clip(min=0)], guess)
+        return guess
 
 
 def _at_width(row: Sequence[float], width: int) -> float:

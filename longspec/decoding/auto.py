@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .acceptance import expected_tokens, lookup_acceptance
+from .acceptance import LookupIndex, expected_tokens, lookup_acceptance
 from .runner import time_graph
 from .sequence import DEFAULT_TREE, HYBRID_TREE
 from .tree import TreeSpec
@@ -323,8 +323,9 @@ class Plan:
     rounds; None: plain rounds), the ``draft`` (the hybrid's), ``note`` (why) and ``predicted``
     ({tree or None: (tokens per round, round ms)} of every candidate, the
     :class:`~longspec.decoding.controller.Controller`'s start; None: no cost model, ``start``
-    runs throughout). ``hits``: the lookup's hit rates on the prompt and ``acceptance`` the
-    draft's table, for :meth:`repredict`."""
+    runs throughout). ``hits``: the lookup's hit rates on the prompt, ``acceptance`` the
+    draft's table and ``index`` the prompt's :class:`~longspec.decoding.acceptance.LookupIndex`,
+    for :meth:`repredict`."""
 
     name: str
     tree: Optional[TreeSpec]
@@ -334,13 +335,14 @@ class Plan:
     predicted: Optional[dict] = None
     hits: tuple = ()
     acceptance: tuple = ()
+    index: Optional[LookupIndex] = None
 
     def repredict(self, ids: Sequence[int], n_prompt: int) -> dict:
         """{tree: tokens per round} predicted from the lookup's hit rates on the generated part of
         ``ids`` (each depth pulled towards the prompt's rate by a few positions): a model
         continuing code repeats the prompt far more than the prompt repeats itself (on the README's
         CPU prompt, lookup chain:5 accepted 3.07 tokens a round against 1.82 predicted)."""
-        hits = lookup_acceptance(ids, tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0)
+        hits = lookup_acceptance(ids, tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0, index=self.index)
         return {tree: expected_tokens(tree, () if tree.kind == "chain" else self.acceptance, hits)
                 for tree in self.predicted or {} if tree is not None}
 
@@ -352,7 +354,8 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     if draft is not None and not draft.config.acceptance:
         tree = TreeSpec.parse(HYBRID_TREE)
         return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
-    hits = lookup_acceptance(ids)
+    index = LookupIndex(ids)  # (re-predicting from the generated text then costs little)
+    hits = lookup_acceptance(ids, index=index)
     candidates = _candidates(ids, draft, hits, target.device.type == "cuda")
     label, gain, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]
@@ -367,4 +370,4 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
            f"cost model: {gain:.2f}x plain decoding predicted")
     return Plan("hybrid" if draft is not None else "pld", biggest, start, draft,
                 f"{why} ({predictions(candidates, costs)}); measured while generating", predicted, tuple(hits),
-                tuple(map(tuple, draft.config.acceptance)) if draft is not None else ())
+                tuple(map(tuple, draft.config.acceptance)) if draft is not None else (), index)

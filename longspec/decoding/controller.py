@@ -57,7 +57,7 @@ class Candidate:
     tree: Optional[TreeSpec]
     ms: float
     prior: float
-    predicted: float = 1.0  # the cost model's tokens per round (before the correction)
+    predicted: float = 1.0  # the cost model's tokens per round on the prompt (before the correction)
     tokens: float = 0.0
     rounds: int = 0
     predicted_ms: float = 0.0  # the cost model's
@@ -109,8 +109,13 @@ class Controller:
             return 1.0
         return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
 
-    def _prior(self, c: Candidate) -> float:
-        return 1.0 if c.tree is None else 1.0 + max(c.predicted - 1.0, 0.0) * self.correction(label(c.tree))
+    def _prior(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> float:
+        """Tokens per round expected of ``c`` from a prediction: its extra tokens corrected (the
+        correction at most ``most``), no more than a round of its tree can emit."""
+        if c.tree is None:
+            return 1.0
+        extra = max(predicted - 1.0, 0.0) * min(self.correction(label(c.tree)), most)
+        return min(1.0 + extra, 1.0 + c.tree.depth)
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;
@@ -122,7 +127,7 @@ class Controller:
         self.sampling, self.candidates = sampling, {}
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
-            c.prior = self._prior(c)
+            c.prior = self._prior(c, c.predicted)
             self.candidates[label(tree)] = c
         self._calibrate()
         self.current, self.dwell = self._best(), 0
@@ -135,12 +140,13 @@ class Controller:
 
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
-        the text generated so far), for candidates that have not run in this call."""
+        the text generated so far), for candidates that have not run in this call. A correction
+        below 1 applies to them too (sampling's lower acceptance, a draft's optimism), one above 1
+        not: they read the generated text, which is what the prompt's predictions missed."""
         for tree, value in tokens.items():
             c = self.candidates.get(label(tree))
             if c is not None and c.rounds == 0 and tree is not None:
-                c.predicted = value
-                c.prior = self._prior(c)
+                c.prior = self._prior(c, value, most=1.0)
 
     def observe(self, tokens: float, seconds: float) -> Optional[TreeSpec]:
         """The round just run emitted ``tokens`` per row in ``seconds``: returns the tree for the

@@ -136,8 +136,9 @@ class Generator:
         (tokens per row, wall time) goes to it and the engine runs the tree it names next;
         ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
         given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
-        milliseconds against its ~2 ms, every 8). Returns the number of rounds."""
-        rounds, seq = 0, seqs[0]
+        milliseconds, every 8). Returns the number of rounds and the seconds they took (the
+        rest of the loop: the controller's work, switches, re-predictions)."""
+        rounds, stepping, seq = 0, 0.0, seqs[0]
         on_cpu = engine.target.device.type == "cpu"
         check = 8 if on_cpu else 16
         while engine.has_active:
@@ -145,7 +146,7 @@ class Generator:
             start = time.perf_counter()
             engine.step(streamer)  # (it reads the round's tokens: the device is done with it)
             seconds = time.perf_counter() - start  # (the round's: not the controller's work or a switch's)
-            rounds += 1
+            rounds, stepping = rounds + 1, stepping + seconds
             if controller is None or not engine.has_active:
                 continue
             if repredict is not None and len(seq.tokens) >= check:
@@ -155,7 +156,7 @@ class Generator:
             if tree != engine.tree_of(engine.bucket()):
                 engine.use_tree(tree)
                 trees.append((len(seq.tokens), str(tree)))
-        return rounds
+        return rounds, stepping
 
     @staticmethod
     def _need(prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> int:
@@ -264,7 +265,8 @@ class Generator:
             # near the context's end (plain decoding fits: checked above)
             plan = CallPlan(None, None, None, "the prompt leaves no room for a speculative tree", "none")
         proposer, tree, start, note = plan.proposer, plan.tree, plan.start, plan.note
-        plan_s = time.perf_counter() - t_plan
+        t_setup = time.perf_counter()
+        plan_s = t_setup - t_plan
         engine = self.engine(proposer, tree, len(prompts))
         captures_before = collected_at = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
@@ -294,10 +296,11 @@ class Generator:
         trees = [(0, str(start))] if controller is not None else []
         repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
         t0 = clock()
+        setup_s = t0 - t_setup
         try:
             engine.add(seqs, streamer)
             t_prefill = clock()
-            rounds = self._rounds(engine, seqs, streamer, controller, trees, repredict)
+            rounds, stepping = self._rounds(engine, seqs, streamer, controller, trees, repredict)
         finally:  # a failed or interrupted call leaves the shared engine empty
             for s in seqs:
                 engine.cancel(s)
@@ -310,7 +313,8 @@ class Generator:
                      new_tokens=n_new, prefill_s=t_prefill - t0,
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
-                     capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s,
+                     capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s, setup_s=setup_s,
+                     host_s=max(t_end - t_prefill - stepping, 0.0),
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if engine.capture_seconds() > collected_at:
             # this call compiled: the many objects that leaves are collected now, in the call
