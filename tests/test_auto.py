@@ -548,3 +548,21 @@ def test_lookup_index_predicts_as_the_whole_texts_sort():
         tail = rng.randint(1, max(t, 1))
         assert lookup_acceptance(ids, tail=tail, index=index if t else LookupIndex(ids)) == lookup_acceptance(
             ids, tail=tail)
+
+
+def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):
+    """A controller whose store cannot be written (a read-only home) still learns in memory."""
+    from longspec.decoding.controller import Controller
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    chain = TreeSpec.chain(8)
+    c = Controller(str(blocked / "corrections.json"), "model")  # (a folder that is a file)
+    c.begin({chain: (2.0, 1.0), None: (1.0, 1.0)}, "greedy")
+    c.observe(5.0, 1e-3)
+    c.end()
+    assert c.learned[("chain:8", "greedy")] == (4.0, 1.0)
+    # a store of another shape, or with entries this version cannot read, is learned again
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"model": {"not json": [1, 2], json.dumps(["chain:8", "greedy"]): "x"}, "other": 3}))
+    assert Controller(str(odd), "model").learned == {} and Controller(str(odd), "other").learned == {}

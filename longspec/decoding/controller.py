@@ -85,9 +85,14 @@ class Controller:
         # (decayed sums over their rounds; extra: beyond the one a plain round emits)
         self.learned: dict = {}
         self.store, self.key, self.saved_at = store, key, None
-        for text, pair in self._stored().get(key, {}).items():
-            name, sampling = json.loads(text)
-            self.learned[name, tuple(sampling) if isinstance(sampling, list) else sampling] = tuple(pair)
+        stored = self._stored().get(key)
+        for text, pair in stored.items() if isinstance(stored, dict) else ():
+            try:
+                name, sampling = json.loads(text)
+                measured, predicted = map(float, pair)
+            except (ValueError, TypeError):
+                continue  # (an entry this version cannot read: learned again)
+            self.learned[name, tuple(sampling) if isinstance(sampling, list) else sampling] = (measured, predicted)
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
@@ -175,7 +180,10 @@ class Controller:
                     LEARNED_DECAY * measured + c.tokens - c.rounds,
                     LEARNED_DECAY * predicted + c.rounds * max(c.predicted - 1.0, 0.0))
         if self.store is not None and (self.saved_at is None or time.monotonic() - self.saved_at > SAVE_EVERY_S):
-            self.save()
+            try:
+                self.save()
+            except OSError:  # (a read-only home: what was learned serves this process only)
+                self.saved_at = time.monotonic()
 
     def _stored(self) -> dict:
         try:
