@@ -20,7 +20,8 @@ compile caches (a new folder) and with warm ones (the same folder again).
         --lengths 2000,5000,7600 --warmup-length 1000 --max-new-tokens 128 --fresh-process \
         --sampling greedy,t1,t0.7p0.9
 
-Prints a table per pass and one JSON line last."""
+Prints a table per pass and one JSON line last; ``--profile-host`` also profiles our methods'
+pass-2 calls on the host outside their rounds (where auto's own work goes)."""
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,54 @@ def sync():
         torch.cuda.synchronize()
 
 
-def ours(target, proposer, draft, config):
-    """A call of ours: (tokens, stats) with the wall time of the whole call."""
+class HostProfile:
+    """cProfile of a call's work on the host outside its rounds (``Engine.step`` is left out):
+    planning, setup, the prefill's launches, the controller, switches, re-predictions."""
+
+    def __init__(self):
+        import cProfile
+
+        self.profile = cProfile.Profile()
+
+    def run(self, gen, prompt, config):
+        from longspec.decoding.engine import Engine
+
+        step, profile = Engine.step, self.profile
+
+        def unprofiled(engine, *args, **kwargs):
+            profile.disable()
+            try:
+                return step(engine, *args, **kwargs)
+            finally:
+                profile.enable()
+
+        Engine.step = unprofiled
+        profile.enable()
+        try:
+            return gen.generate([prompt], config)
+        finally:
+            profile.disable()
+            Engine.step = step
+
+    def report(self, title: str, rows: int = 15) -> None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(rows)
+        print(f"--- host work outside the rounds, {title} (pass 2, cProfile, by own time)")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000], flush=True)
+
+
+def ours(target, proposer, draft, config, profile=None):
+    """A call of ours: (tokens, stats) with the wall time of the whole call; ``profile``: a
+    :class:`HostProfile` that profiles the calls of pass 2 (``call(prompt, profiled=True)``)."""
     gen = Generator(target, proposer=proposer, draft=draft)
 
-    def call(prompt):
+    def call(prompt, profiled=False):
         sync()
         t = time.perf_counter()
-        out = gen.generate([prompt], config)
+        out = profile.run(gen, prompt, config) if profiled and profile is not None else gen.generate([prompt], config)
         sync()
         stats = out.stats
         # (per round: draft_s / steps and verify_s / steps, device time: what auto's note predicted)
@@ -152,6 +193,9 @@ def main(argv=None):
     p.add_argument("--fresh-process", action="store_true", help="also time `longspec generate` in new processes")
     p.add_argument("--sampling", default="greedy", help="comma-separated settings: greedy, tT, tTpP (see above)")
     p.add_argument("--out", help="also write the JSON results to this file")
+    p.add_argument("--profile-host", action="store_true",
+                   help="profile our methods' pass-2 calls on the host outside their rounds (their times then include "
+                        "the profiler's overhead)")
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,7 +220,7 @@ def main(argv=None):
         greedy = config.temperature == 0
         first, tests = (warmup, prompts) if greedy else (chat_prompt(tokenizer, warmup),
                                                           [chat_prompt(tokenizer, x) for x in prompts])
-        calls = {}
+        calls, profiles = {}, {}
         for name in methods:
             if name.startswith("hf-"):
                 if hf is None:
@@ -185,13 +229,14 @@ def main(argv=None):
                 kwargs = {"cache_implementation": "static"} if name == "hf-static" else {}
                 calls[name] = transformers_call(hf, config, **kwargs)
             else:
-                calls[name] = ours(target, None if name == "plain" else name, draft, config)
+                profiles[name] = HostProfile() if args.profile_host else None
+                calls[name] = ours(target, None if name == "plain" else name, draft, config, profiles[name])
         reference, plain_wall, mine = {}, {}, []
         for name in methods:  # ours first: transformers' compiled graphs come after
             gc.collect()
             call = calls[name]
             for stage, prompt in [("warm-up", first)] + [("pass 1", x) for x in tests] + [("pass 2", x) for x in tests]:
-                tokens, res = call(prompt)
+                tokens, res = call(prompt, profiled=True) if stage == "pass 2" and profiles.get(name) else call(prompt)
                 key = len(prompt)
                 if name == "plain":
                     reference.setdefault(key, tokens)
@@ -205,6 +250,8 @@ def main(argv=None):
                 print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
                       f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
                       f"  same-as-plain {res['same_as_plain']}{parts(res)}  {(res.get('auto') or '')[-300:]}", flush=True)
+            if profiles.get(name):
+                profiles[name].report(f"{setting} {name}")
         rows += mine
         base = {stage: statistics.median(r["wall_s"] for r in mine if r["method"] == "hf-static" and r["stage"] == stage)
                 for stage in ("pass 1", "pass 2")} if "hf-static" in methods else {}

@@ -48,8 +48,12 @@ def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device
     except ValueError:
         raise ValueError(f"KV memory must be GiB (e.g. 8 or 8GiB) or a fraction of free memory (e.g. 0.9 or "
                          f"90%), got {memory!r}") from None
-    if not size > 0:
-        raise ValueError(f"KV memory must be more than zero, got {memory!r}")
+    if not 0 < size < float("inf"):
+        raise ValueError(f"KV memory must be more than zero and finite, got {memory!r}")
+    free = free_memory(device)
+    if size > free:
+        raise ValueError(f"{memory!r} is {size / (1 << 30):.1f} GiB, more than the {free / (1 << 30):.1f} GiB free on "
+                         f"{torch.device(device).type}")
     return int(size // token_bytes(config, dtype))
 
 

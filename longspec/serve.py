@@ -83,6 +83,8 @@ class Worker:
         self.threads = threads  # the engine thread's PyTorch CPU threads (None: the default)
         self.calls = calls or EngineCalls(engine)
         self.waiting: deque = deque()
+        self.parsing = 0  # requests taken for parsing, not yet queued (they count against the queue)
+        self.parsed = 0  # requests parsed so far
         self.running: dict = {}  # Sequence id -> Request
         self.lock = threading.Condition()
         self.stopped = False
@@ -93,17 +95,36 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name="longspec-engine", daemon=True)
         self.thread.start()
 
+    def take_for_parsing(self) -> None:
+        """Counts a request about to be parsed against the queue: raises a 429 APIError when
+        ``max_queue`` requests already wait (or are being parsed) beyond the free rows, before
+        any of its work (a flood of large prompts would otherwise hold the single parsing thread
+        however each ends). :meth:`parsing_done` follows, whatever the parse did."""
+        with self.lock:
+            if self.failure is not None:
+                raise APIError(503, self.failure, code="engine_failed", kind="server_error")
+            self._check_room(self.parsing)
+            self.parsing += 1
+
+    def parsing_done(self, parsed: bool) -> None:
+        with self.lock:
+            self.parsing -= 1
+            self.parsed += parsed
+
     def submit(self, request: Request) -> None:
         """Queues ``request``; raises a 429 APIError when ``max_queue`` requests already wait
         beyond the free rows (``max_queue`` 0: a request is taken only when a row is free)."""
         with self.lock:
             if self.failure is not None:
                 raise APIError(503, self.failure, code="engine_failed", kind="server_error")
-            if len(self.waiting) >= self.max_queue + len(self.engine.free_rows()):
-                raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting)} requests "
-                                    f"are waiting", code="queue_full", kind="rate_limit_error")
+            self._check_room(0)
             self.waiting.append(request)
             self.lock.notify()
+
+    def _check_room(self, parsing: int) -> None:
+        if len(self.waiting) + parsing >= self.max_queue + len(self.engine.free_rows()):
+            raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting) + parsing} requests "
+                                f"are waiting", code="queue_full", kind="rate_limit_error")
 
     def cancel(self, request: Request) -> None:
         with self.lock:
@@ -115,7 +136,8 @@ class Worker:
         their hand-over of tokens to the requests (part of the rounds) and in all the worker's work
         between waits (admissions too); rows free and rows drawing from their own generator."""
         with self.lock:
-            return {"active": len(self.running), "waiting": len(self.waiting), "rounds": self.rounds,
+            return {"active": len(self.running), "waiting": len(self.waiting), "parsing": self.parsing,
+                    "parsed": self.parsed, "rounds": self.rounds,
                     "free_rows": len(self.engine.free_rows()),
                     "row_generators": len(self.engine.uniforms.row_generators),
                     "round_s": round(self.round_s, 4), "emit_s": round(self.emit_s, 4), "busy_s": round(self.busy_s, 4),

@@ -64,7 +64,7 @@ class Guard:
         if self.api_keys:
             tenant = tenant_of(self.api_keys, headers.get(b"authorization", b""))
             scope["longspec.tenant"] = tenant
-            if tenant is None and scope["path"].startswith("/v1"):
+            if tenant is None and scope["path"] != "/health":  # (the API and its docs: /docs, /openapi.json)
                 return await self._reply(scope, receive, send, 401, "a valid API key is needed: "
                                          "send 'Authorization: Bearer KEY'", "invalid_api_key",
                                          {"WWW-Authenticate": "Bearer"})
@@ -154,7 +154,13 @@ def create_app(server: Server, api_keys=(), max_body: int = DEFAULT_MAX_BODY):
         raw = await http.body()
         loop = asyncio.get_running_loop()
         tenant = http.scope.get("longspec.tenant")
-        seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat, tenant)
+        server.worker.take_for_parsing()  # (a 429 now, before any parsing, where the queue is full)
+        parsed = False
+        try:
+            seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat, tenant)
+            parsed = True
+        finally:
+            server.worker.parsing_done(parsed)
         request = Request(seq, stop, seed, loop, asyncio.Queue(), received=received)
         server.worker.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

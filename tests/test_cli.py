@@ -109,11 +109,19 @@ def test_first_run_converts_then_auto_measures_once_and_matches_plain_decoding(t
     assert not any("converting" in line for line in runs[1].stderr.splitlines())  # converted once
     auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert auto["proposer"] in ("none", "pld", "hybrid") and auto["auto"].startswith("cost model")
+    from longspec.decoding import auto as cost_model
+    from longspec.decoding.tree import TreeSpec
+
     costs = json.loads((tmp_path / "costs.json").read_text())
-    assert 1 <= len(costs) <= 2  # one device / model, at the powers of two around the prompt's length
+    assert len(costs) == len(cost_model.COST_CONTEXTS)  # one device and model, at each context measured
+    shapes = [f"chain:{n}" for n in cost_model.LOOKUP_CHAINS] + list(cost_model.AUTO_TREES)
     for entry in costs.values():
-        assert {"1", "2", "11", "69"} <= set(entry["target_ms"]) and "hybrid 4,16,16,16,16" in entry["draft_ms"]
-    assert again["proposer"] == auto["proposer"] and again["tree"] == auto["tree"]  # from the cache
+        assert {"1"} | {str(TreeSpec.parse(s).num_nodes) for s in shapes} <= set(entry["target_ms"])
+        assert {f"hybrid {TreeSpec.parse(s)}" for s in shapes} <= set(entry["draft_ms"])
+    # the second run reads the costs (no measuring) and starts from what the first one learned
+    assert not any("measuring" in line for line in runs[1].stderr.splitlines())
+    assert again["proposer"] == auto["proposer"] and again["auto"].startswith("cost model")
+    assert json.loads((tmp_path / "corrections.json").read_text())
     assert auto["token_ids"] == plain["token_ids"] == again["token_ids"]
 
 

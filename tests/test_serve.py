@@ -371,7 +371,7 @@ def test_serve_no_compile_serves_uncompiled_steps(tiny_dir, monkeypatch, flag, c
 
     seen = {}
 
-    def built(args, server, *rest):
+    def built(args, sock, server, *rest):
         engine = server.engine
         round_rows = engine.view(engine.buckets[0])
         seen.update(compiled=engine.target.compile_steps,
@@ -393,7 +393,7 @@ def test_serve_warm_up_reports_each_part(tiny_dir, monkeypatch, capsys):
 
     from longspec.cli import main
 
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)  # built, not run
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # built, not run
     assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
                  "--max-batch", "2", "--bucket-trees", "off", "--warm-up", "on"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if "batch buckets [1, 2] prepared in" in x)
@@ -416,7 +416,7 @@ def test_serve_keeps_what_lives_at_its_start_out_of_the_garbage_collector_while_
 
     gone = cyclic_garbage()  # (no automatic collection before the server's own)
     frozen = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append((gc.get_freeze_count(), gone())))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: frozen.append((gc.get_freeze_count(), gone())))
     assert main(["serve", "--target", str(tiny_dir), "--proposer", "pld", "--device", "cpu", "--max-len", "256",
                  "--bucket-trees", "off", "--warm-up", warm_up]) == 0
     (count, cycle), = frozen

@@ -6,6 +6,8 @@ queue (429 with Retry-After), and settings the model cannot serve refused. The s
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -227,6 +229,9 @@ def test_tenants_share_no_cached_prompt_and_health_tells_no_counters_without_a_k
         open_health = httpx.get(proc.url + "/health", timeout=10).json()
         assert open_health["status"] == "ok" and "kv_cache" not in open_health and "free_rows" in open_health
         assert "kv_cache" in proc.health()
+        for path in ("/docs", "/openapi.json", "/redoc"):  # (the API's description: with a key too)
+            check_error(httpx.get(proc.url + path, timeout=10), 401, code="invalid_api_key")
+        assert httpx.get(proc.url + "/openapi.json", timeout=10, headers=proc.headers).status_code == 200
         check_error(proc.post({"prompt": "x", "cache_salt": 5}), 400, "cache_salt")
     finally:
         proc.close()
@@ -305,6 +310,60 @@ def test_an_idle_server_with_no_queue_serves_and_a_busy_one_says_when_to_retry(o
         busy = one_row.post(body)
         check_error(busy, 429, code="queue_full")
         assert int(busy.headers["retry-after"]) >= 1
+
+
+def test_requests_beyond_the_queue_are_refused_before_they_are_parsed(one_row):
+    """With its one row busy and no queue, the server refuses requests (429) before parsing and
+    tokenising them: a flood of large prompts does not hold the parsing thread, however each
+    would end (the audit: 40 such prompts delayed another client by 8.7 s)."""
+    with httpx.stream("POST", one_row.url + "/v1/completions", timeout=120, headers=one_row.headers,
+                      json={"prompt": ids(9), "max_tokens": 300, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()  # kept: a closed iterator closes the connection
+        next(line for line in lines if line.startswith("data: {"))
+        parsed = one_row.health()["parsed"]
+        for i in range(8):
+            big = {"messages": [{"role": "user", "content": f"request {i}: " + "lorem ipsum dolor " * 3000}],
+                   "max_tokens": 4}
+            check_error(httpx.post(one_row.url + "/v1/chat/completions", json=big, headers=one_row.headers,
+                                   timeout=60), 429, code="queue_full")
+        health = one_row.health()
+        assert health["parsed"] == parsed and health["parsing"] == 0, health
+
+
+def test_a_taken_port_is_said_before_loading_and_port_0_serves_on_the_port_it_names(model_dir, capsys):
+    """The listening socket is bound before the model loads: a port in use ends the command at once
+    with a clear message; ``--port 0`` takes a free port and the "serving" line names it."""
+    import re
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--target", str(model_dir), "--port", str(port), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "loading" not in err and "Traceback" not in err, err
+    finally:
+        taken.close()
+    proc = subprocess.Popen([sys.executable, "-m", "longspec.cli", "serve", "--target", str(model_dir), "--port", "0",
+                             "--device", "cpu", "--max-len", "256"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = next(line for line in proc.stderr if "serving" in line or "Error" in line)
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert found and found.group(1) != "0", line
+        url = f"http://127.0.0.1:{found.group(1)}/health"
+        deadline = time.time() + 60
+        while True:
+            try:
+                assert httpx.get(url, timeout=5).json()["status"] == "ok"
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline, "the server never answered on the port it named"
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_serve_refuses_a_max_len_beyond_the_models_positions(model_dir, capsys):

@@ -148,7 +148,12 @@ def test_no_prefix_cache_and_a_pool_smaller_than_a_request(model_dir, capsys):
     assert main(["serve", "--target", str(model_dir), "--max-len", "256", "--kv-memory", "0.0001GiB",
                  "--device", "cpu"]) == 2
     assert "less than one request" in capsys.readouterr().err
-    assert main(["serve", "--target", str(model_dir), "--kv-memory", "lots", "--device", "cpu"]) == 2
+    for amount, says in (("lots", "GiB (e.g. 8 or 8GiB)"), ("inf", "finite"), ("nan", "finite"),
+                         ("1e6", "GiB free on cpu")):  # (each a clear message, not a traceback)
+        assert main(["serve", "--target", str(model_dir), "--max-len", "256", "--kv-memory", amount,
+                     "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
     proc = Server("--target", str(model_dir), "--max-len", "256", "--no-prefix-cache")
     try:
         doc = ids(4, 150)

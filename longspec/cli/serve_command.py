@@ -54,6 +54,7 @@ def cmd_serve(args) -> int:
     except ImportError as err:
         raise UsageError(f"longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]' "
                          f"(importing them failed: {err})") from None
+    sock = listen_socket(args.host, args.port)  # (before loading: a taken port is said at once)
     from transformers import AutoTokenizer
 
     from .. import load_target
@@ -128,15 +129,30 @@ def cmd_serve(args) -> int:
                               bucket_trees=bucket_trees, prefill_chunk=chunk or None, prefix_cache=args.prefix_cache,
                               pool_tokens=pool_tokens, threads=threads)
     try:
-        return _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype)
+        return _serve(args, sock, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype)
     finally:
         if parallel_engine is not None:
             parallel_engine.close()
 
 
-def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype) -> int:
-    """Warms ``server`` up (if asked) and serves it until the process is told to stop (or, under
-    tensor parallelism, a worker process dies: exit code 1)."""
+def listen_socket(host: str, port: int):
+    """The server's socket, bound to ``host``:``port`` (0: a free port), not yet listening (the
+    server listens once it is ready); a clear UsageError where it cannot be bound."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}") from None
+    return sock
+
+
+def _serve(args, sock, server, parallel_engine, name, tree, bucket_trees, api_keys, device, dtype) -> int:
+    """Warms ``server`` up (if asked) and serves it on ``sock`` until the process is told to stop
+    (or, under tensor parallelism, a worker process dies: exit code 1)."""
     import gc
 
     import uvicorn
@@ -158,7 +174,8 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, de
         print(f"[longspec: batch buckets {server.engine.buckets} {done} in {seconds:.1f} s ({parts})]",
               file=sys.stderr, flush=True)
     plain = "plain decoding"
-    print(f"[longspec: serving {model_name} on http://{args.host}:{args.port}/v1 ({device}, {dtype}, proposer "
+    port = sock.getsockname()[1]  # (the free port chosen for --port 0)
+    print(f"[longspec: serving {model_name} on http://{args.host}:{port}/v1 ({device}, {dtype}, proposer "
           f"{name}{f' tree {tree}' if tree else ''}"
           f"{''.join(f', bucket {b}: {t or plain}' for b, t in sorted(bucket_trees.items()))}, "
           f"{args.max_batch} rows of {args.max_len} tokens, KV pool {server.engine.pool.num_blocks} blocks of "
@@ -186,7 +203,7 @@ def _serve(args, server, parallel_engine, name, tree, bucket_trees, api_keys, de
         gc.collect()
     gc.freeze()
     try:
-        http.run()
+        http.run(sockets=[sock])
     finally:
         gc.unfreeze()
     return 1 if server.worker.failure not in (None, SHUTDOWN_MESSAGE) else 0
