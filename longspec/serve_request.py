@@ -85,6 +85,9 @@ class RequestParsing:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise APIError(400, f"'stream' must be true or false, got {stream!r}"[:200], "stream")
+        options = body.get("stream_options")  # (the last chunk always carries the usage: include_usage or not)
+        if options is not None and (not isinstance(options, dict) or not stream):
+            raise APIError(400, "'stream_options' must be an object, with 'stream': true", "stream_options")
         # (null is absent, as for every optional field: a null max_completion_tokens leaves max_tokens)
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _number(body, limit, int, None, lo=1)

@@ -232,6 +232,13 @@ def test_tenants_share_no_cached_prompt_and_health_tells_no_counters_without_a_k
         for path in ("/docs", "/openapi.json", "/redoc"):  # (the API's description: with a key too)
             check_error(httpx.get(proc.url + path, timeout=10), 401, code="invalid_api_key")
         assert httpx.get(proc.url + "/openapi.json", timeout=10, headers=proc.headers).status_code == 200
+        check_error(proc.post({"prompt": "x", "stream_options": {"include_usage": True}}), 400, "stream_options")
+        check_error(proc.post({"prompt": "x", "stream": True, "stream_options": 1}), 400, "stream_options")
+        with httpx.stream("POST", proc.url + "/v1/completions", headers=proc.headers, timeout=60,
+                          json={"prompt": "x", "max_tokens": 2, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 2
         check_error(proc.post({"prompt": "x", "cache_salt": 5}), 400, "cache_salt")
     finally:
         proc.close()
