@@ -1,18 +1,34 @@
-"""longspec: lossless speculative decoding for long contexts (the LongSpec method)."""
-from .config import GenerationConfig, ModelConfig
-from .convert import default_draft_path, default_model_path
-from .decoding.sequence import GenerationOutput
-from .decoding.generator import Generator
-from .decoding.proposers import LongSpecProposer, PromptLookup
-from .decoding.streaming import StreamingSelfSpec
-from .decoding.tree import TreeSpec
-from .models import TargetModel, load_target
-from .models.checkpoint import load_draft, save_draft
-from .parallel.workers import ParallelGenerator
+"""longspec: lossless speculative decoding for long contexts (the LongSpec method).
+
+The public names below load on first use (PEP 562), so ``longspec --version`` and ``--help``
+answer without importing PyTorch."""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["GenerationConfig", "GenerationOutput", "Generator", "LongSpecProposer", "ModelConfig", "ParallelGenerator",
-           "PromptLookup",
-           "StreamingSelfSpec", "TargetModel", "TreeSpec", "default_draft_path", "default_model_path", "load_draft",
-           "load_target", "save_draft"]
+_EXPORTS = {
+    "GenerationConfig": ".config", "ModelConfig": ".config",
+    "default_draft_path": ".convert", "default_model_path": ".convert",
+    "GenerationOutput": ".decoding.sequence", "Generator": ".decoding.generator",
+    "LongSpecProposer": ".decoding.proposers", "PromptLookup": ".decoding.proposers",
+    "StreamingSelfSpec": ".decoding.streaming", "TreeSpec": ".decoding.tree",
+    "TargetModel": ".models", "load_target": ".models",
+    "load_draft": ".models.checkpoint", "save_draft": ".models.checkpoint",
+    "ParallelGenerator": ".parallel.workers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'longspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted({*globals(), *_EXPORTS})

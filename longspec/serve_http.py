@@ -16,6 +16,7 @@ What a client can count on (docs/server-security.md says it for users):
 * a client that goes away (streamed or not) frees its row within about ``POLL_S`` seconds."""
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -115,9 +116,16 @@ def create_app(server: Server, api_keys=(), max_body: int = DEFAULT_MAX_BODY):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="longspec", description="OpenAI-compatible speculative decoding server")
-    app.add_middleware(Guard, max_body=max_body, api_keys=api_keys)
     parser = ThreadPoolExecutor(1, thread_name_prefix="longspec-parse")  # one tokenizer user at a time
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        server.stop()  # (shutdown)
+        parser.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="longspec", description="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    app.add_middleware(Guard, max_body=max_body, api_keys=api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -187,11 +195,6 @@ def create_app(server: Server, api_keys=(), max_body: int = DEFAULT_MAX_BODY):
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
         return await handle(http, chat=True)
-
-    @app.on_event("shutdown")
-    def shutdown():
-        server.stop()
-        parser.shutdown(wait=False, cancel_futures=True)
 
     return app
 

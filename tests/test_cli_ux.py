@@ -27,7 +27,16 @@ def test_top_level_help_names_every_command(capsys):
         main(["--help"])
     top = capsys.readouterr().out
     for command in ("generate", "serve", "train", "self-distill", "draft-vocab", "convert"):
-        assert f"\n  {command} " in top, command
+        assert top.count(f"\n  {command} ") == 1, (command, top)  # (once: one list of the commands)
+
+
+def test_a_mistyped_option_shows_its_commands_usage(capsys):
+    """An option the command does not have is named with the command's usage, not the top
+    level's (which says nothing about the command's options)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "x", "--max-new-tokes", "5"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: longspec generate" in err and "--max-new-tokes" in err, err
 
 
 def test_generate_help_documents_json_streams(capsys):
@@ -170,3 +179,27 @@ def test_the_cli_starts_without_torchdynamo():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
+
+
+def test_version_and_help_answer_without_importing_torch():
+    """``--version`` and ``--help`` import nothing heavy (they took ~4 s, Dynamo included)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom longspec.cli import main\nfor argv in (['--version'], ['--help'], ['serve', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_ctrl_c_while_the_libraries_load_exits_130_with_one_line(capsys, monkeypatch):
+    """The heavy imports happen inside the command (where Ctrl-C is one line and status 130),
+    not before it."""
+    import longspec.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "use_compile_caches", interrupted)
+    assert main(["generate", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err.strip() == "[longspec: interrupted]"

@@ -511,3 +511,27 @@ def test_the_engine_thread_runs_with_the_servers_cpu_threads(tiny_dir, monkeypat
         assert calls == [("longspec-engine", 3)]
     finally:
         server.worker.stop()
+
+
+def test_the_app_stops_its_server_at_shutdown_through_fastapis_lifespan():
+    """The app's shutdown goes through FastAPI's lifespan (``on_event`` is deprecated: it warned
+    at every start): leaving the app stops the server."""
+    import warnings
+
+    from fastapi.testclient import TestClient
+
+    from longspec.serve_http import create_app
+
+    class Stub:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    stub = Stub()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        app = create_app(stub)
+    with TestClient(app):
+        assert not stub.stopped
+    assert stub.stopped

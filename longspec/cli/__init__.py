@@ -23,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"longspec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)  # (listed above)
+    parser.commands = sub.choices  # {name: the command's parser}
 
-    gen = sub.add_parser("generate", help="generate text with a target model")
+    gen = sub.add_parser("generate", description="generate text with a target model")
     gen.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "processes): for targets that do not fit one GPU (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
-    sd = sub.add_parser("self-distill", help="chat requests about documents answered by the target (JSONL "
+    sd = sub.add_parser("self-distill", description="chat requests about documents answered by the target (JSONL "
                                              "training data for --distill)")
     sd.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     sd.add_argument("--docs", nargs="+", required=True, help="files / directories of .md .rst .txt .py documents "
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")
     sd.set_defaults(func=cmd_self_distill)
 
-    srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    srv = sub.add_parser("serve", description="an OpenAI-compatible server with continuous batching")
     srv.add_argument("--target", help="HF-format model directory (default: SmolLM2-135M-Instruct, converted once)")
     srv.add_argument("--model-name", default=None, help="the model id clients use (default: the directory name)")
     srv.add_argument("--proposer", choices=["none", "pld", "streaming", "longspec", "hybrid"], default="none",
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     srv.set_defaults(func=cmd_serve)
 
-    dv = sub.add_parser("draft-vocab", help="reduce a draft's vocabulary to the most frequent tokens of some data",
+    dv = sub.add_parser("draft-vocab",
                         description="Writes a copy of a LongSpec draft that scores only the --size most frequent "
                                     "tokens of --data (its training data) when drafting; verification still "
                                     "covers the whole vocabulary, so the output does not change.")
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write into an --out folder that holds other files (never an input's folder)")
     dv.set_defaults(func=cmd_draft_vocab)
 
-    conv = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format directory")
+    conv = sub.add_parser("convert", description="convert a GGUF checkpoint to an HF-format directory")
     conv.add_argument("--gguf", required=True, help="input .gguf file")
     conv.add_argument("--out", required=True, help="output directory (new, empty or an earlier conversion, which "
                                                     "is replaced)")
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a folder of the model's tokenizer files to use instead of rebuilding it from the GGUF")
     conv.set_defaults(func=cmd_convert)
 
-    tr = sub.add_parser("train", help="train a LongSpec draft for a target (torchrun for several GPUs)",
+    tr = sub.add_parser("train",
                         description="Trains a LongSpec draft. Data parallel: torchrun --nproc_per_node N "
                                     "-m longspec.cli train ...")
     tr.add_argument("--target", required=True, help="HF-format target model directory (frozen)")
@@ -247,9 +248,12 @@ def use_compile_caches() -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    use_compile_caches()
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (argparse would name them with the top-level usage: the command's is the useful one)
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        use_compile_caches()
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
         print("\n[longspec: interrupted]", file=sys.stderr)
