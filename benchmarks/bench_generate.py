@@ -246,7 +246,7 @@ def main(argv=None):
         for name, tree, seq, res in results:
             # (sampled: no reference; transformers' greedy tokens are not ours)
             ref = reference.get(res.get("attention", impls[0])) if not args.temperature else None
-            shown = ">".join(t for _, t in res["trees"]) if res.get("trees") else str(tree) if tree else None
+            shown = ">".join(t or "plain" for _, t in res["trees"]) if res.get("trees") else str(tree) if tree else None
             res.update(method=name, context=n, tree=shown, matches_ar=seq == ref if ref is not None else None,
                        speedup_vs_hf=(base / res["ms_per_token"]) if base else None, hf_baseline=base_name)
             if ref is not None and seq != ref:

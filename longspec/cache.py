@@ -57,6 +57,23 @@ def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device
     return int(size // token_bytes(config, dtype))
 
 
+def kv_pool_tokens(config: ModelConfig, dtype: torch.dtype, device, max_len: int, memory=None, batch: int = 1,
+                   cuda_rows: int = 8) -> Optional[int]:
+    """Tokens of an engine's KV pool of ``memory`` (see :func:`pool_tokens_for`; at least one row
+    of ``max_len``), or by default on CUDA ``cuda_rows`` rows within a quarter of the free memory
+    (None on a CPU: a row per batch row); never fewer than ``batch`` rows."""
+    if memory is not None:
+        tokens = pool_tokens_for(str(memory), config, dtype, device)
+        if tokens < max_len:
+            raise ValueError(f"KV memory {memory} holds {tokens} tokens of K/V, less than one row of {max_len}: give "
+                             "more memory or a smaller max_len")
+    elif torch.device(device).type == "cuda":
+        tokens = min(cuda_rows * max_len, free_memory(device) // 4 // token_bytes(config, dtype))
+    else:
+        return None
+    return max(tokens, batch * max_len)
+
+
 def pool_blocks(config: ModelConfig, dtype: torch.dtype, device, rows: int, row_slots: int, block_size: int,
                 pool_tokens: Optional[int] = None, tp=None) -> int:
     """Blocks of ``block_size`` tokens in a KV pool of ``pool_tokens`` tokens (rounded up to whole

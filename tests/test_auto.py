@@ -387,7 +387,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     assert out.sequences[0] == plain
     assert len(scripted.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
-    assert switched[0] == "None" and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
+    assert switched[0] is None and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
     assert gen._engine.parked and out.stats["verify_s"] > 0  # the replaced rounds' times still count
     # the next calls start again from the controller's start; a tree that returns takes its parked
     # rounds back (nothing piles up)

@@ -52,7 +52,8 @@ def test_missing_directory(tmp_path):
 
 
 def test_file_instead_of_directory(ckpt):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    """A file is said to be a file, not "not found" (it exists)."""
+    with pytest.raises(NotADirectoryError, match="config.json is a file, not a checkpoint directory"):
         load_target(ckpt / "config.json")
 
 

@@ -203,3 +203,24 @@ def test_ctrl_c_while_the_libraries_load_exits_130_with_one_line(capsys, monkeyp
     monkeypatch.setattr(cli, "use_compile_caches", interrupted)
     assert main(["generate", "--prompt", "x"]) == 130
     assert capsys.readouterr().err.strip() == "[longspec: interrupted]"
+
+
+def test_a_file_given_as_the_draft_is_said_before_anything_loads(tmp_path, capsys):
+    """``--draft`` naming a file (or nothing) is refused before the model loads, saying which."""
+    text = tmp_path / "notes.md"
+    text.write_text("not a draft")
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert main([*command, "--draft", str(text), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"{text} is a file, not a checkpoint directory" in err and "loading" not in err, err
+        assert main([*command, "--draft", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+        assert "checkpoint directory not found" in capsys.readouterr().err
+
+
+def test_the_summary_line_gives_the_prefill_and_the_decoding_apart():
+    """An 8,151-token prompt once showed "8.5 tokens/s" for a 44-second command: the rate leaves
+    the prefill out, so the line says both."""
+    stats = dict(new_tokens=64, wall_s=44.2, prompt_tokens=8151, prefill_s=36.9, tokens_per_s=8.5, steps=20, tau=3.2,
+                 trees=[(0, "chain:8"), (12, None)])
+    assert commands.summary_line(stats) == ("[64 tokens in 44.2 s (the 8,151-token prompt's prefill: 36.9 s), 8.5 "
+                                            "tokens/s after it, 20 steps, tau 3.20, plain from token 12]")

@@ -497,3 +497,23 @@ def test_requests_of_different_namespaces_share_no_cached_tokens(target):
     assert other.cached_tokens == salted.cached_tokens == guess.cached_tokens == 0
     assert other.tokens == own.tokens == first.tokens == cold(target, secret, 4)
     assert_no_leak(engine)
+
+
+def test_the_python_api_keeps_several_documents_within_its_kv_memory(target):
+    """A Generator's pool holds one row by default on a CPU, so a document that comes back after
+    two others was evicted; with ``kv_memory`` for four rows it is read from the cache, with the
+    same output (``stats["kv_pool_tokens"]`` says the pool's size)."""
+    from longspec.cache import token_bytes
+
+    docs = [tokens(300, seed) for seed in (31, 32, 33)]
+    config = GenerationConfig(max_new_tokens=8)
+    row_bytes = 512 * token_bytes(target.config, target.dtype)
+    cached = {}
+    for name, memory in (("one row", None), ("four rows", f"{4 * row_bytes / (1 << 30)!r}GiB")):
+        gen = Generator(target, max_len=512, kv_memory=memory)
+        outs = [gen.generate([doc], config) for doc in docs + [docs[0]]]
+        assert outs[-1].sequences == outs[0].sequences
+        cached[name] = (outs[-1].stats["cached_tokens"], outs[-1].stats["kv_pool_tokens"])
+    assert cached["one row"] == (0, 512) and cached["four rows"][0] >= 256 and cached["four rows"][1] >= 4 * 512, cached
+    with pytest.raises(ValueError, match="less than one row"):
+        Generator(target, max_len=512, kv_memory="0.000001GiB")

@@ -146,6 +146,8 @@ def cmd_generate(args) -> int:
         name = "hybrid" if args.draft or not args.target else "pld"
         tree = TreeSpec.coerce(default_tree(name))
 
+    if args.draft:
+        read_config(args.draft)  # (a wrong --draft said now, not after loading the model)
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     model_config = ModelConfig.from_hf(read_config(target_dir))
     check_size(model_config.parameter_count(), safetensors_files(target_dir), target_dir)  # (load_target's, early)
@@ -214,11 +216,19 @@ def cmd_generate(args) -> int:
                           "proposer": name, "tree": str(tree) if tree else None, "auto": note or None,
                           "stats": stats}))
     else:
-        tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
-        switches = "".join(f", {'plain' if t == 'None' else t} from token {n}" for n, t in stats.get("trees", [])[1:])
-        print(f"[{stats['new_tokens']} tokens in {stats['steps']} steps, {stats['tokens_per_s']:.1f} tokens/s{tau}"
-              f"{switches}]", file=sys.stderr)
+        print(summary_line(stats), file=sys.stderr)
     return 0
+
+
+def summary_line(stats: dict) -> str:
+    """The line after the text: tokens, the prefill's time and the decoding's rate (apart: a long
+    prompt's prefill would hide the decoding's speed, or the rate alone the prefill's time), tau
+    and auto's switches."""
+    tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
+    switches = "".join(f", {t or 'plain'} from token {n}" for n, t in stats.get("trees", [])[1:])
+    return (f"[{stats['new_tokens']} tokens in {stats['wall_s']:.1f} s (the {stats['prompt_tokens']:,}-token prompt's "
+            f"prefill: {stats['prefill_s']:.1f} s), {stats['tokens_per_s']:.1f} tokens/s after it, {stats['steps']} "
+            f"steps{tau}{switches}]")
 
 
 def _tensor_parallel(args, device: str) -> int:

@@ -62,6 +62,8 @@ def cmd_serve(args) -> int:
     from ..convert import DEFAULT_NAME, default_model_dir
     from ..models.checkpoint import read_config
 
+    if args.draft:
+        read_config(args.draft)  # (a wrong --draft said now, not after loading the model)
     target_dir = Path(args.target) if args.target else default_model_dir(announce=True)
     positions = ModelConfig.from_hf(read_config(target_dir)).max_position_embeddings
     if args.max_len > positions:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..cache import kv_pool_tokens
 from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
@@ -31,6 +32,7 @@ CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's contr
 # 5,000 / 7,600 tokens took 4.2 / 20 / 31 ms, against 24 / 86 / 116 ms as one eager forward and
 # 37 / 35 / 22 ms in transformers
 PREFILL_CHUNK = 2048
+DEFAULT_KV_ROWS = 8  # a Generator's KV pool on CUDA: rows of max_len (so a few long documents stay cached)
 
 
 
@@ -74,6 +76,10 @@ class Generator:
     ``prefix_cache``: a call whose prompts
     start with a prefix of an earlier call's prompt or text (same document, next chat turn)
     reuses its K/V and prefills only the rest, with the same output (``stats["cached_tokens"]``).
+    ``kv_memory``: the KV pool's size, which the prefix cache keeps earlier documents in: GiB
+    ("8", "8GiB") or a fraction of the memory free ("0.3", "30%"), as ``longspec serve
+    --kv-memory`` (default: on CUDA :data:`DEFAULT_KV_ROWS` rows of ``max_len`` within a quarter
+    of the free memory; on a CPU one row; ``stats["kv_pool_tokens"]``).
 
     Calls run on a long-lived engine shared by every Generator of the target with the same
     proposer, tree and ``max_len`` (see the module docstring): after the first call of each kind
@@ -82,7 +88,7 @@ class Generator:
 
     def __init__(self, target: TargetModel, proposer=None, tree=None, max_len: Optional[int] = None,
                  cuda_graphs: Optional[bool] = None, controller=None, draft=None, window: int = 512,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, kv_memory=None):
         if proposer is None or proposer == "none":
             proposer = None
             if tree is not None:
@@ -102,6 +108,9 @@ class Generator:
         self.target, self.proposer, self.tree, self.controller, self.draft = target, proposer, tree, controller, draft
         self.max_len = max_len or target.config.max_position_embeddings
         self.cuda_graphs, self.prefix_cache = cuda_graphs, prefix_cache
+        self.kv_memory = kv_memory
+        if kv_memory is not None:
+            kv_pool_tokens(target.cache_config, target.dtype, target.device, self.max_len, kv_memory)  # (said now)
         self._key = None  # the key of the last call's engine
 
     @property
@@ -155,7 +164,7 @@ class Generator:
             tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
             if tree != engine.tree_of(engine.bucket()):
                 engine.use_tree(tree)
-                trees.append((len(seq.tokens), str(tree)))
+                trees.append((len(seq.tokens), tree_text(tree)))
         return rounds, stepping
 
     @staticmethod
@@ -223,7 +232,7 @@ class Generator:
         engines = _engines(self.target)
         # (the attention, compilation, dtype and device settings are the engine's too: its steps use them)
         key = ("engine", None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
-               self.prefix_cache,
+               self.prefix_cache, None if self.kv_memory is None else str(self.kv_memory),
                self.target.attention_impl, self.target.compile_steps, str(self.target.dtype), str(self.target.device))
         engine = engines[key][1] if key in engines else None
         if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
@@ -238,7 +247,9 @@ class Generator:
             # (with compiled steps the proposals are compiled too, once per machine: on-disk caches)
             engine = Engine(self.target, proposer, tree, batch, self.max_len, RowSampling.zeros(batch, self.target.device),
                             self.cuda_graphs, prefill_chunk=chunk, prefix_cache=self.prefix_cache,
-                            compile_proposals=True)
+                            compile_proposals=True,
+                            pool_tokens=kv_pool_tokens(self.target.cache_config, self.target.dtype, self.target.device,
+                                                       self.max_len, self.kv_memory, batch, DEFAULT_KV_ROWS))
             engines[key] = (proposer, engine)
         self._key = key
         return engine
@@ -293,7 +304,7 @@ class Generator:
         engine.uniforms.generator = (None if config.seed is None else
                                      torch.Generator(device=self.target.device).manual_seed(config.seed))
         times_before = engine.phase_times()
-        trees = [(0, str(start))] if controller is not None else []
+        trees = [(0, tree_text(start))] if controller is not None else []
         repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
         t0 = clock()
         setup_s = t0 - t_setup
@@ -314,6 +325,7 @@ class Generator:
                      decode_s=t_end - t_prefill, wall_s=t_end - t0, steps=rounds,
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s, setup_s=setup_s,
+                     kv_pool_tokens=engine.pool.num_blocks * engine.pool.block_size,
                      host_s=max(t_end - t_prefill - stepping, 0.0),
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if engine.capture_seconds() > collected_at:
@@ -321,7 +333,7 @@ class Generator:
             # that paid seconds for them, not by a full collection in the middle of a later call
             gc.collect()
         if trees:
-            stats["trees"] = trees  # (tokens generated, tree from then on: "None" = plain rounds)
+            stats["trees"] = trees  # (tokens generated, tree from then on: None = plain rounds)
         if note:
             stats["auto"] = note + (f" ({controller.summary()})" if predicted is not None else "")
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
@@ -352,6 +364,11 @@ class CallPlan:
     name: str = ""
     auto: object = None
     controller: object = None
+
+
+def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:
+    """A tree's text in a call's stats (None: plain rounds)."""
+    return None if tree is None else str(tree)
 
 
 def sampling_key(config: GenerationConfig) -> tuple:

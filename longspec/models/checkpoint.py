@@ -31,6 +31,9 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 def read_config(path: Union[str, Path]) -> dict:
     """Parsed ``config.json`` of a checkpoint directory, with clear errors."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a checkpoint directory (a folder with config.json and "
+                                 "*.safetensors)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config_file = path / "config.json"
