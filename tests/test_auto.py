@@ -566,3 +566,23 @@ def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps({"model": {"not json": [1, 2], json.dumps(["chain:8", "greedy"]): "x"}, "other": 3}))
     assert Controller(str(odd), "model").learned == {} and Controller(str(odd), "other").learned == {}
+
+
+def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corrections(tiny, tmp_path, monkeypatch):
+    """``Generator(proposer="auto")``: the same tokens as plain decoding; its stats say where the
+    time went, its decoding against plain rounds' (as its controller timed or predicted them) and
+    its switches (null: plain rounds); what it learned is kept in the home for the next process."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(8)).tolist() * 3
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    out = Generator(target, proposer="auto", draft=draft).generate([prompt], config)
+    assert out.sequences == Generator(target).generate([prompt], config).sequences
+    stats = out.stats
+    assert stats["vs_plain"] > 0 and stats["host_s"] >= 0 and stats["plan_s"] > 0 and stats["trees"]
+    assert all(tree is None or isinstance(tree, str) for _, tree in stats["trees"])
+    assert json.loads((tmp_path / "corrections.json").read_text())
