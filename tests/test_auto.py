@@ -235,6 +235,34 @@ def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_p
     assert plan.repredict(ids + [3, 4], len(ids))[chain] < 2.0
 
 
+def timed_plain(c, ms: float):
+    """``c`` as if it had timed plain rounds at ``ms`` (a process's first call runs them first)."""
+    from longspec.decoding import controller
+
+    c.times["plain"] = [ms] * controller.SETTLED_ROUNDS
+    return c
+
+
+def test_a_process_times_plain_rounds_first():
+    """A controller that has not timed plain rounds runs them first (their time is what every
+    candidate is weighed against, and the cost model's is the least reliable to scale), then at
+    once the candidate predicted fastest; a call's decoding is then given against plain rounds'
+    rate."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(5)
+    c = Controller()
+    assert c.vs_plain(1.0) is None  # (nothing measured)
+    ran = [c.begin({chain: (4.0, 1.2), None: (1.0, 1.0)}, "greedy")]
+    for _ in range(8):
+        ran.append(c.observe(*((1.0, 1.1e-3) if ran[-1] is None else (4.0, 1.3e-3))))
+    settled = controller.SETTLED_ROUNDS
+    assert ran[:settled] == [None] * settled and set(ran[settled:]) == {chain}, ran
+    assert c.round_ms("plain") == pytest.approx(1.1) and c.vs_plain(4.0 / 1.3) == pytest.approx(4.0 / 1.3 * 1.1)
+    assert c.begin({chain: (4.0, 1.2), None: (1.0, 1.0)}, "greedy") == chain  # (the next call: timed already)
+
+
 def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     """The controller starts with the predicted fastest candidate; from measured rounds it keeps
     it where it pays, settles on plain rounds where nothing speculative does (leaving the costly
@@ -254,7 +282,7 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
             ran.append(c.observe(tokens, ms / 1e3))
         return ran
 
-    c = Controller()
+    c = timed_plain(Controller(), 1.0)
     assert c.begin(predicted, "greedy") == chain
     ran = run(c, 60, truth)
     dwell = controller.DWELL  # (rounds a candidate runs before another may take over)
@@ -272,7 +300,7 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     c.begin(predicted, "sampled")
     assert c.candidates["chain:5"].prior == pytest.approx(2.0)  # (nothing measured at that setting yet)
     # where the chain pays, it runs throughout
-    c = Controller()
+    c = timed_plain(Controller(), 1.0)
     c.begin(predicted, "greedy")
     assert set(run(c, 40, {**truth, chain: (5.0, 1.2)})) == {chain}
     # a round's time is the median of the last rounds: one slow round does not move it, a slower
@@ -287,17 +315,16 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
 
 def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_earlier_calls():
     """The cost model's times run long (uncompiled steps): a candidate never run is predicted at
-    its time scaled like the measured ones', so a chain measured a little faster than predicted
-    but accepting little at temperature 1 gives way to plain rounds (whose predicted time alone
-    made the chain look faster); a sampled call's tokens a round come from earlier calls at its
-    setting, not from the greedy prediction."""
+    its time scaled like the measured ones' (here plain rounds': 0.8 of the prediction), so a
+    chain accepting little at temperature 1 gives way to plain rounds; a sampled call's tokens a
+    round come from earlier calls at its setting, not from the greedy prediction."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
     chain, t1 = TreeSpec.chain(5), (1.0, 0, 1.0)
     predicted = {chain: (1.8, 1.84), None: (1.0, 1.5)}
     truth = {chain: (1.1, 1.5), None: (1.0, 1.2)}
-    c = Controller()
+    c = timed_plain(Controller(), 1.2)
     ran = [c.begin(predicted, t1)]
     for _ in range(60):
         ran.append(c.observe(*[truth[ran[-1]][0], truth[ran[-1]][1] / 1e3]))
@@ -508,18 +535,18 @@ def test_corrections_are_kept_for_the_next_process(tmp_path):
     store.write_text("not json")
     chain, t1 = TreeSpec.chain(8), (1.0, 0, 1.0)
     predicted = {chain: (1.2, 1.5), None: (1.0, 1.2)}  # 0.8 tokens a ms: plain rounds look faster
-    first = Controller(str(store), "model A")
+    first = timed_plain(Controller(str(store), "model A"), 1.2)
     assert first.begin(predicted, "greedy") is None
     first.current = first.candidates["chain:8"]  # (as if the text had made it run)
     for _ in range(10):
         first.observe(6.0, 1.5e-3)
     first.end()
     assert json.loads(store.read_text())["model A"]
-    nxt = Controller(str(store), "model A")
+    nxt = timed_plain(Controller(str(store), "model A"), 1.2)
     assert nxt.begin(predicted, "greedy") == chain  # 1 + 0.2 x min(5 / 0.2, MAX_CORRECTION) tokens
     assert nxt.candidates["chain:8"].prior == pytest.approx(1 + 0.2 * controller.MAX_CORRECTION)
     assert nxt.begin(predicted, t1) is None  # (nothing learned at temperature 1)
-    assert Controller(str(store), "model B").begin(predicted, "greedy") is None
+    assert timed_plain(Controller(str(store), "model B"), 1.2).begin(predicted, "greedy") is None
     other = Controller(str(store), "model B")
     other.begin(predicted, t1)
     other.observe(1.0, 1e-3)
@@ -557,7 +584,7 @@ def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     chain = TreeSpec.chain(8)
-    c = Controller(str(blocked / "corrections.json"), "model")  # (a folder that is a file)
+    c = timed_plain(Controller(str(blocked / "corrections.json"), "model"), 1.0)  # (a folder that is a file)
     c.begin({chain: (2.0, 1.0), None: (1.0, 1.0)}, "greedy")
     c.observe(5.0, 1e-3)
     c.end()

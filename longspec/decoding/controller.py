@@ -16,8 +16,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
   less), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
-  running by :data:`SWITCH_MARGIN`. Plain decoding (one token a round, its time measured) is
-  always a candidate, so rounds that do not pay lose their place within a few rounds."""
+  running by :data:`SWITCH_MARGIN`. Plain decoding (one token a round, its time measured: its
+  first :data:`SETTLED_ROUNDS` rounds run first in a process) is always a candidate, so rounds
+  that do not pay lose their place within a few rounds."""
 from __future__ import annotations
 
 import json
@@ -136,6 +137,12 @@ class Controller:
             self.candidates[label(tree)] = c
         self._calibrate()
         self.current, self.dwell = self._best(), 0
+        plain = self.candidates.get("plain")
+        if plain is not None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
+            # plain rounds first until their time is measured (once per process): every other
+            # candidate is weighed against them, and the cost model's time for them is the
+            # least reliable to scale (a CPU's measured 0.9x its prediction where chains 0.7x)
+            self.current = plain
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -164,11 +171,19 @@ class Controller:
         c.rounds += 1
         self.dwell += 1
         self._calibrate()
+        if c.tree is None and len(times) < SETTLED_ROUNDS:
+            return None  # (plain rounds being timed)
         best = self._best()
+        probed = c.tree is None and len(times) == SETTLED_ROUNDS == c.rounds
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
-                              and self.dwell >= DWELL):
+                              and (self.dwell >= DWELL or probed)):
             self.current, self.dwell = best, 0
         return self.current.tree
+
+    def vs_plain(self, tokens_per_ms: float) -> Optional[float]:
+        """``tokens_per_ms`` against plain rounds' rate, where their time is measured (else None)."""
+        measured = self.round_ms("plain") if len(self.times.get("plain", ())) >= SETTLED_ROUNDS else None
+        return None if measured is None else tokens_per_ms * measured
 
     def end(self) -> None:
         """Folds this call's measured tokens per round, against the predictions, into the

@@ -336,10 +336,10 @@ class Generator:
             stats["trees"] = trees  # (tokens generated, tree from then on: None = plain rounds)
         if note:
             stats["auto"] = note + (f" ({controller.summary()})" if predicted is not None else "")
-        if predicted is not None and "plain" in controller.candidates and decoded > 0:
-            # its decoding against plain rounds', as the controller knows their time (measured in
-            # this engine, or predicted like the candidates it measured)
-            stats["vs_plain"] = decoded / (stats["decode_s"] * 1e3) * controller.candidates["plain"].ms
+        if predicted is not None and decoded > 0:  # its decoding against plain rounds' (measured in this engine)
+            vs_plain = controller.vs_plain(decoded / (stats["decode_s"] * 1e3))
+            if vs_plain is not None:
+                stats["vs_plain"] = vs_plain
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
         if proposer is not None:
             hist = [0] * (tree.depth + 1)
