@@ -374,8 +374,8 @@ def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
         prompt = torch.randint(0, 160, (40 + 9 * i,), generator=rng).tolist() * 2
         config = GenerationConfig(max_new_tokens=40, temperature=temperature, seed=i, ignore_eos=True)
         out = gen.generate([prompt], config)
-        trees = out.stats["trees"]
-        assert [t for _, t in trees] == [str(tree), None], trees
+        trees = out.stats["trees"]  # (a process's first call times plain rounds first)
+        assert [t for _, t in trees] == ([str(tree), None] if i else [None, str(tree), None]), trees
         assert len(out.sequences[0]) == 40
         if temperature == 0:
             assert out.sequences == plain.generate([prompt], config).sequences, i
