@@ -1,29 +1,24 @@
-"""Generate with the default model and its shipped LongSpec draft (the README's Python example).
-
-Runs as it is on a fresh machine after the README's install command (CPU or GPU):
+"""Continue a source file with `auto` (the default model, its shipped draft) and with plain
+decoding (the README's Python example). Runs as it is on a fresh machine after the README's
+install command (CPU or GPU):
 
     python examples/quickstart.py
 """
 import torch
 from transformers import AutoTokenizer
 
-from longspec import (GenerationConfig, Generator, LongSpecProposer, default_draft_path, default_model_path,
-                      load_draft, load_target)
+import longspec.decoding.prompt_lookup as source_file
+from longspec import GenerationConfig, Generator, default_model_path, load_target
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
-# float32: speculative output equals plain output token for token. In bfloat16 a 69-token tree
-# forward and a 1-token forward round differently, so at near-ties the two may differ.
-target = load_target(default_model_path(), dtype=torch.float32, device=device)
+# float32: speculative output equals plain output token for token (bfloat16 may differ at near-ties)
+target = load_target(default_model_path(), dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
 tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-prompts = [tokenizer(text).input_ids for text in ("def fibonacci(n):\n", "import numpy as np\n\ndef normalize(x):\n")]
-config = GenerationConfig(max_new_tokens=32)
+prompt = tokenizer(open(source_file.__file__).read()).input_ids  # (code: its continuation repeats it)
+config = GenerationConfig(max_new_tokens=64)
 
-plain = Generator(target).generate(prompts, config)
-draft = load_draft(default_draft_path(), target)
-spec = Generator(target, proposer=LongSpecProposer(draft), tree=[4, 16, 16, 16, 16]).generate(prompts, config)
-
-for ids in spec.sequences:
-    print(repr(tokenizer.decode(ids)))
-print(f"tau {spec.stats['tau']:.2f} (tokens per target forward); same tokens as plain decoding: "
-      f"{spec.sequences == plain.sequences}")
-assert spec.sequences == plain.sequences
+fast = Generator(target, proposer="auto").generate([prompt], config)
+plain = Generator(target).generate([prompt], config)
+print(tokenizer.decode(fast.sequences[0]))
+print(f"{fast.stats['tokens_per_s']:.1f} tokens/s against plain decoding's {plain.stats['tokens_per_s']:.1f}, "
+      f"tau {fast.stats['tau']:.2f}; same tokens as plain decoding: {fast.sequences == plain.sequences}")
+assert fast.sequences == plain.sequences
