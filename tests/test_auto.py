@@ -255,6 +255,8 @@ def test_a_process_times_plain_rounds_first():
     c = Controller()
     assert c.vs_plain(1.0) is None  # (nothing measured)
     ran = [c.begin({chain: (4.0, 1.2), None: (1.0, 1.0)}, "greedy")]
+    # (what it plans to run once plain rounds are timed: what `longspec generate` announces)
+    assert c.planned.tree == chain and c.gain() == pytest.approx(4.0 / 1.2)
     for _ in range(8):
         ran.append(c.observe(*((1.0, 1.1e-3) if ran[-1] is None else (4.0, 1.3e-3))))
     settled = controller.SETTLED_ROUNDS

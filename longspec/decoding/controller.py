@@ -96,6 +96,7 @@ class Controller:
             self.learned[name, tuple(sampling) if isinstance(sampling, list) else sampling] = (measured, predicted)
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
+        self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
@@ -137,6 +138,7 @@ class Controller:
             self.candidates[label(tree)] = c
         self._calibrate()
         self.current, self.dwell = self._best(), 0
+        self.planned = self.current  # (the candidate predicted fastest, whatever runs first)
         plain = self.candidates.get("plain")
         if plain is not None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
             # plain rounds first until their time is measured (once per process): every other
@@ -146,9 +148,10 @@ class Controller:
         return self.current.tree
 
     def gain(self) -> Optional[float]:
-        """The current candidate's expected speed over plain rounds' (None: no plain candidate)."""
+        """The expected speed of the candidate :meth:`begin` found fastest over plain rounds'
+        (None: no plain candidate)."""
         plain = self.candidates.get("plain")
-        return None if plain is None else self.current.rate / plain.rate
+        return None if plain is None else self.planned.rate / plain.rate
 
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on

@@ -218,13 +218,14 @@ class Generator:
 
     def first_rounds(self, plan: "CallPlan", config: GenerationConfig) -> tuple:
         """(tree, predicted speed over plain decoding) of the first rounds of a call of ``plan``
-        (from :meth:`plan`) in a new process: for "auto" its controller's choice, from the cost
-        model's predictions corrected by what earlier processes measured; else ``plan.start``."""
+        (from :meth:`plan`) in a new process: for "auto" the candidate its controller predicts
+        fastest (from the cost model's predictions corrected by what earlier processes measured;
+        it times plain rounds first); else ``plan.start``."""
         if plan.auto is None or plan.auto.predicted is None:
             return plan.start, None
         controller = self._new_controller()
-        tree = controller.begin(plan.auto.predicted, sampling_key(config))
-        return tree, controller.gain()
+        controller.begin(plan.auto.predicted, sampling_key(config))
+        return controller.planned.tree, controller.gain()
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
