@@ -25,9 +25,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'longspec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)  # (not kept: a patch of it shows)
 
 
 def __dir__() -> list:

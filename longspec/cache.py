@@ -27,11 +27,15 @@ def token_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 def free_memory(device) -> int:
     """Bytes of memory free now on ``device`` (a CUDA device's, else the machine's available RAM)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import os
+    if device.type == "cuda":  # (with what PyTorch holds cached but unused)
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:  # MemAvailable: free pages and the page cache the kernel can reclaim (a loaded model's files)
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        import os
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def pool_tokens_for(memory: str, config: ModelConfig, dtype: torch.dtype, device) -> int:

@@ -577,6 +577,9 @@ def test_lookup_index_predicts_as_the_whole_texts_sort():
         tail = rng.randint(1, max(t, 1))
         assert lookup_acceptance(ids, tail=tail, index=index if t else LookupIndex(ids)) == lookup_acceptance(
             ids, tail=tail)
+    # a long generation (its gained part sorted, not compared pairwise: that grew with its square)
+    ids = [rng.randrange(50) for _ in range(3000)]
+    assert (LookupIndex(ids[:1000]).predictions(ids) == lookup_predictions(np.asarray(ids), 3)[1000:]).all()
 
 
 def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):

@@ -2,6 +2,7 @@
 batch buckets' trees chosen and warmed up, then the OpenAI-compatible server (``longspec/serve.py``)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -12,6 +13,11 @@ from .commands import Heartbeat, UsageError, _device_and_dtype, _set_threads, _t
 
 def cmd_serve(args) -> int:
     """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
+    with contextlib.ExitStack() as held:  # (the listening socket, closed however the command ends)
+        return _cmd_serve(args, held)
+
+
+def _cmd_serve(args, held) -> int:
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
     name, tree = proposer_choice(args)
@@ -54,7 +60,7 @@ def cmd_serve(args) -> int:
     except ImportError as err:
         raise UsageError(f"longspec serve needs FastAPI and uvicorn: pip install 'longspec[serve]' "
                          f"(importing them failed: {err})") from None
-    sock = listen_socket(args.host, args.port)  # (before loading: a taken port is said at once)
+    sock = held.enter_context(listen_socket(args.host, args.port))  # (before loading: a taken port is said at once)
     from transformers import AutoTokenizer
 
     from .. import load_target
@@ -138,14 +144,16 @@ def cmd_serve(args) -> int:
 
 
 def listen_socket(host: str, port: int):
-    """The server's socket, bound to ``host``:``port`` (0: a free port), not yet listening (the
-    server listens once it is ready); a clear UsageError where it cannot be bound."""
+    """The server's socket, bound to ``host``:``port`` (0: a free port) and listening (so that a
+    second server cannot take the port while this one loads: connections made meanwhile wait
+    until it serves); a clear UsageError where it cannot be."""
     import socket
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)
     except (OSError, OverflowError) as err:
         sock.close()
         raise UsageError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}") from None

@@ -149,8 +149,10 @@ class LookupIndex:
             region = p - n  # n-grams starting here or later have their follower after the prompt
             gained = self._keys(ids[region:], n)  # [total - p + 1]: keys of those starting at region..
             query = gained[:-1]  # the n-gram before each gained position s starts at s - n
-            earlier = np.arange(len(query))[:, None] > np.arange(len(query))[None, :]
-            found = np.where((query[:, None] == query[None, :]) & earlier, np.arange(len(query))[None, :], -1).max(1)
+            order = np.argsort(query, kind="stable")  # equal n-grams together, in text order
+            same = query[order[1:]] == query[order[:-1]]
+            found = np.full(len(query), -1, dtype=np.int64)
+            found[order[1:][same]] = order[:-1][same]  # each one's previous occurrence
             j = np.where(found >= 0, region + found, -1)  # the most recent occurrence after the prompt's ...
             at = np.searchsorted(keys, query).clip(max=len(keys) - 1)  # ... else the prompt's last
             j = np.where((j < 0) & (keys[at] == query), starts[at], j)

@@ -153,6 +153,10 @@ class Controller:
         plain = self.candidates.get("plain")
         return None if plain is None else self.planned.rate / plain.rate
 
+    def wants_predictions(self) -> bool:
+        """Whether a candidate has not run in this call (:meth:`repredict` changes no other)."""
+        return any(c.rounds == 0 and c.tree is not None for c in self.candidates.values())
+
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
         the text generated so far), for candidates that have not run in this call. A correction
@@ -177,7 +181,7 @@ class Controller:
         if c.tree is None and len(times) < SETTLED_ROUNDS:
             return None  # (plain rounds being timed)
         best = self._best()
-        probed = c.tree is None and len(times) == SETTLED_ROUNDS == c.rounds
+        probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
                               and (self.dwell >= DWELL or probed)):
             self.current, self.dwell = best, 0

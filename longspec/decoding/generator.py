@@ -79,7 +79,7 @@ class Generator:
     ``kv_memory``: the KV pool's size, which the prefix cache keeps earlier documents in: GiB
     ("8", "8GiB") or a fraction of the memory free ("0.3", "30%"), as ``longspec serve
     --kv-memory`` (default: on CUDA :data:`DEFAULT_KV_ROWS` rows of ``max_len`` within a quarter
-    of the free memory; on a CPU one row; ``stats["kv_pool_tokens"]``).
+    of the free memory; on a CPU a row per batch row; never fewer; ``stats["kv_pool_tokens"]``).
 
     Calls run on a long-lived engine shared by every Generator of the target with the same
     proposer, tree and ``max_len`` (see the module docstring): after the first call of each kind
@@ -160,7 +160,8 @@ class Generator:
                 continue
             if repredict is not None and len(seq.tokens) >= check:
                 check = check + 8 if on_cpu else 2 * check
-                controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
+                if controller.wants_predictions():
+                    controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
             tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
             if tree != engine.tree_of(engine.bucket()):
                 engine.use_tree(tree)
