@@ -47,6 +47,7 @@ from typing import Optional
 from .cache import BlockPool, PoolExhausted
 
 ROOT = -1  # the parent of a prompt's first block
+PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
 
 
 def root(namespace=None):
@@ -54,7 +55,6 @@ def root(namespace=None):
     different namespaces (tenants: API keys, cache salts) never share a block, so none can learn
     from another's hits what that one's prompts hold."""
     return ROOT if namespace is None else ("root", namespace)
-PREFIX_BLOCK_SIZE = 64  # an engine's default block size with a prefix cache: the kernels' key block
 
 
 def common_prefix(a, b) -> int:
@@ -162,8 +162,9 @@ class PrefixCache:
         """The cached blocks holding the longest prefix of ``prompt`` in whole blocks, then the
         cached block after them that starts with most of the prompt's next tokens (its first
         tokens are copied, not shared), leaving at least the prompt's last token to compute, among
-        the blocks of ``namespace`` (see :func:`root`). Nothing is taken: see :meth:`acquire`. (A prompt list must not change in place while it
-        waits to be admitted: what was found for it is reused while the index is unchanged.)"""
+        the blocks of ``namespace`` (see :func:`root`). Nothing is taken: see :meth:`acquire`. (A
+        prompt list must not change in place while it waits to be admitted: what was found for it
+        is reused while the index is unchanged.)"""
         if self._matched_at != self.version:
             self._matched, self._matched_at = {}, self.version
         seen = self._matched.get((id(prompt), namespace))

@@ -101,9 +101,7 @@ class Worker:
         any of its work (a flood of large prompts would otherwise hold the single parsing thread
         however each ends). :meth:`parsing_done` follows, whatever the parse did."""
         with self.lock:
-            if self.failure is not None:
-                raise APIError(503, self.failure, code="engine_failed", kind="server_error")
-            self._check_room(self.parsing)
+            self._refuse_if_full(self.parsing)
             self.parsing += 1
 
     def parsing_done(self, parsed: bool) -> None:
@@ -115,13 +113,15 @@ class Worker:
         """Queues ``request``; raises a 429 APIError when ``max_queue`` requests already wait
         beyond the free rows (``max_queue`` 0: a request is taken only when a row is free)."""
         with self.lock:
-            if self.failure is not None:
-                raise APIError(503, self.failure, code="engine_failed", kind="server_error")
-            self._check_room(0)
+            self._refuse_if_full(0)
             self.waiting.append(request)
             self.lock.notify()
 
-    def _check_room(self, parsing: int) -> None:
+    def _refuse_if_full(self, parsing: int) -> None:
+        """A 503 once the engine has failed; a 429 where ``max_queue`` requests (``parsing`` of
+        them being parsed) already wait beyond the free rows."""
+        if self.failure is not None:
+            raise APIError(503, self.failure, code="engine_failed", kind="server_error")
         if len(self.waiting) + parsing >= self.max_queue + len(self.engine.free_rows()):
             raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting) + parsing} requests "
                                 f"are waiting", code="queue_full", kind="rate_limit_error")

@@ -5,8 +5,9 @@ What a client can count on (docs/server-security.md says it for users):
 
 * every error, whatever its status (400, 401, 404, 405, 413, 429, 500), is an OpenAI error
   object ``{"error": {"message", "type", "param", "code"}}``; a 429 carries ``Retry-After``;
-* with API keys (``--api-key`` / ``LONGSPEC_API_KEY``) every ``/v1`` route needs
-  ``Authorization: Bearer KEY`` with one of them, checked before the body is read; each key is a
+* with API keys (``--api-key`` / ``LONGSPEC_API_KEY``) every route but ``/health`` (the API and
+  its description, ``/docs``, ``/openapi.json``) needs ``Authorization: Bearer KEY`` with one of
+  them, checked before the body is read; each key is a
   tenant whose requests share cached prompt blocks only with its own (and, with a request's
   ``cache_salt``, only with requests of the same salt); ``/health`` stays open for load balancers,
   without the per-request counters unless it is asked with a key;

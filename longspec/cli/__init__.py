@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longspec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"longspec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)  # (listed above)
+    # (the commands are listed in the description above: argparse's own list would repeat them)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
     parser.commands = sub.choices  # {name: the command's parser}
 
     gen = sub.add_parser("generate", description="generate text with a target model")
@@ -111,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body", type=int, default=8 << 20, help="request body bytes at most; then 413 "
                                                                    "(default: 8388608, 8 MiB)")
     srv.add_argument("--api-key", action="append", default=None,
-                     help="clients must send 'Authorization: Bearer KEY' on /v1 routes; give it several times for "
-                          "several tenants, whose prefix caches are kept apart (default: $LONGSPEC_API_KEY, keys "
-                          "separated by commas; unset: no key)")
+                     help="clients must send 'Authorization: Bearer KEY' (every route but /health); give it "
+                          "several times for several tenants, whose prefix caches are kept apart (default: "
+                          "$LONGSPEC_API_KEY, keys separated by commas; unset: no key)")
     srv.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     srv.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     srv.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bf16 on GPU)")

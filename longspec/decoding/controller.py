@@ -45,11 +45,6 @@ def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
 
 
-def sampled(sampling) -> bool:
-    """Whether a call's sampling key (temperature first, or "greedy") samples."""
-    return isinstance(sampling, tuple) and sampling[0] > 0
-
-
 @dataclass
 class Candidate:
     """One kind of round: ``tree`` (None: plain rounds), its round time ``ms`` (estimated), the
@@ -101,6 +96,10 @@ class Controller:
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
+    def _settled(self, name: str) -> bool:
+        """Whether candidate ``name``'s round time is measured over enough rounds to stand alone."""
+        return len(self.times.get(name, ())) >= SETTLED_ROUNDS
+
     def round_ms(self, name: str) -> Optional[float]:
         """The measured round time of candidate ``name`` (the median of its last rounds), or None."""
         times = self.times.get(name)
@@ -140,10 +139,10 @@ class Controller:
         self.current, self.dwell = self._best(), 0
         self.planned = self.current  # (the candidate predicted fastest, whatever runs first)
         plain = self.candidates.get("plain")
-        if plain is not None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
+        if plain is not None and not self._settled("plain"):
             # plain rounds first until their time is measured (once per process): every other
-            # candidate is weighed against them, and the cost model's time for them is the
-            # least reliable to scale (a CPU's measured 0.9x its prediction where chains 0.7x)
+            # candidate is weighed against them, and the cost model's time for them scales least
+            # like the others' (docs/benchmarks.md, "Generation on a CPU")
             self.current = plain
         return self.current.tree
 
@@ -189,8 +188,7 @@ class Controller:
 
     def vs_plain(self, tokens_per_ms: float) -> Optional[float]:
         """``tokens_per_ms`` against plain rounds' rate, where their time is measured (else None)."""
-        measured = self.round_ms("plain") if len(self.times.get("plain", ())) >= SETTLED_ROUNDS else None
-        return None if measured is None else tokens_per_ms * measured
+        return tokens_per_ms * self.round_ms("plain") if self._settled("plain") else None
 
     def end(self) -> None:
         """Folds this call's measured tokens per round, against the predictions, into the
@@ -237,12 +235,12 @@ class Controller:
         keep a candidate out for good: nothing would measure it again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         ratios = sorted(measured[name] / c.predicted_ms for name, c in self.candidates.items()
-                        if len(self.times.get(name, ())) >= SETTLED_ROUNDS and c.predicted_ms > 0)
+                        if self._settled(name) and c.predicted_ms > 0)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
         for name, c in self.candidates.items():
             if measured[name] is None:
                 c.ms = scale * c.predicted_ms
-            elif len(self.times[name]) < SETTLED_ROUNDS:
+            elif not self._settled(name):
                 c.ms = min(measured[name], scale * c.predicted_ms)
             else:
                 c.ms = measured[name]

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from .drafting import Proposer, TreeDrafter, beam_select, takes_lookup, topk_children
 from .longspec_proposer import LongSpecProposer
 from .prompt_lookup import PromptLookup
-
 from .sequence import DEFAULT_TREE, HYBRID_TREE
 from .streaming import StreamingSelfSpec
 
