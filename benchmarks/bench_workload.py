@@ -50,7 +50,7 @@ def sync():
 
 
 class HostProfile:
-    """cProfile of a call's work on the host outside its rounds (``Engine.step`` is left out):
+    """cProfile of a call's work on the host outside its rounds (``Engine.launch`` and ``finish`` are left out):
     planning, setup, the prefill's launches, the controller, switches, re-predictions."""
 
     def __init__(self):
@@ -61,31 +61,36 @@ class HostProfile:
     def run(self, gen, prompt, config):
         from longspec.decoding.engine import Engine
 
-        step, profile = Engine.step, self.profile
+        profile, methods = self.profile, {name: getattr(Engine, name) for name in ("launch", "finish")}
 
-        def unprofiled(engine, *args, **kwargs):
-            profile.disable()
-            try:
-                return step(engine, *args, **kwargs)
-            finally:
-                profile.enable()
+        def unprofiled(method):
+            def run(engine, *args, **kwargs):
+                profile.disable()
+                try:
+                    return method(engine, *args, **kwargs)
+                finally:
+                    profile.enable()
+            return run
 
-        Engine.step = unprofiled
+        for name, method in methods.items():
+            setattr(Engine, name, unprofiled(method))
         profile.enable()
         try:
             return gen.generate([prompt], config)
         finally:
             profile.disable()
-            Engine.step = step
+            for name, method in methods.items():
+                setattr(Engine, name, method)
 
-    def report(self, title: str, rows: int = 15) -> None:
+    def report(self, title: str, rows: int = 30) -> None:
         import io
         import pstats
 
-        text = io.StringIO()
-        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(rows)
-        print(f"--- host work outside the rounds, {title} (pass 2, cProfile, by own time)")
-        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000], flush=True)
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(self.profile, stream=text).sort_stats(order).print_stats(rows)
+            print(f"--- host work outside the rounds, {title} (pass 2, cProfile, by {order})")
+            print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:8000], flush=True)
 
 
 def ours(target, proposer, draft, config, profile=None):

@@ -134,10 +134,10 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
     assert on_cuda[f"hybrid {chain}"][2] == pytest.approx(expected_tokens(chain, lookup=hits))
     assert type(on_cuda[f"hybrid {chain}"][1]()).__name__ == "LongSpecProposer"
     assert set(auto._candidates(repeating, None, hits, on_cuda=True)) == {f"pld {chain}"}
-    assert auto.cuda_trees(draft) == [TreeSpec.parse(t) for t in auto.GPU_CANDIDATE_TREES] + [chain]
-    assert auto.cuda_trees(None) == [chain]
+    assert auto.candidate_trees(draft) == [TreeSpec.parse(t) for t in auto.GPU_CANDIDATE_TREES] + [chain]
+    assert auto.candidate_trees(None) == [chain]
     tableless = init_draft(DraftConfig.for_target(target, window=16), target)  # pick's default tree alone
-    assert not tableless.config.acceptance and auto.cuda_trees(tableless) == [TreeSpec.parse(auto.HYBRID_TREE)]
+    assert not tableless.config.acceptance and auto.candidate_trees(tableless) == [TreeSpec.parse(auto.HYBRID_TREE)]
     # its costs: the chain drafted by a hybrid begun with its beam tree, as in the engine
     costs = auto.measure_costs(target, on_cuda, context=64, repeats=1)
     assert set(costs["draft_ms"]) == set(on_cuda) and min(costs["draft_ms"].values()) > 0
@@ -149,7 +149,7 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
                {f"hybrid {t}": 5.0 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
     assert pick(target, repeating, draft, costs_file=str(costs))[:3] == ("hybrid", chain, draft)
     plan = resolve(target, repeating, draft, costs_file=str(costs))
-    assert set(plan.predicted) == {*auto.cuda_trees(draft), None} and plan.tree == auto.cuda_trees(draft)[0]
+    assert set(plan.predicted) == {*auto.candidate_trees(draft), None} and plan.tree == auto.candidate_trees(draft)[0]
     # drafting cheap: the hybrid's tree, whose draft levels add to the lookup's
     fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
                {f"hybrid {t}": 0.05 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
@@ -383,7 +383,7 @@ class Scripted:
         self.rounds, self.current = 0, self.start
         return self.start
 
-    def observe(self, tokens, seconds):
+    def observe(self, tokens, seconds, tree):
         self.rounds += 1
         if self.rounds % self.every == 0 and self.script:
             self.calls.append(self.rounds)
@@ -395,7 +395,12 @@ class Scripted:
 
 
 @pytest.mark.parametrize("family", ["pld", "hybrid"])
-def test_switching_trees_while_generating_keeps_the_output(tiny, family):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_switching_trees_while_generating_keeps_the_output(tiny, family, overlap):
+    """Trees switched by a controller, weighing each round at once (a CPU's way) or while the next
+    runs (a GPU's: its choice a round later): the output is plain decoding's. Rows join plain
+    rounds without the proposer taking them in, a lookup chain takes in the lookup's history only,
+    and the next tree every row (the draft's window too)."""
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
     from longspec.decoding.proposers import LongSpecProposer, PromptLookup
@@ -410,13 +415,23 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family):
     else:
         proposer, biggest = LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("4,4,4,1,1")
         script = [TreeSpec.parse("2,2"), None, TreeSpec.chain(3), TreeSpec.parse("3,3,3,1,1"), TreeSpec.parse("2,2")]
+    added, add = [], proposer.add
+    proposer.add = lambda row, text, last, tree=None: (added.append((len(text), tree)), add(row, text, last, tree))
     scripted = Scripted(None, script)
     gen = Generator(target, proposer, biggest, controller=scripted)
+    gen.weigh_while_running = overlap
     out = gen.generate([prompt], config)
     assert out.sequences[0] == plain
     assert len(scripted.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
     assert switched[0] is None and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
+    # taken in: not when the row joined plain rounds; at each switch to a tree after plain rounds
+    # or a lookup chain: the history only for a hybrid's chain
+    n = len(prompt)
+    expected = [(n + at - 1, TreeSpec.chain(3) if family == "hybrid" and tree == "chain:3" else None)
+                for (at, tree), (_, before) in zip(out.stats["trees"][1:], out.stats["trees"])
+                if tree is not None and (before is None or before.startswith("chain") and family == "hybrid")]
+    assert added == expected and added
     assert gen._engine.parked and out.stats["verify_s"] > 0  # the replaced rounds' times still count
     # the next calls start again from the controller's start; a tree that returns takes its parked
     # rounds back (nothing piles up)
@@ -526,6 +541,25 @@ def test_one_slow_round_does_not_keep_a_candidate_out():
     assert c.round_ms("plain") == pytest.approx(1.2) and c.current.tree is None
 
 
+def test_a_round_observed_late_counts_for_the_tree_that_ran_it():
+    """A GPU's controller weighs a round while the next runs: a round observed after the
+    controller chose another candidate counts for the one that ran it (its time, its tokens), and
+    not towards the new candidate's rounds before another may take over."""
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(5)
+    c = Controller()
+    assert c.begin({chain: (4.0, 1.5), None: (1.0, 1.2)}, "greedy") is None
+    for _ in range(3):
+        chosen = c.observe(1.0, 1.2e-3, None)
+    assert chosen == chain  # (plain rounds timed: the chain's 4 tokens in 1.5 ms win)
+    c.observe(1.0, 5e-3, None)  # the plain round that ran while the controller chose the chain
+    assert c.round_ms("plain") == pytest.approx(1.2) and c.candidates["plain"].rounds == 4
+    assert c.candidates["chain:5"].rounds == 0 and c.dwell == 0
+    c.observe(4.0, 1.5e-3, chain)
+    assert c.candidates["chain:5"].rounds == 1 and c.round_ms("chain:5") == pytest.approx(1.5) and c.dwell == 1
+
+
 def test_corrections_are_kept_for_the_next_process(tmp_path):
     """What a controller learned about the cost model's predictions goes to its store after a
     call (other models' entries kept, an unreadable store ignored), and a new controller (the
@@ -618,3 +652,40 @@ def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corre
     assert stats["vs_plain"] > 0 and stats["host_s"] >= 0 and stats["plan_s"] > 0 and stats["trees"]
     assert all(tree is None or isinstance(tree, str) for _, tree in stats["trees"])
     assert json.loads((tmp_path / "corrections.json").read_text())
+
+
+def test_auto_makes_its_plan_while_the_device_prefills(tiny, tmp_path, monkeypatch):
+    """Once its step costs are measured, ``Generator(proposer="auto")`` makes a call's plan after
+    launching the prefill and before waiting for it (a GPU's prefill then hides it), the row
+    joining plain rounds, its first tree taken up after: plain decoding's tokens. A plan that
+    fails there leaves the engine empty for the next call."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    rng = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 160, (30 + 7 * i,), generator=rng).tolist() * 3 for i in range(3)]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    gen, plain = Generator(target, proposer="auto", draft=draft), Generator(target)
+    gen.generate([prompts[0]], config)  # (measures the step costs, then plans first)
+    made, plan = [], gen.plan
+
+    def planned(prompts, config):
+        engine = gen._engine
+        made.append((int(engine.cache.lengths[0]), engine.has_active))  # (prefilled, not yet a row)
+        return plan(prompts, config)
+
+    monkeypatch.setattr(gen, "plan", planned)
+    out = gen.generate([prompts[1]], config)
+    assert made == [(len(prompts[1]), False)]
+    assert out.sequences == plain.generate([prompts[1]], config).sequences
+    assert out.stats["plan_s"] > 0 and out.stats["trees"][0][0] == 0 and out.stats["auto"].startswith("cost model")
+    monkeypatch.setattr(gen, "plan", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        gen.generate([prompts[2]], config)
+    engine = gen._engine
+    assert not engine.has_active and engine.cache.allocator.num_free == engine.pool.num_blocks
+    monkeypatch.setattr(gen, "plan", plan)
+    assert gen.generate([prompts[2]], config).sequences == plain.generate([prompts[2]], config).sequences

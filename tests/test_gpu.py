@@ -327,7 +327,7 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     target = cuda_target(path, torch.bfloat16)
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
-    trees = auto.cuda_trees(draft)
+    trees = auto.candidate_trees(draft)
     script = itertools.cycle([*trees, None])
 
     def resolve(target, ids, draft, costs_file=None):  # the script's tree predicted fastest
@@ -365,7 +365,7 @@ def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
     target = cuda_target(path, torch.float32)
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
-    tree = auto.cuda_trees(draft)[0]
+    tree = auto.candidate_trees(draft)[0]
     predicted = {tree: (3.0, 0.5), None: (1.0, 0.3)}
     monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, tree, draft, "scripted", predicted))
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)

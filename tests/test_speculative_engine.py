@@ -372,3 +372,28 @@ def test_collector_paused_collects_first_and_pauses():
     with pytest.raises(KeyError), collector_paused():
         raise KeyError("boom")
     assert gc.isenabled()
+
+
+def test_a_launched_round_is_finished_before_anything_else(targets):
+    """Engine.launch starts a round and returns, Engine.finish takes its tokens: a second launch,
+    a switch of tree or a finish with nothing running is refused; launch + finish is a step."""
+    from longspec.decoding.engine import Engine, Sequence
+
+    target = targets["qwen3"]
+    prompt = prompts_for(1, seed=25)[0]
+    alone = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=6, ignore_eos=True)).sequences[0]
+    engine = Engine(target, PromptLookup(), TreeSpec.chain(3), max_len=96)
+    seq = Sequence(prompt, 6)
+    engine.add([seq])
+    with pytest.raises(RuntimeError, match="no round is running"):
+        engine.finish()
+    engine.launch()
+    with pytest.raises(RuntimeError, match="finish"):
+        engine.launch()
+    with pytest.raises(RuntimeError, match="between rounds"):
+        engine.use_tree(None)
+    engine.finish()
+    while engine.has_active:
+        engine.launch()
+        engine.finish()
+    assert seq.tokens == alone

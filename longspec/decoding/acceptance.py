@@ -114,12 +114,13 @@ class LookupIndex:
         self.prompt_guess = np.full(len(ids), -1, dtype=np.int64) if self.exact else lookup_predictions(ids, max_ngram)
         for n in range(1, max_ngram + 1) if self.exact else ():
             keys = self._keys(ids, n)[:len(ids) - n]  # (the n-grams a prompt token follows)
-            order = np.argsort(keys, kind="stable")  # equal n-grams together, in text order
-            ordered = keys[order]
-            same = ordered[1:] == ordered[:-1]
+            # equal n-grams together, in text order: sorted by (n-gram's rank, position), two
+            # plain sorts (a stable sort of the keys takes several times as long)
+            distinct, rank = np.unique(keys, return_inverse=True)
+            order = np.argsort(rank.reshape(-1) * len(keys) + np.arange(len(keys)))
+            same = rank[order[1:]] == rank[order[:-1]]
             self.prompt_guess[order[1:][same] + n] = ids[order[:-1][same] + n]
-            last = np.append(~same, True)
-            self.last.append((ordered[last], order[last]))
+            self.last.append((distinct, order[np.append(~same, True)]))
 
     def last_predictions(self, token_ids: np.ndarray, tail: int) -> Optional[np.ndarray]:
         """Predictions on the last ``tail`` positions of ``token_ids`` (the prompt, or the prompt

@@ -23,7 +23,7 @@ class Admission:
     go: its rows, KV pool, prefix cache and prefill. It works on the engine's state (``rows``,
     ``max_len``, ``cache``, ``pool``, ``prefix``, ``target``, ``proposer``, ``tree``,
     ``config``, ``uniforms``, ``root``, ``active``, ``chunked_prefill``) and samples first tokens
-    with its ``_next_token``."""
+    with its ``_next_token``; the proposer takes a row in through its ``take_in``."""
 
     def room(self) -> int:
         """Cache slots a round writes (the decode token, or the whole tree)."""
@@ -37,9 +37,10 @@ class Admission:
         return any(s is not None for s in self.rows)
 
     @torch.inference_mode()
-    def add(self, seqs: list, streamer: Optional[Streamer] = None) -> None:
+    def add(self, seqs: list, streamer: Optional[Streamer] = None, meanwhile=None) -> None:
         """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
-        one's first token. Raises ValueError if they do not fit."""
+        one's first token. Raises ValueError if they do not fit. ``meanwhile()``: host work done
+        once while the device runs the (first) prefill, before it is waited for."""
         free = self.free_rows()
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
@@ -61,7 +62,8 @@ class Admission:
             while stop < len(seqs) and free[stop] == free[start] + stop - start:
                 stop += 1
             # (a later run matches again: the runs before it allocated, which may have evicted its blocks)
-            self._prefill(seqs[start:stop], free[start], streamer, hits[start:stop] if start == 0 else None)
+            self._prefill(seqs[start:stop], free[start], streamer, hits[start:stop] if start == 0 else None,
+                          meanwhile if start == 0 else None)
             start = stop
 
     def need(self, s: Sequence) -> int:
@@ -87,7 +89,7 @@ class Admission:
             room -= self.prefix.pinned_by(hits)
         return self.blocks_needed(seqs, hits) <= room
 
-    def _prefill(self, seqs: list, row0: int, streamer, hits: Optional[list] = None) -> None:
+    def _prefill(self, seqs: list, row0: int, streamer, hits: Optional[list] = None, meanwhile=None) -> None:
         n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
             if self.prefix is None:
@@ -96,6 +98,8 @@ class Admission:
             else:
                 self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs], hits)
             logits = self._prefill_rows(seqs, row0)
+            if meanwhile is not None:
+                meanwhile()
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
             self.cache.lengths[row0:row0 + n] = 0
             for row in rows:
@@ -112,7 +116,7 @@ class Admission:
             self.rows[s.row] = s
             self._emit(s, [t], streamer)
             if self.proposer is not None:
-                self.proposer.add(s.row, s.prompt, t)
+                self.take_in(s.row, s.prompt, t, self.tree_of(self.bucket_for(s.row + 1)))
             if not s.done:
                 self.active[s.row] = 1
             else:

@@ -274,7 +274,7 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
     make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
     and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
-    fewer, those of :func:`cuda_trees`: each tree an engine drafts is captured once per process
+    fewer, those of :func:`candidate_trees`: each tree an engine drafts is captured once per process
     and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
@@ -296,14 +296,15 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     return candidates
 
 
-def cuda_trees(draft) -> list:
-    """Every tree ``--proposer auto`` may run on CUDA, biggest first: its candidates' there (with
-    a ``draft``: the hybrid's trees and its lookup's chains, else prompt lookup's chains; a draft
-    without an acceptance table: the hybrid's default tree alone), what an engine captures on
-    auto's first call of each kind of round so that no later call captures (with plain rounds)."""
+def candidate_trees(draft, on_cuda: bool = True) -> list:
+    """Every tree ``--proposer auto`` may run (``on_cuda``: on CUDA, else on a CPU), biggest
+    first: its candidates' (with a ``draft``: the hybrid's trees and its lookup's chains, else
+    prompt lookup's chains; a draft without an acceptance table: the hybrid's default tree alone),
+    whatever the prompt: the engine drafts the first one, and on CUDA captures them all on auto's
+    first call of each kind of round, so that no later call captures (with plain rounds)."""
     if draft is not None and not draft.config.acceptance:
         return [TreeSpec.parse(HYBRID_TREE)]
-    trees = [tree for tree, _, _ in _candidates([], draft, [], on_cuda=True).values()]
+    trees = [tree for tree, _, _ in _candidates([], draft, [], on_cuda=on_cuda).values()]
     return sorted(trees, key=lambda t: (-t.num_nodes, -t.depth))
 
 

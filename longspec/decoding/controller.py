@@ -41,6 +41,9 @@ MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on 
 SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 
 
+_CURRENT = object()  # observe's default: the round ran the current candidate
+
+
 def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
 
@@ -166,19 +169,23 @@ class Controller:
             if c is not None and c.rounds == 0 and tree is not None:
                 c.prior = self._prior(c, value, most=1.0)
 
-    def observe(self, tokens: float, seconds: float) -> Optional[TreeSpec]:
-        """The round just run emitted ``tokens`` per row in ``seconds``: returns the tree for the
-        next rounds (the current one, or the candidate that now looks faster)."""
-        c, name = self.current, label(self.current.tree)
+    def observe(self, tokens: float, seconds: float, tree=_CURRENT) -> Optional[TreeSpec]:
+        """A round of ``tree`` (default: the current candidate's) emitted ``tokens`` per row in
+        ``seconds``: returns the tree for the next rounds (the current one, or the candidate that
+        now looks faster). A caller may observe a round late (a GPU's round runs while the
+        controller weighs the one before): ``tree`` says which candidate ran it."""
+        name = label(self.current.tree if tree is _CURRENT else tree)
+        c = self.candidates.get(name, self.current)
+        name = label(c.tree)
         times = self.times.setdefault(name, [])
         times.append(1e3 * seconds)
         del times[:-TIME_WINDOW]
         c.tokens += tokens
         c.rounds += 1
-        self.dwell += 1
+        self.dwell += c is self.current
         self._calibrate()
         if c.tree is None and len(times) < SETTLED_ROUNDS:
-            return None  # (plain rounds being timed)
+            return self.current.tree  # (plain rounds being timed)
         best = self._best()
         probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate

@@ -168,6 +168,7 @@ class Engine(Admission):
         self.behind = False
         self.greedy_round = self.config.greedy
         self.rounds = 0
+        self._in_flight = None  # (view, runner) of the round launch() started and finish() has not taken
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
         self.warm_up_seconds: dict = {}  # the last warm-up's seconds per part
         self.warm_up_graphs: dict = {}  # and its compiled graphs per part (see compile_counts)
@@ -213,12 +214,14 @@ class Engine(Admission):
         after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
+        if self._in_flight is not None:
+            raise RuntimeError("use_tree between rounds: a round is running")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
         if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):
             for s in self.rows:
                 if s is not None:
-                    self.proposer.add(s.row, s.prompt + s.tokens[:-1], s.tokens[-1])
+                    self.take_in(s.row, s.prompt + s.tokens[:-1], s.tokens[-1], tree)
             self.behind = False
         for b in self.buckets:
             old = self.tree_of(b)
@@ -235,6 +238,19 @@ class Engine(Admission):
             else:
                 self.bucket_trees[b] = tree
         self.behind = self.behind or tree is None or not self.proposer.keeps_up(tree)
+
+    def take_in(self, row: int, text: list, last: int, tree: Optional[TreeSpec]) -> None:
+        """The proposer takes row ``row`` in (its ``text`` up to its ``last`` token, whose K/V
+        is not cached yet) for rounds of ``tree``. While the proposer is behind (:meth:`use_tree`
+        switched every bucket to rounds that leave it behind; the next tree's takes every row in
+        again): nothing for plain rounds, and for rounds that use part of its state (the hybrid's
+        lookup chain) only that part (the lookup's history, not the draft's window)."""
+        if not self.behind:
+            self.proposer.add(row, text, last)
+        elif tree is not None and self.proposer.keeps_up(tree):
+            self.proposer.add(row, text, last)
+        elif tree is not None:
+            self.proposer.add(row, text, last, tree=tree)
 
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
@@ -432,13 +448,32 @@ class Engine(Admission):
         """Advances every active sequence by one round; finished ones leave the batch. The round
         computes only the rows of the smallest bucket holding every active sequence; a round in
         which every row decodes greedily skips the sampling work, one in which no sampled row uses
-        top-k or top-p skips their sorts (each kind its own captured graphs)."""
-        if not self.has_active:
-            return
+        top-k or top-p skips their sorts (each kind its own captured graphs). :meth:`launch`
+        then :meth:`finish`."""
+        if self.has_active:
+            self.launch()
+            self.finish(streamer)
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """Starts a round (see :meth:`step`; there must be active sequences) and returns before the
+        device has run it: the host may work meanwhile, on anything but this engine's state,
+        until :meth:`finish`."""
+        if self._in_flight is not None:
+            raise RuntimeError("a round is running: finish() it first")
         self._set_round_kind([s for s in self.rows if s is not None])
         v, runner = self._round(self.bucket())
         runner.run_round()
         self.rounds += 1
+        self._in_flight = v, runner
+
+    @torch.inference_mode()
+    def finish(self, streamer: Optional[Streamer] = None) -> None:
+        """Waits for the round :meth:`launch` started and takes its tokens: emitted (to
+        ``streamer``), finished sequences leave the batch."""
+        if self._in_flight is None:
+            raise RuntimeError("no round is running: launch() one first")
+        (v, runner), self._in_flight = self._in_flight, None
         out = torch.cat([v.out_tokens, v.out_counts[:, None]], 1).tolist()  # the round's one sync
         runner.collect_times()
         for s in self.rows:

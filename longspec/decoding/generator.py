@@ -71,7 +71,7 @@ class Generator:
     ``max_len`` caps a row of the KV cache (prompt + new tokens + tree); it defaults to the
     target's ``max_position_embeddings``. ``cuda_graphs``: see :class:`Engine`. ``controller``:
     switches trees while generating (``begin(None, None)`` gives the first rounds' tree, then
-    ``observe(tokens, seconds)`` after each round the next; ``end()``; see
+    ``observe(tokens, seconds, tree)`` after each round the next; ``end()``; see
     :class:`~longspec.decoding.controller.Controller`); ``tree`` is then the biggest it may pick.
     ``prefix_cache``: a call whose prompts
     start with a prefix of an earlier call's prompt or text (same document, next chat turn)
@@ -138,34 +138,51 @@ class Generator:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         return prompts
 
-    @staticmethod
-    def _rounds(engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None) -> int:
+    # whether the controller weighs a round while the device runs the next (None: where rounds run
+    # asynchronously to the host, on a GPU; see _rounds)
+    weigh_while_running: Optional[bool] = None
+
+    def _rounds(self, engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None) -> tuple:
         """Rounds until every row is done; with a ``controller`` (see
-        :class:`~longspec.decoding.controller.Controller`), after every round the measured round
-        (tokens per row, wall time) goes to it and the engine runs the tree it names next;
+        :class:`~longspec.decoding.controller.Controller`), every round's measurements (its tree,
+        tokens per row, wall time) go to it, and the engine runs the tree it names next;
         ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
         given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
-        milliseconds, every 8). Returns the number of rounds and the seconds they took (the
-        rest of the loop: the controller's work, switches, re-predictions)."""
+        milliseconds, every 8). On a GPU the controller weighs a round while the device runs the
+        next (its work, and a re-prediction's, then costs no time; its choice takes effect a
+        round later). Returns the number of rounds and the seconds they took (not the loop's
+        other work: switches, and on a CPU the controller's)."""
         rounds, stepping, seq = 0, 0.0, seqs[0]
         on_cpu = engine.target.device.type == "cpu"
-        check = 8 if on_cpu else 16
-        while engine.has_active:
-            before, rows = sum(len(s.tokens) for s in seqs), sum(not s.done for s in seqs)
-            start = time.perf_counter()
-            engine.step(streamer)  # (it reads the round's tokens: the device is done with it)
-            seconds = time.perf_counter() - start  # (the round's: not the controller's work or a switch's)
-            rounds, stepping = rounds + 1, stepping + seconds
-            if controller is None or not engine.has_active:
-                continue
+        check, late = 8 if on_cpu else 16, None
+        overlap = not on_cpu if self.weigh_while_running is None else self.weigh_while_running
+
+        def weigh(tree, tokens: float, seconds: float):
+            nonlocal check
             if repredict is not None and len(seq.tokens) >= check:
                 check = check + 8 if on_cpu else 2 * check
                 if controller.wants_predictions():
                     controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-            tree = controller.observe((sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
-            if tree != engine.tree_of(engine.bucket()):
-                engine.use_tree(tree)
-                trees.append((len(seq.tokens), tree_text(tree)))
+            return controller.observe(tokens, seconds, tree)
+
+        while engine.has_active:
+            tree, rows = engine.tree_of(engine.bucket()), sum(not s.done for s in seqs)
+            before, chosen = sum(len(s.tokens) for s in seqs), _KEEP
+            start = time.perf_counter()
+            engine.launch()
+            if late is not None:  # (the round before this one, weighed while the device runs this one)
+                chosen = weigh(*late)
+            engine.finish(streamer)
+            seconds = time.perf_counter() - start
+            rounds, stepping = rounds + 1, stepping + seconds
+            if controller is None or not engine.has_active:
+                continue
+            late = (tree, (sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
+            if not overlap:
+                chosen, late = weigh(*late), None
+            if chosen is not _KEEP and chosen != engine.tree_of(engine.bucket()):
+                engine.use_tree(chosen)
+                trees.append((len(seq.tokens), tree_text(chosen)))
         return rounds, stepping
 
     @staticmethod
@@ -192,7 +209,35 @@ class Generator:
 
         chosen = resolve(self.target, prompts[0], self.draft)
         proposer = _shared_proposer(self.target, chosen.name, self.draft)
-        return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen)
+        return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen,
+                        choices=tuple(chosen.predicted or ()))
+
+    def _outline(self) -> Optional["CallPlan"]:
+        """For "auto" where its plan can be made while the device prefills (its step costs
+        measured: making it is then the host's work alone; a draft with an acceptance table, or
+        none): the proposer and the biggest tree of every prompt's plan (the engine), with every
+        tree it may choose; else None (the plan is made first)."""
+        if self.proposer != "auto" or (self.draft is not None and not self.draft.config.acceptance):
+            return None
+        from .auto import candidate_trees, costs_measured
+
+        if not costs_measured(self.target, self.draft):
+            return None
+        trees = candidate_trees(self.draft, self.target.device.type == "cuda")
+        name = "pld" if self.draft is None else "hybrid"
+        return CallPlan(_shared_proposer(self.target, name, self.draft), trees[0], None, name=name,
+                        choices=(*trees, None))
+
+    def _begin(self, engine: Engine, plan: "CallPlan", config: GenerationConfig) -> tuple:
+        """(controller, auto's predictions or None, the tree of the first rounds) of a call of
+        ``plan``: auto's controller of ``engine`` begun with its predictions, or the one given to
+        this Generator, or none."""
+        if plan.auto is not None and plan.auto.predicted is not None:
+            controller = self._controller(engine)
+            return controller, plan.auto.predicted, controller.begin(plan.auto.predicted, sampling_key(config))
+        if plan.controller is not None:
+            return plan.controller, None, plan.controller.begin(None, None)
+        return None, None, plan.start
 
     def _controller(self, engine: Engine):
         """auto's :class:`~longspec.decoding.controller.Controller` of ``engine``: one per engine
@@ -273,45 +318,58 @@ class Generator:
         self._check_room(prompts, config, None if self.proposer == "auto" else self.tree)
         clock = _Clock(self.target.device)
         t_plan = time.perf_counter()
-        plan = plan or self.plan(prompts, config)
+        outline = self._outline() if plan is None else None
+        plan = plan or outline or self.plan(prompts, config)
         if self.proposer == "auto" and self._need(prompts, config, plan.tree) > self.max_len:
             # near the context's end (plain decoding fits: checked above)
-            plan = CallPlan(None, None, None, "the prompt leaves no room for a speculative tree", "none")
-        proposer, tree, start, note = plan.proposer, plan.tree, plan.start, plan.note
+            plan, outline = CallPlan(None, None, None, "the prompt leaves no room for a speculative tree", "none"), None
         t_setup = time.perf_counter()
         plan_s = t_setup - t_plan
-        engine = self.engine(proposer, tree, len(prompts))
+        engine = self.engine(plan.proposer, plan.tree, len(prompts))
         captures_before = collected_at = engine.capture_seconds()
         if engine.cuda_graphs:  # the prefill chunk steps (one per size, serving every row): later calls capture none
             engine.prepare_prefill()
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0) for p in prompts]
-        controller, predicted = plan.controller, None
-        if plan.auto is not None and plan.auto.predicted is not None:
-            controller, predicted = self._controller(engine), plan.auto.predicted
-            kind = engine.round_kind_of(seqs)
-            if engine.cuda_graphs and kind not in controller.captured_kinds:
-                # every round auto may switch to, captured for this kind of round now: later calls
-                # of this kind capture nothing
-                trees = sorted(predicted, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
-                engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
-                controller.captured_kinds.add(kind)
-                collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
-            start = controller.begin(predicted, sampling_key(config))
-        elif controller is not None:
-            start = controller.begin(None, None)
-        if proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
+        kind = engine.round_kind_of(seqs)
+        if plan.choices and engine.cuda_graphs and kind not in self._controller(engine).captured_kinds:
+            # every round auto may switch to, captured for this kind of round now: later calls of
+            # this kind capture nothing
+            trees = sorted(plan.choices, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
+            engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
+            self._controller(engine).captured_kinds.add(kind)
+            collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
+        made = []  # (the plan, made while the device prefills; its seconds)
+
+        def make_plan() -> None:
+            t = time.perf_counter()
+            made.extend((self.plan(prompts, config), time.perf_counter() - t))
+
+        controller = predicted = None
+        if outline is None:
+            controller, predicted, start = self._begin(engine, plan, config)
+        else:
+            start = None  # (rows join plain rounds: the proposer takes them in for the plan's first tree)
+        if plan.proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
                                      torch.Generator(device=self.target.device).manual_seed(config.seed))
         times_before = engine.phase_times()
-        trees = [(0, tree_text(start))] if controller is not None else []
-        repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
         t0 = clock()
         setup_s = t0 - t_setup
         try:
-            engine.add(seqs, streamer)
+            engine.add(seqs, streamer, meanwhile=make_plan if outline is not None else None)
+            if outline is not None:
+                (plan, plan_s), outline_tree = made, outline.tree
+                if (plan.proposer, plan.tree) != (outline.proposer, outline_tree):
+                    raise RuntimeError(f"auto's plan ({plan.name}, {plan.tree}) left the engine it was "
+                                       f"outlined for ({outline.name}, {outline_tree})")
+                controller, predicted, start = self._begin(engine, plan, config)
+                if engine.tree_of(engine.bucket()) != start:
+                    engine.use_tree(start)
+            trees = [(0, tree_text(start))] if controller is not None else []
+            repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
             t_prefill = clock()
             rounds, stepping = self._rounds(engine, seqs, streamer, controller, trees, repredict)
         finally:  # a failed or interrupted call leaves the shared engine empty
@@ -336,15 +394,15 @@ class Generator:
             gc.collect()
         if trees:
             stats["trees"] = trees  # (tokens generated, tree from then on: None = plain rounds)
-        if note:
-            stats["auto"] = note + (f" ({controller.summary()})" if predicted is not None else "")
+        if plan.note:
+            stats["auto"] = plan.note + (f" ({controller.summary()})" if predicted is not None else "")
         if predicted is not None and decoded > 0:  # its decoding against plain rounds' (measured in this engine)
             vs_plain = controller.vs_plain(decoded / (stats["decode_s"] * 1e3))
             if vs_plain is not None:
                 stats["vs_plain"] = vs_plain
         phase_s = [a - b for a, b in zip(engine.phase_times(), times_before)]
-        if proposer is not None:
-            hist = [0] * (tree.depth + 1)
+        if plan.proposer is not None:
+            hist = [0] * (plan.tree.depth + 1)
             for s in seqs:
                 for n, c in enumerate(s.accepted_hist):
                     hist[n] += c
@@ -370,6 +428,10 @@ class CallPlan:
     name: str = ""
     auto: object = None
     controller: object = None
+    choices: tuple = ()  # the trees auto's controller may run (None: plain rounds), captured on a first call
+
+
+_KEEP = object()  # Generator._rounds: no new choice of tree this round
 
 
 def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:

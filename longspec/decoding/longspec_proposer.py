@@ -67,9 +67,13 @@ class LongSpecProposer(TreeDrafter):
         self.ring = self.reread = self.reread_count = self.target_kv = self.root_index = self.cross_keys = None
         self.candidate_ids = self.candidate_index = None
 
-    def add(self, row, prompt, first_token):
+    def add(self, row, prompt, first_token, tree=None):
         """Fills row ``row`` of the window with the prompt's last W tokens (K/V only: exact for a
-        one-block draft)."""
+        one-block draft), and the lookup's history; for a ``tree`` the lookup drafts alone, the
+        history only."""
+        if tree is not None and not self.keeps_up(tree):
+            self.lookup.add(row, prompt, first_token)
+            return
         w, device = self.draft.config.window, self.reread.device
         tail = prompt[-w:]
         ids = torch.tensor([tail], device=device)

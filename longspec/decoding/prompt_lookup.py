@@ -48,7 +48,7 @@ class PromptLookup(TreeDrafter):
         """Per row, the prompt and every emitted token (host lists; a device sync)."""
         return [h[:n].tolist() for h, n in zip(self.hist, self.hist_len.tolist())]
 
-    def add(self, row, prompt, first_token):
+    def add(self, row, prompt, first_token, tree=None):
         tokens = (list(prompt) + [first_token])[-self.capacity:]
         self.hist[row] = -1
         self.hist[row, :len(tokens)] = torch.tensor(tokens, device=self.hist.device)
