@@ -239,7 +239,7 @@ def timed_plain(c, ms: float):
     """``c`` as if it had timed plain rounds at ``ms`` (a process's first call runs them first)."""
     from longspec.decoding import controller
 
-    c.times["plain"] = [ms] * controller.SETTLED_ROUNDS
+    c.times["plain"], c.timed_at["plain"] = [ms] * controller.SETTLED_ROUNDS, c.rounds
     return c
 
 
@@ -558,6 +558,29 @@ def test_a_round_observed_late_counts_for_the_tree_that_ran_it():
     assert c.candidates["chain:5"].rounds == 0 and c.dwell == 0
     c.observe(4.0, 1.5e-3, chain)
     assert c.candidates["chain:5"].rounds == 1 and c.round_ms("chain:5") == pytest.approx(1.5) and c.dwell == 1
+
+
+def test_plain_rounds_timed_long_ago_are_timed_again_where_the_choice_hangs_on_them():
+    """Plain rounds timed slow (a process's first rounds, the device still idling) keep a tree
+    that pays less than they do running; a call that begins long after (RETIME_AFTER rounds),
+    with the tree predicted within RETIME_MARGIN of them, times them again first and keeps them.
+    Where the tree is predicted clearly faster, its call starts with it."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree = TreeSpec.parse("2,2")
+    c = timed_plain(Controller(), 1.5)
+    assert c.begin({tree: (1.9, 1.9), None: (1.0, 1.5)}, "t1") == tree  # (1.0 a ms against 0.67)
+    for _ in range(controller.RETIME_AFTER + 1):
+        assert c.observe(1.5, 2e-3, tree) == tree  # measured 0.75 tokens a ms: still above 0.67
+    c.end()
+    assert c.begin({tree: (1.9, 1.9), None: (1.0, 1.5)}, "t1") is None and c.round_ms("plain") is None
+    ran = [c.observe(1.0, 1.2e-3, None) for _ in range(controller.SETTLED_ROUNDS + 5)]
+    assert set(ran) == {None} and c.round_ms("plain") == pytest.approx(1.2)  # 0.83 a ms: plain rounds stay
+    c.end()
+    clear = Controller()
+    clear.times["plain"], clear.timed_at["plain"], clear.rounds = [1.5] * 3, 0, 1000
+    assert clear.begin({tree: (6.0, 1.9), None: (1.0, 1.5)}, "greedy") == tree
 
 
 def test_corrections_are_kept_for_the_next_process(tmp_path):

@@ -240,6 +240,8 @@ def test_bad_prompts(target):
         gen.generate([[1, 2, 160]], GenerationConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         gen.generate([[1, -1]], GenerationConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match=f"token id {2 ** 70} outside the vocabulary"):
+        gen.generate([[1, 2 ** 70]], GenerationConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="empty"):
         gen.generate([[1, 2], []], GenerationConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="no prompts"):

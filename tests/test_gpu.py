@@ -20,6 +20,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def own_home(tmp_path, monkeypatch):
+    """Each test its own longspec home: what auto measured and learned in one test (step costs,
+    corrections of its predictions, kept per model and draft) does not steer the next."""
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path / "home"))
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -15,7 +15,7 @@ import torch
 from ..cache import PoolExhausted
 from ..prefix_cache import Hit
 from .sampling import RowSampling
-from .sequence import Sequence, Streamer, cache_need, round_slots
+from .sequence import Sequence, Streamer, cache_need, round_slots, token_tensor
 
 
 class Admission:
@@ -138,11 +138,11 @@ class Admission:
         if chunked is not None and chunked.takes([len(r) for r in rest], cached):
             return torch.cat([chunked(row0 + i, r, c) for i, (r, c) in enumerate(zip(rest, cached))])
         if len(set(cached)) > 1:  # rows after cached prefixes of different lengths: one at a time
-            return torch.cat([self.target.prefill(torch.tensor([r], device=device), torch.tensor([len(r)]),
+            return torch.cat([self.target.prefill(token_tensor(r, device)[None], torch.tensor([len(r)]),
                                                   rows.rows(i, i + 1)) for i, r in enumerate(rest)])
         ids = torch.zeros(n, max(map(len, rest)), dtype=torch.long)  # one forward over the right-padded prompts
         for i, r in enumerate(rest):
-            ids[i, :len(r)] = torch.tensor(r)
+            ids[i, :len(r)] = token_tensor(r, "cpu")
         return self.target.prefill(ids.to(device), torch.tensor(list(map(len, rest))).to(device), rows)
 
     def cancel(self, s: Sequence) -> None:

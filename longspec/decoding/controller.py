@@ -39,6 +39,8 @@ LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, i
 MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero) ...
 MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
 SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
+RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
+RETIME_MARGIN = 1.25  # ... where the candidate predicted fastest is predicted less than this much faster
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -80,6 +82,8 @@ class Controller:
         """``store``: a JSON file that keeps what the corrections learned (under ``key``: the
         model and draft) for the next process, e.g. the next ``longspec generate``."""
         self.times: dict = {}  # label -> its last round times (ms), across calls
+        self.rounds = 0  # rounds observed, across calls
+        self.timed_at: dict = {}  # label -> self.rounds at its last round
         # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
         # (decayed sums over their rounds; extra: beyond the one a plain round emits)
         self.learned: dict = {}
@@ -147,6 +151,12 @@ class Controller:
             # candidate is weighed against them, and the cost model's time for them scales least
             # like the others' (docs/benchmarks.md, "Generation on a CPU")
             self.current = plain
+        elif plain is not None and self.rounds - self.timed_at.get("plain", self.rounds) > RETIME_AFTER and \
+                self.planned.rate < RETIME_MARGIN * plain.rate:
+            # and again where the choice hangs on it and it was timed long ago (at another context;
+            # a process's first rounds, on a device still idling, measure slow: a time that stayed
+            # too slow would keep plain rounds out for good where a tree pays less than they do)
+            self.times["plain"], self.current = [], plain
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -180,6 +190,8 @@ class Controller:
         times = self.times.setdefault(name, [])
         times.append(1e3 * seconds)
         del times[:-TIME_WINDOW]
+        self.rounds += 1
+        self.timed_at[name] = self.rounds
         c.tokens += tokens
         c.rounds += 1
         self.dwell += c is self.current

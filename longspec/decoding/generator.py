@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..cache import kv_pool_tokens
@@ -133,7 +134,11 @@ class Generator:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < vocab]
+            try:  # (numpy: a Python loop over a long prompt takes milliseconds)
+                ids = np.asarray(p, dtype=np.int64)
+                bad = ids[(ids < 0) | (ids >= vocab)].tolist()
+            except OverflowError:  # (beyond int64)
+                bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         return prompts

@@ -9,6 +9,7 @@ import torch
 from ..cache import DraftCache
 from .drafting import TreeDrafter
 from .prompt_lookup import PromptLookup
+from .sequence import token_tensor
 
 
 class LongSpecProposer(TreeDrafter):
@@ -76,7 +77,7 @@ class LongSpecProposer(TreeDrafter):
             return
         w, device = self.draft.config.window, self.reread.device
         tail = prompt[-w:]
-        ids = torch.tensor([tail], device=device)
+        ids = token_tensor(tail, device)[None]
         index = torch.arange(len(prompt) - len(tail), len(prompt), device=device)[None]
         self.ring.clear_row(row)
         with torch.inference_mode():

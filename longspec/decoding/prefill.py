@@ -82,6 +82,7 @@ from ..models import layer_prefill
 from ..models.layer_prefill import prefill_by_layer
 from .runner import PhaseRunner
 from .sampling import Uniforms
+from .sequence import token_tensor
 
 
 MODES = ("captured", "sdpa", "layers")
@@ -230,7 +231,7 @@ class ChunkedPrefill:
         """Prefills ``prompt`` into row ``row`` after the ``start`` tokens it holds (default: read
         from the cache) -> logits [1, V] after its last token. Raises ValueError when it does not
         :meth:`fit <fits>`."""
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.real.device)  # one copy to the device
+        ids = token_tensor(prompt, self.real.device)  # one copy to the device
         if self.mode == "sdpa":
             return self.target.prefill(ids[None], torch.full((1,), len(prompt), device=ids.device),
                                        self.cache.rows(row, row + 1), chunk_size=self.chunk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .drafting import TreeDrafter
+from .sequence import token_tensor
 from .tree import DraftTree
 
 
@@ -51,7 +52,7 @@ class PromptLookup(TreeDrafter):
     def add(self, row, prompt, first_token, tree=None):
         tokens = (list(prompt) + [first_token])[-self.capacity:]
         self.hist[row] = -1
-        self.hist[row, :len(tokens)] = torch.tensor(tokens, device=self.hist.device)
+        self.hist[row, :len(tokens)] = token_tensor(tokens, self.hist.device)
         self.hist_len[row] = len(tokens)
 
     def accepted(self, emitted, counts):

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq, Union
 
+import numpy as np
+import torch
+
 from .tree import TreeSpec
 
 DEFAULT_TREE = "4,16,16,16,16"
@@ -12,6 +15,13 @@ HYBRID_TREE = DEFAULT_TREE + ",1,1,1,1,1"  # the lookup chain alone past the bea
 
 Prompts = Union[Seq[int], Seq[Seq[int]]]
 Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
+
+
+def token_tensor(tokens: Seq[int], device) -> torch.Tensor:
+    """Token ids (a list of ints) -> [len(tokens)] int64 on ``device``, through numpy: several times
+    faster than ``torch.tensor`` of a list (~1 ms for 8k tokens on a CPU core), which a call
+    would otherwise pay for its prompt in the prefill and in the proposer's history."""
+    return torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1)).to(device)
 
 
 @dataclass
