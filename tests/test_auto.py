@@ -712,3 +712,22 @@ def test_auto_makes_its_plan_while_the_device_prefills(tiny, tmp_path, monkeypat
     assert not engine.has_active and engine.cache.allocator.num_free == engine.pool.num_blocks
     monkeypatch.setattr(gen, "plan", plan)
     assert gen.generate([prompts[2]], config).sequences == plain.generate([prompts[2]], config).sequences
+
+
+def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
+    """auto's plan predicts the lookup's hits from the prompt's last PLAN_WINDOW tokens, and so do
+    its re-predictions while generating: a long prompt's plan equals its recent part's."""
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    monkeypatch.setattr(auto, "PLAN_WINDOW", 64)
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    costs = tmp_path / "costs.json"
+    rng = random.Random(4)
+    head, recent = [rng.randrange(160) for _ in range(100)], [rng.randrange(20) for _ in range(64)]
+    fake_costs(target, costs, 164, {str(m): 1.0 for m in range(1, 80)},
+               {label: 0.5 for label in auto._candidates([], draft, [])})
+    long, short = (resolve(target, ids, draft, costs_file=str(costs)) for ids in (head + recent, recent))
+    assert {t: p[0] for t, p in long.predicted.items()} == {t: p[0] for t, p in short.predicted.items()}
+    assert long.hits == short.hits and long.hits != resolve(target, head[-64:], draft, costs_file=str(costs)).hits
+    generated = recent[10:30]
+    assert long.repredict(head + recent + generated, 164) == short.repredict(recent + generated, 64)

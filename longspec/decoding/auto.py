@@ -135,6 +135,10 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 # (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches;
 # 3: one lookup search a round, the hybrid's lookup tail without draft forwards)
 COSTS_VERSION = 3
+# the lookup's hit rates are predicted from the prompt's last this many tokens (their n-grams
+# matched there): a plan then costs the same at 8k and at 1M tokens, which matters where the
+# prefill hides it poorly (a long prompt mostly in the prefix cache)
+PLAN_WINDOW = 4096
 
 
 def device_key(target) -> str:
@@ -343,7 +347,9 @@ class Plan:
         ``ids`` (each depth pulled towards the prompt's rate by a few positions): a model
         continuing code repeats the prompt far more than the prompt repeats itself (on the README's
         CPU prompt, lookup chain:5 accepted 3.07 tokens a round against 1.82 predicted)."""
-        hits = lookup_acceptance(ids, tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0, index=self.index)
+        start = max(0, n_prompt - PLAN_WINDOW)  # (the index holds the prompt's last PLAN_WINDOW tokens)
+        hits = lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0,
+                                 index=self.index)
         return {tree: expected_tokens(tree, () if tree.kind == "chain" else self.acceptance, hits)
                 for tree in self.predicted or {} if tree is not None}
 
@@ -355,9 +361,10 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     if draft is not None and not draft.config.acceptance:
         tree = TreeSpec.parse(HYBRID_TREE)
         return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
-    index = LookupIndex(ids)  # (re-predicting from the generated text then costs little)
-    hits = lookup_acceptance(ids, index=index)
-    candidates = _candidates(ids, draft, hits, target.device.type == "cuda")
+    recent = ids[-PLAN_WINDOW:]
+    index = LookupIndex(recent)  # (re-predicting from the generated text then costs little)
+    hits = lookup_acceptance(recent, index=index)
+    candidates = _candidates(recent, draft, hits, target.device.type == "cuda")
     label, gain, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]
     predicted = {tree: (tokens, costs["draft_ms"][name] + steps[str(tree.num_nodes)])
