@@ -204,22 +204,28 @@ def default_model_dir(announce: bool = False) -> Path:
         gguf = default_gguf()
         if not announce:
             return convert_gguf(gguf, out)
-        import sys
         import time
 
         from transformers.utils import logging as hf_logging
 
-        start = time.perf_counter()
-        print(f"[longspec: converting the default model ({DEFAULT_NAME}) once into {out}; this takes about 20 s]",
-              file=sys.stderr, flush=True)
+        from .status import Heartbeat, status
+
+        start, stage = time.perf_counter(), ["loading the converter"]
+        status(f"converting the default model ({DEFAULT_NAME}) once into {out}; this takes about 20 s")
+
+        def step(message: str) -> None:
+            stage[0] = message
+            status(f"  {message} ...")
+
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            convert_gguf(gguf, out, progress=lambda m: print(f"[longspec:   {m} ...]", file=sys.stderr, flush=True))
+            with Heartbeat(lambda: f"  {stage[0]}"):  # (transformers' own stages say nothing for seconds)
+                convert_gguf(gguf, out, progress=step)
         finally:
             if was_enabled:
                 hf_logging.enable_progress_bar()
-        print(f"[longspec: converted in {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+        status(f"converted in {time.perf_counter() - start:.0f} s")
     return out
 
 

@@ -108,7 +108,7 @@ def test_first_run_converts_then_auto_measures_once_and_matches_plain_decoding(t
     assert "Loading weights" not in runs[0].stderr and "Traceback" not in runs[0].stderr
     assert not any("converting" in line for line in runs[1].stderr.splitlines())  # converted once
     auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
-    assert auto["proposer"] in ("none", "pld", "hybrid") and auto["auto"].startswith("cost model")
+    assert auto["proposer"] == "auto" and auto["auto"].startswith("cost model")  # (what the user chose)
     from longspec.decoding import auto as cost_model
     from longspec.decoding.tree import TreeSpec
 
@@ -144,3 +144,31 @@ def test_help_is_plain_and_names_defaults(capsys):
     for fragment in ("(default: 128)", "(default: 1, off)", "(default: 0, off)", "(default: none)",
                      "default: chain:5 for pld, 4,16,16,16,16,1,1,1,1,1 for hybrid, 4,16,16,16,16 otherwise", "shipped for the default model"):
         assert fragment in text, fragment
+
+
+def test_the_default_models_conversion_is_never_silent(tmp_path, monkeypatch, capsys):
+    """Converting the default model says each stage, and while a stage runs (transformers' own
+    say nothing for seconds) a line every BEAT_S seconds with the stage and the time so far."""
+    import time
+
+    from longspec import convert, status
+
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(status, "BEAT_S", 0.05)
+    monkeypatch.setattr(convert, "default_gguf", lambda: tmp_path / "model.gguf")
+
+    def slow(gguf, out, progress):
+        time.sleep(0.2)
+        progress("dequantising the weights")
+        time.sleep(0.3)
+        (out / "config.json").parent.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(convert, "convert_gguf", slow)
+    assert convert.default_model_dir(announce=True) == tmp_path / "models" / convert.DEFAULT_NAME
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("[longspec: converting the default model") and lines[-1].startswith("[longspec: converted in")
+    stage = lines.index("[longspec:   dequantising the weights ...]")
+    assert any(line.startswith("[longspec:   loading the converter: ") and line.endswith(" s so far]") for line in lines[:stage])
+    assert sum(line.startswith("[longspec:   dequantising the weights: ") for line in lines[stage:]) >= 3

@@ -225,3 +225,22 @@ def test_the_summary_line_gives_the_prefill_and_the_decoding_apart():
     assert commands.summary_line(stats) == ("[64 tokens in 44.2 s (the 8,151-token prompt's prefill: 36.9 s), 8.5 "
                                             "tokens/s after it, 20 steps, tau 3.20, plain from token 12]")
     assert "tokens/s after it (about 2.4x plain decoding's), 20 steps" in commands.summary_line({**stats, "vs_plain": 2.43})
+
+
+def test_json_says_what_the_user_chose_and_what_ran_first(capsys):
+    """``--json`` with the default auto: "proposer" is "auto" (what was chosen), "tree" the one
+    predicted fastest (null: plain rounds), as the status line says; what ran when in
+    stats["trees"]; every value a JSON type (no "None" strings)."""
+    import json
+
+    needs_default_model()
+    assert main(["generate", "--prompt", "def f(x):\n    return x\n" * 6, "--max-new-tokens", "6", "--json",
+                 "--threads", "1", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.splitlines()[-1])
+    assert out["proposer"] == "auto" and out["auto"].startswith("cost model")
+    assert out["stats"]["trees"][0][0] == 0
+    assert all(isinstance(at, int) and (tree is None or isinstance(tree, str)) for at, tree in out["stats"]["trees"])
+    said = [line for line in captured.err.splitlines() if line.startswith("[longspec: auto: ")]
+    assert said and ("plain decoding first" in said[0]) == (out["tree"] is None)
+    assert out["tree"] is None or commands.describe_tree(out["tree"]) in said[0]

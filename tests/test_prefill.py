@@ -354,7 +354,15 @@ def test_long_prefills_report_their_progress(target, capsys):
     seen.clear()
     target.prefill(ids, torch.tensor([40]), target.new_cache(1, 64), chunk_size=16)
     assert seen == []
-    reporter = PrefillStatus(40, every=0.0)
-    reporter(0.5)
-    reporter(1.0)  # (done: no line)
-    assert capsys.readouterr().err == "[longspec: prefilling the prompt's 40 tokens: 50% after 0 s]\n"
+    import time
+
+    reporter = PrefillStatus(40, None, every=0.05)  # (a line every 0.05 s until the first token)
+    stream = reporter.streamer(lambda row, tokens: None)
+    with reporter.heartbeat:
+        reporter(0.5)
+        time.sleep(0.3)
+        lines = capsys.readouterr().err.splitlines()
+        stream(0, [7])
+        time.sleep(0.3)
+    assert len(lines) >= 2 and all(line.startswith("[longspec: prefilling the prompt's 40 tokens: 50%: ") for line in lines)
+    assert capsys.readouterr().err.count("\n") <= 1  # (none after the first token, but one in flight)

@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object on stdout at the end (text, token_ids, proposer, tree, auto, "
-                          "stats); the text streamed while generating then goes to stderr, with the status lines")
+                     help="print one JSON object on stdout at the end (text, token_ids, proposer as chosen, tree "
+                          "(auto's: the one predicted fastest, as its status line says, null for plain rounds; what "
+                          "ran when in stats.trees), auto, stats); the text streamed while generating then goes to "
+                          "stderr, with the status lines")
     gen.add_argument("--proposer", choices=["auto", "none", "pld", "streaming", "longspec", "hybrid"],
                      default="auto",
                      help="draft strategy: auto (the default: after every round, plain rounds, prompt lookup's "

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 from pathlib import Path
 
 from ..files import read_text
+from ..status import Heartbeat, status
 
 
 class UsageError(ValueError):
@@ -75,48 +74,30 @@ class TextStreamer:
         self.printed = len(text)
 
 
-def status(message: str) -> None:
-    """One line on stderr saying what a step that may take more than a moment is doing."""
-    print(f"[longspec: {message}]", file=sys.stderr, flush=True)
-
-
-class Heartbeat:
-    """While its block runs, a status line every ``every`` seconds: ``label()`` (what runs now,
-    asked each time) and the seconds so far. For steps that report no progress of their own (a
-    server's warm-up compiling and capturing)."""
-
-    def __init__(self, label, every: float = 2.0):
-        self.label, self.every = label, every
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="longspec-status", daemon=True)
-
-    def _beat(self) -> None:
-        start = time.monotonic()
-        while not self.stop.wait(self.every):
-            status(f"{self.label()}: {time.monotonic() - start:.0f} s so far")
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
 class PrefillStatus:
-    """A status line every ~2 s while a long prompt is prefilled (the prefill reports the
-    fraction done: :mod:`longspec.models.progress`)."""
+    """A status line every ~2 s until a call's first token: what the engine prepares (capturing,
+    compiling), else the prompt's prefill and the fraction of it done (the prefill reports it
+    after each piece, :mod:`longspec.models.progress`; a CPU's pieces take seconds). Call it with
+    the fraction; :meth:`streamer` wraps the call's streamer (its first token ends the status)."""
 
-    def __init__(self, n_tokens: int, every: float = 2.0):
-        self.n_tokens, self.every = n_tokens, every
-        self.start = self.last = time.monotonic()
+    def __init__(self, n_tokens: int, gen, every: float = None):
+        self.n_tokens, self.gen, self.done, self.first = n_tokens, gen, 0.0, False
+        self.heartbeat = Heartbeat(self.label, every, until=lambda: self.first)
 
     def __call__(self, done: float) -> None:
-        now = time.monotonic()
-        if done < 1 and now - self.last >= self.every:
-            status(f"prefilling the prompt's {self.n_tokens} tokens: {100 * done:.0f}% after {now - self.start:.0f} s")
-            self.last = now
+        self.done = done
+
+    def label(self) -> str:
+        engine = getattr(self.gen, "_engine", None)
+        if engine is not None and engine.warming:
+            return f"preparing {engine.warming}"
+        return f"prefilling the prompt's {self.n_tokens} tokens" + (f": {100 * self.done:.0f}%" if self.done else "")
+
+    def streamer(self, streamer):
+        def stream(row: int, tokens: list) -> None:
+            self.first = True
+            streamer(row, tokens)
+        return stream
 
 
 def cmd_generate(args) -> int:
@@ -138,6 +119,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
     text = _prompt_text(args)
     name, tree = proposer_choice(args)
+    chosen = name  # (what --json reports: "auto" stays "auto", whatever it runs first)
     parallel = _tensor_parallel(args, device)
     if parallel and name == "auto":  # (auto's cost model times steps per device: not across ranks)
         from ..decoding.proposers import default_tree
@@ -202,8 +184,10 @@ def cmd_generate(args) -> int:
                "is kept under the longspec home)" if target.compile_steps else "capturing the steps as CUDA graphs")
     streamer = TextStreamer(tokenizer_for(target_dir), sys.stderr if args.json else sys.stdout)
     try:
-        with prefill_progress(PrefillStatus(len(ids))):
-            out = gen.generate([ids], config, streamer=streamer, **({} if parallel else {"plan": plan}))
+        prefill = PrefillStatus(len(ids), gen)
+        with prefill_progress(prefill), prefill.heartbeat:
+            out = gen.generate([ids], config, streamer=prefill.streamer(streamer),
+                               **({} if parallel else {"plan": plan}))
     finally:
         if parallel:
             gen.close()
@@ -212,8 +196,10 @@ def cmd_generate(args) -> int:
     tokens = out.sequences[0]
     stats = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.stats.items()}
     if args.json:
+        # (for auto: the tree predicted fastest, null for plain rounds, as its status line says;
+        # stats["trees"] what ran when)
         print(json.dumps({"text": streamer.tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
-                          "proposer": name, "tree": str(tree) if tree else None, "auto": note or None,
+                          "proposer": chosen, "tree": str(tree) if tree else None, "auto": note or None,
                           "stats": stats}))
     else:
         print(summary_line(stats), file=sys.stderr)

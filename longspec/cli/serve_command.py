@@ -8,7 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from .commands import Heartbeat, UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice, status
+from ..status import Heartbeat, status
+from .commands import UsageError, _device_and_dtype, _set_threads, _tensor_parallel, proposer_choice
 
 
 def cmd_serve(args) -> int:
