@@ -4,6 +4,7 @@ install command (CPU or GPU):
 
     python examples/quickstart.py
 """
+print("loading torch, transformers and longspec ...", flush=True)  # (a few seconds)
 import torch
 from transformers import AutoTokenizer
 
@@ -15,10 +16,12 @@ target = load_target(default_model_path(), dtype=torch.float32, device="cuda" if
 tokenizer = AutoTokenizer.from_pretrained(default_model_path())
 prompt = tokenizer(open(source_file.__file__).read()).input_ids  # (code: its continuation repeats it)
 config = GenerationConfig(max_new_tokens=64)
+show = lambda row, tokens: print(tokenizer.decode(tokens), end="", flush=True)  # noqa: E731 (the text as it comes)
 
-fast = Generator(target, proposer="auto").generate([prompt], config)
-plain = Generator(target).generate([prompt], config)
-print(tokenizer.decode(fast.sequences[0]))
-print(f"{fast.stats['tokens_per_s']:.1f} tokens/s against plain decoding's {plain.stats['tokens_per_s']:.1f}, "
+print(f"auto on a {len(prompt)}-token source file (its prefill takes seconds on a CPU):", flush=True)
+fast = Generator(target, proposer="auto").generate([prompt], config, streamer=show)
+print("\nplain decoding, the same prompt:", flush=True)
+plain = Generator(target).generate([prompt], config, streamer=show)
+print(f"\n{fast.stats['tokens_per_s']:.1f} tokens/s against plain decoding's {plain.stats['tokens_per_s']:.1f}, "
       f"tau {fast.stats['tau']:.2f}; same tokens as plain decoding: {fast.sequences == plain.sequences}")
 assert fast.sequences == plain.sequences
