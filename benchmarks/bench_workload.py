@@ -107,7 +107,8 @@ def ours(target, proposer, draft, config, profile=None):
         # (per round: draft_s / steps and verify_s / steps, device time: what auto's note predicted)
         return out.sequences[0], {"wall_s": time.perf_counter() - t, "prefill_s": stats["prefill_s"],
                                   "capture_s": stats["capture_s"], "plan_s": stats.get("plan_s", 0.0),
-                                  "setup_s": stats["setup_s"], "host_s": stats["host_s"],
+                                  "setup_s": stats["setup_s"], "host_s": stats["host_s"], "rounds_s": stats["rounds_s"],
+                                  "cached_tokens": stats["cached_tokens"],
                                   "tau": stats.get("tau", 1.0), "trees": stats.get("trees"),
                                   "auto": stats.get("auto"), "steps": stats["steps"],
                                   "draft_s": stats.get("draft_s"), "verify_s": stats.get("verify_s")}
@@ -122,10 +123,9 @@ def parts(res: dict) -> str:
     if "prefill_s" not in res:
         return ""
     switches = f" switches {len(res['trees']) - 1}" if res.get("trees") else ""
-    rounds = res["wall_s"] - res["prefill_s"] - res["plan_s"] - res["setup_s"] - res["host_s"]
     return (f"  plan {1e3 * res['plan_s']:5.1f} ms  setup {1e3 * res['setup_s']:5.1f} ms  prefill {1e3 * res['prefill_s']:6.1f}"
-            f" ms  rounds {res['steps']:3d} ({1e3 * rounds / max(res['steps'], 1):.2f} ms each)  between rounds"
-            f" {1e3 * res['host_s']:5.1f} ms{switches}")
+            f" ms ({res['cached_tokens']} tokens cached)  rounds {res['steps']:3d} ({1e3 * res['rounds_s'] / max(res['steps'], 1):.2f}"
+            f" ms each)  between rounds {1e3 * res['host_s']:5.1f} ms{switches}")
 
 
 def sampling_config(name: str, max_new_tokens: int) -> GenerationConfig:

@@ -673,6 +673,7 @@ def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corre
     assert out.sequences == Generator(target).generate([prompt], config).sequences
     stats = out.stats
     assert stats["vs_plain"] > 0 and stats["host_s"] >= 0 and stats["plan_s"] > 0 and stats["trees"]
+    assert 0 < stats["rounds_s"] <= stats["decode_s"] and stats["cached_tokens"] == 0
     assert all(tree is None or isinstance(tree, str) for _, tree in stats["trees"])
     assert json.loads((tmp_path / "corrections.json").read_text())
 

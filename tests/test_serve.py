@@ -290,16 +290,16 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
         prompts = [prompt_ids(i) for i in range(5)]
         calls, real_add, real_setup = [], Engine.add, PromptLookup.add
 
-        def add(engine, seqs, streamer=None):
+        def add(engine, seqs, streamer=None, **kwargs):
             calls.append(len(seqs))
             if where == "prefill" and any(s.prompt == prompts[3] for s in seqs):
                 raise RuntimeError("prefill failed")
-            return real_add(engine, seqs, streamer)
+            return real_add(engine, seqs, streamer, **kwargs)
 
-        def setup(proposer, row, prompt, first_token):
+        def setup(proposer, row, prompt, first_token, **kwargs):
             if prompt == prompts[3]:
                 raise RuntimeError("set-up failed")
-            return real_setup(proposer, row, prompt, first_token)
+            return real_setup(proposer, row, prompt, first_token, **kwargs)
 
         monkeypatch.setattr(Engine, "add", add)
         monkeypatch.setattr(PromptLookup, "add", setup)

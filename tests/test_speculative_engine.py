@@ -223,7 +223,7 @@ def test_a_generate_call_that_compiled_collects_its_garbage_and_one_that_did_not
 def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     """While warm_up runs, ``engine.warming`` names the part being prepared (what ``longspec
     serve``'s status line prints every ~2 s); None before and after."""
-    from longspec.cli.commands import Heartbeat
+    from longspec.status import Heartbeat
     from longspec.decoding import runner as runner_module
     from longspec.decoding.engine import Engine
 
@@ -238,7 +238,7 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     assert list(engine.warm_up_seconds) == ["the prefill", *seen, "garbage collection"]
     assert min(engine.warm_up_seconds.values()) >= 0
     lines = []
-    monkeypatch.setattr("longspec.cli.commands.status", lines.append)
+    monkeypatch.setattr("longspec.status.status", lines.append)
     with Heartbeat(lambda: "warming up", every=0.05):
         time.sleep(0.3)
     assert lines and all(line.startswith("warming up: ") and line.endswith(" s so far") for line in lines)

@@ -391,7 +391,7 @@ class Generator:
                      tokens_per_s=decoded / max(t_end - t_prefill, 1e-9),
                      capture_s=engine.capture_seconds() - captures_before, plan_s=plan_s, setup_s=setup_s,
                      kv_pool_tokens=engine.pool.num_blocks * engine.pool.block_size,
-                     host_s=max(t_end - t_prefill - stepping, 0.0),
+                     rounds_s=stepping, host_s=max(t_end - t_prefill - stepping, 0.0),
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if engine.capture_seconds() > collected_at:
             # this call compiled: the many objects that leaves are collected now, in the call
