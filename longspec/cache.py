@@ -180,8 +180,7 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
 
 
 @compile_boundary  # as it is in compiled rounds: Inductor turned this indexed write into a
-# view of the cache into two copies of the whole cache (0.9 ms of a 3 ms round at batch 16 on the
-# H200, ``benchmarks/results/steps_batch16_h200.log``)
+# view of the cache into two copies of the whole cache (a third of a round at batch 16)
 def move_tokens(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies the K/V of physical slots ``src`` [N] to slots ``dst`` [N] of every layer of a
     :class:`BlockPool`'s ``k``, ``v`` [L, Hkv, P, D]: one gather of the kept tokens, then one

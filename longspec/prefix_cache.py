@@ -36,7 +36,7 @@ with a prefix cache keeps every row paged (``KVCache(paged=True)``). On CUDA the
 of the rounds read through the table either way (one table load per 64-key block); the eager
 prefill's PyTorch attention, and every step on a CPU, gathers the rows' K/V through the table
 instead of viewing them in place (``LayerKV.dense``): a copy of the slots in use per layer and
-step (measured on a CPU in ``benchmarks/results/bench_prefix_cpu.log``)."""
+step (docs/benchmarks.md, "Prefix cache")."""
 from __future__ import annotations
 
 import itertools

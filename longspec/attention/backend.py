@@ -32,10 +32,9 @@ IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 # prefix's tail outside the captured chunk steps, which use the kernel already) runs on the Triton
 # kernel when the target's implementation is Triton (``TargetModel.forward_hidden`` picks it): it
 # packs the query heads of a KV head into one tile and reads a paged cache through its block table,
-# where the flash path first gathers the row's keys into a dense copy. H200, 8B shape (32/8 heads,
-# head_dim 128), 32k cached tokens (``attention_causal_8b_32k_h200.log``): 16 new tokens 53 us
-# against 119 us for flash over dense rows and 334 us over paged rows (gathered); 128 new tokens
-# (64-row tiles) 184 against 225 / 437 us. Longer eager chunks go to SDPA (2048: flash 3.27 ms).
+# where the flash path first gathers the row's keys into a dense copy: up to 128 new tokens it is
+# the faster (docs/benchmarks.md, "The measurements behind the code's choices"). Longer eager
+# chunks go to SDPA.
 TRITON_CAUSAL_MAX_TOKENS = 128
 # A causal step of at most this many new tokens over one paged row in runs of blocks on a CPU (a
 # prefix-cache hit's tail) goes run by run with an explicit [M, S] mask instead of gathering the

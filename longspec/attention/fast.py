@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# cuDNN's fused attention builds a new plan for every new key length (about 5 ms of CPU per call
-# when the cache grows by a token each step, measured on an H200): decoding uses the others.
+# cuDNN's fused attention builds a new plan for every new key length (milliseconds of CPU per call
+# when the cache grows by a token each step): decoding uses the others.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -66,13 +66,12 @@ def runs_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor
 
 
 # backends a prompt's causal attention may use, in order of preference (``sdpa_kernel`` with
-# ``set_priority``; an ineligible one, e.g. for lower-right causal, is skipped). cuDNN first: on the
-# H200 (``benchmarks/bench_causal.py``, ``causal_attention_h200.log``; 32 query and 8 KV heads, bf16)
-# its causal attention ran at 565-600 TFLOP/s from 8k to 128k tokens, PyTorch's default (flash) at
-# 335-345. Its first call in a process sets cuDNN up (~0.9 s, paid at an engine's warm-up), its first
-# of each kind of length (a multiple of 128 or not) builds a kernel (~0.6 s, also paid there), and
-# each new shape builds a plan (~40 ms): prompts by layer pay it once per prompt, not per layer. (Compiled
-# chunk steps get PyTorch's default order: see :func:`_backends`.)
+# ``set_priority``; an ineligible one, e.g. for lower-right causal, is skipped). cuDNN first: its
+# causal attention runs long prompts well above PyTorch's default (flash; docs/benchmarks.md, "The
+# measurements behind the code's choices"). Its first call in a process sets cuDNN up (paid at an
+# engine's warm-up), its first of each kind of length (a multiple of 128 or not) builds a kernel
+# (also paid there), and each new shape builds a plan: prompts by layer pay it once per prompt, not
+# per layer. (Compiled chunk steps get PyTorch's default order: see :func:`_backends`.)
 CAUSAL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_BACKENDS]
 
 

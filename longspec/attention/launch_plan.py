@@ -16,7 +16,7 @@ class KernelConfig:
     """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
     rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
     plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning 1: the
-    fastest on the H200 for decode and for 64-tree rows, `benchmarks/results/attention_sweep_h200.log`);
+    fastest measured for decode and for 64-tree rows, docs/benchmarks.md);
     ``min_chunk``: keys per split-KV program at least (short caches: fewer, longer programs)."""
 
     block_q: int = 0
@@ -30,12 +30,12 @@ class KernelConfig:
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
     # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
-    # loop variants timed on the H200 and removed, none faster (README "Hybrid tree attention at the
-    # 8B shape"): the next block's q.k before this block's softmax, lazy rescaling, extra rows riding
-    # along full tiles, Triton's automatic warp specialization of the unmasked loop
+    # loop variants timed and removed, none faster (docs/benchmarks.md, "Hybrid tree attention"): the
+    # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full
+    # tiles, Triton's automatic warp specialization of the unmasked loop
 
 
-# shared memory one program may use: the H200's (H100's) 227 KB per block, less room for Triton's own
+# shared memory one program may use: a Hopper GPU's 227 KB per block, less room for Triton's own
 # scratch (the estimate below counts the tiles only)
 SHARED_MEMORY_BUDGET = 200 * 1024
 ACC_ELEMENTS_PER_THREAD = 64  # float32 accumulator registers per thread at most (the rest: q, scores, addresses)
@@ -88,7 +88,7 @@ def merge_plan(n_parts: int, rows: int, head_dim: int, elements: int, units: int
 def shared_memory_budget(block_limit: int) -> int:
     """The tiles' budget on a GPU whose blocks may use ``block_limit`` bytes of shared memory (its
     opt-in maximum): 7/8 of it (room for Triton's own scratch), at most ``SHARED_MEMORY_BUDGET``.
-    A consumer GPU (about 99 KB a block) gets smaller tiles than the H100/H200 (227 KB)."""
+    A consumer GPU (about 99 KB a block) gets smaller tiles than a Hopper data-centre GPU (227 KB)."""
     return min(SHARED_MEMORY_BUDGET, block_limit * 7 // 8) if block_limit > 0 else SHARED_MEMORY_BUDGET
 
 

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "every 10 s)")
     tr.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                     help="the draft's forward and backward and the loss chunks through torch.compile (Inductor): "
-                         "1.8x the tokens/s on the H200 with --distill (default: auto = on CUDA)")
+                         "about 1.8x the tokens/s on a GPU with --distill (default: auto = on CUDA)")
     tr.set_defaults(func=cmd_train)
     return parser
 

@@ -76,7 +76,7 @@ def measure_costs(target, candidates: dict, context: int, repeats: int = 3, batc
     and each candidate's node count per row, and each candidate's proposal (``candidates`` as for
     :func:`choose`). Measured
     without ``torch.compile`` (a compilation per shape would make the first run minutes long on a
-    GPU); compiled steps are cheaper, the proposal most (about 2x on the H200), so on a GPU the
+    GPU); compiled steps are cheaper, the proposal most (about 2x on a GPU), so on a GPU the
     choice errs towards less speculation."""
     compiled, target.compile_steps = target.compile_steps, False
     try:

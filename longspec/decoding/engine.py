@@ -85,11 +85,10 @@ class Engine(Admission):
     block size).
 
     ``compile_proposals``: with compiled steps (``target.compile_steps``), the proposer's draft
-    of a round is compiled too, one frame per batch bucket. On the H200 (the default pair, the
-    hybrid tree; ``serve_compiled_proposals_h200.log`` against ``serve_start_h200.log``) a
-    single-stream round took 3.8 ms instead of 5.8 ms, and warming up three buckets 62 s instead
-    of 27 s with warm compiler caches. ``Generator`` engines compile theirs too (once per machine:
-    on-disk caches); ``longspec generate`` runs uncompiled unless ``--compile``."""
+    of a round is compiled too, one frame per batch bucket: a round about a third faster, a
+    warm-up twice as long (docs/benchmarks.md, "The measurements behind the code's choices").
+    ``Generator`` engines compile theirs too (once per machine: on-disk caches); ``longspec
+    generate`` runs uncompiled unless ``--compile``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
                  max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
@@ -410,7 +409,7 @@ class Engine(Admission):
     def prepare_prefill(self, by_layer: bool = False) -> None:
         """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,
         serving every row), if it has chunk steps; ``by_layer``: sets up the attention of prompts
-        long enough to go layer by layer too (once; ~1.5-2 s of cuDNN's on an H200). Call with no
+        long enough to go layer by layer too (once a process: cuDNN's set-up). Call with no
         sequences in the engine."""
         chunked = self.chunked_prefill
         if chunked is not None and chunked.captured:

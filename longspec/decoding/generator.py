@@ -29,9 +29,8 @@ from .tree import TreeSpec
 
 CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
-# 256- and 64-token chunks): on the H200 (SmolLM2 shape, ``bench_prefill_chunks_h200.log``) 2,000 /
-# 5,000 / 7,600 tokens took 4.2 / 20 / 31 ms, against 24 / 86 / 116 ms as one eager forward and
-# 37 / 35 / 22 ms in transformers
+# 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
+# "A user's workload on the GPU")
 PREFILL_CHUNK = 2048
 DEFAULT_KV_ROWS = 8  # a Generator's KV pool on CUDA: rows of max_len (so a few long documents stay cached)
 

@@ -1,47 +1,36 @@
 """Prompt prefill in fixed-size chunks, shaped like the engine's rounds.
 
-An eager prefill launches ~50 operations per layer from Python whatever the prompt's length: on
-the H200 a random-weight SmolLM2-shaped target took ~15 ms for 256 tokens as for 1700
-(``benchmarks/results/prefill_compiled_h200.log``), and in a server every running stream waits
-for each arriving request's prefill. :class:`ChunkedPrefill` runs a prompt as chunks of a fixed
-number of tokens, each one forward over a fixed number of cache slots with a causal mask, then
-commits the chunk's real tokens: on CUDA each row's chunk step is captured once as a CUDA graph
-(through :class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few
-replays. The K/V and the last token's logits are the eager prefill's (up to kernel rounding).
+An eager prefill launches ~50 operations per layer from Python whatever the prompt's length, so a
+small model's prefill is launch-bound, and in a server every running stream waits for each
+arriving request's prefill. :class:`ChunkedPrefill` runs a prompt as chunks of a fixed number of
+tokens, each one forward over a fixed number of cache slots with a causal mask, then commits the
+chunk's real tokens: on CUDA each row's chunk step is captured once as a CUDA graph (through
+:class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few replays. The
+K/V and the last token's logits are the eager prefill's (up to kernel rounding).
 
 A ladder of chunk sizes (``sizes``, default :func:`default_sizes`: the big chunk, 1/8, 1/16 and
 1/32 of it, e.g. 2048, 256, 128 and 64 tokens) keeps a prompt's last piece from running a whole
 padded big chunk: a 30-token question after a cached 32k-token document, or a short prompt, runs
 one 64-token step, not a 2048-token one. After a long cached prefix each padded query still
-attends over every cached key, so the rungs are close together: at the 8B shape after 32k cached
-tokens a 33-token rest took 15.4 ms to its first token in a 128-token chunk against 10 ms for a
-31-token one in a 32-token chunk (``bench_prefix_8b_32k_first_long_request_h200.log``, ladder
-32 / 128 / 1024), hence the 1/16 rung. :func:`chunk_plan` splits a prompt: big chunks while at
-least a big chunk remains, then the rest in the ladder's chunks that minimise the slots computed
-(real and padding) plus a fixed cost per step (``step_cost`` slots, default a quarter of the big
-chunk: a step's weight reads and launches); with a 2048 / 256 / 128 / 64 ladder a rest of up to
-64 tokens goes in one 64-token chunk, up to 128 in one 128, up to 256 in one 256, up to 768 in two
-or three smaller chunks, and more in one big chunk. That step cost sits between a small model's
-(launch-bound: on the H200 a SmolLM2-shaped step took 1.6 ms at 256 tokens and 2.2 ms at 1024, so
-fewer steps win) and an 8B model's (its weights' read, ~200 tokens' compute: small steps win).
-Each size has one chunk step,
-captured once, which serves every row: it runs on a one-row view of the cache whose block table
-and length are buffers of its own, loaded with a row's before its steps (its length copied back
-after); the small sizes' static buffers and graphs are small.
+attends over every cached key, so the rungs are close together (hence the 1/16 rung).
+:func:`chunk_plan` splits a prompt: big chunks while at least a big chunk remains, then the rest
+in the ladder's chunks that minimise the slots computed (real and padding) plus a fixed cost per
+step (``step_cost`` slots, default a quarter of the big chunk: a step's weight reads and
+launches); with a 2048 / 256 / 128 / 64 ladder a rest of up to 64 tokens goes in one 64-token
+chunk, up to 128 in one 128, up to 256 in one 256, up to 768 in two or three smaller chunks, and
+more in one big chunk. That step cost sits between a small model's (launch-bound: fewer steps
+win) and an 8B model's (its weights' read, ~200 tokens' compute: small steps win). Each size has
+one chunk step, captured once, which serves every row: it runs on a one-row view of the cache
+whose block table and length are buffers of its own, loaded with a row's before its steps (its
+length copied back after); the small sizes' static buffers and graphs are small.
 
 The chunk's mask is causal and the Triton kernel is told so: it computes the mask and skips the
 key blocks after each query tile's last token, so the tree part of a chunk costs half as much and
-chunks can be long. On the H200 (``bench_prefill_causal_h200.log``, SmolLM2 shape, 4096 slots) a
-1700-token prompt took 11.2 ms in 256-token chunks with a read mask, 4.9 ms in 1024-token causal
-chunks, and 23 ms as one eager prefill; a 256-token prompt 1.7 ms in a 256 chunk, 2.4 ms in a
-1024 one.
+chunks can be long.
 
 The replays are one row at a time, so a large admission is cheaper as one batched eager forward:
-on the H200 (SmolLM2, prompts of ~1700 tokens, 256-token chunks; ``serve_chunk_h200.log``) the
-chunks made a plain server 1.26x faster at one client (time to first token 48 -> 18 ms) and 1.16x
-at four, were even at sixteen (waves of 16 arrivals) and 0.78x at 64 (waves of 64). So an
-admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all is prefilled
-eagerly.
+an admission that needs more than :attr:`ChunkedPrefill.max_chunks` chunk steps in all is
+prefilled eagerly.
 
 Two eager modes (``mode``) to compare on long prompts, where a chunk's launches are negligible:
 ``"sdpa"``, chunks of ``chunk`` tokens through :meth:`TargetModel.prefill` (PyTorch's fused
@@ -53,22 +42,15 @@ over the whole prompt, projections and MLP ``chunk`` tokens at a time). ``benchm
 Long prompts go layer by layer in the captured mode too: a row's prompt (after its cached tokens)
 of :attr:`ChunkedPrefill.by_layer_from` tokens or more is prefilled by ``prefill_by_layer``, whose
 one causal attention call per layer runs on cuDNN's fused attention (first in
-:data:`~longspec.attention.fast.CAUSAL_BACKENDS`). On the H200 (an 8B shape, bf16; transformers'
-sdpa prefill beside it; ``long_8b_16k_32k_h200.log``, ``long_8b_h200.log``), each prompt a length
-new to the process:
-
-* 16,384 tokens: captured 2048-token chunks 0.586 s, by layer 0.613 s, transformers 0.653 s;
-* 32,768 tokens: chunks 1.584 s, by layer 1.405 s, transformers 1.758 s;
-* 131,072 tokens: chunks 16.2 s, by layer 11.6 s, transformers 17.4 s;
-
-hence the threshold between 16k and 32k. A process's first cuDNN attention call sets cuDNN up
-(~0.9 s) and its first of each kind of length (a multiple of 128 or not) builds a kernel (~0.6 s),
-which an engine's warm-up pays (:meth:`ChunkedPrefill.prepare_by_layer`; a
-``Generator`` leaves it to its first prompt by layer); each new prompt length still
-builds a plan (~40 ms, ``diagnose_first_prefill.py``). Only targets whose layers all see every
-earlier token go by layer (:func:`~longspec.models.layer_prefill.supports`: not Gemma 3's
-sliding-window layers). A prompt by layer needs no padded slots and no chunk-step count, so any
-prompt that fits the cache (1M tokens included) goes in one pass."""
+:data:`~longspec.attention.fast.CAUSAL_BACKENDS`): past a length between 16k and 32k tokens it is
+the faster of the two. A process's first cuDNN attention call sets cuDNN up and its first of each
+kind of length (a multiple of 128 or not) builds a kernel, which an engine's warm-up pays
+(:meth:`ChunkedPrefill.prepare_by_layer`; a ``Generator`` leaves it to its first prompt by layer);
+each new prompt length still builds a plan. Only targets whose layers all see every earlier
+token go by layer (:func:`~longspec.models.layer_prefill.supports`: not Gemma 3's sliding-window
+layers). A prompt by layer needs no padded slots and no chunk-step count, so any prompt that fits
+the cache (1M tokens included) goes in one pass. The measurements behind these choices:
+docs/benchmarks.md ("The measurements behind the code's choices")."""
 from __future__ import annotations
 
 import functools
@@ -159,8 +141,8 @@ class ChunkedPrefill:
     max_chunks = 64  # an admission needing more chunk steps than this goes as one eager forward
     by_layer_from = 24576  # captured mode: a row's prompt of this many tokens or more goes layer by layer
     layer_piece = 16384  # its projections and MLP this many tokens at a time
-    # :meth:`prepare_by_layer`'s prompts: cuDNN's fused attention builds a kernel of its own (about 0.6 s
-    # on an H200, once a process) for lengths that are multiples of 128 and another for the rest
+    # :meth:`prepare_by_layer`'s prompts: cuDNN's fused attention builds a kernel of its own (once a
+    # process, a fraction of a second) for lengths that are multiples of 128 and another for the rest
     warm_tokens = (257, 2048)
 
     def __init__(self, target, cache: KVCache, chunk, n_keys, cuda_graphs: bool, causal_kernel: bool = True,

@@ -30,9 +30,8 @@ _CAPTURE_STREAMS: dict = {}  # device -> the side stream every capture on it run
 def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """The side stream that warm-ups and captures on ``device`` run on: one per device, shared
     by every engine and measurement (cuBLAS keeps a workspace, tens of MiB on Hopper, per stream).
-    A stream per engine, taken from PyTorch's pool of side streams, was tried: on the H200 (torch
-    2.11) it made Python's collector segfault while freeing dead engines, in the GPU tests and
-    in bench_attention (benchmarks/results/gc_diag_h200.log); one shared stream did not."""
+    A stream per engine, taken from PyTorch's pool of side streams, was tried: with torch 2.11 it
+    made Python's collector segfault while freeing dead engines; one shared stream did not."""
     device = torch.device(device)
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
@@ -44,8 +43,8 @@ def collector_paused():
     """Collects garbage once, then pauses Python's cyclic collector (and Dynamo's collection
     after each compilation) until the block ends. A dead engine (a reference cycle) still holding
     CUDA graphs, collected in the middle of a capture, resets its graphs there; that is not
-    permitted while a stream captures and invalidates the capture (seen on the H200: a failed
-    capture that left the CUDA generator in capture mode). PyTorch no longer collects before a
+    permitted while a stream captures and invalidates the capture (seen: a failed capture that
+    left the CUDA generator in capture mode). PyTorch no longer collects before a
     capture, so every capture here runs inside this block."""
     gc.collect()
     enabled = gc.isenabled()

@@ -17,10 +17,10 @@ import torch
 from ..compile_boundary import compile_boundary
 
 # Vocabularies above this many tokens take the sampled rounds' greedy argmax outside the compiled
-# graph (a graph break; eager, the same index): on the H200, at Gemma 3's 262,144 tokens, Inductor
-# fused it with the softmax's reductions into a kernel it cannot generate ("NYI
-# TritonSplitDimKernel reductions"), and the whole acceptance of every sampled round then ran
-# uncompiled (``gemma3_auto_chain_h200.log``); at 49,152 (the default model) it compiles
+# graph (a graph break; eager, the same index): at Gemma 3's 262,144 tokens Inductor fused it with
+# the softmax's reductions into a kernel it cannot generate ("NYI TritonSplitDimKernel
+# reductions"), and the whole acceptance of every sampled round then ran uncompiled; at 49,152
+# (the default model) it compiles
 LARGE_VOCAB = 65536
 
 __all__ = ["RowSampling", "Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs",

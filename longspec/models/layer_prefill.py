@@ -60,10 +60,9 @@ def warm_up(target, cache: KVCache, tokens: int) -> None:
     assigned), whose K/V are then dropped (its length set back to 0): what the first prompt by
     layer would otherwise pay once, on the same path with the same layouts (the kernels specialise
     on the length: ``ChunkedPrefill.warm_tokens`` holds one of each kind). A process's first
-    causal attention sets cuDNN up (about 0.9 s on an H200, ``diagnose_first_prefill.py``), its
-    first of a length that is a multiple of 128, and of one that is not, builds a kernel (about
-    0.6 s each: ``ChunkedPrefill.prepare_by_layer`` warms both); each new prompt length still
-    builds a cuDNN plan (about 40 ms)."""
+    causal attention sets cuDNN up, its first of a length that is a multiple of 128, and of one
+    that is not, builds a kernel (``ChunkedPrefill.prepare_by_layer`` warms both); each new prompt
+    length still builds a cuDNN plan (docs/benchmarks.md has the times)."""
     ids = torch.zeros(1, tokens, dtype=torch.long, device=target.device)
     try:
         prefill_by_layer(target, ids, cache)
