@@ -175,3 +175,14 @@ def test_no_tracked_file_speaks_of_the_machinery():
         lowered = text.lower()
         hits += [f"{name}: {word}" for word in MACHINERY if word.lower() in lowered]
     assert not hits, hits
+
+
+def test_the_package_says_what_and_why_not_which_machine_measured_what():
+    """Measurements (machine names, log files) live in docs/benchmarks.md, not in the package's
+    docstrings and comments."""
+    hits = []
+    for path in sorted((ROOT / "longspec").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if re.search(r"\b[HA]100\b|\bH200\b|_h200|benchmarks/results|\w\.log\b(?!\()", line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, hits
