@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,25 +22,17 @@ from ..config import GenerationConfig
 from ..models.target import TargetModel
 from .engine import Engine, owner_of
 from .sampling import RowSampling
-from .proposers import PROPOSERS, build_proposer, default_tree, proposer_family, resolve_draft
+from .proposers import PROPOSERS, default_tree, proposer_family
 from .sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
+from .shared import engine_controller, new_controller, registry, shared_draft, shared_proposer
 from .tree import TreeSpec
 
-CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
 # "A user's workload on the GPU")
 PREFILL_CHUNK = 2048
 DEFAULT_KV_ROWS = 8  # a Generator's KV pool on CUDA: rows of max_len (so a few long documents stay cached)
 
-
-
-def _engines(target: TargetModel) -> dict:
-    """{engine key: (proposer, engine)}: the target's engines in this process, kept on the target
-    (the engines refer to it: they go with it)."""
-    if "_longspec_engines" not in target.__dict__:
-        target.__dict__["_longspec_engines"] = {}
-    return target.__dict__["_longspec_engines"]
 
 
 class _Clock:
@@ -96,12 +87,12 @@ class Generator:
         elif isinstance(proposer, str):
             if proposer not in PROPOSERS:
                 raise ValueError(f"unknown proposer {proposer!r}; expected one of {', '.join(PROPOSERS)}")
-            draft = _shared_draft(target, draft) if proposer in ("auto", "longspec", "hybrid") else draft
+            draft = shared_draft(target, draft) if proposer in ("auto", "longspec", "hybrid") else draft
             if proposer == "auto":
                 if tree is not None:
                     raise ValueError("proposer 'auto' chooses its tree itself: leave tree out")
             else:  # one proposer per name and draft in the process: Generators of it share its engine
-                proposer = _shared_proposer(target, proposer, draft, window)
+                proposer = shared_proposer(target, proposer, draft, window)
         if proposer is not None and proposer != "auto":
             tree = TreeSpec.coerce(default_tree(proposer_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
@@ -117,7 +108,7 @@ class Generator:
     def _engine(self) -> Optional[Engine]:
         """The engine of the last call (held by the target's registry only, so a replaced engine
         is freed whatever Generator used it)."""
-        found = _engines(self.target).get(self._key)
+        found = registry(self.target).get(self._key)
         return None if found is None else found[1]
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
@@ -212,7 +203,7 @@ class Generator:
         from .auto import resolve
 
         chosen = resolve(self.target, prompts[0], self.draft)
-        proposer = _shared_proposer(self.target, chosen.name, self.draft)
+        proposer = shared_proposer(self.target, chosen.name, self.draft)
         return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen,
                         choices=tuple(chosen.predicted or ()))
 
@@ -229,7 +220,7 @@ class Generator:
             return None
         trees = candidate_trees(self.draft, self.target.device.type == "cuda")
         name = "pld" if self.draft is None else "hybrid"
-        return CallPlan(_shared_proposer(self.target, name, self.draft), trees[0], None, name=name,
+        return CallPlan(shared_proposer(self.target, name, self.draft), trees[0], None, name=name,
                         choices=(*trees, None))
 
     def _begin(self, engine: Engine, plan: "CallPlan", config: GenerationConfig) -> tuple:
@@ -237,34 +228,11 @@ class Generator:
         ``plan``: auto's controller of ``engine`` begun with its predictions, or the one given to
         this Generator, or none."""
         if plan.auto is not None and plan.auto.predicted is not None:
-            controller = self._controller(engine)
+            controller = engine_controller(self.target, self.draft, engine)
             return controller, plan.auto.predicted, controller.begin(plan.auto.predicted, sampling_key(config))
         if plan.controller is not None:
             return plan.controller, None, plan.controller.begin(None, None)
         return None, None, plan.start
-
-    def _controller(self, engine: Engine):
-        """auto's :class:`~longspec.decoding.controller.Controller` of ``engine``: one per engine
-        in this process (what it measured serves the engine's later calls)."""
-        engines = _engines(self.target)
-        for key in [k for k, (_, ref) in engines.items() if k[0] == "controller" and ref() is None]:
-            del engines[key]  # (of engines gone since)
-        key = ("controller", id(engine))
-        if key not in engines or engines[key][1]() is not engine:
-            engines[key] = (self._new_controller(), weakref.ref(engine))  # (not keeping a replaced engine alive)
-        return engines[key][0]
-
-    def _new_controller(self):
-        """A controller whose corrections of the cost model (what it learns about a checkpoint's
-        acceptance) are kept for the next process beside the step costs (for a checkpoint on disk)."""
-        from .controller import Controller
-
-        if self.target.path is None:
-            return Controller()
-        from ..convert import home_dir
-        from .auto import corrections_key
-
-        return Controller(str(home_dir() / CORRECTIONS_FILE), corrections_key(self.target, self.draft))
 
     def first_rounds(self, plan: "CallPlan", config: GenerationConfig) -> tuple:
         """(tree, predicted speed over plain decoding) of the first rounds of a call of ``plan``
@@ -273,14 +241,14 @@ class Generator:
         it times plain rounds first); else ``plan.start``."""
         if plan.auto is None or plan.auto.predicted is None:
             return plan.start, None
-        controller = self._new_controller()
+        controller = new_controller(self.target, self.draft)
         controller.begin(plan.auto.predicted, sampling_key(config))
         return controller.planned.tree, controller.gain()
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
         with at least ``batch`` rows (built on first use, or rebuilt with more rows)."""
-        engines = _engines(self.target)
+        engines = registry(self.target)
         # (the attention, compilation, dtype and device settings are the engine's too: its steps use them)
         key = ("engine", None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
                self.prefix_cache, None if self.kv_memory is None else str(self.kv_memory),
@@ -337,12 +305,12 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0) for p in prompts]
         kind = engine.round_kind_of(seqs)
-        if plan.choices and engine.cuda_graphs and kind not in self._controller(engine).captured_kinds:
+        if plan.choices and engine.cuda_graphs and kind not in engine_controller(self.target, self.draft, engine).captured_kinds:
             # every round auto may switch to, captured for this kind of round now: later calls of
             # this kind capture nothing
             trees = sorted(plan.choices, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
             engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
-            self._controller(engine).captured_kinds.add(kind)
+            engine_controller(self.target, self.draft, engine).captured_kinds.add(kind)
             collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
         made = []  # (the plan, made while the device prefills; its seconds)
 
@@ -446,25 +414,3 @@ def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:
 def sampling_key(config: GenerationConfig) -> tuple:
     """What acceptance depends on in a call's settings: (temperature, top_k, top_p)."""
     return config.temperature, config.top_k or 0, config.top_p or 1.0
-
-
-def _shared_draft(target: TargetModel, draft):
-    """``draft`` loaded once per target and folder in this process (None: the shipped default, if
-    any); a loaded draft is returned as it is."""
-    if draft is not None and not isinstance(draft, (str, bytes)) and not hasattr(draft, "__fspath__"):
-        return draft
-    engines = _engines(target)
-    key = ("draft", None if draft is None else str(draft))
-    if key not in engines:
-        engines[key] = (resolve_draft(draft, target), None)
-    return engines[key][0]
-
-
-def _shared_proposer(target: TargetModel, name: str, draft, window: int = 512):
-    """The proposer for ``name`` over ``draft``: one per target, name and draft in this process,
-    so that its engine (and graphs) serve every Generator that names it."""
-    engines = _engines(target)
-    key = ("proposer", name, None if name in ("pld", "none") else id(draft), window if name == "streaming" else None)
-    if key not in engines:
-        engines[key] = (build_proposer(name, target, draft, window), draft)  # (the draft kept alive with it)
-    return engines[key][0]
