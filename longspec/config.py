@@ -282,6 +282,23 @@ def rope_configs(cfg: dict, gemma: bool) -> tuple:
     return RopeConfig.from_hf({**base, "rope_parameters": full}), RopeConfig.from_hf({**base, "rope_parameters": local})
 
 
+
+def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
+    """Raise ``ValueError`` for invalid sampling settings.
+
+    ``temperature`` must be finite and >= 0 (0 = greedy); ``top_k`` an int >= 0 or None (0/None =
+    off); ``top_p`` a float in (0, 1] or None (1/None = off).
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
 @dataclass
 class GenerationConfig:
     """Settings of one ``Generator.generate`` call. ``temperature == 0`` means greedy decoding."""
@@ -297,8 +314,6 @@ class GenerationConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        from .decoding.sampling import check_sampling_args
-
         check_sampling_args(self.temperature, self.top_k, self.top_p)
 
     @property

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..compile_boundary import compile_boundary
+from ..config import check_sampling_args  # (the arguments' check belongs to the settings; re-exported here)
 
 # Vocabularies above this many tokens take the sampled rounds' greedy argmax outside the compiled
 # graph (a graph break; eager, the same index): at Gemma 3's 262,144 tokens Inductor fused it with
@@ -25,23 +26,6 @@ LARGE_VOCAB = 65536
 
 __all__ = ["RowSampling", "Uniforms", "check_sampling_args", "sample", "uniform", "warp_logits", "warp_probs",
            "truncates", "warp_probs_rows", "warp_with"]
-
-
-def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
-    """Raise ``ValueError`` for invalid sampling settings.
-
-    ``temperature`` must be finite and >= 0 (0 = greedy); ``top_k`` an int >= 0 or None (0/None =
-    off); ``top_p`` a float in (0, 1] or None (1/None = off).
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a number, got {temperature!r}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
 def warp_logits(

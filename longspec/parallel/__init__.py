@@ -9,8 +9,17 @@ and vocabulary split over the processes of a group, one process per device.
 * :mod:`.workers`: :class:`ParallelGenerator`, a Generator driven that way;
 * :mod:`.serving`: the engine of ``longspec serve --tensor-parallel N``, driven that way.
 """
+import importlib
+
 from .group import TensorParallel, from_env
 from .sharding import Shard
-from .workers import ParallelGenerator
 
 __all__ = ["TensorParallel", "Shard", "from_env", "ParallelGenerator"]
+
+
+def __getattr__(name: str):
+    """:class:`ParallelGenerator` loads on first use: the layers below the engine (the models
+    import :mod:`.sharding`) do not pull in the Generator above them."""
+    if name != "ParallelGenerator":
+        raise AttributeError(f"module 'longspec.parallel' has no attribute {name!r}")
+    return importlib.import_module(".workers", __name__).ParallelGenerator

@@ -1,0 +1,86 @@
+"""The package's layers only import downwards: every import of a longspec module (at the top of a
+file or inside a function) goes to the same layer or one below. A new module must be placed in
+a layer here."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "longspec"
+
+# top to bottom; a module belongs to the layer of the longest prefix that names it
+LAYERS = [
+    ["longspec", "longspec.cli"],  # (the package's own names: a facade that loads them on use)
+    ["longspec.serve_http"],
+    ["longspec.serve", "longspec.training", "longspec.parallel.workers", "longspec.parallel.serving",
+     "longspec.parallel.mirror"],
+    ["longspec.serve_engine", "longspec.serve_request", "longspec.tokenizing"],
+    ["longspec.decoding"],
+    ["longspec.convert"],
+    ["longspec.models"],
+    ["longspec.prefix_cache"],
+    ["longspec.cache"],
+    ["longspec.attention"],
+    ["longspec.parallel", "longspec.parallel.sharding", "longspec.parallel.group", "longspec.config",
+     "longspec.compile_boundary", "longspec.files", "longspec.outdir", "longspec.status"],
+]
+
+
+def layer_of(module: str):
+    found = [(len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes
+             if module == p or (p != "longspec" and module.startswith(p + "."))]
+    return max(found)[1] if found else None
+
+
+def upward_imports(package: Path) -> list:
+    """Every import in ``package`` (a folder named longspec) of a module in a layer above the
+    importing one, or by a module in no layer."""
+    root = package.parent
+
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    def is_module(name: str) -> bool:
+        path = root.joinpath(*name.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    wrong = []
+    for path in sorted(package.rglob("*.py")):
+        source = name_of(path)
+        here = layer_of(source)
+        if here is None:
+            wrong.append(f"{source}: in no layer (add it to LAYERS)")
+            continue
+        parent = source if path.name == "__init__.py" else source.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = parent.split(".")[:len(parent.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                # (a name imported from a module counts as that module)
+                targets = [f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if (target == "longspec" or target.startswith("longspec.")) and \
+                        (layer_of(target) is None or layer_of(target) < here):
+                    wrong.append(f"{path.relative_to(root)}:{node.lineno}: {source} imports {target}, a layer above")
+    return wrong
+
+
+def test_every_import_points_down_or_sideways():
+    wrong = upward_imports(PACKAGE)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
+    package = tmp_path / "longspec"
+    (package / "decoding").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "decoding" / "__init__.py").write_text("")
+    (package / "decoding" / "engine.py").write_text("from ..cache import KVCache\n")  # (down: fine)
+    (package / "cache.py").write_text("def f():\n    from .decoding.engine import Engine\n")
+    assert upward_imports(package) == ["longspec/cache.py:2: longspec.cache imports longspec.decoding.engine, "
+                                       "a layer above"]
