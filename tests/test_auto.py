@@ -706,6 +706,8 @@ def test_auto_makes_its_plan_while_the_device_prefills(tiny, tmp_path, monkeypat
     assert made == [(len(prompts[1]), False)]
     assert out.sequences == plain.generate([prompts[1]], config).sequences
     assert out.stats["plan_s"] > 0 and out.stats["trees"][0][0] == 0 and out.stats["auto"].startswith("cost model")
+    one = GenerationConfig(max_new_tokens=1)  # (the row is done at its first token: no rounds, no switch)
+    assert gen.generate([prompts[1]], one).sequences == plain.generate([prompts[1]], one).sequences
     monkeypatch.setattr(gen, "plan", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         gen.generate([prompts[2]], config)

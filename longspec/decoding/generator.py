@@ -305,12 +305,13 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0) for p in prompts]
         kind = engine.round_kind_of(seqs)
-        if plan.choices and engine.cuda_graphs and kind not in engine_controller(self.target, self.draft, engine).captured_kinds:
+        captured = engine_controller(self.target, self.draft, engine).captured_kinds if plan.choices else None
+        if plan.choices and engine.cuda_graphs and kind not in captured:
             # every round auto may switch to, captured for this kind of round now: later calls of
             # this kind capture nothing
             trees = sorted(plan.choices, key=lambda t: (t is None, -(t.num_nodes if t else 0)))
             engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
-            engine_controller(self.target, self.draft, engine).captured_kinds.add(kind)
+            captured.add(kind)
             collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
         made = []  # (the plan, made while the device prefills; its seconds)
 
@@ -338,7 +339,7 @@ class Generator:
                     raise RuntimeError(f"auto's plan ({plan.name}, {plan.tree}) left the engine it was "
                                        f"outlined for ({outline.name}, {outline_tree})")
                 controller, predicted, start = self._begin(engine, plan, config)
-                if engine.tree_of(engine.bucket()) != start:
+                if engine.has_active and engine.tree_of(engine.bucket()) != start:  # (none: done at the first token)
                     engine.use_tree(start)
             trees = [(0, tree_text(start))] if controller is not None else []
             repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
