@@ -734,3 +734,29 @@ def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
     assert long.hits == short.hits and long.hits != resolve(target, head[-64:], draft, costs_file=str(costs)).hits
     generated = recent[10:30]
     assert long.repredict(head + recent + generated, 164) == short.repredict(recent + generated, 64)
+
+
+def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
+    """A controller that raises while the device runs the next round (a GPU's way): the call
+    fails, the round is finished, and the shared engine serves the next call."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+    from longspec.decoding.proposers import PromptLookup
+
+    target, _ = tiny
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(12)).tolist() * 2
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+
+    class Failing(Scripted):
+        def observe(self, tokens, seconds, tree):
+            raise KeyboardInterrupt
+
+    gen = Generator(target, PromptLookup(), TreeSpec.chain(4), controller=Failing(TreeSpec.chain(4), []))
+    gen.weigh_while_running = True
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate([prompt], config)
+    engine = gen._engine
+    assert engine._in_flight is None and not engine.has_active
+    again = Generator(target, gen.proposer, TreeSpec.chain(4))  # (the same proposer and tree: the same engine)
+    assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
+    assert again._engine is engine

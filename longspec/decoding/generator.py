@@ -165,9 +165,11 @@ class Generator:
             before, chosen = sum(len(s.tokens) for s in seqs), _KEEP
             start = time.perf_counter()
             engine.launch()
-            if late is not None:  # (the round before this one, weighed while the device runs this one)
-                chosen = weigh(*late)
-            engine.finish(streamer)
+            try:
+                if late is not None:  # (the round before this one, weighed while the device runs this one)
+                    chosen = weigh(*late)
+            finally:  # (an error or Ctrl-C while weighing leaves no round running in the shared engine)
+                engine.finish(streamer)
             seconds = time.perf_counter() - start
             rounds, stepping = rounds + 1, stepping + seconds
             if controller is None or not engine.has_active:
