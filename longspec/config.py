@@ -282,7 +282,6 @@ def rope_configs(cfg: dict, gemma: bool) -> tuple:
     return RopeConfig.from_hf({**base, "rope_parameters": full}), RopeConfig.from_hf({**base, "rope_parameters": local})
 
 
-
 def check_sampling_args(temperature: float, top_k: Optional[int] = 0, top_p: Optional[float] = 1.0) -> None:
     """Raise ``ValueError`` for invalid sampling settings.
 

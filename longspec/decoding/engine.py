@@ -244,9 +244,7 @@ class Engine(Admission):
         switched every bucket to rounds that leave it behind; the next tree's takes every row in
         again): nothing for plain rounds, and for rounds that use part of its state (the hybrid's
         lookup chain) only that part (the lookup's history, not the draft's window)."""
-        if not self.behind:
-            self.proposer.add(row, text, last)
-        elif tree is not None and self.proposer.keeps_up(tree):
+        if not self.behind or tree is not None and self.proposer.keeps_up(tree):
             self.proposer.add(row, text, last)
         elif tree is not None:
             self.proposer.add(row, text, last, tree=tree)

@@ -161,8 +161,10 @@ class Generator:
             return controller.observe(tokens, seconds, tree)
 
         while engine.has_active:
-            tree, rows = engine.tree_of(engine.bucket()), sum(not s.done for s in seqs)
-            before, chosen = sum(len(s.tokens) for s in seqs), _KEEP
+            chosen = _KEEP
+            if controller is not None:  # (what the controller is told of this round: none without one)
+                tree, rows = engine.tree_of(engine.bucket()), sum(not s.done for s in seqs)
+                before = sum(len(s.tokens) for s in seqs)
             start = time.perf_counter()
             engine.launch()
             try:
