@@ -395,8 +395,8 @@ class Scripted:
 
 
 @pytest.mark.parametrize("family", ["pld", "hybrid"])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_switching_trees_while_generating_keeps_the_output(tiny, family, overlap):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     """Trees switched by a controller, weighing each round at once (a CPU's way) or while the next
     runs (a GPU's: its choice a round later): the output is plain decoding's. Rows join plain
     rounds without the proposer taking them in, a lookup chain takes in the lookup's history only,
@@ -419,7 +419,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, overlap
     proposer.add = lambda row, text, last, tree=None: (added.append((len(text), tree)), add(row, text, last, tree))
     scripted = Scripted(None, script)
     gen = Generator(target, proposer, biggest, controller=scripted)
-    gen.weigh_while_running = overlap
+    gen.launch_ahead = ahead
     out = gen.generate([prompt], config)
     assert out.sequences[0] == plain
     assert len(scripted.calls) >= 3
@@ -752,11 +752,11 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
             raise KeyboardInterrupt
 
     gen = Generator(target, PromptLookup(), TreeSpec.chain(4), controller=Failing(TreeSpec.chain(4), []))
-    gen.weigh_while_running = True
+    gen.launch_ahead = True
     with pytest.raises(KeyboardInterrupt):
         gen.generate([prompt], config)
     engine = gen._engine
-    assert engine._in_flight is None and not engine.has_active
+    assert not engine.in_flight and not engine.has_active
     again = Generator(target, gen.proposer, TreeSpec.chain(4))  # (the same proposer and tree: the same engine)
     assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
     assert again._engine is engine

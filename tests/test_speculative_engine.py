@@ -397,3 +397,57 @@ def test_a_launched_round_is_finished_before_anything_else(targets):
         engine.launch()
         engine.finish()
     assert seq.tokens == alone
+
+
+@pytest.mark.parametrize("proposer", ["none", "pld", "hybrid"])
+def test_rounds_launched_ahead_give_each_row_its_own_tokens(targets, proposer):
+    """Engine.launch(ahead=True) starts a round before the one in flight is read, where every row
+    has room for both (Engine.can_launch_ahead): rows with different budgets, one of which meets
+    its EOS while a round launched after is in flight (its part of that round dropped), each get
+    exactly the tokens they get alone; launching ahead is refused where a row might lack room."""
+    from longspec.decoding.engine import Engine, Sequence
+    from longspec.models.draft import DraftConfig, init_draft
+
+    target = targets["qwen3"]
+    prompts = prompts_for(3, seed=26)
+    budgets = [7, 15, 11]
+    config = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in budgets]
+    alone = [Generator(target).generate([p], c).sequences[0] for p, c in zip(prompts, config)]
+    eos = alone[1][5]  # row 1 stops at its sixth token (or before, where it repeats)
+    stop = alone[1].index(eos) + 1
+    if proposer == "hybrid":
+        draft = LongSpecProposer(init_draft(DraftConfig.for_target(target, window=8), target, seed=2), PromptLookup())
+    else:
+        draft = {"none": None, "pld": PromptLookup()}[proposer]
+    tree = None if draft is None else TreeSpec.parse("2,2")
+    engine = Engine(target, draft, tree, max_batch=3, max_len=96)
+    seqs = [Sequence(p, n, frozenset([eos]) if i == 1 else frozenset()) for i, (p, n) in
+            enumerate(zip(prompts, budgets))]
+    engine.add(seqs)
+    ahead = 0
+    while engine.has_active:
+        if not engine.in_flight:
+            engine.launch()
+        while engine.can_launch_ahead():
+            if engine.in_flight == 2:
+                break
+            engine.launch(ahead=True)
+            ahead += 1
+        engine.finish()
+    assert ahead > 0 and not engine.in_flight
+    assert [seqs[0].tokens, seqs[1].tokens, seqs[2].tokens] == [alone[0], alone[1][:stop], alone[2]]
+    # room: a round in flight may emit (depth + 1) tokens; no launch ahead within that of the budget
+    width = 1 if tree is None else tree.depth + 1
+    seq = Sequence(prompts[0], 1 + width + 1)
+    engine.add([seq])
+    engine.launch()
+    assert engine.can_launch_ahead()
+    engine.finish()
+    engine.launch()
+    with pytest.raises(RuntimeError, match="running"):
+        engine.launch(ahead=True)
+    assert not engine.can_launch_ahead()
+    while engine.in_flight:
+        engine.finish()
+    while engine.has_active:
+        engine.step()

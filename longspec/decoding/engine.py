@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from collections import deque
 from functools import partial
 from typing import Optional, Sequence as Seq
 
@@ -167,7 +168,9 @@ class Engine(Admission):
         self.behind = False
         self.greedy_round = self.config.greedy
         self.rounds = 0
-        self._in_flight = None  # (view, runner) of the round launch() started and finish() has not taken
+        # rounds launch() started and finish() has not taken, oldest first: (view, runner, the rows' sequences,
+        # the round's tokens and counts [n, width + 1] on their way to the host, the event of their arrival)
+        self._in_flight: deque = deque()
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
         self.warm_up_seconds: dict = {}  # the last warm-up's seconds per part
         self.warm_up_graphs: dict = {}  # and its compiled graphs per part (see compile_counts)
@@ -213,7 +216,7 @@ class Engine(Admission):
         after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
-        if self._in_flight is not None:
+        if self._in_flight:
             raise RuntimeError("use_tree between rounds: a round is running")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
@@ -451,33 +454,58 @@ class Engine(Admission):
             self.launch()
             self.finish(streamer)
 
+    @property
+    def in_flight(self) -> int:
+        """Rounds launched and not finished yet."""
+        return len(self._in_flight)
+
+    def can_launch_ahead(self) -> bool:
+        """Whether a round may start before the rounds in flight are finished: every row still
+        needs tokens after they emit their most. Its writes then stay inside the blocks each row
+        holds (:meth:`need`); a row that meets its EOS meanwhile only wastes it (its part is
+        dropped)."""
+        most = sum(v.out_tokens.shape[1] for v, *_ in self._in_flight)
+        return self.has_active and all(len(s.tokens) + most < s.max_new_tokens for s in self.rows if s is not None)
+
     @torch.inference_mode()
-    def launch(self) -> None:
+    def launch(self, ahead: bool = False) -> None:
         """Starts a round (see :meth:`step`; there must be active sequences) and returns before the
         device has run it: the host may work meanwhile, on anything but this engine's state,
-        until :meth:`finish`."""
-        if self._in_flight is not None:
-            raise RuntimeError("a round is running: finish() it first")
-        self._set_round_kind([s for s in self.rows if s is not None])
+        until :meth:`finish`. ``ahead``: while the rounds launched before still run (where
+        :meth:`can_launch_ahead`): the device goes from one to the next without waiting for the
+        host to read their tokens. Its inputs are the last round's outputs, on the device."""
+        if self._in_flight and not (ahead and self.can_launch_ahead()):
+            raise RuntimeError("a round is running: finish() it first (or launch ahead, where a row has room)")
+        seqs = [s for s in self.rows if s is not None]
+        self._set_round_kind(seqs)
         v, runner = self._round(self.bucket())
         runner.run_round()
         self.rounds += 1
-        self._in_flight = v, runner
+        out, arrived = torch.cat([v.out_tokens, v.out_counts[:, None]], 1), None
+        if out.is_cuda:  # (to pinned memory, in stream order: the next round may overwrite the outputs)
+            out, arrived = out.to("cpu", non_blocking=True), torch.cuda.Event()
+            arrived.record()
+        self._in_flight.append((v, runner, seqs, out, arrived))
 
     @torch.inference_mode()
-    def finish(self, streamer: Optional[Streamer] = None) -> None:
-        """Waits for the round :meth:`launch` started and takes its tokens: emitted (to
-        ``streamer``), finished sequences leave the batch."""
-        if self._in_flight is None:
+    def finish(self, streamer: Optional[Streamer] = None) -> Optional[float]:
+        """Waits for the oldest round :meth:`launch` started and takes its tokens: emitted (to
+        ``streamer``), finished sequences leave the batch (rows that left since it was launched
+        drop theirs). Returns its tokens per row (None: no row took any)."""
+        if not self._in_flight:
             raise RuntimeError("no round is running: launch() one first")
-        (v, runner), self._in_flight = self._in_flight, None
-        out = torch.cat([v.out_tokens, v.out_counts[:, None]], 1).tolist()  # the round's one sync
+        v, runner, seqs, out, arrived = self._in_flight.popleft()
+        if arrived is not None:
+            arrived.synchronize()
+        out = out.tolist()  # (on a CPU: the round's one sync)
         runner.collect_times()
-        for s in self.rows:
-            if s is None:
+        tokens = rows = 0
+        for s in seqs:
+            if self.rows[s.row] is not s:
                 continue
             row = out[s.row]
             n = row[-1]
+            tokens, rows = tokens + n, rows + 1
             if self.proposer is not None:
                 hist = s.accepted_hist
                 hist.extend([0] * (n - len(hist)))
@@ -485,6 +513,6 @@ class Engine(Admission):
             self._emit(s, row[:n], streamer)
             if s.done:
                 self._release(s)
-
+        return tokens / rows if rows else None
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree

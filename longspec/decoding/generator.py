@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -133,9 +134,9 @@ class Generator:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab})")
         return prompts
 
-    # whether the controller weighs a round while the device runs the next (None: where rounds run
+    # whether a round is launched before the last one's tokens are read (None: where rounds run
     # asynchronously to the host, on a GPU; see _rounds)
-    weigh_while_running: Optional[bool] = None
+    launch_ahead: Optional[bool] = None
 
     def _rounds(self, engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None) -> tuple:
         """Rounds until every row is done; with a ``controller`` (see
@@ -143,45 +144,52 @@ class Generator:
         tokens per row, wall time) go to it, and the engine runs the tree it names next;
         ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
         given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
-        milliseconds, every 8). On a GPU the controller weighs a round while the device runs the
-        next (its work, and a re-prediction's, then costs no time; its choice takes effect a
-        round later). Returns the number of rounds and the seconds they took (not the loop's
-        other work: switches, and on a CPU the controller's)."""
+        milliseconds, every 8). On a GPU the next round is launched before this one's tokens are
+        read (:meth:`Engine.launch` ahead, where every row has room for both): the device runs
+        rounds back to back, and the host's work on a round (its tokens, the controller's
+        weighing, a re-prediction) costs no time while it is shorter than a round; a choice of
+        tree takes effect a round later, after the round in flight. Returns the number of rounds
+        and the seconds they took (not the loop's other work: switches, and on a CPU the
+        controller's)."""
         rounds, stepping, seq = 0, 0.0, seqs[0]
         on_cpu = engine.target.device.type == "cpu"
-        check, late = 8 if on_cpu else 16, None
-        overlap = not on_cpu if self.weigh_while_running is None else self.weigh_while_running
+        check, chosen = 8 if on_cpu else 16, _KEEP
+        ahead = not on_cpu if self.launch_ahead is None else self.launch_ahead
+        launched, last = deque(), 0.0  # (tree, when) of the rounds in flight; when the last one's tokens came
 
-        def weigh(tree, tokens: float, seconds: float):
-            nonlocal check
+        def finish() -> None:
+            nonlocal rounds, stepping, last, check, chosen
+            tree, start = launched.popleft()
+            tokens = engine.finish(streamer)
+            now = time.perf_counter()
+            seconds, last = now - max(start, last), now
+            rounds, stepping = rounds + 1, stepping + seconds
+            if controller is None or tokens is None or not engine.has_active:
+                return
             if repredict is not None and len(seq.tokens) >= check:
                 check = check + 8 if on_cpu else 2 * check
                 if controller.wants_predictions():
                     controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-            return controller.observe(tokens, seconds, tree)
+            chosen = controller.observe(tokens, seconds, tree)
 
-        while engine.has_active:
-            chosen = _KEEP
-            if controller is not None:  # (what the controller is told of this round: none without one)
-                tree, rows = engine.tree_of(engine.bucket()), sum(not s.done for s in seqs)
-                before = sum(len(s.tokens) for s in seqs)
-            start = time.perf_counter()
-            engine.launch()
-            try:
-                if late is not None:  # (the round before this one, weighed while the device runs this one)
-                    chosen = weigh(*late)
-            finally:  # (an error or Ctrl-C while weighing leaves no round running in the shared engine)
-                engine.finish(streamer)
-            seconds = time.perf_counter() - start
-            rounds, stepping = rounds + 1, stepping + seconds
-            if controller is None or not engine.has_active:
-                continue
-            late = (tree, (sum(len(s.tokens) for s in seqs) - before) / rows, seconds)
-            if not overlap:
-                chosen, late = weigh(*late), None
-            if chosen is not _KEEP and chosen != engine.tree_of(engine.bucket()):
-                engine.use_tree(chosen)
-                trees.append((len(seq.tokens), tree_text(chosen)))
+        try:
+            while engine.has_active:
+                while engine.has_active and (not launched or ahead and len(launched) < 2 and engine.can_launch_ahead()):
+                    tree, start = engine.tree_of(engine.bucket()), time.perf_counter()
+                    engine.launch(ahead=bool(launched))
+                    launched.append((tree, start))
+                finish()
+                if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
+                    while launched:  # (the round in flight ran the old tree: finished, and weighed, first)
+                        finish()
+                    if engine.has_active and chosen != engine.tree_of(engine.bucket()):
+                        engine.use_tree(chosen)
+                        trees.append((len(seq.tokens), tree_text(chosen)))
+                chosen = _KEEP
+        finally:  # (an error or Ctrl-C while weighing leaves no round running in the shared engine)
+            while launched:
+                launched.popleft()
+                engine.finish()
         return rounds, stepping
 
     @staticmethod
