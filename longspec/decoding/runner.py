@@ -112,11 +112,12 @@ class PhaseRunner:
             self._capture()
 
     def collect_times(self) -> None:
-        """Adds the device time of the rounds run since the last call (their events are done)."""
-        for events in self._events:
+        """Adds the device time of the rounds the device has finished since the last call (a round
+        launched ahead may still run: its times wait for a later call)."""
+        while self._events and self._events[0][-1].query():
+            events = self._events.pop(0)
             for i in range(len(self.phases)):
                 self.times[i] += events[i].elapsed_time(events[i + 1]) / 1000.0
-        self._events.clear()
 
     def _capture(self) -> None:
         """Captures with the process's random numbers, not the caller's seeded generators (the
