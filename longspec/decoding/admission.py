@@ -116,7 +116,7 @@ class Admission:
             self.rows[s.row] = s
             self._emit(s, [t], streamer)
             if self.proposer is not None:
-                self.take_in(s.row, s.prompt, t, self.tree_of(self.bucket_for(s.row + 1)))
+                self.take_in(s.row, s.text(0), t, self.tree_of(self.bucket_for(s.row + 1)))
             if not s.done:
                 self.active[s.row] = 1
             else:
@@ -133,7 +133,7 @@ class Admission:
         if isinstance(self.config, RowSampling):
             for i, s in enumerate(seqs):
                 self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
-        rest = [s.prompt[c:] for s, c in zip(seqs, cached)]
+        rest = [s.text(0)[c:] for s, c in zip(seqs, cached)]
         chunked = self.chunked_prefill
         if chunked is not None and chunked.takes([len(r) for r in rest], cached):
             return torch.cat([chunked(row0 + i, r, c) for i, (r, c) in enumerate(zip(rest, cached))])

@@ -223,7 +223,7 @@ class Engine(Admission):
         if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):
             for s in self.rows:
                 if s is not None:
-                    self.take_in(s.row, s.prompt + s.tokens[:-1], s.tokens[-1], tree)
+                    self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
             self.behind = False
         for b in self.buckets:
             old = self.tree_of(b)

@@ -2,6 +2,7 @@
 earlier occurrences of the context's last n tokens, searched on the device with fixed shapes."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .drafting import TreeDrafter
@@ -50,7 +51,7 @@ class PromptLookup(TreeDrafter):
         return [h[:n].tolist() for h, n in zip(self.hist, self.hist_len.tolist())]
 
     def add(self, row, prompt, first_token, tree=None):
-        tokens = (list(prompt) + [first_token])[-self.capacity:]
+        tokens = np.append(np.asarray(prompt, dtype=np.int64), first_token)[-self.capacity:]
         self.hist[row] = -1
         self.hist[row, :len(tokens)] = token_tensor(tokens, self.hist.device)
         self.hist_len[row] = len(tokens)

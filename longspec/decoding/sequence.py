@@ -46,6 +46,15 @@ class Sequence:
     top_p: float = 1.0
     cached_tokens: int = 0  # prompt tokens read from a prefix cache instead of prefilled
     cache_namespace: object = None  # shares cached blocks only with sequences of the same (a tenant)
+    _prompt_ids: Optional[np.ndarray] = field(default=None, init=False, repr=False, compare=False)
+
+    def text(self, generated: int) -> np.ndarray:
+        """The prompt and the first ``generated`` new tokens, int64 [len(prompt) + generated]: what
+        the prefill and a proposer taking the row in read (the prompt converted once, not at
+        every switch of tree)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = np.asarray(self.prompt, dtype=np.int64).reshape(-1)
+        return np.concatenate([self._prompt_ids, np.asarray(self.tokens[:generated], dtype=np.int64)])
 
     @property
     def tau(self) -> float:
