@@ -288,17 +288,20 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert c.begin(predicted, "greedy") == chain
     ran = run(c, 60, truth)
     dwell = controller.DWELL  # (rounds a candidate runs before another may take over)
-    assert ran[:dwell + 2].count(chain) <= dwell + 1 and ran[:3 * dwell].count(tree) <= dwell + 1  # each left soon
+    assert ran[:dwell + 2].count(chain) <= dwell + 1  # left soon
+    # the tree is not tried: none of the chain's predicted extra tokens came, so none of the
+    # tree's are expected in this call either
+    assert tree not in ran and c.candidates["4,4,1"].prior == 1.0
     assert set(ran[-15:]) == {None}  # then plain rounds for good
     c.end()
-    assert {name: c.round_ms(name) for name in c.times} == pytest.approx({"chain:5": 1.2, "4,4,1": 2.0, "plain": 1.0})
+    assert {name: c.round_ms(name) for name in c.times} == pytest.approx({"chain:5": 1.2, "plain": 1.0})
     assert c.learned[("chain:5", "greedy")][0] == 0.0  # (no extra token measured)
-    # the next greedy call: none of the extra tokens predicted came, so few are expected (but
-    # enough that a prompt predicted to repeat much gets a few rounds again)
-    c.begin(predicted, "greedy")
+    # the next greedy call: none of the chain's extra tokens came, so few are expected (but
+    # enough that a prompt predicted to repeat much gets a few rounds again); the tree, never
+    # measured, starts from the cost model and runs first
+    assert c.begin(predicted, "greedy") == tree
     low = 1 + controller.MIN_CORRECTION
-    assert c.candidates["chain:5"].prior == pytest.approx(low) and c.candidates["4,4,1"].prior == pytest.approx(
-        1 + 2 * controller.MIN_CORRECTION)
+    assert c.candidates["chain:5"].prior == pytest.approx(low) and c.candidates["4,4,1"].prior == 3.0
     c.begin(predicted, "sampled")
     assert c.candidates["chain:5"].prior == pytest.approx(2.0)  # (nothing measured at that setting yet)
     # where the chain pays, it runs throughout
@@ -604,6 +607,7 @@ def test_corrections_are_kept_for_the_next_process(tmp_path):
     nxt = timed_plain(Controller(str(store), "model A"), 1.2)
     assert nxt.begin(predicted, "greedy") == chain  # 1 + 0.2 x min(5 / 0.2, MAX_CORRECTION) tokens
     assert nxt.candidates["chain:8"].prior == pytest.approx(1 + 0.2 * controller.MAX_CORRECTION)
+    assert nxt.calls[("chain:8", "greedy")] == 1  # (the calls that measured it: a probe's rule)
     assert nxt.begin(predicted, t1) is None  # (nothing learned at temperature 1)
     assert timed_plain(Controller(str(store), "model B"), 1.2).begin(predicted, "greedy") is None
     other = Controller(str(store), "model B")
@@ -760,3 +764,40 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
     again = Generator(target, gen.proposer, TreeSpec.chain(4))  # (the same proposer and tree: the same engine)
     assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
     assert again._engine is engine
+
+
+def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
+    """A correction learned in one call (a lookup that hit little on that prompt) would keep a
+    cheap candidate out of every later call at that setting: while fewer than PROBE_CALLS calls
+    measured it, a candidate whose rounds cost at most PROBE_COST plain ones and whose uncorrected
+    prediction is the fastest by CLEAR_MARGIN runs once in a call; its own rounds then decide (it
+    stays where it hits, leaves where it does not, and is not probed again in that call). An
+    expensive tree is not probed, nor a candidate measured in enough calls."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain, tree, t07 = TreeSpec.chain(5), TreeSpec.parse("4,4,1"), (0.7, 0, 0.9)
+    predicted = {chain: (2.0, 1.25), tree: (4.0, 2.6), None: (1.0, 1.0)}  # (the tree: 1.5 tokens a ms hoped)
+    c = timed_plain(Controller(), 1.0)
+    c.learned[("chain:5", t07)] = c.learned[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
+    c.calls[("chain:5", t07)] = c.calls[("4,4,1", t07)] = 1
+    assert c.begin(predicted, t07) is None  # (corrected: 1.2 tokens in 1.25 ms)
+    ran = [c.observe(1.0, 1e-3)]
+    assert ran == [chain]  # probed: 2 tokens in 1.25 ms hoped
+    for _ in range(10):
+        ran.append(c.observe(*((4.0, 1.25e-3) if ran[-1] == chain else (1.0, 1e-3))))
+    assert set(ran) == {chain}  # it hits: it stays
+    c.end()
+    assert c.calls[("chain:5", t07)] == 2
+    # where it does not hit, plain rounds are back within a few rounds, and it is not probed again
+    c.learned[("chain:5", t07)], c.calls[("chain:5", t07)] = (0.1, 2.0), 1
+    c.begin(predicted, t07)
+    ran = [c.observe(1.0, 1e-3)]
+    for _ in range(30):
+        ran.append(c.observe(*((1.0, 1.25e-3) if ran[-1] == chain else (1.0, 1e-3))))
+    assert ran[0] == chain and ran.count(chain) <= controller.DWELL + 1 and set(ran[-20:]) == {None}
+    # measured in PROBE_CALLS calls: no probe; nor of a tree whose rounds cost 2.6 plain ones
+    c.end()
+    c.learned[("chain:5", t07)] = (0.1, 2.0)
+    c.begin(predicted, t07)
+    assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}

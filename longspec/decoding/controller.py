@@ -15,10 +15,17 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   corrected by what earlier calls measured against their predictions at the same sampling
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
   less), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
+  Within a call, no candidate expects more of the cost model than the ones that ran made of
+  it (a text the draft and the lookup hit less than predicted lowers every
+  prediction: one failed tree is not followed by its sibling).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN`. Plain decoding (one token a round, its time measured: its
   first :data:`SETTLED_ROUNDS` rounds run first in a process) is always a candidate, so rounds
-  that do not pay lose their place within a few rounds."""
+  that do not pay lose their place within a few rounds.
+* **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
+  accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds cost
+  little more than plain ones (:data:`PROBE_COST`) and whose uncorrected prediction is clearly
+  the fastest runs a few rounds once in such a call, and its own rounds decide."""
 from __future__ import annotations
 
 import json
@@ -41,6 +48,8 @@ MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on 
 SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
 RETIME_MARGIN = 1.25  # ... where the candidate predicted fastest is predicted less than this much faster
+PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
+PROBE_COST = 1.25  # ... where its round costs at most this many plain rounds
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -62,6 +71,8 @@ class Candidate:
     tokens: float = 0.0
     rounds: int = 0
     predicted_ms: float = 0.0  # the cost model's
+    base: float = 1.0  # the prior before what this call's other candidates measured
+    hoped: float = 1.0  # tokens per round predicted without a correction below 1 (a probe's hope)
 
     @property
     def tokens_per_round(self) -> float:
@@ -85,21 +96,26 @@ class Controller:
         self.rounds = 0  # rounds observed, across calls
         self.timed_at: dict = {}  # label -> self.rounds at its last round
         # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
-        # (decayed sums over their rounds; extra: beyond the one a plain round emits)
+        # (decayed sums over their rounds; extra: beyond the one a plain round emits), and the
+        # number of calls that measured them
         self.learned: dict = {}
+        self.calls: dict = {}
         self.store, self.key, self.saved_at = store, key, None
         stored = self._stored().get(key)
-        for text, pair in stored.items() if isinstance(stored, dict) else ():
+        for text, entry in stored.items() if isinstance(stored, dict) else ():
             try:
                 name, sampling = json.loads(text)
-                measured, predicted = map(float, pair)
+                measured, predicted, *calls = map(float, entry)
             except (ValueError, TypeError):
                 continue  # (an entry this version cannot read: learned again)
-            self.learned[name, tuple(sampling) if isinstance(sampling, list) else sampling] = (measured, predicted)
+            key_ = name, tuple(sampling) if isinstance(sampling, list) else sampling
+            self.learned[key_] = (measured, predicted)
+            self.calls[key_] = int(calls[0]) if calls else PROBE_CALLS
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
+        self.probed = False  # a candidate was probed in this call
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
@@ -124,11 +140,14 @@ class Controller:
 
     def _prior(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> float:
         """Tokens per round expected of ``c`` from a prediction: its extra tokens corrected (the
-        correction at most ``most``), no more than a round of its tree can emit."""
+        correction at most ``most``), no more than a round of its tree can emit. Sets its
+        :attr:`Candidate.base` and :attr:`Candidate.hoped` too."""
         if c.tree is None:
             return 1.0
-        extra = max(predicted - 1.0, 0.0) * min(self.correction(label(c.tree)), most)
-        return min(1.0 + extra, 1.0 + c.tree.depth)
+        extra = max(predicted - 1.0, 0.0)
+        c.hoped = min(1.0 + extra * max(min(self.correction(label(c.tree)), most), 1.0), 1.0 + c.tree.depth)
+        c.base = min(1.0 + extra * min(self.correction(label(c.tree)), most), 1.0 + c.tree.depth)
+        return c.base
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;
@@ -137,7 +156,7 @@ class Controller:
         if not predicted:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
-        self.sampling, self.candidates = sampling, {}
+        self.sampling, self.candidates, self.probed = sampling, {}, False
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
             c.prior = self._prior(c, c.predicted)
@@ -178,6 +197,7 @@ class Controller:
             c = self.candidates.get(label(tree))
             if c is not None and c.rounds == 0 and tree is not None:
                 c.prior = self._prior(c, value, most=1.0)
+        self._temper()
 
     def observe(self, tokens: float, seconds: float, tree=_CURRENT) -> Optional[TreeSpec]:
         """A round of ``tree`` (default: the current candidate's) emitted ``tokens`` per row in
@@ -196,8 +216,14 @@ class Controller:
         c.rounds += 1
         self.dwell += c is self.current
         self._calibrate()
+        if c.tree is not None:
+            self._temper()
         if c.tree is None and len(times) < SETTLED_ROUNDS:
             return self.current.tree  # (plain rounds being timed)
+        probe = self._probe()
+        if probe is not None:
+            self.current, self.dwell, self.probed = probe, 0, True
+            return probe.tree
         best = self._best()
         probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
@@ -218,6 +244,7 @@ class Controller:
                 self.learned[name, self.sampling] = (
                     LEARNED_DECAY * measured + c.tokens - c.rounds,
                     LEARNED_DECAY * predicted + c.rounds * max(c.predicted - 1.0, 0.0))
+                self.calls[name, self.sampling] = self.calls.get((name, self.sampling), 0) + 1
         if self.store is not None and (self.saved_at is None or time.monotonic() - self.saved_at > SAVE_EVERY_S):
             try:
                 self.save()
@@ -236,7 +263,8 @@ class Controller:
         from ..models.checkpoint import write_atomic
 
         data = self._stored()
-        data[self.key] = {json.dumps([name, sampling]): list(pair) for (name, sampling), pair in self.learned.items()}
+        data[self.key] = {json.dumps([name, sampling]): [*pair, self.calls.get((name, sampling), PROBE_CALLS)]
+                          for (name, sampling), pair in self.learned.items()}
         path = Path(self.store)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
@@ -266,3 +294,31 @@ class Controller:
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)
+
+    def _temper(self) -> None:
+        """Every candidate expects no larger a share of its predicted extra tokens than the ones
+        that ran in this call made of theirs, pooled (once they ran SETTLED_ROUNDS rounds)."""
+        ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
+        rounds = sum(c.rounds for c in ran)
+        hoped = sum(c.rounds * (c.base - 1.0) for c in ran)
+        if rounds < SETTLED_ROUNDS or hoped <= 0.0:
+            return
+        share = min(max(sum(c.tokens - c.rounds for c in ran) / hoped, 0.0), 1.0)
+        for c in self.candidates.values():
+            if c.tree is not None:
+                c.prior = 1.0 + (c.base - 1.0) * share
+
+    def _probe(self) -> Optional[Candidate]:
+        """A candidate to probe now (see the module docstring), or None: once a call, untried in
+        it, its correction uncertain, its rounds cheap, its uncorrected prediction the fastest by
+        CLEAR_MARGIN."""
+        plain = self.candidates.get("plain")
+        if self.probed or plain is None or not self._settled("plain"):
+            return None
+        rate = max(self._best().rate, self.current.rate)
+        for name, c in self.candidates.items():
+            if c.rounds or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS:
+                continue
+            if c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * rate:
+                return c
+        return None
