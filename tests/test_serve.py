@@ -297,7 +297,7 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
             return real_add(engine, seqs, streamer, **kwargs)
 
         def setup(proposer, row, prompt, first_token, **kwargs):
-            if prompt == prompts[3]:
+            if list(prompt) == prompts[3]:
                 raise RuntimeError("set-up failed")
             return real_setup(proposer, row, prompt, first_token, **kwargs)
 

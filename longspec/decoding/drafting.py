@@ -89,9 +89,10 @@ class Proposer:
         :class:`~longspec.decoding.sampling.Uniforms`."""
         raise NotImplementedError
 
-    def add(self, row: int, prompt: list, first_token: int, tree: Optional[TreeSpec] = None) -> None:
-        """A sequence with ``prompt`` (prefilled) and its first generated token takes batch row
-        ``row``. ``tree``: given (by an engine) only for a tree whose rounds do not keep all the
+    def add(self, row: int, prompt, first_token: int, tree: Optional[TreeSpec] = None) -> None:
+        """A sequence with ``prompt`` (its token ids, prefilled: an int64 numpy array from an
+        engine, which converts a sequence's prompt once; any sequence of ints will do) and its
+        first generated token takes batch row ``row``. ``tree``: given (by an engine) only for a tree whose rounds do not keep all the
         state up (:meth:`keeps_up`): only the state its rounds use need be taken in."""
 
     def propose(self, root: torch.Tensor) -> DraftTree:
