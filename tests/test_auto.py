@@ -817,3 +817,24 @@ def test_a_near_tie_with_plain_rounds_does_not_leave_them():
     assert {c.observe(1.0, 1e-3) for _ in range(3 * controller.DWELL)} == {None}
     clear = 1.0 + (controller.PLAIN_MARGIN - 1.0) * 2
     assert c.begin({chain: (clear, 1.0), None: (1.0, 1.0)}, "greedy") == chain
+
+
+def test_a_candidates_measured_share_is_not_lifted_by_anothers_rounds():
+    """Within a call a candidate that ran expects no more than its own rounds made of its
+    prediction, and another candidate's better rounds do not lift it back (they would make the
+    two take turns, each switch costing host work); an untried one expects the pooled share."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree, chain, other = TreeSpec.parse("4,4,1"), TreeSpec.chain(5), TreeSpec.parse("2,2")
+    c = timed_plain(Controller(), 1.0)
+    c.begin({tree: (3.0, 2.0), chain: (2.0, 1.2), other: (2.5, 1.6), None: (1.0, 1.0)}, "greedy")
+    c.current = c.candidates["4,4,1"]
+    for _ in range(controller.SETTLED_ROUNDS + 1):
+        c.observe(1.8, 2e-3, tree)  # 0.4 of its 2 extra tokens
+    assert c.candidates["4,4,1"].prior == pytest.approx(1.8) and c.candidates["2,2"].prior == pytest.approx(1.6)
+    c.current = c.candidates["chain:5"]
+    for _ in range(2 * controller.SETTLED_ROUNDS):
+        c.observe(2.0, 1.2e-3, chain)  # all of its extra token
+    assert c.candidates["4,4,1"].prior == pytest.approx(1.8)
+    assert c.candidates["chain:5"].prior == pytest.approx(2.0) and c.candidates["2,2"].prior > 1.6

@@ -15,9 +15,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   corrected by what earlier calls measured against their predictions at the same sampling
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
   less), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
-  Within a call, no candidate expects more of the cost model than the ones that ran made of
-  it (a text the draft and the lookup hit less than predicted lowers every
-  prediction: one failed tree is not followed by its sibling).
+  Within a call, no candidate expects more of the cost model than its own rounds made of it
+  (once it ran a few), or, untried, than the ones that ran made of theirs (a text the draft and
+  the lookup hit less than predicted lowers every prediction: one failed tree is not followed by
+  its sibling; and one candidate's good rounds do not lift another's back: no flapping).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN` (plain rounds by :data:`PLAIN_MARGIN`: each switch costs
   the host work of taking the rows in, which a near tie does not pay back). Plain decoding (one token a round, its time measured: its
@@ -301,16 +302,20 @@ class Controller:
         return max(self.candidates.values(), key=lambda c: c.rate)
 
     def _temper(self) -> None:
-        """Every candidate expects no larger a share of its predicted extra tokens than the ones
-        that ran in this call made of theirs, pooled (once they ran SETTLED_ROUNDS rounds)."""
+        """No candidate expects a larger share of its predicted extra tokens than this call gave:
+        one that ran SETTLED_ROUNDS rounds, than its own rounds made (its prior only ever
+        lowered, so it converges on what it measures, and no other candidate's rounds move it);
+        one that has not run, than the ones that ran made, pooled."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
-        rounds = sum(c.rounds for c in ran)
+        for c in ran:
+            if c.rounds >= SETTLED_ROUNDS and c.base > 1.0:
+                c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
         hoped = sum(c.rounds * (c.base - 1.0) for c in ran)
-        if rounds < SETTLED_ROUNDS or hoped <= 0.0:
+        if sum(c.rounds for c in ran) < SETTLED_ROUNDS or hoped <= 0.0:
             return
         share = min(max(sum(c.tokens - c.rounds for c in ran) / hoped, 0.0), 1.0)
         for c in self.candidates.values():
-            if c.tree is not None:
+            if not c.rounds and c.tree is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
 
     def _probe(self) -> Optional[Candidate]:
