@@ -804,18 +804,18 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
 
 
 def test_a_near_tie_with_plain_rounds_does_not_leave_them():
-    """A candidate predicted within PLAIN_MARGIN of plain rounds does not take over from them, at
-    a call's start or while generating (a switch's host work would cost more than it gains);
+    """A candidate predicted within SWITCH_MARGIN of plain rounds does not take over from them,
+    at a call's start or while generating (a switch's host work would cost more than it gains);
     one predicted clearly faster does."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
     chain = TreeSpec.chain(5)
-    near = 1.0 + (controller.PLAIN_MARGIN - 1.0) / 2
+    near = 1.0 + (controller.SWITCH_MARGIN - 1.0) / 2
     c = timed_plain(Controller(), 1.0)
     assert c.begin({chain: (near, 1.0), None: (1.0, 1.0)}, "greedy") is None and c.planned.tree == chain
     assert {c.observe(1.0, 1e-3) for _ in range(3 * controller.DWELL)} == {None}
-    clear = 1.0 + (controller.PLAIN_MARGIN - 1.0) * 2
+    clear = 1.0 + (controller.SWITCH_MARGIN - 1.0) * 2
     assert c.begin({chain: (clear, 1.0), None: (1.0, 1.0)}, "greedy") == chain
 
 

@@ -20,8 +20,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   the lookup hit less than predicted lowers every prediction: one failed tree is not followed by
   its sibling; and one candidate's good rounds do not lift another's back: no flapping).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
-  running by :data:`SWITCH_MARGIN` (plain rounds by :data:`PLAIN_MARGIN`: each switch costs
-  the host work of taking the rows in, which a near tie does not pay back). Plain decoding (one token a round, its time measured: its
+  running by :data:`SWITCH_MARGIN` after :data:`DWELL` rounds (each switch costs the host work
+  of taking the rows in, which a near tie does not pay back; at temperature 1 the draft's tree,
+  the lookup's chain and plain rounds often lie within a few percent of each other, and a
+  smaller margin had them take turns on the noise of their estimates). Plain decoding (one token a round, its time measured: its
   first :data:`SETTLED_ROUNDS` rounds run first in a process) is always a candidate, so rounds
   that do not pay lose their place within a few rounds.
 * **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
@@ -41,8 +43,7 @@ from .tree import TreeSpec
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
-SWITCH_MARGIN = 1.03  # a candidate takes over when it is predicted this much faster (with DWELL: no flapping) ...
-PLAIN_MARGIN = 1.1  # ... and from plain rounds (at a call's start too) this much: a near tie does not pay a switch
+SWITCH_MARGIN = 1.1  # a candidate takes over when it is predicted this much faster (from plain rounds at a call's start too)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
@@ -168,7 +169,7 @@ class Controller:
         self.current, self.dwell = self._best(), 0
         self.planned = self.current  # (the candidate predicted fastest, whatever runs first)
         plain = self.candidates.get("plain")
-        if plain is not None and self.current.rate < PLAIN_MARGIN * plain.rate:
+        if plain is not None and self.current.rate < SWITCH_MARGIN * plain.rate:
             self.current = plain
         if plain is not None and not self._settled("plain"):
             # plain rounds first until their time is measured (once per process): every other
@@ -231,8 +232,7 @@ class Controller:
             return probe.tree
         best = self._best()
         probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
-        margin = PLAIN_MARGIN if c.tree is None else SWITCH_MARGIN
-        if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > margin * c.rate
+        if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
                               and (self.dwell >= DWELL or probed)):
             self.current, self.dwell = best, 0
         return self.current.tree
