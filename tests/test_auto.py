@@ -288,7 +288,8 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert c.begin(predicted, "greedy") == chain
     ran = run(c, 60, truth)
     dwell = controller.DWELL  # (rounds a candidate runs before another may take over)
-    assert ran[:dwell + 2].count(chain) <= dwell + 1  # left soon
+    settled = controller.SETTLED_ROUNDS
+    assert ran[:2 * settled + dwell].count(chain) <= 2 * settled + 1  # left soon
     # the tree is not tried: none of the chain's predicted extra tokens came, so none of the
     # tree's are expected in this call either
     assert tree not in ran and c.candidates["4,4,1"].prior == 1.0
@@ -830,7 +831,7 @@ def test_a_candidates_measured_share_is_not_lifted_by_anothers_rounds():
     c = timed_plain(Controller(), 1.0)
     c.begin({tree: (3.0, 2.0), chain: (2.0, 1.2), other: (2.5, 1.6), None: (1.0, 1.0)}, "greedy")
     c.current = c.candidates["4,4,1"]
-    for _ in range(controller.SETTLED_ROUNDS + 1):
+    for _ in range(2 * controller.SETTLED_ROUNDS):
         c.observe(1.8, 2e-3, tree)  # 0.4 of its 2 extra tokens
     assert c.candidates["4,4,1"].prior == pytest.approx(1.8) and c.candidates["2,2"].prior == pytest.approx(1.6)
     c.current = c.candidates["chain:5"]

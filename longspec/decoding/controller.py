@@ -303,12 +303,14 @@ class Controller:
 
     def _temper(self) -> None:
         """No candidate expects a larger share of its predicted extra tokens than this call gave:
-        one that ran SETTLED_ROUNDS rounds, than its own rounds made (its prior only ever
-        lowered, so it converges on what it measures, and no other candidate's rounds move it);
-        one that has not run, than the ones that ran made, pooled."""
+        one that ran 2 x SETTLED_ROUNDS rounds, than its own rounds made (its prior only ever
+        lowered, so it converges on what it measures, and no other candidate's rounds move it; a
+        call's first rounds say less: on a CPU a tree measured 3, 1 and 3 tokens where the cost
+        model said 6.3, then made 6-7 a round); one that has not run, than the ones that ran
+        made, pooled (once they ran SETTLED_ROUNDS)."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
-            if c.rounds >= SETTLED_ROUNDS and c.base > 1.0:
+            if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
                 c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
         hoped = sum(c.rounds * (c.base - 1.0) for c in ran)
         if sum(c.rounds for c in ran) < SETTLED_ROUNDS or hoped <= 0.0:
