@@ -839,3 +839,39 @@ def test_a_candidates_measured_share_is_not_lifted_by_anothers_rounds():
         c.observe(2.0, 1.2e-3, chain)  # all of its extra token
     assert c.candidates["4,4,1"].prior == pytest.approx(1.8)
     assert c.candidates["chain:5"].prior == pytest.approx(2.0) and c.candidates["2,2"].prior > 1.6
+
+
+def test_auto_near_the_context_end_runs_plain_rounds_in_its_own_engine(tiny, tmp_path, monkeypatch):
+    """A prompt that leaves room for plain decoding but for no speculative tree: auto runs plain
+    rounds in the engine its other calls use (its graphs captured already, no second KV pool),
+    the row holding room for plain rounds only (no tree may then run: refused); plain decoding's
+    tokens; the next call speculates again."""
+    from longspec import GenerationConfig
+    from longspec.decoding.engine import Sequence
+    from longspec.decoding.generator import Generator
+
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    limit, config = 192, GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    gen, plain = Generator(target, proposer="auto", draft=draft, max_len=limit), Generator(target, max_len=limit)
+    rng = torch.Generator().manual_seed(13)
+    short = torch.randint(0, 160, (30,), generator=rng).tolist() * 2
+    gen.generate([short], config)
+    engine = gen._engine
+    assert engine.tree.num_nodes > 5
+    near = torch.randint(0, 160, (limit - config.max_new_tokens - 3,), generator=rng).tolist()
+    out = gen.generate([near], config)
+    assert out.sequences == plain.generate([near], config).sequences
+    assert gen._engine is engine and "no room" in out.stats["auto"] and out.stats["tau"] == 1.0
+    seq = Sequence(near, config.max_new_tokens, plain_rounds=True)
+    with torch.inference_mode():
+        engine.use_tree(TreeSpec.chain(2))
+        with pytest.raises(ValueError, match="plain rounds only"):
+            engine.add([seq])
+        engine.use_tree(None)
+        engine.add([seq])
+        with pytest.raises(ValueError, match="plain rounds only"):
+            engine.use_tree(TreeSpec.chain(2))
+        engine.cancel(seq)
+    assert gen.generate([short], config).sequences == plain.generate([short], config).sequences

@@ -44,6 +44,10 @@ class Admission:
         free = self.free_rows()
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
+        if self.proposer is not None and any(s.plain_rounds for s in seqs) and \
+                any(self.tree_of(b) is not None for b in self.buckets):
+            raise ValueError("a sequence with room for plain rounds only joins an engine that runs plain rounds "
+                             "(use_tree(None) first)")
         for s in seqs:
             if not s.prompt:
                 raise ValueError("a sequence's prompt must hold at least one token")
@@ -67,8 +71,9 @@ class Admission:
             start = stop
 
     def need(self, s: Sequence) -> int:
-        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes)."""
-        return cache_need(len(s.prompt), s.max_new_tokens, self.room())
+        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes: one for a
+        sequence with room for plain rounds only)."""
+        return cache_need(len(s.prompt), s.max_new_tokens, 1 if s.plain_rounds else self.room())
 
     def hits(self, seqs: list) -> list:
         """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""

@@ -218,6 +218,8 @@ class Engine(Admission):
             raise ValueError("use_tree needs an engine with a proposer")
         if self._in_flight:
             raise RuntimeError("use_tree between rounds: a round is running")
+        if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
+            raise ValueError("a row holds room for plain rounds only: no tree while it is active")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
         if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):

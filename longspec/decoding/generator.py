@@ -304,9 +304,12 @@ class Generator:
         t_plan = time.perf_counter()
         outline = self._outline() if plan is None else None
         plan = plan or outline or self.plan(prompts, config)
-        if self.proposer == "auto" and self._need(prompts, config, plan.tree) > self.max_len:
-            # near the context's end (plain decoding fits: checked above)
-            plan, outline = CallPlan(None, None, None, "the prompt leaves no room for a speculative tree", "none"), None
+        near_end = self.proposer == "auto" and self._need(prompts, config, plan.tree) > self.max_len
+        if near_end:
+            # near the context's end (plain decoding fits: checked above): plain rounds in auto's
+            # engine (its graphs captured, no second KV pool), its rows holding room for them only
+            plan, outline = CallPlan(plan.proposer, plan.tree, None, "the prompt leaves no room for a speculative tree",
+                                     "none"), None
         t_setup = time.perf_counter()
         plan_s = t_setup - t_plan
         engine = self.engine(plan.proposer, plan.tree, len(prompts))
@@ -315,7 +318,7 @@ class Generator:
             engine.prepare_prefill()
         eos = frozenset(config.eos_ids(self.target.config))
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
-                         top_p=config.top_p or 1.0) for p in prompts]
+                         top_p=config.top_p or 1.0, plain_rounds=near_end) for p in prompts]
         kind = engine.round_kind_of(seqs)
         captured = engine_controller(self.target, self.draft, engine).captured_kinds if plan.choices else None
         if plan.choices and engine.cuda_graphs and kind not in captured:
