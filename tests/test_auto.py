@@ -742,8 +742,9 @@ def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
 
 
 def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
-    """A controller that raises while the device runs the next round (a GPU's way): the call
-    fails, the round is finished, and the shared engine serves the next call."""
+    """A controller that raises while the device runs the next round (a GPU's way), or a Ctrl-C
+    while the host waits for a round with another launched ahead of it: the call fails, every
+    round in flight is finished, and the shared engine serves the next call."""
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
     from longspec.decoding.proposers import PromptLookup
@@ -765,6 +766,24 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
     again = Generator(target, gen.proposer, TreeSpec.chain(4))  # (the same proposer and tree: the same engine)
     assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
     assert again._engine is engine
+    # Ctrl-C while waiting for a round, with another launched ahead of it: both are finished
+    from longspec.decoding.engine import Engine
+
+    real, calls = Engine.finish, []
+
+    def interrupted(engine, streamer=None):
+        calls.append(engine.in_flight)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(engine, streamer)
+
+    again.launch_ahead = True
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "finish", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            again.generate([prompt], config)
+    assert calls[2] == 2 and not engine.in_flight and not engine.has_active
+    assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
 
 
 def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():

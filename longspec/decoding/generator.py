@@ -186,9 +186,8 @@ class Generator:
                         engine.use_tree(chosen)
                         trees.append((len(seq.tokens), tree_text(chosen)))
                 chosen = _KEEP
-        finally:  # (an error or Ctrl-C while weighing leaves no round running in the shared engine)
-            while launched:
-                launched.popleft()
+        finally:  # (an error or Ctrl-C, even while waiting for a round, leaves none running in the shared engine)
+            while engine.in_flight:
                 engine.finish()
         return rounds, stepping
 
