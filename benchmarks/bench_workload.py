@@ -4,8 +4,9 @@
 Protocol, the same for every method, in one process: one warm-up call on an unrelated prompt of
 ``--warmup-length`` tokens, then pass 1 (``--lengths``: prompts of different lengths, each from
 another project under ``--prompt-dirs``, each length new to the process), then pass 2 (the same
-prompts again). Every call is timed on the wall clock from the call to its last token, prefill
-included, and reports what it spent compiling and capturing. Methods: ours (plain decoding, the
+prompts again; sampled settings with ``--seeds N``: each prompt once per seed). Every call is
+timed on the wall clock from the call to its last token, prefill included, and reports what it
+spent compiling and capturing. Methods: ours (plain decoding, the
 LongSpec draft, the hybrid, ``auto``: what ``longspec generate`` runs by default) and
 transformers' ``generate`` with its compiled static cache and its dynamic cache on the same
 model. Greedy outputs are compared with our plain decoding. ``--sampling`` runs the workload once
@@ -25,6 +26,7 @@ pass-2 calls on the host outside their rounds (where auto's own work goes)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -98,10 +100,11 @@ def ours(target, proposer, draft, config, profile=None):
     :class:`HostProfile` that profiles the calls of pass 2 (``call(prompt, profiled=True)``)."""
     gen = Generator(target, proposer=proposer, draft=draft)
 
-    def call(prompt, profiled=False):
+    def call(prompt, profiled=False, seed=None):
+        cfg = config if seed is None else dataclasses.replace(config, seed=seed)
         sync()
         t = time.perf_counter()
-        out = profile.run(gen, prompt, config) if profiled and profile is not None else gen.generate([prompt], config)
+        out = profile.run(gen, prompt, cfg) if profiled and profile is not None else gen.generate([prompt], cfg)
         sync()
         stats = out.stats
         # (per round: draft_s / steps and verify_s / steps, device time: what auto's note predicted)
@@ -150,7 +153,9 @@ def transformers_call(model, config, **kwargs):
     if sampled:
         kwargs.update(do_sample=True, temperature=config.temperature, top_p=config.top_p or 1.0, top_k=0)
 
-    def call(prompt):
+    def call(prompt, seed=None):
+        if seed is not None:
+            torch.manual_seed(seed)
         ids = torch.tensor([prompt], device=model.device)
         sync()
         t = time.perf_counter()
@@ -197,6 +202,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fresh-process", action="store_true", help="also time `longspec generate` in new processes")
     p.add_argument("--sampling", default="greedy", help="comma-separated settings: greedy, tT, tTpP (see above)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="sampled settings: every call of a pass with seeds 0..N-1 (each method samples its own text, "
+                        "and whether it repeats its prompt decides what a lookup makes of it: one seed is a lottery)")
     p.add_argument("--out", help="also write the JSON results to this file")
     p.add_argument("--profile-host", action="store_true",
                    help="profile our methods' pass-2 calls on the host outside their rounds (their times then include "
@@ -240,18 +248,24 @@ def main(argv=None):
         for name in methods:  # ours first: transformers' compiled graphs come after
             gc.collect()
             call = calls[name]
-            for stage, prompt in [("warm-up", first)] + [("pass 1", x) for x in tests] + [("pass 2", x) for x in tests]:
-                tokens, res = call(prompt, profiled=True) if stage == "pass 2" and profiles.get(name) else call(prompt)
-                key = len(prompt)
+            seeds = [None] if greedy or args.seeds <= 1 else list(range(args.seeds))
+            runs = [("warm-up", first, None)] + [(stage, x, seed) for stage in ("pass 1", "pass 2") for x in tests
+                                                 for seed in seeds]
+            for stage, prompt, seed in runs:
+                kwargs = {} if seed is None else {"seed": seed}
+                profiled = stage == "pass 2" and profiles.get(name)
+                tokens, res = call(prompt, profiled=True, **kwargs) if profiled else call(prompt, **kwargs)
+                key = len(prompt), seed
                 if name == "plain":
                     reference.setdefault(key, tokens)
                     plain_wall[stage, key] = res["wall_s"]
-                res.update(method=name, setting=setting, stage=stage, prompt_tokens=len(prompt),
+                res.update(method=name, setting=setting, stage=stage, prompt_tokens=len(prompt), seed=seed,
                            ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
                            same_as_plain=tokens == reference.get(key) if greedy and key in reference else None,
                            vs_plain=plain_wall[stage, key] / res["wall_s"] if (stage, key) in plain_wall else None)
                 mine.append(res)
                 vs = f"{res['vs_plain']:5.2f}x plain" if res["vs_plain"] else ""
+                stage = stage if seed is None else f"{stage} s{seed}"
                 print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
                       f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
                       f"  same-as-plain {res['same_as_plain']}{parts(res)}  {(res.get('auto') or '')[-300:]}", flush=True)
