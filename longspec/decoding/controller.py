@@ -23,9 +23,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   running by :data:`SWITCH_MARGIN` after :data:`DWELL` rounds (each switch costs the host work
   of taking the rows in, which a near tie does not pay back; at temperature 1 the draft's tree,
   the lookup's chain and plain rounds often lie within a few percent of each other, and a
-  smaller margin had them take turns on the noise of their estimates). Plain decoding (one token a round, its time measured: its
-  first :data:`SETTLED_ROUNDS` rounds run first in a process) is always a candidate, so rounds
-  that do not pay lose their place within a few rounds.
+  smaller margin had them take turns on the noise of their estimates). Plain decoding (one
+  token a round, its time measured: its first :data:`SETTLED_ROUNDS` rounds run first in a
+  process) is always a candidate, so rounds that do not pay lose their place within a few
+  rounds.
 * **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
   accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds cost
   little more than plain ones (:data:`PROBE_COST`) and whose uncorrected prediction is clearly
@@ -43,7 +44,7 @@ from .tree import TreeSpec
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
-SWITCH_MARGIN = 1.1  # a candidate takes over when it is predicted this much faster (from plain rounds at a call's start too)
+SWITCH_MARGIN = 1.1  # a candidate takes over when predicted this much faster (from plain rounds at a call's start too)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
@@ -112,9 +113,9 @@ class Controller:
                 measured, predicted, *calls = map(float, entry)
             except (ValueError, TypeError):
                 continue  # (an entry this version cannot read: learned again)
-            key_ = name, tuple(sampling) if isinstance(sampling, list) else sampling
-            self.learned[key_] = (measured, predicted)
-            self.calls[key_] = int(calls[0]) if calls else PROBE_CALLS
+            learned = name, tuple(sampling) if isinstance(sampling, list) else sampling
+            self.learned[learned] = (measured, predicted)
+            self.calls[learned] = int(calls[0]) if calls else PROBE_CALLS
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.planned: Optional[Candidate] = None
@@ -148,9 +149,9 @@ class Controller:
         :attr:`Candidate.base` and :attr:`Candidate.hoped` too."""
         if c.tree is None:
             return 1.0
-        extra = max(predicted - 1.0, 0.0)
-        c.hoped = min(1.0 + extra * max(min(self.correction(label(c.tree)), most), 1.0), 1.0 + c.tree.depth)
-        c.base = min(1.0 + extra * min(self.correction(label(c.tree)), most), 1.0 + c.tree.depth)
+        extra, correction = max(predicted - 1.0, 0.0), min(self.correction(label(c.tree)), most)
+        c.hoped = min(1.0 + extra * max(correction, 1.0), 1.0 + c.tree.depth)
+        c.base = min(1.0 + extra * correction, 1.0 + c.tree.depth)
         return c.base
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:

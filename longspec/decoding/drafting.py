@@ -92,8 +92,9 @@ class Proposer:
     def add(self, row: int, prompt, first_token: int, tree: Optional[TreeSpec] = None) -> None:
         """A sequence with ``prompt`` (its token ids, prefilled: an int64 numpy array from an
         engine, which converts a sequence's prompt once; any sequence of ints will do) and its
-        first generated token takes batch row ``row``. ``tree``: given (by an engine) only for a tree whose rounds do not keep all the
-        state up (:meth:`keeps_up`): only the state its rounds use need be taken in."""
+        first generated token takes batch row ``row``. ``tree``: given (by an engine) only for a
+        tree whose rounds do not keep all the state up (:meth:`keeps_up`): only the state its
+        rounds use need be taken in."""
 
     def propose(self, root: torch.Tensor) -> DraftTree:
         """root [B]: the last emitted token of each row (its target KV is not cached yet)."""
