@@ -76,7 +76,7 @@ class Candidate:
     tokens: float = 0.0
     rounds: int = 0
     predicted_ms: float = 0.0  # the cost model's
-    base: float = 1.0  # the prior before what this call's other candidates measured
+    base: float = 1.0  # the prior from the prediction, before this call's measured shares lower it
     hoped: float = 1.0  # tokens per round predicted without a correction below 1 (a probe's hope)
 
     @property
@@ -227,11 +227,11 @@ class Controller:
             self._temper()
         if c.tree is None and len(times) < SETTLED_ROUNDS:
             return self.current.tree  # (plain rounds being timed)
-        probe = self._probe()
+        best = self._best()
+        probe = self._probe(best)
         if probe is not None:
             self.current, self.dwell, self.probed = probe, 0, True
             return probe.tree
-        best = self._best()
         probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
                               and (self.dwell >= DWELL or probed)):
@@ -321,17 +321,16 @@ class Controller:
             if not c.rounds and c.tree is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
 
-    def _probe(self) -> Optional[Candidate]:
+    def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
-        it, its correction uncertain, its rounds cheap, its uncorrected prediction the fastest by
-        CLEAR_MARGIN."""
+        it, its correction uncertain, its rounds cheap, its uncorrected prediction faster than
+        ``best`` (the candidate expected fastest) by CLEAR_MARGIN."""
         plain = self.candidates.get("plain")
         if self.probed or plain is None or not self._settled("plain"):
             return None
-        rate = max(self._best().rate, self.current.rate)
         for name, c in self.candidates.items():
             if c.rounds or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS:
                 continue
-            if c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * rate:
+            if c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * best.rate:
                 return c
         return None
