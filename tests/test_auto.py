@@ -722,6 +722,43 @@ def test_auto_makes_its_plan_while_the_device_prefills(tiny, tmp_path, monkeypat
     assert gen.generate([prompts[2]], config).sequences == plain.generate([prompts[2]], config).sequences
 
 
+def test_auto_takes_a_row_in_for_its_first_tree_before_reading_its_first_token(tiny, tmp_path, monkeypatch):
+    """auto's plan and its controller's first choice are made while the device prefills, and the
+    proposer then takes the row in for that tree once, with the first token still on the device
+    (a GPU queues that work behind the prefill instead of waiting for it): no switch follows."""
+    from longspec import GenerationConfig
+    from longspec.decoding.engine import Engine
+    from longspec.decoding.generator import Generator
+
+    monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist() * 3
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    labels = [f"hybrid chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.AUTO_TREES]
+    sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
+    fake_costs(target, tmp_path / "costs.json", len(prompt), {m: 1.0 for m in sizes}, {label: 0.01 for label in labels})
+    gen = Generator(target, proposer="auto", draft=draft)
+    gen.generate([prompt], config)  # (plain rounds timed)
+    taken, switched, take_in, use_tree = [], [], Engine.take_in, Engine.use_tree
+
+    def record_take_in(engine, row, text, last, tree):
+        taken.append((torch.is_tensor(last), tree, int(engine.active[row])))
+        return take_in(engine, row, text, last, tree)
+
+    def record_use_tree(engine, tree):
+        switched.append((tree, engine.has_active))
+        return use_tree(engine, tree)
+
+    monkeypatch.setattr(Engine, "take_in", record_take_in)
+    monkeypatch.setattr(Engine, "use_tree", record_use_tree)
+    out = gen.generate([prompt], config)
+    first = out.stats["trees"][0]
+    assert first[0] == 0 and first[1] is not None  # (a tree first: the prompt repeats itself)
+    assert taken[0] == (True, TreeSpec.parse(first[1]), 0)  # (the row decodes after it)
+    assert sum(active for _, active in switched) == len(out.stats["trees"]) - 1  # (the switches while generating)
+
+
 def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
     """auto's plan predicts the lookup's hits from the prompt's last PLAN_WINDOW tokens, and so do
     its re-predictions while generating: a long prompt's plan equals its recent part's."""
@@ -894,3 +931,34 @@ def test_auto_near_the_context_end_runs_plain_rounds_in_its_own_engine(tiny, tmp
             engine.use_tree(TreeSpec.chain(2))
         engine.cancel(seq)
     assert gen.generate([short], config).sequences == plain.generate([short], config).sequences
+
+
+def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind():
+    """A tree no call measured yet at a sampling setting starts from the correction the draft's
+    other trees learned there (at temperature 1 the draft's every tree hits less than its greedy
+    table says), not from the cost model alone; the lookup's chain keeps its own (none)."""
+    from longspec.decoding.controller import Controller
+
+    big, small, chain, t1 = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5), (1.0, 0, 1.0)
+    c = timed_plain(Controller(), 1.0)
+    c.learned[("2,2", t1)] = (0.4, 2.0)  # (a fifth of its extra tokens came)
+    assert c.begin({big: (4.0, 2.0), small: (3.0, 1.5), chain: (1.2, 1.2), None: (1.0, 1.0)}, t1) is None
+    assert c.candidates["4,4,1"].prior == pytest.approx(1.0 + 3.0 * 0.2)
+    assert c.candidates["chain:5"].prior == pytest.approx(1.2)
+    assert c.begin({big: (4.0, 2.0), small: (3.0, 1.5), None: (1.0, 1.0)}, "greedy") == big  # (another setting)
+
+
+def test_plain_rounds_take_over_from_a_candidate_a_little_slower():
+    """A candidate that turns out a few percent slower than plain rounds (less than the margin
+    another candidate needs to take over) gives way to them within a few rounds: a call must not
+    be slower than plain decoding."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree = TreeSpec.parse("4,4,1")
+    c = timed_plain(Controller(), 1.0)
+    assert c.begin({tree: (2.6, 2.0), None: (1.0, 1.0)}, (1.0, 0, 1.0)) == tree  # (1.3 tokens a ms predicted)
+    ran = [tree]
+    for _ in range(40):
+        ran.append(c.observe(*((1.9, 2e-3) if ran[-1] == tree else (1.0, 1e-3))))  # 0.95 tokens a ms
+    assert ran.count(tree) <= 2 * controller.SETTLED_ROUNDS + controller.DWELL and set(ran[-20:]) == {None}

@@ -416,7 +416,7 @@ def test_auto_sampled_calls_in_steady_state_compile_and_capture_nothing(model):
                                   top_k=20 if i % 4 == 3 else 0, seed=i, ignore_eos=True)
         out = gen.generate([prompt], config)
         assert out.stats["capture_s"] == 0.0, (i, len(prompt), out.stats.get("trees"), out.stats.get("auto"))
-        switched += len(out.stats["trees"]) > 1
+        switched += len(out.stats.get("trees", ())) > 1  # (none near the context's end: plain rounds)
     assert dict(torch._dynamo.utils.counters["frames"]) == frames, "something was compiled in steady state"
     assert switched, "the controller never switched: the test would not see a candidate's first rounds"
 

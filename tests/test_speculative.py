@@ -5,6 +5,7 @@ form, the vectorised prompt lookup against a by-hand search, errors."""
 import itertools
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,6 +135,24 @@ def test_prompt_lookup_history_holds_every_emitted_token(targets):
         [prompt], GenerationConfig(max_new_tokens=12, ignore_eos=True))
     expected = prompt + out.sequences[0]
     assert lookup.history[0][:len(expected)] == expected
+
+
+def test_prompt_lookup_takes_a_prompt_and_first_token_in_any_form(targets):
+    """An engine gives the prompt as a tensor on the device and the first token as a 0-d tensor
+    (not read yet); a caller may give lists and ints: the same history, its last ``capacity``
+    tokens where the prompt is longer."""
+    from longspec.decoding.sampling import Uniforms
+
+    target = targets["llama"]
+    cache = target.new_cache(2, 64)
+    lookup = PromptLookup()
+    lookup.begin(target, cache, TreeSpec.chain(3), GenerationConfig(), Uniforms(None, target.device))
+    prompt = list(range(3, 3 + lookup.capacity + 5))
+    lookup.add(0, prompt, 7)
+    lookup.add(1, torch.tensor(prompt), torch.tensor(7))
+    assert lookup.history[0] == lookup.history[1] == (prompt + [7])[-lookup.capacity:]
+    lookup.add(1, np.asarray(prompt[:9]), torch.tensor(8))
+    assert lookup.history[1] == prompt[:9] + [8]
 
 
 def test_tokens_per_s_counts_decoded_tokens_only(targets):

@@ -40,7 +40,8 @@ class Admission:
     def add(self, seqs: list, streamer: Optional[Streamer] = None, meanwhile=None) -> None:
         """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
         one's first token. Raises ValueError if they do not fit. ``meanwhile()``: host work done
-        once while the device runs the (first) prefill, before it is waited for."""
+        once while the device runs the (first) prefill, before the proposer takes the rows in
+        (it may choose their tree: :meth:`use_tree`) and before the prefill is waited for."""
         free = self.free_rows()
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
@@ -95,6 +96,9 @@ class Admission:
         return self.blocks_needed(seqs, hits) <= room
 
     def _prefill(self, seqs: list, row0: int, streamer, hits: Optional[list] = None, meanwhile=None) -> None:
+        """Prefills ``seqs`` into rows ``row0..``, then (``meanwhile()``, the proposer taking
+        the rows in) queues the host's work behind the device's before it reads the first
+        tokens: on a GPU that work costs no time while it is shorter than the prefill."""
         n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
             if self.prefix is None:
@@ -102,7 +106,11 @@ class Admission:
                     self.cache.assign(row, self.need(s))
             else:
                 self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs], hits)
+            # (uploaded before the prefill is launched: a copy from host memory waits for the device)
+            texts = [token_tensor(s.text(0), self.target.device) for s in seqs] if self.proposer is not None else []
             logits = self._prefill_rows(seqs, row0)
+            self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
+            first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
             if meanwhile is not None:
                 meanwhile()
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
@@ -113,19 +121,22 @@ class Admission:
         for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
             self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size,
                                  namespace=s.cache_namespace)
-        self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
-        first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
         self.root[row0:row0 + n] = first
-        for i, (s, t) in enumerate(zip(seqs, first.tolist())):
-            s.row = row0 + i
-            self.rows[s.row] = s
-            self._emit(s, [t], streamer)
-            if self.proposer is not None:
-                self.take_in(s.row, s.text(0), t, self.tree_of(self.bucket_for(s.row + 1)))
-            if not s.done:
-                self.active[s.row] = 1
-            else:
-                self._release(s)
+        taken = 0
+        try:
+            for i, s in enumerate(seqs):
+                s.row = row0 + i
+                self.rows[s.row] = s
+                if self.proposer is not None:  # (before the first tokens are read: see above)
+                    self.take_in(s.row, texts[i], first[i], self.tree_of(self.bucket_for(s.row + 1)))
+                taken += 1
+        finally:  # the rows taken in emit their first tokens and run, even where a later one failed
+            for s, t in zip(seqs[:taken], first.tolist()):
+                self._emit(s, [t], streamer)
+                if not s.done:
+                    self.active[s.row] = 1
+                else:
+                    self._release(s)
 
     def _prefill_rows(self, seqs: list, row0: int) -> torch.Tensor:
         """Prefills ``seqs`` into rows ``row0..`` (their blocks assigned, the first

@@ -20,6 +20,7 @@ device at hand, from a measured cost model.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -145,10 +146,16 @@ def device_key(target) -> str:
     """What step costs depend on: the device (and CPU threads), the model and its dtype, and the
     code (:data:`COSTS_VERSION`)."""
     device = target.device
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"cpu x{torch.get_num_threads()} threads")
+    where = (_cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+             if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads")
     model = os.path.basename(str(target.path or "model").rstrip("/"))
     return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl} | v{COSTS_VERSION}"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    """The name of CUDA device ``index`` (asked once: every auto call keys its costs by it)."""
+    return torch.cuda.get_device_name(index)
 
 
 def corrections_key(target, draft) -> str:

@@ -14,7 +14,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
 * **Tokens per round** are estimated per call: the cost model's prediction for this prompt,
   corrected by what earlier calls measured against their predictions at the same sampling
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
-  less), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
+  less; a candidate none measured yet takes the pooled correction of its kind's: the draft's
+  trees, or the lookup's chains), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
   Within a call, no candidate expects more of the cost model than its own rounds made of it
   (once it ran a few), or, untried, than the ones that ran made of theirs (a text the draft and
   the lookup hit less than predicted lowers every prediction: one failed tree is not followed by
@@ -23,7 +24,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   running by :data:`SWITCH_MARGIN` after :data:`DWELL` rounds (each switch costs the host work
   of taking the rows in, which a near tie does not pay back; at temperature 1 the draft's tree,
   the lookup's chain and plain rounds often lie within a few percent of each other, and a
-  smaller margin had them take turns on the noise of their estimates). Plain decoding (one
+  smaller margin had them take turns on the noise of their estimates); plain rounds take over
+  at :data:`RETREAT_MARGIN` (a call must not be slower than plain decoding: at 1.1 a tree 8%
+  slower than plain rounds kept running for a whole call). Plain decoding (one
   token a round, its time measured: its first :data:`SETTLED_ROUNDS` rounds run first in a
   process) is always a candidate, so rounds that do not pay lose their place within a few
   rounds.
@@ -44,7 +47,8 @@ from .tree import TreeSpec
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
-SWITCH_MARGIN = 1.1  # a candidate takes over when predicted this much faster (from plain rounds at a call's start too)
+SWITCH_MARGIN = 1.1  # a candidate takes over when predicted this much faster (from plain rounds at a call's start too) ...
+RETREAT_MARGIN = 1.03  # ... and plain rounds when this much faster (a call must never be slower than plain decoding)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
@@ -62,6 +66,11 @@ _CURRENT = object()  # observe's default: the round ran the current candidate
 
 def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
+
+
+def _kind(name: str) -> str:
+    """A candidate's kind, by its label: "chain" (the lookup's chain alone), else "tree"."""
+    return "chain" if name.startswith("chain") else "tree"
 
 
 @dataclass
@@ -139,6 +148,10 @@ class Controller:
         prompt, the correction what the cost model misses (a sampled call's lower acceptance; a
         model continuing code repeats its prompt far more than the prompt repeats itself)."""
         measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
+        if predicted <= 0.0:  # none of its own: those of its kind's (the draft's trees, or the lookup's chains), pooled
+            pairs = [pair for (other, sampling), pair in self.learned.items()
+                     if sampling == self.sampling and _kind(other) == _kind(name)]
+            measured, predicted = sum(m for m, _ in pairs), sum(p for _, p in pairs)
         if predicted <= 0.0:
             return 1.0
         return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
@@ -233,7 +246,8 @@ class Controller:
             self.current, self.dwell, self.probed = probe, 0, True
             return probe.tree
         probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
-        if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > SWITCH_MARGIN * c.rate
+        margin = RETREAT_MARGIN if best.tree is None else SWITCH_MARGIN
+        if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > margin * c.rate
                               and (self.dwell >= DWELL or probed)):
             self.current, self.dwell = best, 0
         return self.current.tree

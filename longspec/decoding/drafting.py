@@ -89,12 +89,13 @@ class Proposer:
         :class:`~longspec.decoding.sampling.Uniforms`."""
         raise NotImplementedError
 
-    def add(self, row: int, prompt, first_token: int, tree: Optional[TreeSpec] = None) -> None:
-        """A sequence with ``prompt`` (its token ids, prefilled: an int64 numpy array from an
-        engine, which converts a sequence's prompt once; any sequence of ints will do) and its
-        first generated token takes batch row ``row``. ``tree``: given (by an engine) only for a
-        tree whose rounds do not keep all the state up (:meth:`keeps_up`): only the state its
-        rounds use need be taken in."""
+    def add(self, row: int, prompt, first_token, tree: Optional[TreeSpec] = None) -> None:
+        """A sequence with ``prompt`` (its token ids, prefilled: an int64 tensor on the device or
+        a numpy array from an engine; any sequence of ints will do) and its first generated token
+        (an int, or a 0-d tensor on the device: an engine takes a row in before it reads the
+        token, so that on a GPU this work queues behind the prefill) takes batch row ``row``.
+        ``tree``: given (by an engine) only for a tree whose rounds do not keep all the state up
+        (:meth:`keeps_up`): only the state its rounds use need be taken in."""
 
     def propose(self, root: torch.Tensor) -> DraftTree:
         """root [B]: the last emitted token of each row (its target KV is not cached yet)."""

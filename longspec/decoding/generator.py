@@ -327,17 +327,25 @@ class Generator:
             engine.warm_up(trees=trees, prefill_by_layer=False, kinds=[kind])  # (only a long prompt needs that)
             captured.add(kind)
             collected_at = engine.capture_seconds()  # (the warm-up ends with a full collection)
-        made = []  # (the plan, made while the device prefills; its seconds)
+        made = []  # (the plan, made while the device prefills, its seconds; the controller, predictions, start)
 
         def make_plan() -> None:
+            # the plan, the controller's first choice and its tree, before the proposer takes the
+            # rows in for that tree (at the prefill: their first round waits for nothing)
             t = time.perf_counter()
             made.extend((self.plan(prompts, config), time.perf_counter() - t))
+            if (made[0].proposer, made[0].tree) != (outline.proposer, outline.tree):
+                raise RuntimeError(f"auto's plan ({made[0].name}, {made[0].tree}) left the engine it was "
+                                   f"outlined for ({outline.name}, {outline.tree})")
+            made.extend(self._begin(engine, made[0], config))
+            if engine.tree_of(engine.bucket_for(len(prompts))) != made[-1]:
+                engine.use_tree(made[-1])
 
         controller = predicted = None
         if outline is None:
             controller, predicted, start = self._begin(engine, plan, config)
         else:
-            start = None  # (rows join plain rounds: the proposer takes them in for the plan's first tree)
+            start = None  # (the plan's first tree is chosen during the prefill: make_plan)
         if plan.proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
@@ -348,13 +356,7 @@ class Generator:
         try:
             engine.add(seqs, streamer, meanwhile=make_plan if outline is not None else None)
             if outline is not None:
-                (plan, plan_s), outline_tree = made, outline.tree
-                if (plan.proposer, plan.tree) != (outline.proposer, outline_tree):
-                    raise RuntimeError(f"auto's plan ({plan.name}, {plan.tree}) left the engine it was "
-                                       f"outlined for ({outline.name}, {outline_tree})")
-                controller, predicted, start = self._begin(engine, plan, config)
-                if engine.has_active and engine.tree_of(engine.bucket()) != start:  # (none: done at the first token)
-                    engine.use_tree(start)
+                plan, plan_s, controller, predicted, start = made
             trees = [(0, tree_text(start))] if controller is not None else []
             repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
             t_prefill = clock()

@@ -2,7 +2,6 @@
 earlier occurrences of the context's last n tokens, searched on the device with fixed shapes."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .drafting import TreeDrafter
@@ -51,10 +50,11 @@ class PromptLookup(TreeDrafter):
         return [h[:n].tolist() for h, n in zip(self.hist, self.hist_len.tolist())]
 
     def add(self, row, prompt, first_token, tree=None):
-        tokens = np.append(np.asarray(prompt, dtype=np.int64), first_token)[-self.capacity:]
+        kept = min(len(prompt), self.capacity - 1)  # (the prompt's last tokens, then the first token)
         self.hist[row] = -1
-        self.hist[row, :len(tokens)] = token_tensor(tokens, self.hist.device)
-        self.hist_len[row] = len(tokens)
+        self.hist[row, :kept] = token_tensor(prompt[len(prompt) - kept:], self.hist.device)
+        self.hist[row, kept] = first_token  # (an int, or a 0-d tensor on the device: no wait for it)
+        self.hist_len[row] = kept + 1
 
     def accepted(self, emitted, counts):
         cols = torch.arange(emitted.shape[1], device=emitted.device)[None, :]
