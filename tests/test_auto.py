@@ -776,6 +776,12 @@ def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
     assert long.hits == short.hits and long.hits != resolve(target, head[-64:], draft, costs_file=str(costs)).hits
     generated = recent[10:30]
     assert long.repredict(head + recent + generated, 164) == short.repredict(recent + generated, 64)
+    # the same text again (another sample of the same request) is not indexed again
+    made, index = [], auto.LookupIndex
+    monkeypatch.setattr(auto, "LookupIndex", lambda ids: made.append(len(ids)) or index(ids))
+    again = resolve(target, [7] + recent, draft, costs_file=str(costs))
+    assert made == [] and again.hits == long.hits and again.index is long.index
+    assert resolve(target, recent + [7], draft, costs_file=str(costs)).index is not long.index and made == [64]
 
 
 def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
@@ -962,3 +968,32 @@ def test_plain_rounds_take_over_from_a_candidate_a_little_slower():
     for _ in range(40):
         ran.append(c.observe(*((1.9, 2e-3) if ran[-1] == tree else (1.0, 1e-3))))  # 0.95 tokens a ms
     assert ran.count(tree) <= 2 * controller.SETTLED_ROUNDS + controller.DWELL and set(ran[-20:]) == {None}
+
+
+def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repeats():
+    """A chain that hit nothing in a call's first rounds gives way to plain rounds; when the
+    lookup's prediction on the text generated since says far more (a chat answer quoting the
+    code), it runs again, once a call: its new rounds decide, and the call's correction counts
+    all its rounds."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain, t07 = TreeSpec.chain(5), (0.7, 0, 0.9)
+    c = timed_plain(Controller(), 1.0)
+    c.learned[("chain:5", t07)], c.calls[("chain:5", t07)] = (2.0, 2.0), 3  # (as predicted, in 3 calls)
+    assert c.begin({chain: (2.0, 1.2), None: (1.0, 1.0)}, t07) == chain
+    ran = [chain]
+    for _ in range(20):
+        ran.append(c.observe(*((1.0, 1.2e-3) if ran[-1] == chain else (1.0, 1e-3))))
+    assert set(ran[-10:]) == {None} and c.wants_predictions()
+    first = ran[:-1].count(chain)  # (its rounds)
+    c.repredict({chain: 1.05})  # (a little more than it made: its rounds stand)
+    assert c.observe(1.0, 1e-3) is None and not c.candidates["chain:5"].retried
+    c.repredict({chain: 4.0})
+    ran = [c.observe(1.0, 1e-3)]
+    for _ in range(10):
+        ran.append(c.observe(*((4.0, 1.2e-3) if ran[-1] == chain else (1.0, 1e-3))))
+    assert set(ran) == {chain} and not c.wants_predictions()
+    c.end()  # (every round it ran counts: first + 10, of which 10 made 3 extra tokens)
+    assert c.learned[("chain:5", t07)] == pytest.approx((controller.LEARNED_DECAY * 2.0 + 30.0,
+                                                          controller.LEARNED_DECAY * 2.0 + first + 10))

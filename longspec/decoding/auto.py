@@ -21,13 +21,16 @@ device at hand, from a measured cost model.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import statistics
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .acceptance import LookupIndex, expected_tokens, lookup_acceptance
@@ -161,8 +164,6 @@ def _cuda_name(index: int) -> str:
 def corrections_key(target, draft) -> str:
     """What auto's corrections of its predictions depend on: the model, the draft (its acceptance
     table) and the prediction's code (:data:`COSTS_VERSION`)."""
-    import hashlib
-
     model = os.path.basename(str(target.path or "model").rstrip("/"))
     table = json.dumps(draft.config.acceptance if draft is not None else None)
     return f"{model} | draft {hashlib.sha1(table.encode()).hexdigest()[:12]} | v{COSTS_VERSION}"
@@ -361,6 +362,27 @@ class Plan:
                 for tree in self.predicted or {} if tree is not None}
 
 
+_LOOKUPS: "OrderedDict[bytes, tuple]" = OrderedDict()  # the last texts' (LookupIndex, hit rates), by content
+LOOKUPS_KEPT = 8
+
+
+def _lookup_of(recent: np.ndarray) -> tuple:
+    """(:class:`LookupIndex`, :func:`lookup_acceptance`) of a prompt's last tokens ``recent``
+    (the index: re-predicting from the generated text then costs little), kept for the last few
+    texts: the same document asked again (another sample, a regenerated answer) is planned
+    without sorting its n-grams again, most of a plan's time (it is not hidden where the prompt
+    is in the prefix cache: its prefill is then shorter)."""
+    key = hashlib.blake2b(recent.tobytes(), digest_size=16).digest()
+    found = _LOOKUPS.pop(key, None)
+    if found is None:
+        index = LookupIndex(recent)
+        found = index, lookup_acceptance(recent, index=index)
+    _LOOKUPS[key] = found
+    while len(_LOOKUPS) > LOOKUPS_KEPT:
+        _LOOKUPS.popitem(last=False)
+    return found
+
+
 def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None) -> Plan:
     """``--proposer auto`` for prompt ``ids``: the candidates (:func:`_candidates`; on CUDA
     fewer) with their predicted tokens and times per round (:func:`choose`'s cost model), and
@@ -368,9 +390,8 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     if draft is not None and not draft.config.acceptance:
         tree = TreeSpec.parse(HYBRID_TREE)
         return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
-    recent = ids[-PLAN_WINDOW:]
-    index = LookupIndex(recent)  # (re-predicting from the generated text then costs little)
-    hits = lookup_acceptance(recent, index=index)
+    recent = np.asarray(ids[-PLAN_WINDOW:], dtype=np.int64)
+    index, hits = _lookup_of(recent)
     candidates = _candidates(recent, draft, hits, target.device.type == "cuda")
     label, gain, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]

@@ -87,6 +87,8 @@ class Candidate:
     predicted_ms: float = 0.0  # the cost model's
     base: float = 1.0  # the prior from the prediction, before this call's measured shares lower it
     hoped: float = 1.0  # tokens per round predicted without a correction below 1 (a probe's hope)
+    retried: bool = False  # re-predicted from the generated text after it ran (its rounds start again)
+    earlier: tuple = (0.0, 0)  # (tokens, rounds) it ran before that
 
     @property
     def tokens_per_round(self) -> float:
@@ -205,18 +207,36 @@ class Controller:
         return None if plain is None else self.planned.rate / plain.rate
 
     def wants_predictions(self) -> bool:
-        """Whether a candidate has not run in this call (:meth:`repredict` changes no other)."""
-        return any(c.rounds == 0 and c.tree is not None for c in self.candidates.values())
+        """Whether :meth:`repredict` may change a candidate: one that has not run in this call,
+        or one that ran, is not running and has not been re-predicted in it."""
+        return any(c.tree is not None and (c.rounds == 0 or c is not self.current and not c.retried)
+                   for c in self.candidates.values())
 
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
-        the text generated so far), for candidates that have not run in this call. A correction
-        below 1 applies to them too (sampling's lower acceptance, a draft's optimism), one above 1
-        not: they read the generated text, which is what the prompt's predictions missed."""
+        the text generated so far) for candidates that have not run in this call, and once a call
+        for one that ran and gave way, where the new prediction's extra tokens exceed what its
+        rounds made by CLEAR_MARGIN and it would take over: the text generated since repeats more than when it ran (a
+        chat answer begins in prose and quotes the code later), and its rounds then say less of
+        the next ones than the text does. A correction below 1 applies to them too (sampling's
+        lower acceptance, a draft's optimism), one above 1 not: they read the generated text,
+        which is what the prompt's predictions missed."""
         for tree, value in tokens.items():
             c = self.candidates.get(label(tree))
-            if c is not None and c.rounds == 0 and tree is not None:
+            if c is None or tree is None or c is self.current:
+                continue
+            if c.rounds == 0:
                 c.prior = self._prior(c, value, most=1.0)
+            elif not c.retried:
+                kept = c.base, c.hoped
+                prior = self._prior(c, value, most=1.0)
+                if prior - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
+                        prior / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
+                    c.retried, c.prior = True, prior
+                    c.earlier = (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
+                    c.tokens, c.rounds = 0.0, 0
+                else:
+                    c.base, c.hoped = kept
         self._temper()
 
     def observe(self, tokens: float, seconds: float, tree=_CURRENT) -> Optional[TreeSpec]:
@@ -260,11 +280,12 @@ class Controller:
         """Folds this call's measured tokens per round, against the predictions, into the
         correction of later calls at the same sampling settings."""
         for name, c in self.candidates.items():
-            if c.rounds and c.tree is not None:
+            tokens, rounds = c.tokens + c.earlier[0], c.rounds + c.earlier[1]
+            if rounds and c.tree is not None:
                 measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
                 self.learned[name, self.sampling] = (
-                    LEARNED_DECAY * measured + c.tokens - c.rounds,
-                    LEARNED_DECAY * predicted + c.rounds * max(c.predicted - 1.0, 0.0))
+                    LEARNED_DECAY * measured + tokens - rounds,
+                    LEARNED_DECAY * predicted + rounds * max(c.predicted - 1.0, 0.0))
                 self.calls[name, self.sampling] = self.calls.get((name, self.sampling), 0) + 1
         if self.store is not None and (self.saved_at is None or time.monotonic() - self.saved_at > SAVE_EVERY_S):
             try:
@@ -293,7 +314,7 @@ class Controller:
 
     def summary(self) -> str:
         """What each candidate measured in this call (for a call's stats)."""
-        return "; ".join(f"{name}: {c.rounds} rounds, {c.tokens_per_round:.2f} tokens in {c.ms:.2f} ms"
+        return "; ".join(f"{name}: {c.rounds + c.earlier[1]} rounds, {c.tokens_per_round:.2f} tokens in {c.ms:.2f} ms"
                          for name, c in self.candidates.items())
 
     def _calibrate(self) -> None:
@@ -332,7 +353,7 @@ class Controller:
             return
         share = min(max(sum(c.tokens - c.rounds for c in ran) / hoped, 0.0), 1.0)
         for c in self.candidates.values():
-            if not c.rounds and c.tree is not None:
+            if not c.rounds and c.tree is not None and not c.retried:  # (a retried one: its text's prediction)
                 c.prior = 1.0 + (c.base - 1.0) * share
 
     def _probe(self, best: Candidate) -> Optional[Candidate]:
@@ -343,7 +364,7 @@ class Controller:
         if self.probed or plain is None or not self._settled("plain"):
             return None
         for name, c in self.candidates.items():
-            if c.rounds or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS:
+            if c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS:
                 continue
             if c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * best.rate:
                 return c
