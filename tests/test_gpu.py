@@ -410,7 +410,7 @@ def test_auto_sampled_calls_in_steady_state_compile_and_capture_nothing(model):
     frames = dict(torch._dynamo.utils.counters["frames"])
     switched = 0
     for i in range(12):
-        prompt = torch.randint(0, 160, (20 + 23 * i,), generator=rng).tolist() * 2
+        prompt = torch.randint(0, 160, (20 + 19 * i,), generator=rng).tolist() * 2  # (the last near the end)
         temperature = (0.0, 1.0, 0.7, 0.5)[i % 4]
         config = GenerationConfig(max_new_tokens=24, temperature=temperature, top_p=0.9 if i % 4 == 2 else 1.0,
                                   top_k=20 if i % 4 == 3 else 0, seed=i, ignore_eos=True)

@@ -57,6 +57,7 @@ MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on 
 SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
 RETIME_MARGIN = 1.25  # ... where the candidate predicted fastest is predicted less than this much faster
+RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
 PROBE_COST = 1.25  # ... where its round costs at most this many plain rounds
 
@@ -215,19 +216,20 @@ class Controller:
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
         the text generated so far) for candidates that have not run in this call, and once a call
-        for one that ran and gave way, where the new prediction's extra tokens exceed what its
-        rounds made by CLEAR_MARGIN and it would take over: the text generated since repeats more than when it ran (a
-        chat answer begins in prose and quotes the code later), and its rounds then say less of
-        the next ones than the text does. A correction below 1 applies to them too (sampling's
-        lower acceptance, a draft's optimism), one above 1 not: they read the generated text,
-        which is what the prompt's predictions missed."""
+        for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction's
+        extra tokens exceed what its rounds made by CLEAR_MARGIN and it would take over: the text
+        generated since repeats more than when it ran (a chat answer begins in prose and quotes
+        the code later), and its rounds then say less of the next ones than the text does. A
+        correction below 1 applies to them too (sampling's lower acceptance, a draft's optimism),
+        one above 1 not: they read the generated text, which is what the prompt's predictions
+        missed."""
         for tree, value in tokens.items():
             c = self.candidates.get(label(tree))
             if c is None or tree is None or c is self.current:
                 continue
             if c.rounds == 0:
                 c.prior = self._prior(c, value, most=1.0)
-            elif not c.retried:
+            elif not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 kept = c.base, c.hoped
                 prior = self._prior(c, value, most=1.0)
                 if prior - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
