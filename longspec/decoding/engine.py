@@ -13,8 +13,6 @@ between rounds without reallocating anything: a finished row is only masked (the
 over an engine."""
 from __future__ import annotations
 
-import gc
-import time
 import weakref
 from collections import deque
 from functools import partial
@@ -25,7 +23,7 @@ import torch
 from ..attention import triton_kernels
 from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, pool_blocks
 from ..config import GenerationConfig
-from ..models.target import TargetModel, compile_counts, compile_step
+from ..models.target import TargetModel, compile_step
 from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from .admission import Admission
 from .drafting import Proposer
@@ -33,8 +31,10 @@ from .prefill import ChunkedPrefill
 from .runner import PhaseRunner, RoundRows, batch_buckets
 from .sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
 from .sequence import Sequence, Streamer
+from .switching import TreeSwitching
 from .tree import TreeSpec
 from .verify import verify_greedy, verify_sampling
+from .warm_up import WarmUp
 
 __all__ = ["Engine", "Sequence", "owner_of"]  # (Sequence: what callers add, imported from here too)
 
@@ -52,7 +52,7 @@ def _release_if_orphaned(proposer) -> None:
         proposer.release()
 
 
-class Engine(Admission):
+class Engine(Admission, TreeSwitching, WarmUp):
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
     each with its own (``config`` a :class:`~longspec.decoding.sampling.RowSampling`: every
@@ -204,56 +204,6 @@ class Engine(Admission):
         """The tree rounds over bucket ``n`` draft (None: they decode plainly, or no proposer)."""
         return self.bucket_trees.get(n, self.tree)
 
-    def use_tree(self, tree: Optional[TreeSpec]) -> None:
-        """From the next round on every bucket drafts ``tree`` (one that fits the engine's tree),
-        or decodes plainly (None): what ``--proposer auto`` switches to while it generates.
-        Verification stays exact, so the output is unchanged. The replaced tree's rounds are
-        parked (graphs and times kept) for when it returns. Plain rounds leave the proposer
-        behind (they cost what a plain engine's do), and so do rounds it drafts with part of its
-        state (:meth:`Proposer.keeps_up`: the hybrid's lookup chain without its draft); when the
-        next tree takes over, the proposer takes every active row in again from its text
-        (:meth:`Proposer.add`: the draft's window of the last W tokens, the lookup's history), as
-        after the row's prefill."""
-        if self.proposer is None:
-            raise ValueError("use_tree needs an engine with a proposer")
-        if self._in_flight:
-            raise RuntimeError("use_tree between rounds: a round is running")
-        if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
-            raise ValueError("a row holds room for plain rounds only: no tree while it is active")
-        if tree is not None and tree != self.tree:
-            self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
-        if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):
-            for s in self.rows:
-                if s is not None:
-                    self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
-            self.behind = False
-        for b in self.buckets:
-            old = self.tree_of(b)
-            if old == tree:
-                continue
-            runners = {key: self.runners.pop(key) for key in [k for k in self.runners if k[-1] == b]}
-            self.parked[b, old] = (self._views.pop(b, None), runners)
-            view, runners = self.parked.pop((b, tree), (None, {}))
-            if view is not None:
-                self._views[b] = view
-            self.runners.update(runners)
-            if tree == self.tree:
-                del self.bucket_trees[b]
-            else:
-                self.bucket_trees[b] = tree
-        self.behind = self.behind or tree is None or not self.proposer.keeps_up(tree)
-
-    def take_in(self, row: int, text: list, last: int, tree: Optional[TreeSpec]) -> None:
-        """The proposer takes row ``row`` in (its ``text`` up to its ``last`` token, whose K/V
-        is not cached yet) for rounds of ``tree``. While the proposer is behind (:meth:`use_tree`
-        switched every bucket to rounds that leave it behind; the next tree's takes every row in
-        again): nothing for plain rounds, and for rounds that use part of its state (the hybrid's
-        lookup chain) only that part (the lookup's history, not the draft's window)."""
-        if not self.behind or tree is not None and self.proposer.keeps_up(tree):
-            self.proposer.add(row, text, last)
-        elif tree is not None:
-            self.proposer.add(row, text, last, tree=tree)
-
     def _follow_phase(self, v: "RoundRows") -> None:
         v.proposer.decoded(v.root)  # a plain round of a speculative engine: the proposer keeps up
 
@@ -326,19 +276,6 @@ class Engine(Admission):
                                             reset=v.cache.discard)
         return self.runners[key]
 
-    @property
-    def all_runners(self) -> list:
-        return [*self.runners.values(), *(r for _, parked in self.parked.values() for r in parked.values())]
-
-    def phase_times(self) -> list:
-        """Seconds spent in each phase (with a proposer: drafting, then the target's), over every
-        kind of round; a plain bucket's round counts its target step as the target's phase."""
-        out = [0.0] * (1 if self.proposer is None else 2)
-        for r in self.all_runners:
-            for i, t in enumerate(reversed(r.times)):
-                out[-1 - i] += t
-        return out
-
     def close(self) -> None:
         """Drops the captured graphs, the references the engine holds to itself (its runners'
         phases, its compiled accept step) and its proposer's state, so that releasing the engine
@@ -353,75 +290,6 @@ class Engine(Admission):
         if self.proposer is not None and owner_of(self.proposer) is self:  # its state belongs to this engine
             self.proposer.release()
 
-    @torch.inference_mode()
-    def warm_up(self, sampled: bool = False, trees: Optional[list] = None, prefill_by_layer: bool = True,
-                kinds: Optional[list] = None) -> float:
-        """Prepares every bucket's greedy rounds (and, with ``sampled``, its sampling rounds) now:
-        compilation and CUDA-graph capture, which otherwise happen on a bucket's first round;
-        ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
-        default the buckets' own; ``prefill_by_layer``: the long prompts' attention too (see
-        :meth:`prepare_prefill`). Call with no sequences in the engine. Returns the seconds it
-        took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
-        graphs compiled ({what: :func:`compile_counts`' counts}). Ends with a full garbage
-        collection: compiling leaves hundreds of thousands of new Python objects, whose first full
-        collection (0.2-0.4 s at the 8B shape) would otherwise fall in a request soon after.
-        ``kinds``: the kinds of round to prepare instead, as (greedy, truncating) pairs (see
-        :attr:`round_kind`)."""
-        if self.has_active:
-            raise RuntimeError("warm_up needs an empty engine")
-        t0, kind = time.perf_counter(), self.round_kind
-        if kinds is None:
-            kinds = [(True, False)]  # (greedy, truncating); sampled: with per-row settings, with top-k / top-p too
-            if sampled:
-                kinds += [(False, False), (False, True)] if isinstance(self.config, RowSampling) else [(False, False)]
-        own = {b: self.tree_of(b) for b in self.buckets}
-        self.warm_up_seconds, self.warm_up_graphs = {}, {}
-
-        def part(what: str, prepare) -> None:
-            self.warming, start, before = what, time.perf_counter(), compile_counts()
-            prepare()
-            self.warm_up_seconds[what] = time.perf_counter() - start
-            self.warm_up_graphs[what] = {k: n - before[k] for k, n in compile_counts().items()}
-
-        try:
-            part("the prefill", lambda: self.prepare_prefill(by_layer=prefill_by_layer))
-            for tree in trees if trees is not None else [_OWN_TREES]:
-                if tree is not _OWN_TREES:
-                    self.use_tree(tree)
-                for greedy, truncating in kinds:
-                    self._use_round_kind(greedy, truncating)
-                    for n in self.buckets:
-                        which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
-                        what = "greedy" if greedy else "sampled (top-k / top-p)" if truncating else "sampled"
-                        part(f"bucket {n}'s {what} rounds{which}", self._round(n)[1].prepare)
-            part("garbage collection", gc.collect)
-        finally:
-            self.warming = None
-        if trees is not None and len(set(map(str, own.values()))) == 1:
-            self.use_tree(own[self.buckets[0]])
-        self._use_round_kind(*kind)
-        return time.perf_counter() - t0
-
-    def _use_round_kind(self, greedy: bool, truncating: bool) -> None:
-        """Rounds from now on are greedy or sampled, with top-k / top-p (``truncating``, for an
-        engine with per-row settings) or without."""
-        self.greedy_round = greedy
-        if isinstance(self.config, RowSampling):
-            self.config.truncating = truncating
-
-    def prepare_prefill(self, by_layer: bool = False) -> None:
-        """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,
-        serving every row), if it has chunk steps; ``by_layer``: sets up the attention of prompts
-        long enough to go layer by layer too (once a process: cuDNN's set-up). Call with no
-        sequences in the engine."""
-        chunked = self.chunked_prefill
-        if chunked is not None and chunked.captured:
-            chunked.prepare(row=0)
-            if by_layer:
-                if self.rows[0] is not None:
-                    raise RuntimeError("preparing the prefill by layer needs row 0 free (an empty engine)")
-                chunked.prepare_by_layer(row=0)
-
     def _round(self, n: int) -> tuple:
         """(view, runner) of bucket ``n`` for the current kind of round, the proposer told which
         kind it drafts for (captured graphs keep what it was told at capture)."""
@@ -433,12 +301,6 @@ class Engine(Admission):
     def bucket_for(self, n: int) -> int:
         """The smallest bucket of at least ``n`` rows."""
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
-
-    def capture_seconds(self) -> float:
-        """Seconds spent so far preparing rounds and prefill chunks: compilation (on their eager
-        first runs) and CUDA-graph capture."""
-        chunks = self.chunked_prefill.runners.values() if self.chunked_prefill is not None else ()
-        return sum(r.capture_s for r in [*self.all_runners, *chunks])
 
     def bucket(self) -> int:
         """The smallest bucket that holds every active row."""
@@ -517,4 +379,3 @@ class Engine(Admission):
                 self._release(s)
         return tokens / rows if rows else None
 
-_OWN_TREES = object()  # warm_up: each bucket's own tree
