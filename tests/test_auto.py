@@ -950,11 +950,11 @@ def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind():
 
     big, small, chain, t1 = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5), (1.0, 0, 1.0)
     c = timed_plain(Controller(), 1.0)
-    c.learned[("2,2", t1)] = (0.4, 2.0)  # (a fifth of its extra tokens came)
-    assert c.begin({big: (4.0, 2.0), small: (3.0, 1.5), chain: (1.2, 1.2), None: (1.0, 1.0)}, t1) is None
-    assert c.candidates["4,4,1"].prior == pytest.approx(1.0 + 3.0 * 0.2)
+    c.learned[("2,2", t1)] = (0.6, 2.0)  # (0.3 of its extra tokens came)
+    assert c.begin({big: (4.4, 2.0), small: (3.0, 1.5), chain: (1.2, 1.2), None: (1.0, 1.0)}, t1) is None
+    assert c.candidates["4,4,1"].prior == pytest.approx(1.0 + 3.4 * 0.3)
     assert c.candidates["chain:5"].prior == pytest.approx(1.2)
-    assert c.begin({big: (4.0, 2.0), small: (3.0, 1.5), None: (1.0, 1.0)}, "greedy") == big  # (another setting)
+    assert c.begin({big: (4.4, 2.0), small: (3.0, 1.5), None: (1.0, 1.0)}, "greedy") == big  # (another setting)
 
 
 def test_plain_rounds_take_over_from_a_candidate_a_little_slower():

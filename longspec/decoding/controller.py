@@ -152,8 +152,8 @@ class Controller:
         model continuing code repeats its prompt far more than the prompt repeats itself)."""
         measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
         if predicted <= 0.0:  # none of its own: those of its kind's (the draft's trees, or the lookup's chains), pooled
-            pairs = [pair for (other, sampling), pair in self.learned.items()
-                     if sampling == self.sampling and _kind(other) == _kind(name)]
+            pairs = [(m, p) for (other, sampling), (m, p) in self.learned.items()
+                     if sampling == self.sampling and _kind(other) == _kind(name) and p > 0.0]
             measured, predicted = sum(m for m, _ in pairs), sum(p for _, p in pairs)
         if predicted <= 0.0:
             return 1.0
@@ -225,11 +225,11 @@ class Controller:
         missed."""
         for tree, value in tokens.items():
             c = self.candidates.get(label(tree))
-            if c is None or tree is None or c is self.current:
+            if c is None or tree is None:
                 continue
             if c.rounds == 0:
                 c.prior = self._prior(c, value, most=1.0)
-            elif not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
+            elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 kept = c.base, c.hoped
                 prior = self._prior(c, value, most=1.0)
                 if prior - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \

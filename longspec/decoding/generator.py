@@ -346,7 +346,7 @@ class Generator:
             controller, predicted, start = self._begin(engine, plan, config)
         else:
             start = None  # (the plan's first tree is chosen during the prefill: make_plan)
-        if plan.proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
+        if outline is None and plan.proposer is not None and engine.tree_of(engine.bucket_for(len(prompts))) != start:
             engine.use_tree(start)
         engine.uniforms.generator = (None if config.seed is None else
                                      torch.Generator(device=self.target.device).manual_seed(config.seed))
@@ -364,6 +364,7 @@ class Generator:
         finally:  # a failed or interrupted call leaves the shared engine empty
             for s in seqs:
                 engine.cancel(s)
+            controller = controller if controller is not None or len(made) < 3 else made[2]  # (begun in make_plan)
             if controller is not None:
                 controller.end()
         t_end = clock()

@@ -53,12 +53,13 @@ class TreeSwitching:
                 self.bucket_trees[b] = tree
         self.behind = self.behind or tree is None or not self.proposer.keeps_up(tree)
 
-    def take_in(self, row: int, text: list, last: int, tree: Optional[TreeSpec]) -> None:
+    def take_in(self, row: int, text, last, tree: Optional[TreeSpec]) -> None:
         """The proposer takes row ``row`` in (its ``text`` up to its ``last`` token, whose K/V
-        is not cached yet) for rounds of ``tree``. While the proposer is behind (:meth:`use_tree`
-        switched every bucket to rounds that leave it behind; the next tree's takes every row in
-        again): nothing for plain rounds, and for rounds that use part of its state (the hybrid's
-        lookup chain) only that part (the lookup's history, not the draft's window)."""
+        is not cached yet: ids as an array or a tensor on the device, an int or a 0-d tensor)
+        for rounds of ``tree``. While the proposer is behind (:meth:`use_tree` switched every
+        bucket to rounds that leave it behind; the next tree's takes every row in again):
+        nothing for plain rounds, and for rounds that use part of its state (the hybrid's lookup
+        chain) only that part (the lookup's history, not the draft's window)."""
         if not self.behind or tree is not None and self.proposer.keeps_up(tree):
             self.proposer.add(row, text, last)
         elif tree is not None:

@@ -19,8 +19,9 @@ _OWN_TREES = object()  # warm_up: each bucket's own tree
 class WarmUp:
     """The part of :class:`~longspec.decoding.engine.Engine` that prepares its rounds and counts
     their time. It works on the engine's state (``runners``, ``parked``, ``buckets``,
-    ``chunked_prefill``, ``config``, ``rows``, ``proposer``) through its ``use_tree``,
-    ``tree_of``, ``round_kind`` and ``_round``."""
+    ``chunked_prefill``, ``config``, ``rows``, ``proposer``; it sets ``warming``,
+    ``greedy_round``, ``warm_up_seconds``, ``warm_up_graphs``) through its ``has_active``,
+    ``use_tree``, ``tree_of``, ``round_kind`` and ``_round``."""
 
     @property
     def all_runners(self) -> list:
