@@ -318,6 +318,8 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
         assert errors == [requests[3]]
         ok = [0, 1, 2, 4]
         assert [requests[i].seq.tokens for i in ok] == [alone(prompts[i], 6) for i in ok]
+        engine = server.engine  # (no row kept blocks: the rows prefilled after a failed one gave theirs back)
+        assert all(blocks is None for blocks in engine.cache.blocks) and not engine.has_active
     finally:
         server.worker.stop()
         loop.close()

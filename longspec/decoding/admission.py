@@ -131,6 +131,9 @@ class Admission:
                     self.take_in(s.row, texts[i], first[i], self.tree_of(self.bucket_for(s.row + 1)))
                 taken += 1
         finally:  # the rows taken in emit their first tokens and run, even where a later one failed
+            for row in rows[taken + 1:]:  # (those after a failed one: blocks back, retried alone by the caller)
+                self.cache.lengths[row] = 0
+                self.cache.unassign(row)
             for s, t in zip(seqs[:taken], first.tolist()):
                 self._emit(s, [t], streamer)
                 if not s.done:
