@@ -159,16 +159,20 @@ class Controller:
             return 1.0
         return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
 
-    def _prior(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> float:
-        """Tokens per round expected of ``c`` from a prediction: its extra tokens corrected (the
-        correction at most ``most``), no more than a round of its tree can emit. Sets its
-        :attr:`Candidate.base` and :attr:`Candidate.hoped` too."""
+    def _expect(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> tuple:
+        """(base, hoped): tokens per round expected of ``c`` from a prediction, its extra tokens
+        corrected (the correction at most ``most``; hoped: a correction below 1 left out), no
+        more than a round of its tree can emit (plain rounds: 1)."""
         if c.tree is None:
-            return 1.0
+            return 1.0, 1.0
         extra, correction = max(predicted - 1.0, 0.0), min(self.correction(label(c.tree)), most)
-        c.hoped = min(1.0 + extra * max(correction, 1.0), 1.0 + c.tree.depth)
-        c.base = min(1.0 + extra * correction, 1.0 + c.tree.depth)
-        return c.base
+        return (min(1.0 + extra * correction, 1.0 + c.tree.depth),
+                min(1.0 + extra * max(correction, 1.0), 1.0 + c.tree.depth))
+
+    def _prior(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> None:
+        """``c`` expects :meth:`_expect` of a prediction: its prior, base and hoped tokens."""
+        c.base, c.hoped = self._expect(c, predicted, most)
+        c.prior = c.base
 
     def begin(self, predicted: dict, sampling=None) -> Optional[TreeSpec]:
         """``predicted``: {tree or None: (tokens per round, round ms)} from the cost model;
@@ -180,7 +184,7 @@ class Controller:
         self.sampling, self.candidates, self.probed = sampling, {}, False
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
-            c.prior = self._prior(c, c.predicted)
+            self._prior(c, c.predicted)
             self.candidates[label(tree)] = c
         self._calibrate()
         self.current, self.dwell = self._best(), 0
@@ -228,17 +232,14 @@ class Controller:
             if c is None or tree is None:
                 continue
             if c.rounds == 0:
-                c.prior = self._prior(c, value, most=1.0)
+                self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
-                kept = c.base, c.hoped
-                prior = self._prior(c, value, most=1.0)
-                if prior - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
-                        prior / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
-                    c.retried, c.prior = True, prior
-                    c.earlier = (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
+                base, _ = self._expect(c, value, most=1.0)
+                if base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
+                        base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
+                    self._prior(c, value, most=1.0)
+                    c.retried, c.earlier = True, (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
                     c.tokens, c.rounds = 0.0, 0
-                else:
-                    c.base, c.hoped = kept
         self._temper()
 
     def observe(self, tokens: float, seconds: float, tree=_CURRENT) -> Optional[TreeSpec]:
