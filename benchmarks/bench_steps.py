@@ -37,8 +37,9 @@ from longspec.decoding.tree import TreeSpec  # noqa: E402
 from longspec.models.checkpoint import load_draft  # noqa: E402
 
 
-def kernel_profile(fn, top: int = 12) -> tuple:
-    """(kernels launched by one eager call of ``fn``, a table of the ``top`` kernels by time)."""
+def kernel_profile(fn, top: int = 12, order: bool = False) -> tuple:
+    """(kernels launched by one eager call of ``fn``, a table of the ``top`` kernels by time;
+    with ``order``, then every kernel in launch order, repeats of one name folded: ``name xN``)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -48,6 +49,14 @@ def kernel_profile(fn, top: int = 12) -> tuple:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    if order:
+        runs = []
+        for e in sorted(kernels, key=lambda e: e.time_range.start):
+            if runs and runs[-1][0] == e.name:
+                runs[-1][1] += 1
+            else:
+                runs.append([e.name, 1])
+        table += "\n" + "\n".join(f"  {name[:110]}" + (f" x{n}" if n > 1 else "") for name, n in runs)
     return len(kernels), table
 
 
@@ -171,6 +180,8 @@ def main(argv=None):
     p.add_argument("--random-draft", action="store_true", help="a randomly initialised draft (8192-token draft "
                    "vocabulary) when no --draft is given: proposal cost does not depend on the weights")
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
+    p.add_argument("--profile-order", action="store_true", help="with --profile: also every kernel of the "
+                   "proposals and rounds in launch order")
     p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma=0,block_q=64 "
                    "(KernelConfig's fields: a boolean one by its name or as name=0/1, an integer one as name=value)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
@@ -250,7 +261,8 @@ def main(argv=None):
                 # full rounds replayed ~45 times advance the cache by up to depth + 1 tokens each
                 room = ctx + 64 * (tree.depth + 1) + 256
                 engine = Engine(target, proposer, tree, max_batch=b, max_len=room, buckets=[b],
-                                config=GenerationConfig(max_new_tokens=400), cuda_graphs=False)
+                                config=GenerationConfig(max_new_tokens=400), cuda_graphs=False,
+                                compile_proposals=True)  # as Generator's engines (with --compile on)
                 engine.add([Sequence(row.tolist(), 400) for row in ids])
                 rows_view = engine.view(b)
 
@@ -270,7 +282,7 @@ def main(argv=None):
                     rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
                                      floor_ms=float("nan"), x_floor=float("nan")))
                     if args.profile:
-                        n, table = kernel_profile(fn)
+                        n, table = kernel_profile(fn, order=args.profile_order)
                         print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
                 engine.close()  # its caches go now, before the next proposal's engine is built
             if args.hf and label == args.attention.split(",")[0] and b == 1:

@@ -443,3 +443,28 @@ def test_compiled_lower_right_causal_attention_equals_eager(dtype):
     torch.testing.assert_close(out.float(), reference, atol=atol, rtol=0)
     aot = counters["aot_autograd"]
     assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] + aot["autograd_cache_hit"] >= 1, dict(aot)
+
+
+@pytest.mark.parametrize("shape,k,biased", [((1, 16, 8192), 16, True), ((2, 4, 8192), 16, True),
+                                            ((74, 1, 49152), 4, False), ((1, 1, 8192), 4, False)])
+def test_select_top_on_cuda_is_topk(shape, k, biased):
+    """The draft's top-k kernels at the draft's sizes (a beam level over 16 parents, a static
+    level over the whole vocabulary) give torch.topk's values with indices that hold them,
+    eagerly and inside a captured graph."""
+    from longspec.decoding.topk import top_k
+
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(shape, generator=gen, device="cuda").log_softmax(-1)
+    bias = torch.randn(shape[:2], generator=gen, device="cuda") if biased else None
+    scores = (x if bias is None else x + bias[..., None]).flatten(1)
+    ref, _ = torch.topk(scores, k, dim=-1)
+    values, index = top_k(x, k, bias)
+    assert torch.equal(values, ref) and torch.equal(scores.gather(1, index), values)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = top_k(x, k, bias)
+    x.copy_(x.flip(-1))
+    scores = (x if bias is None else x + bias[..., None]).flatten(1)
+    graph.replay()
+    assert torch.equal(out[0], torch.topk(scores, k, dim=-1).values)
+    assert torch.equal(scores.gather(1, out[1]), out[0])

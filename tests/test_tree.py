@@ -239,15 +239,30 @@ def test_topk_children_and_static_level_index():
         assert torch.equal(tokens[:, i], order[:, par, rank])
 
 
-@pytest.mark.parametrize("shape,k", [((2, 3, 8192), 16), ((1, 16, 1024), 4), ((4, 640), 8), ((2, 300), 5)])
-def test_two_pass_topk_is_topk(shape, k):
-    """The drafter's top-k over a long last dimension (two passes) gives torch.topk's values, in
-    order, and indices that hold them; with ties too."""
-    from longspec.decoding.drafting import topk_last
-
+@pytest.mark.parametrize("shape,k,biased", [((2, 3, 8192), 16, True), ((1, 16, 1024), 4, True),
+                                            ((4, 1, 640), 8, False), ((2, 1, 300), 5, False), ((1, 1, 4), 4, False)])
+def test_select_top_kernel_is_topk(shape, k, biased):
+    """The draft's top-k kernels (under the Triton interpreter on a CPU) give torch.topk's values
+    of the flattened x + bias, in order, with distinct indices that hold them; among ties the
+    smaller index first; NaN above everything, -inf kept."""
+    topk = pytest.importorskip("longspec.decoding.topk")
+    if topk.triton is None:
+        pytest.skip("no Triton")
     gen = torch.Generator().manual_seed(sum(shape) + k)
-    for x in (torch.randn(shape, generator=gen), torch.randint(0, 5, shape, generator=gen).float()):
-        values, index = topk_last(x, k)
-        ref, _ = torch.topk(x, k, dim=-1)
-        assert torch.equal(values, ref) and torch.equal(x.gather(-1, index), values)
-        assert (index.sort(-1).values.diff(dim=-1) > 0).all()  # distinct
+    bias = torch.randn(shape[:2], generator=gen) if biased else None
+    tied = torch.randint(0, 5, shape, generator=gen).float()
+    special = torch.randn(shape, generator=gen)
+    special[..., :2] = float("-inf")
+    special[0, 0, -1] = float("nan")
+    for x in (torch.randn(shape, generator=gen), tied, special):
+        values, index = topk.select_top(x, k, bias)
+        scores = (x if bias is None else x + bias[..., None]).flatten(1)
+        ref, _ = torch.topk(scores, k, dim=-1)
+        assert torch.equal(values.nan_to_num(), ref.nan_to_num())
+        assert torch.equal(scores.gather(-1, index).nan_to_num(), values.nan_to_num())
+        for row, ids in zip(values, index):  # ties: ascending indices
+            for a in range(k - 1):
+                assert ids[a] != ids[a + 1] and (row[a] != row[a + 1] or ids[a] < ids[a + 1])
+    assert topk.fits(x, k) and not topk.fits(x[0], k) and not topk.fits(x, topk.MAX_K + 1)
+    with pytest.raises(ValueError, match="select_top"):
+        topk.select_top(x, topk.MAX_K + 1)

@@ -105,9 +105,10 @@ class AttentionMeta:
 
     @classmethod
     def build(cls, cache, tree_mask: torch.Tensor, n_new: int, impl: str, causal: bool = False,
-              n_keys: Optional[int] = None) -> "AttentionMeta":
+              n_keys: Optional[int] = None, slots: Optional[torch.Tensor] = None) -> "AttentionMeta":
         """``n_keys`` None: measured as ``lengths.max() + pending + n_new`` (one host sync; the
-        room in the cache is checked). Otherwise the caller vouches that every row fits."""
+        room in the cache is checked). Otherwise the caller vouches that every row fits.
+        ``slots``: the new tokens' physical slots when the caller has them (else from ``cache``)."""
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
         n_tree = cache.pending + n_new
@@ -123,7 +124,8 @@ class AttentionMeta:
             causal = causal and impl != "reference" and fewest == used and cache.pending == 0
         else:
             causal = False
-        meta = cls(impl, cache.lengths, cache.physical(cache.new_slots(n_new)), tree_mask, cache.pending, n_keys,
+        slots = cache.physical(cache.new_slots(n_new)) if slots is None else slots
+        meta = cls(impl, cache.lengths, slots, tree_mask, cache.pending, n_keys,
                    cache.table, cache.block_size, cache.row0 if cache.dense else None,
                    cache.pool.scratch * cache.block_size, causal, tree_causal)
         meta._spell_out()

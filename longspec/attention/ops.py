@@ -45,8 +45,8 @@ def register() -> None:
 
     @torch.library.custom_op("longspec::prefix_attention", mutates_args=())
     def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
-                         table: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
-        return prefix_kernel(q, k, v, limits, table=table, block_size=block_size)
+                         table: Optional[torch.Tensor], block_size: int, lengths: torch.Tensor) -> torch.Tensor:
+        return prefix_kernel(q, k, v, limits, table=table, block_size=block_size, lengths=lengths)
 
     @torch.library.custom_op("longspec::masked_attention", mutates_args=())
     def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def register() -> None:
     def prefix_call(q, k, v, limits, config=None, table=None, block_size=0):
         if config is not None:
             return prefix_kernel(q, k, v, limits, config, table, block_size)
-        return prefix_attention(q, k, v, limits, table, block_size)
+        return prefix_attention(q, k, v, limits, table, block_size, limits.amax(1))  # (in the caller's graph)
 
     def masked_call(q, k, v, mask, config=None):
         return masked_kernel(q, k, v, mask, config) if config is not None else masked_attention(q, k, v, mask)

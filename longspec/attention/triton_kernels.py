@@ -445,19 +445,20 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 @compile_boundary
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, limits: torch.Tensor,
                      config: Optional[KernelConfig] = None, table: Optional[torch.Tensor] = None,
-                     block_size: int = 0) -> torch.Tensor:
+                     block_size: int = 0, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Query i of row b sees cache slots ``0..limits[b, i]-1`` (the draft's cross-attention into
     the target cache, each query at its own lag); a query that sees no slot gets zeros.
 
     q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D], or a pool layer read through ``table`` as in
-    :func:`tree_attention`; limits [B, M] integer (clamped to [0, S]).
+    :func:`tree_attention`; limits [B, M] integer (clamped to [0, S]); lengths [B]:
+    ``limits.amax(1)`` when the caller has it (a compiled step computes it in a kernel of its own).
     Returns o [B, Hq, M, D] as :func:`tree_attention`."""
     c = _check(q, k_cache, v_cache, config, table, block_size)
     if limits.shape != (q.shape[0], q.shape[2]) or limits.dtype.is_floating_point:
         raise ValueError(f"prefix_attention: limits must be integers [B, M] = {(q.shape[0], q.shape[2])}, "
                          f"got {tuple(limits.shape)} {limits.dtype}")
-    return _launch(q, k_cache, v_cache, limits.amax(1), limits, None, c, with_prefix=True, table=table,
-                   block_size=block_size)
+    return _launch(q, k_cache, v_cache, limits.amax(1) if lengths is None else lengths, limits, None, c,
+                   with_prefix=True, table=table, block_size=block_size)
 
 
 @compile_boundary
@@ -473,8 +474,23 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     b, m, s = q.shape[0], q.shape[2], k.shape[2]
     if mask.dim() != 3 or mask.shape[1:] != (m, s) or mask.shape[0] not in (1, b):
         raise ValueError(f"masked_attention: mask must be [B or 1, {m}, {s}], got {tuple(mask.shape)}")
-    lengths = torch.zeros(b, dtype=torch.int32, device=q.device)
-    return _launch(q, k, v, lengths, None, mask, c, with_prefix=False)
+    return _launch(q, k, v, _zeros(b, q.device), None, mask, c, with_prefix=False)
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """int32 zeros [n] (no prefix before the keys: masked attention's lengths), kept per device
+    outside CUDA-graph capture (a zeroing kernel less a call; one made while capturing holds
+    zeros only when the graph runs, so it is not kept)."""
+    zeros = _ZEROS.get(device)
+    if zeros is None or zeros.numel() < n:
+        zeros = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return zeros[:n]
+        _ZEROS[device] = zeros
+    return zeros[:n]
 
 
 def store_fits(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:

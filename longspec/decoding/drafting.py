@@ -14,6 +14,7 @@ import torch
 from ..cache import KVCache
 from ..config import GenerationConfig
 from .sampling import config_rows, uniform, warp_with
+from .topk import top_k
 from .tree import DraftTree, TreeSpec
 
 if TYPE_CHECKING:
@@ -37,28 +38,8 @@ def beam_select(parent_logprobs: torch.Tensor, child_logprobs: torch.Tensor, wid
         raise ValueError(f"parent_logprobs must be {(B, P)}, got {tuple(parent_logprobs.shape)}")
     if not 0 < width <= P * V:
         raise ValueError(f"beam width must be in [1, {P * V}] ({P} parents x {V} tokens), got {width}")
-    # each winning pair is among its parent's ``width`` best children: select per parent first
-    # (one small top-k per row), then among the P * k survivors (far cheaper than over P * V)
-    k = min(width, V)
-    child_top, child_token = topk_last(child_logprobs, k)  # [B, P, k]
-    scores = (parent_logprobs.unsqueeze(-1) + child_top).reshape(B, P * k)
-    cum, flat = torch.topk(scores, width, dim=-1, sorted=True)
-    return flat // k, child_token.reshape(B, P * k).gather(1, flat), cum
-
-
-def topk_last(x: torch.Tensor, k: int, chunk: int = 128) -> tuple:
-    """``torch.topk(x, k, dim=-1)`` (values, indices; descending) in two passes where the last
-    dimension is long: the top k of each ``chunk`` columns, then the top k of those. The same
-    values (an element of the top k is in its chunk's top k); among equal values the indices may
-    differ. A single top-k over few long rows runs one thread block a row, leaving most of a GPU
-    idle (docs/benchmarks.md, "Speculation against our own plain decoding")."""
-    n = x.shape[-1]
-    if n <= 4 * chunk or n % chunk or k > chunk:
-        return torch.topk(x, k, dim=-1)
-    part_top, part_index = torch.topk(x.unflatten(-1, (n // chunk, chunk)), k, dim=-1)  # [..., n/chunk, k]
-    offsets = torch.arange(0, n, chunk, device=x.device)[:, None]
-    top, where = torch.topk(part_top.flatten(-2), k, dim=-1)
-    return top, (part_index + offsets).flatten(-2).gather(-1, where)
+    cum, flat = top_k(child_logprobs, width, bias=parent_logprobs)  # over the P * V pairs
+    return flat // V, flat % V, cum
 
 
 def topk_children(logits: torch.Tensor, k: int):
@@ -66,8 +47,9 @@ def topk_children(logits: torch.Tensor, k: int):
 
     Returns ``tokens [B, M, k]`` and their ``logprobs [B, M, k]``, in descending probability.
     """
-    logprobs, tokens = torch.topk(logits.float().log_softmax(-1), k, dim=-1)
-    return tokens, logprobs
+    b, m, v = logits.shape
+    logprobs, tokens = top_k(logits.float().log_softmax(-1).reshape(b * m, 1, v), k)
+    return tokens.view(b, m, k), logprobs.view(b, m, k)
 
 
 class Proposer:

@@ -269,6 +269,27 @@ def _compile_failed(err: Exception) -> None:
     warnings.warn(f"torch.compile is not available here, steps run uncompiled ({first_line})", stacklevel=3)
 
 
+def step_inputs(model: "TargetModel", input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rope_seq_len: Optional[torch.Tensor]) -> tuple:
+    """What a step's layers take besides the cache: the embeddings [B, T, H], the rotary tables
+    (cos, sin) [B, T, D] of the full-attention layers and of the sliding ones (the same pair where
+    they share one), in the model's dtype, and the new tokens' physical slots [B, T]."""
+    x = model.embed(input_ids)
+    rope = tuple(c.to(x.dtype) for c in model.rotary(positions, rope_seq_len))
+    local = rope
+    if model.config.has_sliding_layers and model.rotary_local is not model.rotary:
+        local = tuple(c.to(x.dtype) for c in model.rotary_local(positions, rope_seq_len))
+    return x, rope, local, cache.physical(cache.new_slots(input_ids.shape[1]))
+
+
+def compiled_inputs():
+    """:func:`step_inputs` through :func:`compile_step`: a few kernels instead of ~25 small ones
+    (the slots' arithmetic, the table lookup, the rotary tables' trigonometry and casts) a step."""
+    if "inputs" not in _COMPILED:
+        _COMPILED["inputs"] = compile_step(step_inputs)
+    return _COMPILED["inputs"]
+
+
 def compiled_layer():
     """``run_layer`` through :func:`compile_step`: Inductor fuses the norms, RoPE, the cache write,
     the attention's softmax and SwiGLU into a few kernels (matrix products stay cuBLAS); one
@@ -405,16 +426,15 @@ class TargetModel(nn.Module):
         short_causal = impl == "triton" and causal and input_ids.shape[1] <= TRITON_CAUSAL_MAX_TOKENS
         if n_keys is None and impl != "reference" and not short_causal:
             impl = "sdpa"
-        meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys)
-        x = self.embed(input_ids)
+        compiled = self.compile_steps and n_keys is not None and self.fused
+        inputs = compiled_inputs() if compiled and self.shard is None else step_inputs
+        x, rope, local, slots = inputs(self, input_ids, positions, cache, rope_seq_len)
+        meta = AttentionMeta.build(cache, tree_mask, input_ids.shape[1], impl, causal, n_keys, slots)
         cfg = self.config
-        rope = (c.to(x.dtype) for c in self.rotary(positions, rope_seq_len))
         steps = {False: (meta, *rope)}  # per layer kind (sliding or not): what its layers see
         if cfg.has_sliding_layers:
-            local = (c.to(x.dtype) for c in self.rotary_local(positions, rope_seq_len)) \
-                if self.rotary_local is not self.rotary else steps[False][1:]
             steps[True] = (meta.windowed(positions, cfg.sliding_window, slot_positions), *local)
-        run = compiled_layer() if self.compile_steps and n_keys is not None and self.fused else run_layer
+        run = compiled_layer() if compiled else run_layer
         for i, layer in enumerate(self.model.layers):
             step_meta, cos, sin = steps[cfg.is_sliding(i)]
             x = run(layer, x, cos, sin, cache.pool.k[i], cache.pool.v[i], step_meta)
