@@ -137,8 +137,9 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 
 # bumped when the steps' code changes what they cost, so measurements of older code are not reused
 # (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches;
-# 3: one lookup search a round, the hybrid's lookup tail without draft forwards)
-COSTS_VERSION = 3
+# 3: one lookup search a round, the hybrid's lookup tail without draft forwards;
+# 4: the draft's selections in Triton kernels, a step's inputs compiled)
+COSTS_VERSION = 4
 # the lookup's hit rates are predicted from the prompt's last this many tokens (their n-grams
 # matched there): a plan then costs the same at 8k and at 1M tokens, which matters where the
 # prefill hides it poorly (a long prompt mostly in the prefix cache)

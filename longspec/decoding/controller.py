@@ -28,8 +28,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   at :data:`RETREAT_MARGIN` (a call must not be slower than plain decoding: at 1.1 a tree 8%
   slower than plain rounds kept running for a whole call). Plain decoding (one
   token a round, its time measured: its first :data:`SETTLED_ROUNDS` rounds run first in a
-  process) is always a candidate, so rounds that do not pay lose their place within a few
-  rounds.
+  process where the candidate predicted fastest is within :data:`RETIME_MARGIN` of the cost
+  model's time for them) is always a candidate, so rounds that do not pay lose their place
+  within a few rounds.
 * **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
   accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds cost
   little more than plain ones (:data:`PROBE_COST`) and whose uncorrected prediction is clearly
@@ -56,7 +57,7 @@ MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens
 MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
 SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
-RETIME_MARGIN = 1.25  # ... where the candidate predicted fastest is predicted less than this much faster
+RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
 PROBE_COST = 1.25  # ... where its round costs at most this many plain rounds
@@ -192,10 +193,12 @@ class Controller:
         plain = self.candidates.get("plain")
         if plain is not None and self.current.rate < SWITCH_MARGIN * plain.rate:
             self.current = plain
-        if plain is not None and not self._settled("plain"):
-            # plain rounds first until their time is measured (once per process): every other
-            # candidate is weighed against them, and the cost model's time for them scales least
-            # like the others' (docs/benchmarks.md, "Generation on a CPU")
+        if plain is not None and not self._settled("plain") and self.planned.rate < RETIME_MARGIN * plain.rate:
+            # plain rounds first until their time is measured (once per process) where the choice
+            # hangs on it: every other candidate is weighed against them, and the cost model's
+            # time for them scales least like the others' (docs/benchmarks.md, "Generation on a
+            # CPU"). One predicted clearly faster runs at once (on a CPU three plain rounds cost a
+            # tenth of a `longspec generate` call's decoding); plain rounds are timed when they run
             self.current = plain
         elif plain is not None and self.rounds - self.timed_at.get("plain", self.rounds) > RETIME_AFTER and \
                 self.planned.rate < RETIME_MARGIN * plain.rate:
