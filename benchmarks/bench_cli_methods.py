@@ -23,7 +23,7 @@ import sys
 def run_call(prompt: tuple, method: str, args) -> dict:
     kind, text = prompt
     cmd = [sys.executable, "-m", "longspec.cli", "generate", "--prompt-file" if kind == "file" else "--prompt",
-           text, "--max-new-tokens", str(args.max_new_tokens), "--proposer", method, "--json",
+           text, "--max-new-tokens", str(args.max_new_tokens), "--proposer", *shlex.split(method), "--json",
            *shlex.split(args.extra)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
@@ -37,8 +37,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-file", action="append", default=[], help="a prompt file (repeatable)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt text (repeatable)")
-    p.add_argument("--methods", default="auto,none,pld", help="--proposer values; the first is paired "
-                   "against the faster of the others")
+    p.add_argument("--methods", default="auto,none,pld", help="--proposer values (each may carry more "
+                   "arguments: \"pld --tree chain:8\"); the first is paired against the faster of the others")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--extra", default="", help="more `longspec generate` arguments, e.g. \"--threads 2 --chat\"")
@@ -54,7 +54,7 @@ def main(argv=None):
             for method in (methods if r % 2 == 0 else methods[::-1]):  # (alternating order)
                 res = dict(round=r, prompt=prompt[1], method=method, **run_call(prompt, method, args))
                 calls.append(res)
-                print(f"round {r}  {prompt[1][:40]:<40}  {method:<6}  tokens/s {res['tokens_per_s']:6.1f}  "
+                print(f"round {r}  {prompt[1][:40]:<40}  {method:<8}  tokens/s {res['tokens_per_s']:6.1f}  "
                       f"tau {res['tau']:5.2f}  rounds {res['steps']}  trees {res['trees']}", flush=True)
     summary = {}
     first, others = methods[0], methods[1:]

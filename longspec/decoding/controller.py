@@ -197,8 +197,9 @@ class Controller:
             # plain rounds first until their time is measured (once per process) where the choice
             # hangs on it: every other candidate is weighed against them, and the cost model's
             # time for them scales least like the others' (docs/benchmarks.md, "Generation on a
-            # CPU"). One predicted clearly faster runs at once (on a CPU three plain rounds cost a
-            # tenth of a `longspec generate` call's decoding); plain rounds are timed when they run
+            # CPU"). One predicted clearly faster runs at once (each `longspec generate` is a new
+            # process: on a CPU its plain rounds were a real share of the call); plain rounds are
+            # timed when they run
             self.current = plain
         elif plain is not None and self.rounds - self.timed_at.get("plain", self.rounds) > RETIME_AFTER and \
                 self.planned.rate < RETIME_MARGIN * plain.rate:

@@ -2,9 +2,9 @@
 or two small Triton launches.
 
 A beam level picks the ``width`` best (parent, token) pairs by cumulative log-probability over
-P parents x C tokens; a static level the top k children of each node. ``torch.topk`` does this
+P parents x C tokens; a static level the top k children of each node. ``torch.topk`` did this
 in six kernels a level (a per-chunk pass, a pass over the chunks' winners and the pairs' top k,
-each a radix select and a sort), ~44 us of a ~150 us draft level at P = 16, C = 8,192. Here,
+each a radix select and a sort), a large share of a draft level (docs/benchmarks.md). Here,
 pass 1 (one program per row, group and span of ``BLOCK`` columns) takes its span's top k by k
 rounds of a max over the span held in registers; pass 2 (one program per row) takes the top k
 of those winners. A score and its column travel as one 64-bit key (the score's bits, ordered

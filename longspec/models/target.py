@@ -283,8 +283,9 @@ def step_inputs(model: "TargetModel", input_ids: torch.Tensor, positions: torch.
 
 
 def compiled_inputs():
-    """:func:`step_inputs` through :func:`compile_step`: a few kernels instead of ~25 small ones
-    (the slots' arithmetic, the table lookup, the rotary tables' trigonometry and casts) a step."""
+    """:func:`step_inputs` through :func:`compile_step`: a few kernels a step instead of a small
+    one for each operation (the slots' arithmetic, the table lookup, the rotary tables'
+    trigonometry and casts), which a captured step replays one after another."""
     if "inputs" not in _COMPILED:
         _COMPILED["inputs"] = compile_step(step_inputs)
     return _COMPILED["inputs"]
