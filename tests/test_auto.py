@@ -235,6 +235,20 @@ def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_p
     assert plan.repredict(ids + [3, 4], len(ids))[chain] < 2.0
 
 
+def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
+    """On a CPU the cost model times its shapes in turn (one call of each a pass, after one
+    warm-up call each), so a machine whose speed drifts moves them alike; each gets the median
+    of its own calls."""
+    ran = []
+    clock = iter(range(1000))
+    fns = {name: (lambda name=name: ran.append(name)) for name in ("1", "7", "chain")}
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: float(next(clock)))
+    medians = auto._time(fns, torch.device("cpu"), repeats=3)
+    monkeypatch.undo()
+    assert ran == ["1", "7", "chain"] * 4
+    assert medians == {"1": 1.0, "7": 1.0, "chain": 1.0}
+
+
 def timed_plain(c, ms: float):
     """``c`` as if it had timed plain rounds at ``ms`` (a process's first call runs them first)."""
     from longspec.decoding import controller

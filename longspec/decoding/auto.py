@@ -59,18 +59,22 @@ GPU_LOOKUP_CHAINS = (5,)
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn``: CUDA-graph replays on CUDA (as the engine runs steps), eager
-    calls elsewhere."""
+def _time(fns: dict, device: torch.device, repeats: int) -> dict:
+    """Median seconds of each of ``fns`` ({name: fn}): CUDA-graph replays on CUDA (as the engine
+    runs steps), eager calls elsewhere, the functions taken in turn (one call of each a pass): a
+    CPU whose speed drifts between seconds (a shared machine) then moves them alike, and the
+    choice rests on their ratios."""
     if device.type == "cuda":
-        return time_graph(fn, repeats, device)
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+        return {name: time_graph(fn, repeats, device) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()
@@ -108,18 +112,19 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
         store.normal_()
     cache.lengths.fill_(context)
     n_keys = cache.max_len if device.type == "cuda" else None
-    out = {"target_ms": {}, "draft_ms": {}}
+    steps = {}
     for m in sorted({1} | {tree.num_nodes for tree, _, _ in candidates.values()}):
         tokens = torch.randint(0, vocab, (batch, m), device=device)
         positions = cache.lengths[:, None] + torch.arange(m, device=device)
         mask = torch.ones(m, m, dtype=torch.bool, device=device).tril()[None]
 
-        def step():
+        def step(tokens=tokens, positions=positions, mask=mask):
             target.verify(tokens, positions, mask, cache, n_keys=n_keys)
             cache.discard()
 
-        out["target_ms"][str(m)] = 1e3 * _time(step, device, repeats)
+        steps[str(m)] = step
     root = prompt[:, -1]
+    proposals = {}
     for label, (tree, _, _) in candidates.items():
         proposer = made[label]
         proposer.begin(target, cache, hosts[label], GenerationConfig(), Uniforms(None, device))
@@ -127,18 +132,19 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
             proposer.add(row, prompt[row, :-1].tolist(), int(root[row]))
         drafting = proposer if hosts[label] == tree else proposer.with_tree(tree)
 
-        def propose():
+        def propose(drafting=drafting):
             drafting.propose(root)
             drafting._end_round()
 
-        out["draft_ms"][label] = 1e3 * _time(propose, device, repeats)
-    return out
+        proposals[label] = propose
+    return {"target_ms": {m: 1e3 * t for m, t in _time(steps, device, repeats).items()},
+            "draft_ms": {label: 1e3 * t for label, t in _time(proposals, device, repeats).items()}}
 
 
 # bumped when the steps' code changes what they cost, so measurements of older code are not reused
 # (2: drafting selects among a reduced vocabulary's columns and a lookup chain's best matches;
 # 3: one lookup search a round, the hybrid's lookup tail without draft forwards;
-# 4: the draft's selections in Triton kernels, a step's inputs compiled)
+# 4: the draft's selections in Triton kernels, a step's inputs compiled; a CPU's shapes timed in turn)
 COSTS_VERSION = 4
 # the lookup's hit rates are predicted from the prompt's last this many tokens (their n-grams
 # matched there): a plan then costs the same at 8k and at 1M tokens, which matters where the
