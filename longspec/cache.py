@@ -10,7 +10,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from .attention import triton_kernels
+from .attention import kv_store
 from .attention.paged import LayerKV, physical_slots, rows_of
 from .compile_boundary import compile_boundary
 from .config import ModelConfig
@@ -171,8 +171,8 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     kernel writes both (two indexed copies otherwise)."""
     b = k_new.shape[0]
     k_rows, v_rows = k_layer[None].expand(b, -1, -1, -1), v_layer[None].expand(b, -1, -1, -1)  # batch stride 0
-    if k_layer.is_cuda and triton_kernels.store_fits(k_rows, v_rows, k_new, v_new):
-        triton_kernels.store_kv(k_rows, v_rows, k_new, v_new, slots)
+    if k_layer.is_cuda and kv_store.store_fits(k_rows, v_rows, k_new, v_new):
+        kv_store.store_kv(k_rows, v_rows, k_new, v_new, slots)
         return
     flat = slots.reshape(-1)
     k_layer[:, flat] = k_new.transpose(0, 1).reshape(k_layer.shape[0], -1, k_layer.shape[-1])

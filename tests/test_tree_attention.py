@@ -377,7 +377,7 @@ def test_store_kernel_writes_what_indexing_writes(m, outside):
     """One launch writes K and V at per-row slots as ``cache.store_kv``'s indexed copies do
     (V in another layout: a transposed view, as a qkv split gives); a slot outside the cache
     (-1, or the capacity) is skipped, nothing else written."""
-    from longspec.attention.triton_kernels import store_fits, store_kv
+    from longspec.attention.kv_store import store_fits, store_kv
 
     gen = torch.Generator().manual_seed(m)
     device = "cuda" if ON_GPU else "cpu"
@@ -405,7 +405,7 @@ def test_the_store_kernel_is_compiled_once_whatever_the_prompt_length():
     import subprocess
     import sys
 
-    code = ("from longspec.attention.triton_kernels import _store_kv_kernel as k; "
+    code = ("from longspec.attention.kv_store import _store_kv_kernel as k; "
             "print(sorted(p.name for p in k.params if p.do_not_specialize))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
