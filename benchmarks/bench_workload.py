@@ -97,8 +97,10 @@ class HostProfile:
 
 def ours(target, proposer, draft, config, profile=None):
     """A call of ours: (tokens, stats) with the wall time of the whole call; ``profile``: a
-    :class:`HostProfile` that profiles the calls of pass 2 (``call(prompt, profiled=True)``)."""
-    gen = Generator(target, proposer=proposer, draft=draft)
+    :class:`HostProfile` that profiles the calls of pass 2 (``call(prompt, profiled=True)``).
+    ``proposer`` "NAME:TREE" runs that tree throughout, its levels joined by "-" (``hybrid:4-4``)."""
+    name, _, tree = (proposer or "").partition(":")
+    gen = Generator(target, proposer=name or None, draft=draft, tree=tree.replace("-", ",") or None)
 
     def call(prompt, profiled=False, seed=None):
         cfg = config if seed is None else dataclasses.replace(config, seed=seed)
@@ -112,8 +114,8 @@ def ours(target, proposer, draft, config, profile=None):
                                   "capture_s": stats["capture_s"], "plan_s": stats.get("plan_s", 0.0),
                                   "setup_s": stats["setup_s"], "host_s": stats["host_s"], "rounds_s": stats["rounds_s"],
                                   "cached_tokens": stats["cached_tokens"],
-                                  "tau": stats.get("tau", 1.0), "trees": stats.get("trees"),
-                                  "auto": stats.get("auto"), "steps": stats["steps"],
+                                  "tau": stats.get("tau", 1.0), "accepted_hist": stats.get("accepted_hist"),
+                                  "trees": stats.get("trees"), "auto": stats.get("auto"), "steps": stats["steps"],
                                   "draft_s": stats.get("draft_s"), "verify_s": stats.get("verify_s")}
     return call
 
@@ -198,7 +200,8 @@ def main(argv=None):
     p.add_argument("--lengths", default="2000,5000,7600")
     p.add_argument("--warmup-length", type=int, default=1000)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="plain,longspec,hybrid,auto,hf-static,hf-dynamic")
+    p.add_argument("--methods", default="plain,longspec,hybrid,auto,hf-static,hf-dynamic",
+                   help="comma-separated; NAME:TREE runs one tree throughout, its levels joined by '-' (hybrid:4-4)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fresh-process", action="store_true", help="also time `longspec generate` in new processes")
     p.add_argument("--sampling", default="greedy", help="comma-separated settings: greedy, tT, tTpP (see above)")

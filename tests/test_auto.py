@@ -891,6 +891,13 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c.learned[("chain:5", t07)] = (0.1, 2.0)
     c.begin(predicted, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
+    # of two cheap candidates to probe, the one whose uncorrected prediction is fastest
+    cheap = TreeSpec.parse("2,2")
+    c = timed_plain(Controller(), 1.0)
+    for name in ("chain:5", "2,2"):
+        c.learned[(name, t07)], c.calls[(name, t07)] = (0.1, 2.0), 1
+    c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
+    assert c.observe(1.0, 1e-3) == cheap
 
 
 def test_a_near_tie_with_plain_rounds_does_not_leave_them():
@@ -1015,6 +1022,8 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
     assert set(ran[-10:]) == {None} and c.wants_predictions()
     first = ran[:-1].count(chain)  # (its rounds)
     c.repredict({chain: 1.05})  # (a little more than it made: its rounds stand)
+    assert c.observe(1.0, 1e-3) is None and not c.candidates["chain:5"].retried
+    c.repredict({chain: 2.0})  # (what it ran with: its rounds stand)
     assert c.observe(1.0, 1e-3) is None and not c.candidates["chain:5"].retried
     c.repredict({chain: 4.0})
     ran = [c.observe(1.0, 1e-3)]

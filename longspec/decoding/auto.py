@@ -51,10 +51,10 @@ AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # where step costs are measured (once per device, model and dtype; beyond the second, extrapolated:
 # a step's cost is linear in the context); short ones, so the first measurement stays short
 COST_CONTEXTS = (1024, 4096)
-# on CUDA: the default hybrid tree and a narrower, shallower beam with the same lookup tail (a
-# cheaper round, for where the draft's deep levels are rarely right, e.g. at temperature 1;
-# docs/benchmarks.md has both rounds' costs)
-GPU_CANDIDATE_TREES = (HYBRID_TREE, "4,8,8,1,1,1,1,1,1,1")
+# on CUDA: the default hybrid tree and two narrower, shallower beams with a lookup tail (cheaper
+# rounds, for where the draft's deep levels are rarely right, e.g. sampled calls: at temperature 1
+# the two-level beam's round pays best; docs/benchmarks.md has the rounds' costs and tokens)
+GPU_CANDIDATE_TREES = (HYBRID_TREE, "4,8,8,1,1,1,1,1,1,1", "4,4,1,1,1,1,1")
 GPU_LOOKUP_CHAINS = (5,)
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 

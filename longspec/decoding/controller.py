@@ -60,7 +60,7 @@ RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed agai
 RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
-PROBE_COST = 1.25  # ... where its round costs at most this many plain rounds
+PROBE_COST = 1.5  # ... where its round costs at most this many plain rounds (a tree at temperature 1: 1.3-1.45)
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -224,8 +224,10 @@ class Controller:
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
         the text generated so far) for candidates that have not run in this call, and once a call
-        for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction's
-        extra tokens exceed what its rounds made by CLEAR_MARGIN and it would take over: the text
+        for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction
+        exceeds the one it ran with, its extra tokens exceed what its rounds made by CLEAR_MARGIN
+        and it would take over (the same expectation again would only repeat its failed rounds,
+        e.g. a draft's tree at temperature 1 on an answer it does not predict): the text
         generated since repeats more than when it ran (a chat answer begins in prose and quotes
         the code later), and its rounds then say less of the next ones than the text does. A
         correction below 1 applies to them too (sampling's lower acceptance, a draft's optimism),
@@ -239,7 +241,7 @@ class Controller:
                 self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
-                if base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
+                if base > c.base and base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
                         base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
                     self._prior(c, value, most=1.0)
                     c.retried, c.earlier = True, (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
@@ -366,13 +368,12 @@ class Controller:
     def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
         it, its correction uncertain, its rounds cheap, its uncorrected prediction faster than
-        ``best`` (the candidate expected fastest) by CLEAR_MARGIN."""
+        ``best`` (the candidate expected fastest) by CLEAR_MARGIN; of several, the one whose
+        uncorrected prediction is fastest."""
         plain = self.candidates.get("plain")
         if self.probed or plain is None or not self._settled("plain"):
             return None
-        for name, c in self.candidates.items():
-            if c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS:
-                continue
-            if c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * best.rate:
-                return c
-        return None
+        probes = [c for name, c in self.candidates.items()
+                  if not (c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS)
+                  and c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
+        return max(probes, key=lambda c: c.hoped / c.ms, default=None)
