@@ -250,10 +250,13 @@ def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
 
 
 def timed_plain(c, ms: float):
-    """``c`` as if it had timed plain rounds at ``ms`` (a process's first call runs them first)."""
+    """``c`` as if it had timed plain rounds at ``ms`` in every kind of round these tests call
+    (a process's first call of a kind runs them first)."""
     from longspec.decoding import controller
 
-    c.times["plain"], c.timed_at["plain"] = [ms] * controller.SETTLED_ROUNDS, c.rounds
+    for kind in (None, "greedy", "t1", "sampled", "truncated"):
+        times, timed_at = c.records(kind)
+        times["plain"], timed_at["plain"] = [ms] * controller.SETTLED_ROUNDS, c.rounds
     return c
 
 
@@ -607,7 +610,8 @@ def test_plain_rounds_timed_long_ago_are_timed_again_where_the_choice_hangs_on_t
     assert set(ran) == {None} and c.round_ms("plain") == pytest.approx(1.2)  # 0.83 a ms: plain rounds stay
     c.end()
     clear = Controller()
-    clear.times["plain"], clear.timed_at["plain"], clear.rounds = [1.5] * 3, 0, 1000
+    times, timed_at = clear.records("greedy")
+    times["plain"], timed_at["plain"], clear.rounds = [1.5] * 3, 0, 1000
     assert clear.begin({tree: (6.0, 1.9), None: (1.0, 1.5)}, "greedy") == tree
 
 
@@ -1033,3 +1037,27 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
     c.end()  # (every round it ran counts: first + 10, of which 10 made 3 extra tokens)
     assert c.learned[("chain:5", t07)] == pytest.approx((controller.LEARNED_DECAY * 2.0 + 30.0,
                                                           controller.LEARNED_DECAY * 2.0 + first + 10))
+
+
+def test_round_times_are_kept_per_kind_of_round():
+    """A round's time depends on its kind (greedy, sampled, truncated: top-k / top-p work on
+    every node): a tree timed in truncated rounds is weighed by that time in truncated calls
+    only; a greedy call weighs it by the cost model's prediction, scaled as the greedy rounds
+    measured scale."""
+    from longspec.decoding.controller import Controller, round_kind
+
+    assert [round_kind(s) for s in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 20, 1.0))] == \
+        ["greedy", "sampled", "truncated", "truncated"]
+    tree, t07, greedy = TreeSpec.parse("4,4,1"), (0.7, 0, 0.9), (0.0, 0, 1.0)
+    predicted = {tree: (4.0, 2.0), None: (1.0, 1.0)}
+    c = timed_plain(Controller(), 1.0)
+    assert c.begin(predicted, t07) == tree
+    for _ in range(10):
+        c.observe(4.0, 3e-3)
+    c.end()
+    assert c.candidates["4,4,1"].ms == pytest.approx(3.0)
+    c.begin(predicted, greedy)
+    assert c.candidates["4,4,1"].ms == pytest.approx(2.0) and c.round_ms("4,4,1") is None
+    c.end()
+    c.begin(predicted, t07)
+    assert c.candidates["4,4,1"].ms == pytest.approx(3.0)

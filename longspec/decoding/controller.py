@@ -5,8 +5,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
 
 * **Round times** are measured on every round (the engine's round: drafting, verifying, the
   host's reading of it; not the controller's own work or a switch's) and kept across calls per
-  candidate: the median of its last :data:`TIME_WINDOW` rounds (a round's time depends on the
-  model, the device and the context, not on the text; a median is not moved by a hiccup of the
+  candidate and kind of round (:func:`round_kind`: greedy, sampled, truncated): the median of its
+  last :data:`TIME_WINDOW` rounds (a round's time depends on the model, the device, the context
+  and the kind of round, not on the text; a median is not moved by a hiccup of the
   host, which an average would carry for good into a candidate that then never runs again). Until
   a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (the cost model
@@ -70,6 +71,16 @@ def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
 
 
+def round_kind(sampling):
+    """What a round's time depends on in a call's sampling settings ((temperature, top_k, top_p);
+    another key as it is): "greedy", "sampled", or "truncated" (top-k or top-p: their work on
+    every node's distribution made a tree's round a third dearer)."""
+    if isinstance(sampling, tuple) and len(sampling) == 3:
+        temperature, top_k, top_p = sampling
+        return "greedy" if not temperature else "truncated" if top_k or top_p < 1.0 else "sampled"
+    return sampling
+
+
 def _kind(name: str) -> str:
     """A candidate's kind, by its label: "chain" (the lookup's chain alone), else "tree"."""
     return "chain" if name.startswith("chain") else "tree"
@@ -110,9 +121,11 @@ class Controller:
     def __init__(self, store: Optional[str] = None, key: str = ""):
         """``store``: a JSON file that keeps what the corrections learned (under ``key``: the
         model and draft) for the next process, e.g. the next ``longspec generate``."""
-        self.times: dict = {}  # label -> its last round times (ms), across calls
+        # per kind of round (:func:`round_kind`): label -> its last round times (ms), across calls,
+        # and label -> self.rounds at its last round; ``times`` / ``timed_at``: the call's kind's
+        self.kinds_timed: dict = {}
+        self.times, self.timed_at = self.records(None)
         self.rounds = 0  # rounds observed, across calls
-        self.timed_at: dict = {}  # label -> self.rounds at its last round
         # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
         # (decayed sums over their rounds; extra: beyond the one a plain round emits), and the
         # number of calls that measured them
@@ -136,6 +149,10 @@ class Controller:
         self.probed = False  # a candidate was probed in this call
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
+
+    def records(self, kind) -> tuple:
+        """(round times, last rounds) of the candidates at kind of round ``kind``."""
+        return self.kinds_timed.setdefault(kind, ({}, {}))
 
     def _settled(self, name: str) -> bool:
         """Whether candidate ``name``'s round time is measured over enough rounds to stand alone."""
@@ -183,6 +200,7 @@ class Controller:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
+        self.times, self.timed_at = self.records(round_kind(sampling))
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
             self._prior(c, c.predicted)
