@@ -38,8 +38,8 @@ IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
 TRITON_CAUSAL_MAX_TOKENS = 128
 # A causal step of at most this many new tokens over one paged row in runs of blocks on a CPU (a
 # prefix-cache hit's tail) goes run by run with an explicit [M, S] mask instead of gathering the
-# row for the unmasked causal kernel: the mask costs M floats a key, the gather ~2 * Hkv * D. The
-# default model, 20 tokens after 3,000 cached ones on a 2-core CPU: 122 ms against 142 gathered.
+# row for the unmasked causal kernel: the mask costs M floats a key, the gather ~2 * Hkv * D
+# (docs/benchmarks.md has the measurement).
 RUNS_CAUSAL_MAX_TOKENS = 256
 
 
@@ -79,9 +79,8 @@ class AttentionMeta:
         prefix-cache hit: the cached blocks, then the request's own), in a step with a key mask
         or a causal chunk (its mask spelled out here): what
         :func:`~longspec.attention.fast.runs_attention` needs per run, prepared once per step for
-        every layer; empty otherwise. Attending run by run instead of gathering the row: SmolLM2
-        after a 3,000-token cached document on a 2-core CPU, 57.5 ms a decode step against 70.0
-        gathered and 55.5 for a cold request's row in one run (``benchmarks/bench_cached_decode.py``)."""
+        every layer; empty otherwise. Attending run by run instead of gathering the row keeps a
+        cached document's decode step near a cold request's (``benchmarks/bench_cached_decode.py``)."""
         if self.runs is None:
             mask, spans = self.key_mask, None
             if mask is None and self.causal:  # a prefill chunk: query i sees slots 0 .. n_keys - M + i

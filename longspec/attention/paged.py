@@ -73,15 +73,15 @@ def rows_of(store: torch.Tensor, table: torch.Tensor, block_size: int, dense_row
     used = table[:, :-(-n_keys // block_size)]  # [B, blocks]
     if not store.is_cuda and b == 1 and bool((used.diff(dim=1) == 1).all()):
         # one row in consecutive blocks (a request that reuses no cached block takes its home run): a
-        # view. (Gathered, SmolLM2's 3000 keys cost ~12% of a plain decoding step on a CPU.)
+        # view (a gather of a long row is a real share of a CPU's decode step: docs/benchmarks.md).
         start = int(used[0, 0]) * block_size
         return store[..., start:start + n_keys, :].unsqueeze(-4)
     if n_keys >= 4 * block_size and store.shape[-2] % block_size == 0:
         # long rows: whole blocks at a time, one contiguous copy per block (at most a quarter of it
-        # wasted); on a CPU, 3000 keys of one row: 0.26 ms against 1.1 ms a slot at a time
+        # wasted): on a CPU several times faster than a slot at a time
         blocks = store.unflatten(-2, (-1, block_size)).index_select(-3, used.reshape(-1))  # [..., Hkv, B*blocks, bs, D]
         return blocks.unflatten(-3, used.shape).flatten(-3, -2)[..., :n_keys, :].transpose(-4, -3)
-    # short rows: a slot at a time (20000 rows of 10 keys: 26 ms; whole blocks of 64, 320 ms)
+    # short rows: a slot at a time (whole blocks would copy mostly padding)
     slots = physical_slots(table, block_size, torch.arange(n_keys, device=table.device)[None, :], scratch)
     return store.index_select(-2, slots.reshape(-1)).unflatten(-2, slots.shape).transpose(-4, -3)
 

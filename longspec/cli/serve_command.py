@@ -104,8 +104,8 @@ def _cmd_serve(args, held) -> int:
             # the engine runs in the server's worker thread; PyTorch's OpenMP gives every thread that
             # runs parallel work a pool of its own, and with two pools (this thread's from loading, the
             # worker's) more threads exist than cores and OpenMP barely spins between operations: a
-            # SmolLM2 decode step after 3,000 tokens took 75 ms on 2 cores instead of 55. This thread
-            # loads on one core, the worker alone uses --threads.
+            # decode step took a third longer. This thread loads on one core, the worker alone uses
+            # --threads.
             import torch
 
             threads = torch.get_num_threads()

@@ -254,9 +254,8 @@ def fastest(rated: dict, costs: dict, allow_plain: bool = True) -> tuple:
 
 def monotone(target_ms: dict) -> dict:
     """Step times per token count made non-decreasing in it (each the largest at or below its
-    count): verifying more tokens never costs less, but a noisy measurement can say so (on a
-    2-core CPU 2 tokens once measured 53 ms against 57 for 1), and the choice then favours
-    verifying more for free."""
+    count): verifying more tokens never costs less, but a noisy measurement can say so (a busy
+    CPU), and the choice then favours verifying more for free."""
     out, running = {}, 0.0
     for m in sorted(target_ms, key=int):
         running = max(running, target_ms[m])

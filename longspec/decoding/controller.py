@@ -61,7 +61,7 @@ RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed agai
 RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
-PROBE_COST = 1.5  # ... where its round costs at most this many plain rounds (a tree at temperature 1: 1.3-1.45)
+PROBE_COST = 1.5  # ... where its round costs at most this many plain rounds (a GPU's small trees at temperature 1)
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
