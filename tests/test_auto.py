@@ -873,6 +873,8 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     chain, tree, t07 = TreeSpec.chain(5), TreeSpec.parse("4,4,1"), (0.7, 0, 0.9)
     predicted = {chain: (2.0, 1.25), tree: (4.0, 2.6), None: (1.0, 1.0)}  # (the tree: 1.5 tokens a ms hoped)
     c = timed_plain(Controller(), 1.0)
+    times, _ = c.records("truncated")  # (their rounds measured in an earlier call)
+    times["chain:5"], times["4,4,1"] = [1.25] * 3, [2.6] * 3
     c.learned[("chain:5", t07)] = c.learned[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
     c.calls[("chain:5", t07)] = c.calls[("4,4,1", t07)] = 1
     assert c.begin(predicted, t07) is None  # (corrected: 1.2 tokens in 1.25 ms)
@@ -898,10 +900,17 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     # of two cheap candidates to probe, the one whose uncorrected prediction is fastest
     cheap = TreeSpec.parse("2,2")
     c = timed_plain(Controller(), 1.0)
-    for name in ("chain:5", "2,2"):
-        c.learned[(name, t07)], c.calls[(name, t07)] = (0.1, 2.0), 1
+    times, _ = c.records("truncated")
+    for name, ms in (("chain:5", 1.25), ("2,2", 1.4)):
+        c.learned[(name, t07)], c.calls[(name, t07)], times[name] = (0.1, 2.0), 1, [ms] * 3
     c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert c.observe(1.0, 1e-3) == cheap
+    # a candidate whose round time is only predicted (a new process) is not probed: a CPU's cost
+    # model can put a tree's round at half its time
+    c = timed_plain(Controller(), 1.0)
+    c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
+    c.begin({cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
+    assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
 
 
 def test_a_near_tie_with_plain_rounds_does_not_leave_them():

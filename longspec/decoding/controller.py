@@ -33,9 +33,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   model's time for them) is always a candidate, so rounds that do not pay lose their place
   within a few rounds.
 * **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
-  accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds cost
-  little more than plain ones (:data:`PROBE_COST`) and whose uncorrected prediction is clearly
-  the fastest runs a few rounds once in such a call, and its own rounds decide."""
+  accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds were
+  measured to cost little more than plain ones (:data:`PROBE_COST`) and whose uncorrected
+  prediction is clearly the fastest runs a few rounds once in such a call, and its own rounds
+  decide."""
 from __future__ import annotations
 
 import json
@@ -385,7 +386,9 @@ class Controller:
 
     def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
-        it, its correction uncertain, its rounds cheap, its uncorrected prediction faster than
+        it, its correction uncertain, its rounds cheap as measured at this kind of round (not as
+        predicted: a CPU's cost model can put a tree's round at half its time, and a probe must
+        not cost more than it was allowed), its uncorrected prediction faster than
         ``best`` (the candidate expected fastest) by CLEAR_MARGIN; of several, the one whose
         uncorrected prediction is fastest."""
         plain = self.candidates.get("plain")
@@ -393,5 +396,6 @@ class Controller:
             return None
         probes = [c for name, c in self.candidates.items()
                   if not (c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS)
-                  and c.ms <= PROBE_COST * plain.ms and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
+                  and self.round_ms(name) is not None and self.round_ms(name) <= PROBE_COST * plain.ms
+                  and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
         return max(probes, key=lambda c: c.hoped / c.ms, default=None)
