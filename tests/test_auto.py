@@ -110,7 +110,7 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     assert (name, str(tree), chosen) == ("hybrid", "4,4,4,4,4,1,1,1,1,1", draft) and why.startswith("cost model")
     # the note says what was predicted for every candidate (a call's stats["auto"])
     assert all(f"{label}: " in why for label in labels) and "plain: 1 token in 1.00 ms" in why
-    assert "hybrid chain:8: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
+    assert f"hybrid chain:{auto.LOOKUP_CHAINS[0]}: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
     # verifying costs grow with the tokens: plain decoding wins, in the hybrid's engine
     fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
     assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("hybrid", None, draft)
@@ -507,7 +507,14 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
 
 
 def test_step_costs_made_monotone():
-    assert auto.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == {"1": 57.5, "2": 57.5, "3": 62.5, "11": 62.5}
+    """Times per token count made non-decreasing by pooling the counts that disagree (their mean),
+    not by lifting every larger count to the slow one's time."""
+    assert auto.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == pytest.approx(
+        {"1": 55.3, "2": 55.3, "3": 61.25, "11": 61.25})
+    assert auto.monotone({"1": 42.0, "7": 76.7, "9": 68.3, "26": 95.3}) == pytest.approx(
+        {"1": 42.0, "7": 72.5, "9": 72.5, "26": 95.3})
+    assert auto.monotone({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 2.0, "5": 2.0, "9": 2.0})
+    assert auto.monotone({"1": 1.0, "5": 2.0}) == {"1": 1.0, "5": 2.0}
 
 
 def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0) -> list:
@@ -1070,3 +1077,24 @@ def test_round_times_are_kept_per_kind_of_round():
     c.end()
     c.begin(predicted, t07)
     assert c.candidates["4,4,1"].ms == pytest.approx(3.0)
+
+
+def test_on_a_cpu_unmeasured_round_times_are_offset_not_scaled():
+    """On a CPU the cost model times the engine's own eager steps and a round adds the same host
+    work to each: an unmeasured candidate's time is its prediction plus what plain rounds took
+    beyond theirs; on a GPU (compiled graphs against uncompiled steps) scaled in proportion."""
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(8)
+    predicted = {chain: (1.5, 2.0), None: (1.0, 1.0)}
+    for offset, expected in ((True, 2.2), (False, 2.4)):
+        c = timed_plain(Controller(offset=offset), 1.2)
+        c.begin(predicted, "greedy")
+        assert c.candidates["chain:8"].ms == pytest.approx(expected)
+
+
+def test_auto_on_a_cpu_offsets_its_predictions(tiny):
+    from longspec.decoding.shared import new_controller
+
+    target, draft = tiny
+    assert target.device.type == "cpu" and new_controller(target, draft).offset

@@ -46,7 +46,10 @@ CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DE
                    "4,8,8,8,8,8,8,8", "4,4,4,4,4,1,1,1,1,1", "4,8,8,8,8,8,8,8,1,1", HYBRID_TREE)
 # what ``--proposer auto`` weighs on a CPU (its controller measures them while generating; the
 # cost model measures each once per device, so few: the first run's measurement stays short)
-LOOKUP_CHAINS = (8,)  # (one: a shorter chain saves a CPU round little and misses long repeats, see docs/benchmarks.md)
+# (one: a shorter chain saves a CPU round little and misses long repeats; of 7, verifying 8 tokens:
+# a CPU's matrix kernels take rows in blocks of 8, and a 9th row cost a round a fifth more,
+# docs/benchmarks.md)
+LOOKUP_CHAINS = (7,)
 AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # where step costs are measured (once per device, model and dtype; beyond the second, extrapolated:
 # a step's cost is linear in the context); short ones, so the first measurement stays short
@@ -253,14 +256,21 @@ def fastest(rated: dict, costs: dict, allow_plain: bool = True) -> tuple:
 
 
 def monotone(target_ms: dict) -> dict:
-    """Step times per token count made non-decreasing in it (each the largest at or below its
-    count): verifying more tokens never costs less, but a noisy measurement can say so (a busy
-    CPU), and the choice then favours verifying more for free."""
-    out, running = {}, 0.0
+    """Step times per token count made non-decreasing in it, as the closest such times (pooling
+    adjacent counts that disagree, by their mean): verifying more tokens never costs less, but a
+    measurement can say so (a busy CPU; a matrix shape a CPU library runs slowly), and the choice
+    then favours verifying more for free. Pooled, not lifted to the larger: one slow count must
+    not price every larger one above what it measured (on a 2-core CPU 7 tokens measured above 9,
+    and the chain of 9 was then predicted not to pay where it did)."""
+    blocks = []  # [sum, count, token counts] of pooled runs
     for m in sorted(target_ms, key=int):
-        running = max(running, target_ms[m])
-        out[m] = running
-    return out
+        blocks.append([target_ms[m], 1, [m]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count, ms = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+            blocks[-1][2] += ms
+    return {m: total / count for total, count, ms in blocks for m in ms}
 
 
 def _costs_path(costs_file: Optional[str]) -> str:

@@ -119,9 +119,14 @@ class Controller:
     :meth:`begin` with the cost model's predictions, then :meth:`observe` after every round (it
     returns the tree to run next), then :meth:`end`."""
 
-    def __init__(self, store: Optional[str] = None, key: str = ""):
+    def __init__(self, store: Optional[str] = None, key: str = "", offset: bool = False):
         """``store``: a JSON file that keeps what the corrections learned (under ``key``: the
-        model and draft) for the next process, e.g. the next ``longspec generate``."""
+        model and draft) for the next process, e.g. the next ``longspec generate``. ``offset``:
+        unmeasured candidates' times are the cost model's plus what measured rounds took beyond
+        theirs (a CPU: the model times the engine's own eager steps, and a round adds host work
+        alike to each), not scaled by it (a GPU: the model times uncompiled steps, the engine
+        replays compiled graphs, faster in proportion)."""
+        self.offset = offset
         # per kind of round (:func:`round_kind`): label -> its last round times (ms), across calls,
         # and label -> self.rounds at its last round; ``times`` / ``timed_at``: the call's kind's
         self.kinds_timed: dict = {}
@@ -347,18 +352,21 @@ class Controller:
 
     def _calibrate(self) -> None:
         """Candidates never measured on this engine: their predicted time, scaled by the measured
-        over the predicted time of those that were (their median ratio); candidates measured in
-        fewer than :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not
-        keep a candidate out for good: nothing would measure it again)."""
+        over the predicted time of those that were (their median ratio; with ``offset``, plus the
+        median of measured less predicted); candidates measured in fewer than
+        :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not keep a
+        candidate out for good: nothing would measure it again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
-        ratios = sorted(measured[name] / c.predicted_ms for name, c in self.candidates.items()
-                        if self._settled(name) and c.predicted_ms > 0)
-        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        settled = [(measured[name], c.predicted_ms) for name, c in self.candidates.items()
+                   if self._settled(name) and c.predicted_ms > 0]
+        gaps = sorted(m - p if self.offset else m / p for m, p in settled)
+        gap = gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
         for name, c in self.candidates.items():
+            estimate = max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms
             if measured[name] is None:
-                c.ms = scale * c.predicted_ms
+                c.ms = estimate
             elif not self._settled(name):
-                c.ms = min(measured[name], scale * c.predicted_ms)
+                c.ms = min(measured[name], estimate)
             else:
                 c.ms = measured[name]
 

@@ -47,12 +47,13 @@ def new_controller(target: TargetModel, draft):
     checkpoint on disk)."""
     from .controller import Controller
 
+    offset = target.device.type != "cuda"  # (see Controller: eager steps on a CPU, graphs on CUDA)
     if target.path is None:
-        return Controller()
+        return Controller(offset=offset)
     from ..convert import home_dir
     from .auto import corrections_key
 
-    return Controller(str(home_dir() / CORRECTIONS_FILE), corrections_key(target, draft))
+    return Controller(str(home_dir() / CORRECTIONS_FILE), corrections_key(target, draft), offset=offset)
 
 
 def engine_controller(target: TargetModel, draft, engine):
