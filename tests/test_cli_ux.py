@@ -223,7 +223,7 @@ def test_the_summary_line_gives_the_prefill_and_the_decoding_apart():
     stats = dict(new_tokens=64, wall_s=44.2, prompt_tokens=8151, prefill_s=36.9, tokens_per_s=8.5, steps=20, tau=3.2,
                  trees=[(0, "chain:8"), (12, None)])
     assert commands.summary_line(stats) == ("[64 tokens in 44.2 s (the 8,151-token prompt's prefill: 36.9 s), 8.5 "
-                                            "tokens/s after it, 20 steps, tau 3.20, plain from token 12]")
+                                            "tokens/s after it, 20 steps, tau 3.20, chain:8, plain from token 12]")
     assert "tokens/s after it (about 2.4x plain decoding's), 20 steps" in commands.summary_line({**stats, "vs_plain": 2.43})
 
 

@@ -210,10 +210,11 @@ def summary_line(stats: dict) -> str:
     """The line after the text: tokens, the prefill's time and the decoding's rate (apart: a long
     prompt's prefill would hide the decoding's speed, or the rate alone the prefill's time), for
     auto that rate against plain decoding's (as its controller timed or predicted plain rounds),
-    tau and auto's switches."""
+    tau and what auto ran (its first rounds, then each switch)."""
     tau = f", tau {stats['tau']:.2f}" if "tau" in stats else ""
     faster = f" (about {stats['vs_plain']:.1f}x plain decoding's)" if "vs_plain" in stats else ""
-    switches = "".join(f", {t or 'plain'} from token {n}" for n, t in stats.get("trees", [])[1:])
+    switches = "".join(f", {t or 'plain'}" + (f" from token {n}" if i else "")
+                       for i, (n, t) in enumerate(stats.get("trees", [])))  # (what auto ran first, then its switches)
     return (f"[{stats['new_tokens']} tokens in {stats['wall_s']:.1f} s (the {stats['prompt_tokens']:,}-token prompt's "
             f"prefill: {stats['prefill_s']:.1f} s), {stats['tokens_per_s']:.1f} tokens/s after it{faster}, "
             f"{stats['steps']} steps{tau}{switches}]")
