@@ -1043,8 +1043,6 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
     first = ran[:-1].count(chain)  # (its rounds)
     c.repredict({chain: 1.05})  # (a little more than it made: its rounds stand)
     assert c.observe(1.0, 1e-3) is None and not c.candidates["chain:5"].retried
-    c.repredict({chain: 2.0})  # (what it ran with: its rounds stand)
-    assert c.observe(1.0, 1e-3) is None and not c.candidates["chain:5"].retried
     c.repredict({chain: 4.0})
     ran = [c.observe(1.0, 1e-3)]
     for _ in range(10):
@@ -1098,3 +1096,24 @@ def test_auto_on_a_cpu_offsets_its_predictions(tiny):
 
     target, draft = tiny
     assert target.device.type == "cpu" and new_controller(target, draft).offset
+
+
+def test_a_tree_that_gave_way_returns_only_on_a_prediction_above_the_one_it_ran_with():
+    """A tree's prediction is mostly the draft's acceptance, the same as when its rounds failed
+    (at temperature 1 on an answer the draft does not predict): the same expectation again does
+    not bring it back (it would repeat the failed rounds and two switches); a higher one does."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree, t1 = TreeSpec.parse("4,4,1"), (1.0, 0, 1.0)
+    c = timed_plain(Controller(), 1.0)
+    c.learned[("4,4,1", t1)], c.calls[("4,4,1", t1)] = (2.0, 2.0), 3
+    assert c.begin({tree: (2.0, 1.2), None: (1.0, 1.0)}, t1) == tree
+    ran = [tree]
+    for _ in range(controller.RETRY_AFTER + 12):
+        ran.append(c.observe(*((1.0, 1.2e-3) if ran[-1] == tree else (1.0, 1e-3))))
+    assert set(ran[-controller.RETRY_AFTER:]) == {None}
+    c.repredict({tree: 2.0})  # (what it ran with)
+    assert c.observe(1.0, 1e-3) is None and not c.candidates["4,4,1"].retried
+    c.repredict({tree: 4.0})
+    assert c.observe(1.0, 1e-3) == tree and c.candidates["4,4,1"].retried

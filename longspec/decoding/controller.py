@@ -10,8 +10,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   and the kind of round, not on the text; a median is not moved by a hiccup of the
   host, which an average would carry for good into a candidate that then never runs again). Until
   a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
-  scaled by how the measured rounds of the others compare with their predictions (the cost model
-  times uncompiled steps without the host's work).
+  scaled by how the measured rounds of the others compare with their predictions (on a GPU the
+  cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
+  rounds' extra time, their host work, is added instead).
 * **Tokens per round** are estimated per call: the cost model's prediction for this prompt,
   corrected by what earlier calls measured against their predictions at the same sampling
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
@@ -248,10 +249,11 @@ class Controller:
     def repredict(self, tokens: dict) -> None:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
         the text generated so far) for candidates that have not run in this call, and once a call
-        for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction
-        exceeds the one it ran with, its extra tokens exceed what its rounds made by CLEAR_MARGIN
-        and it would take over (the same expectation again would only repeat its failed rounds,
-        e.g. a draft's tree at temperature 1 on an answer it does not predict): the text
+        for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction's
+        extra tokens exceed what its rounds made by CLEAR_MARGIN and it would take over, and for a
+        tree only on a prediction above the one it ran with (a tree's prediction is mostly the
+        draft's acceptance, the same as when it failed, e.g. at temperature 1 on an answer the
+        draft does not predict; a chain's reads the repeats of the text since): the text
         generated since repeats more than when it ran (a chat answer begins in prose and quotes
         the code later), and its rounds then say less of the next ones than the text does. A
         correction below 1 applies to them too (sampling's lower acceptance, a draft's optimism),
@@ -265,7 +267,8 @@ class Controller:
                 self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
-                if base > c.base and base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
+                if (_kind(label(tree)) == "chain" or base > c.base) and \
+                        base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
                         base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
                     self._prior(c, value, most=1.0)
                     c.retried, c.earlier = True, (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
@@ -395,8 +398,8 @@ class Controller:
     def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
         it, its correction uncertain, its rounds cheap as measured at this kind of round (not as
-        predicted: a CPU's cost model can put a tree's round at half its time, and a probe must
-        not cost more than it was allowed), its uncorrected prediction faster than
+        predicted: a probe's cost must be bounded by what it costs, and a prediction's time is the
+        least reliable in a new process), its uncorrected prediction faster than
         ``best`` (the candidate expected fastest) by CLEAR_MARGIN; of several, the one whose
         uncorrected prediction is fastest."""
         plain = self.candidates.get("plain")
