@@ -912,8 +912,8 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
         c.learned[(name, t07)], c.calls[(name, t07)], times[name] = (0.1, 2.0), 1, [ms] * 3
     c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert c.observe(1.0, 1e-3) == cheap
-    # a candidate whose round time is only predicted (a new process) is not probed: a CPU's cost
-    # model can put a tree's round at half its time
+    # a candidate whose round time is only predicted (a new process) is not probed: a probe's cost
+    # is bounded by a measured time
     c = timed_plain(Controller(), 1.0)
     c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
     c.begin({cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)

@@ -267,7 +267,7 @@ class Controller:
                 self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
-                if (_kind(label(tree)) == "chain" or base > c.base) and \
+                if (tree.kind == "chain" or base > c.base) and \
                         base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
                         base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
                     self._prior(c, value, most=1.0)
@@ -407,6 +407,6 @@ class Controller:
             return None
         probes = [c for name, c in self.candidates.items()
                   if not (c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS)
-                  and self.round_ms(name) is not None and self.round_ms(name) <= PROBE_COST * plain.ms
+                  and (measured := self.round_ms(name)) is not None and measured <= PROBE_COST * plain.ms
                   and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
         return max(probes, key=lambda c: c.hoped / c.ms, default=None)
