@@ -109,3 +109,39 @@ def test_per_row_warping_without_top_k_and_top_p_skips_them_with_the_same_result
     off = warp_probs_rows(logits, t, torch.zeros(3, dtype=torch.long), torch.ones(3))
     assert torch.equal(warp_probs_rows(logits, t, None, None), off)
     assert torch.equal(off[0], torch.nn.functional.one_hot(logits[0].argmax(-1), 50).float())
+
+
+@pytest.mark.parametrize("case", ["random", "peaked", "integer ties", "minus infinity", "one token"])
+def test_searched_cut_points_equal_the_sorting_path(case):
+    """The cut points found without sorting (the Triton program CUDA runs; here interpreted) keep
+    exactly the tokens the sorting path keeps: top-k with tied scores, scores of -inf, k at or
+    past the vocabulary, top-p alone, after top-k, and off."""
+    from longspec.decoding import sampling, truncation
+
+    if not truncation.available():
+        pytest.skip("needs triton")
+    gen = torch.Generator().manual_seed(len(case))
+    v = 1 if case == "one token" else 777
+    logits = torch.randn(3, 2, v, generator=gen) * {"peaked": 12.0}.get(case, 2.0)
+    if case == "integer ties":
+        logits = logits.round()
+    if case == "minus infinity":
+        logits[:, :, ::3] = float("-inf")
+    k = torch.tensor([0, 1, 40]) if case != "integer ties" else torch.tensor([3, 17, v + 5])
+    p = torch.tensor([0.9, 1.0, 0.5]) if case != "integer ties" else torch.ones(3)
+    view = (-1, 1, 1)
+    searched = sampling._cut_apart(logits, k.view(view), p.view(view))
+    sorted_ = sampling._truncate_sorting(logits, k.view(view), p.view(view))
+    assert torch.equal(searched, sorted_)
+    assert (searched.isfinite().sum(-1) >= 1).all()
+
+
+def test_searched_cut_points_of_rows_past_a_program_block():
+    """A vocabulary of several blocks and a nucleus spread over them; p = 0.999 keeps almost all."""
+    from longspec.decoding import sampling, truncation
+
+    if not truncation.available():
+        pytest.skip("needs triton")
+    logits = torch.randn(2, 1300, generator=torch.Generator().manual_seed(3)) * 0.3
+    k, p = torch.tensor([[0], [1200]]), torch.tensor([[0.999], [0.97]])
+    assert torch.equal(sampling._cut_apart(logits, k, p), sampling._truncate_sorting(logits, k, p))

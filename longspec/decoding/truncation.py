@@ -1,0 +1,116 @@
+"""Top-k and top-p cut points without sorting the vocabulary: one Triton program per row.
+
+A sampled round with top-k or top-p warps every node's distribution (the target's, for the
+acceptance, and the draft's levels). Sorting a whole vocabulary per node costs more than the
+rest of the acceptance; the cut is only one number per row, found here by a search over the
+scores' values instead:
+
+- top-k keeps the scores ``>= v_k``, the k-th largest value (ties kept, as transformers'
+  ``TopKLogitsWarper``): the largest ``t`` with ``count(score >= t) >= k``;
+- top-p (after top-k) keeps the scores ``>= v_p``: the largest ``t`` with
+  ``mass(score >= t) >= p``, mass being the softmax over what top-k kept. A token is then kept
+  iff the mass strictly above it is below ``p``, which is transformers' ``TopPLogitsWarper``
+  (drop the ascending-sorted tail whose cumulative mass ``<= 1 - p``), except that tokens of
+  exactly equal score are kept or dropped together instead of by their order in a sort.
+
+Both predicates fall as ``t`` grows, so the largest ``t`` is found digit by digit over the
+scores' float32 bit patterns, mapped to integers in the order of the floats (:func:`_key`):
+eight passes over the row for eight 4-bit digits, each pass evaluating the predicate at the 16
+values of the next digit. The result is exactly a score of the row (the predicates change only
+at the row's values), so ``scores < cut`` is the same comparison the sorting path makes.
+
+The sorting path in :mod:`longspec.decoding.sampling` is the reference (and what CPUs run)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+BLOCK = 512  # scores a program reads at a time
+DIGIT_BITS = 4  # 16 candidate values per pass, 8 passes per 32-bit search
+
+if triton is not None:
+
+    @triton.jit
+    def _key(s):
+        """float32 -> int64 in [0, 2^32), in the order of the floats (-0.0 just below +0.0)."""
+        bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+        return tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+
+    @triton.jit
+    def _value(key):
+        """The inverse of :func:`_key`; keys at or below -inf's give -inf (so that ``s >= value``
+        holds for every score), keys above +inf's give NaN (``s >= value`` holds for none)."""
+        bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key).to(tl.int32)
+        return tl.where(key <= 8388607, float("-inf"), bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _search(row, V, below, m, z, target, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        """The largest value ``t`` with ``count(s >= t) >= target`` (COUNT) or
+        ``sum(exp(s - m)) over s >= t >= target`` (for the scores ``s >= below``; ``z`` unused
+        with COUNT)."""
+        digits = tl.arange(0, 16).to(tl.int64)
+        prefix = tl.zeros((), dtype=tl.int64)
+        for i in tl.static_range(8):
+            shift: tl.constexpr = 28 - 4 * i
+            cand = _value(prefix + (digits << shift))  # [16]
+            acc = tl.zeros((16,), dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                j = start + tl.arange(0, BLOCK)
+                s = tl.load(row + j, mask=j < V, other=float("nan"))
+                if COUNT:
+                    w = tl.full((BLOCK,), 1.0, tl.float32)  # (NaN, past the row's end, is never >= cand)
+                else:
+                    w = tl.where(s >= below, tl.exp(s - m), 0.0)
+                acc += tl.sum(tl.where(s[:, None] >= cand[None, :], w[:, None], 0.0), 0)
+            # digit 0 always holds (the prefix does); the largest digit that still holds
+            best = tl.max(tl.where((acc >= target) | (digits == 0), digits, 0), 0)
+            prefix = prefix + (best << shift)
+        return _value(prefix)
+
+    @triton.jit(do_not_specialize=["V"])
+    def _cut_kernel(S, K, P, CUT, V, stride, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        row = S + r * stride
+        k = tl.load(K + r)
+        p = tl.load(P + r)
+        cut = tl.full((), float("-inf"), tl.float32)
+        if (k > 0) & (k < V):
+            cut = _search(row, V, cut, 0.0, 0.0, k.to(tl.float32), True, BLOCK)
+        if p < 1.0:
+            m = tl.full((), float("-inf"), tl.float32)
+            for start in range(0, V, BLOCK):
+                j = start + tl.arange(0, BLOCK)
+                m = tl.maximum(m, tl.max(tl.load(row + j, mask=j < V, other=float("-inf")), 0))
+            z = tl.zeros((), dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                j = start + tl.arange(0, BLOCK)
+                s = tl.load(row + j, mask=j < V, other=float("nan"))
+                z += tl.sum(tl.where(s >= cut, tl.exp(s - m), 0.0), 0)
+            cut = _search(row, V, cut, m, z, p * z, False, BLOCK)
+        tl.store(CUT + r, cut)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def cut_points(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scores [R, V] float32 (temperature applied), top_k [R] (0: off), top_p [R] (1: off) ->
+    [R] float32: the smallest score each row keeps (``-inf``: all of them); a row's warped
+    scores are ``scores.masked_fill(scores < cut[:, None], -inf)``."""
+    scores = scores.float().contiguous()
+    r, v = scores.shape
+    cut = torch.empty(r, dtype=torch.float32, device=scores.device)
+    if r == 0:
+        return cut
+    with (torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext()):
+        _cut_kernel[(r,)](scores, top_k.long().contiguous(), top_p.float().contiguous(), cut, v, scores.stride(0),
+                          BLOCK=BLOCK, num_warps=4)
+    return cut
