@@ -145,3 +145,29 @@ def test_searched_cut_points_of_rows_past_a_program_block():
     logits = torch.randn(2, 1300, generator=torch.Generator().manual_seed(3)) * 0.3
     k, p = torch.tensor([[0], [1200]]), torch.tensor([[0.999], [0.97]])
     assert torch.equal(sampling._cut_apart(logits, k, p), sampling._truncate_sorting(logits, k, p))
+
+
+def test_the_cut_point_program_compiles_for_a_gpu():
+    """Triton's compiler (not its interpreter, which runs the tests above) accepts the program,
+    compiled for an H100/H200-class GPU in a process without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    from longspec.decoding import truncation
+
+    if not truncation.available():
+        pytest.skip("needs triton")
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from longspec.decoding import truncation
+signature = {"S": "*fp32", "K": "*i64", "P": "*fp32", "CUT": "*fp32", "V": "i32", "stride": "i32",
+             "BLOCK": "constexpr"}
+source = ASTSource(truncation._cut_kernel, signature, constexprs={"BLOCK": truncation.BLOCK})
+triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
 BLOCK = 512  # scores a program reads at a time
-DIGIT_BITS = 4  # 16 candidate values per pass, 8 passes per 32-bit search
 
 if triton is not None:
 
@@ -51,15 +50,13 @@ if triton is not None:
         return tl.where(key <= 8388607, float("-inf"), bits.to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _search(row, V, below, m, z, target, COUNT: tl.constexpr, BLOCK: tl.constexpr):
-        """The largest value ``t`` with ``count(s >= t) >= target`` (COUNT) or
-        ``sum(exp(s - m)) over s >= t >= target`` (for the scores ``s >= below``; ``z`` unused
-        with COUNT)."""
+    def _search(row, V, below, m, target, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        """The largest value ``t`` of the row's scores ``s`` with ``count(s >= t) >= target``
+        (COUNT) or with ``sum(exp(s - m))`` over ``s >= t`` (and ``s >= below``) ``>= target``."""
         digits = tl.arange(0, 16).to(tl.int64)
         prefix = tl.zeros((), dtype=tl.int64)
         for i in tl.static_range(8):
-            shift: tl.constexpr = 28 - 4 * i
-            cand = _value(prefix + (digits << shift))  # [16]
+            cand = _value(prefix + (digits << (28 - 4 * i)))  # [16]: the values of the next digit
             acc = tl.zeros((16,), dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
@@ -71,7 +68,7 @@ if triton is not None:
                 acc += tl.sum(tl.where(s[:, None] >= cand[None, :], w[:, None], 0.0), 0)
             # digit 0 always holds (the prefix does); the largest digit that still holds
             best = tl.max(tl.where((acc >= target) | (digits == 0), digits, 0), 0)
-            prefix = prefix + (best << shift)
+            prefix = prefix + (best << (28 - 4 * i))
         return _value(prefix)
 
     @triton.jit(do_not_specialize=["V"])
@@ -82,7 +79,7 @@ if triton is not None:
         p = tl.load(P + r)
         cut = tl.full((), float("-inf"), tl.float32)
         if (k > 0) & (k < V):
-            cut = _search(row, V, cut, 0.0, 0.0, k.to(tl.float32), True, BLOCK)
+            cut = _search(row, V, cut, 0.0, k.to(tl.float32), True, BLOCK)
         if p < 1.0:
             m = tl.full((), float("-inf"), tl.float32)
             for start in range(0, V, BLOCK):
@@ -93,7 +90,7 @@ if triton is not None:
                 j = start + tl.arange(0, BLOCK)
                 s = tl.load(row + j, mask=j < V, other=float("nan"))
                 z += tl.sum(tl.where(s >= cut, tl.exp(s - m), 0.0), 0)
-            cut = _search(row, V, cut, m, z, p * z, False, BLOCK)
+            cut = _search(row, V, cut, m, p * z, False, BLOCK)
         tl.store(CUT + r, cut)
 
 
