@@ -913,11 +913,20 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert c.observe(1.0, 1e-3) == cheap
     # a candidate whose round time is only predicted (a new process) is not probed: a probe's cost
-    # is bounded by a measured time
+    # is bounded by a measured time ...
     c = timed_plain(Controller(), 1.0)
     c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
     c.begin({cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
+    # ... or by its prediction calibrated by another tree's measured rounds at this kind of round
+    # (not by a chain's: the cost model scales alike only within a kind)
+    wide = TreeSpec.parse("4,8")
+    for other, vouches in (("chain:5", False), ("4,8", True)):
+        c = timed_plain(Controller(), 1.0)
+        c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
+        c.records("truncated")[0][other] = [2.4] * 3  # (measured: 1.2x what the cost model said)
+        c.begin({cheap: (3.0, 1.2), chain: (1.1, 2.0), wide: (1.2, 2.0), None: (1.0, 1.0)}, t07)
+        assert (c.observe(1.0, 1e-3) == cheap) is vouches, other
 
 
 def test_a_near_tie_with_plain_rounds_does_not_leave_them():

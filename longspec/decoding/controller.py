@@ -35,7 +35,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   within a few rounds.
 * **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
   accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds were
-  measured to cost little more than plain ones (:data:`PROBE_COST`) and whose uncorrected
+  measured (or calibrated by those of its kind) to cost little more than plain ones
+  (:data:`PROBE_COST`) and whose uncorrected
   prediction is clearly the fastest runs a few rounds once in such a call, and its own rounds
   decide."""
 from __future__ import annotations
@@ -397,9 +398,9 @@ class Controller:
 
     def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
-        it, its correction uncertain, its rounds cheap as measured at this kind of round (not as
-        predicted: a probe's cost must be bounded by what it costs, and a prediction's time is the
-        least reliable in a new process), its uncorrected prediction faster than
+        it, its correction uncertain, its rounds cheap as measured at this kind of round
+        (:meth:`_known_ms`: a probe's cost must be bounded by what it costs, and a prediction's time
+        alone is the least reliable in a new process), its uncorrected prediction faster than
         ``best`` (the candidate expected fastest) by CLEAR_MARGIN; of several, the one whose
         uncorrected prediction is fastest."""
         plain = self.candidates.get("plain")
@@ -407,6 +408,20 @@ class Controller:
             return None
         probes = [c for name, c in self.candidates.items()
                   if not (c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS)
-                  and (measured := self.round_ms(name)) is not None and measured <= PROBE_COST * plain.ms
+                  and (ms := self._known_ms(name)) is not None and ms <= PROBE_COST * plain.ms
                   and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
         return max(probes, key=lambda c: c.hoped / c.ms, default=None)
+
+    def _known_ms(self, name: str) -> Optional[float]:
+        """Candidate ``name``'s round time where a measurement at this kind of round vouches for
+        it: its own, or its calibrated prediction where a candidate of its kind (another of the
+        draft's trees, another lookup chain) has settled times to calibrate it by (the cost model
+        scales alike within a kind, not across: a CPU's tree rounds cost twice what plain rounds'
+        calibration made of them); else None."""
+        measured = self.round_ms(name)
+        if measured is not None:
+            return measured
+        if any(other != name and _kind(other) == _kind(name) and self._settled(other)
+               for other, c in self.candidates.items() if c.tree is not None):
+            return self.candidates[name].ms
+        return None
