@@ -468,3 +468,27 @@ def test_select_top_on_cuda_is_topk(shape, k, biased):
     graph.replay()
     assert torch.equal(out[0], torch.topk(scores, k, dim=-1).values)
     assert torch.equal(scores.gather(1, out[1]), out[0])
+
+
+@pytest.mark.parametrize("vocab", [49152, 262144])
+def test_warping_on_cuda_keeps_what_the_sorting_path_keeps(vocab):
+    """Top-k / top-p on CUDA (cut points searched for, no sort) keep exactly the tokens of the
+    sorting path, for a tree's 74 rows of logits at several scales, eagerly and in a graph."""
+    from longspec.decoding import sampling
+
+    gen = torch.Generator(device="cuda").manual_seed(vocab)
+    for scale, top_k, top_p in ((1.0, 0, 0.9), (4.0, 0, 0.9), (4.0, 20, 0.8), (8.0, 1000, 0.99)):
+        logits = torch.randn(74, 1, vocab, generator=gen, device="cuda") * scale
+        t = torch.full((74,), 0.7, device="cuda")
+        k, p = torch.full((74,), top_k, device="cuda"), torch.full((74,), top_p, device="cuda")
+        ours = sampling.warp_probs_rows(logits, t, k, p)
+        ref = sampling._truncate_sorting(logits / 0.7, k.view(-1, 1, 1), p.view(-1, 1, 1).float()).softmax(-1)
+        assert torch.equal(ours > 0, ref > 0), (scale, top_k, top_p)
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampling.warp_probs_rows(logits, t, k, p)
+    logits.mul_(0.5)
+    graph.replay()
+    ref = sampling._truncate_sorting(logits / 0.7, k.view(-1, 1, 1), p.view(-1, 1, 1).float())
+    assert torch.equal(out > 0, ref.isfinite())
