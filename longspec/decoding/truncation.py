@@ -35,6 +35,8 @@ except ImportError:  # pragma: no cover - triton is optional
 BLOCK = 512  # scores a program reads at a time
 
 if triton is not None:
+    NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # _key(-inf) ...
+    POS_INF_KEY = tl.constexpr(0x80000000 + 0x7F800000)  # ... and _key(+inf)
 
     @triton.jit
     def _key(s):
@@ -44,28 +46,30 @@ if triton is not None:
 
     @triton.jit
     def _value(key):
-        """The inverse of :func:`_key`; keys at or below -inf's give -inf (so that ``s >= value``
-        holds for every score), keys above +inf's give NaN (``s >= value`` holds for none)."""
+        """The inverse of :func:`_key`, clamped to [-inf, +inf] (keys past them are no float)."""
+        key = tl.minimum(tl.maximum(key, NEG_INF_KEY), POS_INF_KEY)
         bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key).to(tl.int32)
-        return tl.where(key <= 8388607, float("-inf"), bits.to(tl.float32, bitcast=True))
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _search(row, V, below, m, target, COUNT: tl.constexpr, BLOCK: tl.constexpr):
         """The largest value ``t`` of the row's scores ``s`` with ``count(s >= t) >= target``
-        (COUNT) or with ``sum(exp(s - m))`` over ``s >= t`` (and ``s >= below``) ``>= target``."""
+        (COUNT) or with ``sum(exp(s - m))`` over ``s >= t`` (and ``s >= below``) ``>= target``.
+        No NaN is compared: what the compiler may assume of NaNs does not matter."""
         digits = tl.arange(0, 16).to(tl.int64)
         prefix = tl.zeros((), dtype=tl.int64)
         for i in tl.static_range(8):
-            cand = _value(prefix + (digits << (28 - 4 * i)))  # [16]: the values of the next digit
+            keys = prefix + (digits << (28 - 4 * i))  # [16]: the values of the next digit
+            cand, live = _value(keys), keys <= POS_INF_KEY  # (above +inf: no score reaches it)
             acc = tl.zeros((16,), dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
-                s = tl.load(row + j, mask=j < V, other=float("nan"))
+                s = tl.load(row + j, mask=j < V, other=float("-inf"))
                 if COUNT:
-                    w = tl.full((BLOCK,), 1.0, tl.float32)  # (NaN, past the row's end, is never >= cand)
+                    w = tl.where(j < V, 1.0, 0.0)
                 else:
-                    w = tl.where(s >= below, tl.exp(s - m), 0.0)
-                acc += tl.sum(tl.where(s[:, None] >= cand[None, :], w[:, None], 0.0), 0)
+                    w = tl.where((j < V) & (s >= below), tl.exp(s - m), 0.0)
+                acc += tl.sum(tl.where((s[:, None] >= cand[None, :]) & live[None, :], w[:, None], 0.0), 0)
             # digit 0 always holds (the prefix does); the largest digit that still holds
             best = tl.max(tl.where((acc >= target) | (digits == 0), digits, 0), 0)
             prefix = prefix + (best << (28 - 4 * i))
@@ -88,8 +92,8 @@ if triton is not None:
             z = tl.zeros((), dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
-                s = tl.load(row + j, mask=j < V, other=float("nan"))
-                z += tl.sum(tl.where(s >= cut, tl.exp(s - m), 0.0), 0)
+                s = tl.load(row + j, mask=j < V, other=float("-inf"))
+                z += tl.sum(tl.where((j < V) & (s >= cut), tl.exp(s - m), 0.0), 0)
             cut = _search(row, V, cut, m, p * z, False, BLOCK)
         tl.store(CUT + r, cut)
 
