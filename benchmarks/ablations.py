@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_acceptance import source_tokens  # noqa: E402
-from draft_overlap import overlaps  # noqa: E402
-from longspec import load_target  # noqa: E402
-from longspec.decoding.acceptance import expected_tokens, measure_acceptance  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
-from longspec.training.data import frequent_tokens  # noqa: E402
+from draft_acceptance import source_tokens
+from draft_overlap import overlaps
+from longspec import load_target
+from longspec.decoding.acceptance import expected_tokens, measure_acceptance
+from longspec.decoding.tree import TreeSpec
+from longspec.models.checkpoint import load_draft
+from longspec.training.data import frequent_tokens
 
 
 def eval_curve(run: Path) -> list:

@@ -42,19 +42,16 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec.attention import matmul_attention, reference  # noqa: E402
-from longspec.attention import triton_kernels  # noqa: E402
-from longspec.attention.fast import causal_attention  # noqa: E402
-from longspec.attention.launch_plan import next_power_of_2  # noqa: E402
-from longspec.attention.paged import rows_of  # noqa: E402
-from longspec.attention.triton_kernels import KernelConfig, tree_attention  # noqa: E402
+from longspec.attention import matmul_attention, reference
+from longspec.attention import triton_kernels
+from longspec.attention.fast import causal_attention
+from longspec.attention.launch_plan import next_power_of_2
+from longspec.attention.paged import rows_of
+from longspec.attention.triton_kernels import KernelConfig, tree_attention
 
 PAGE_BLOCK = 256  # the server's KV block size (tokens)
 

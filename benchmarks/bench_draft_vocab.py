@@ -9,16 +9,14 @@ per setting.
 import argparse
 import json
 import pathlib
-import sys
 import sysconfig
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from longspec import (GenerationConfig, LongSpecProposer, default_draft_path, default_model_path,  # noqa: E402
+from longspec import (GenerationConfig, LongSpecProposer, default_draft_path, default_model_path,
                       load_draft, load_target)
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.training import frequent_tokens  # noqa: E402
+from longspec.decoding.generator import Generator
+from longspec.training import frequent_tokens
 
 
 def main():

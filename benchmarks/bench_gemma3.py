@@ -30,21 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import code_prompt, peak_mib, run_hf, run_ours  # noqa: E402
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.checkpoint import load_draft, save_draft  # noqa: E402
-from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
+from bench_generate import code_prompt, peak_mib, run_hf, run_ours
+from longspec import GenerationConfig, load_target
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.tree import TreeSpec
+from longspec.models.checkpoint import load_draft, save_draft
+from longspec.models.draft import DraftConfig, init_draft
 
 REPO = Path(__file__).resolve().parents[1]
 

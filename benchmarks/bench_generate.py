@@ -18,20 +18,18 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
-from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
-from longspec.prefix_cache import common_prefix  # noqa: E402
+from longspec import GenerationConfig, load_target
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.decoding.tree import TreeSpec
+from longspec.models.checkpoint import load_draft
+from longspec.prefix_cache import common_prefix
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

@@ -38,16 +38,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
-from longspec import GenerationConfig  # noqa: E402
-from longspec.attention import fast  # noqa: E402
-from longspec.decoding.engine import Engine, Sequence  # noqa: E402
-from longspec.decoding.prefill import MODES, ChunkedPrefill  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
+from bench_steps import SHAPES, cuda_defaults, random_target
+from longspec import GenerationConfig
+from longspec.attention import fast
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.prefill import MODES, ChunkedPrefill
+from longspec.decoding.proposers import LongSpecProposer
+from longspec.decoding.tree import TreeSpec
+from longspec.models.draft import DraftConfig, init_draft
 
 BENCH_MODES = MODES + ("chunks",)  # chunks: captured chunk steps whatever the length
 DEFAULT_CONTEXTS = {"llama-8b": "32768,131072,524288", "llama-1b": "8192,262144,1048576", "tiny": "256,700"}

@@ -14,16 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, random_target  # noqa: E402
-from longspec.decoding.prefill import ChunkedPrefill  # noqa: E402
+from bench_steps import SHAPES, random_target
+from longspec.decoding.prefill import ChunkedPrefill
 
 
 def sync() -> None:

@@ -50,18 +50,16 @@ import json
 import platform
 import socket
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, copy_bandwidth, cuda_defaults, random_target  # noqa: E402
+from bench_steps import SHAPES, copy_bandwidth, cuda_defaults, random_target
 
-from longspec.cache import token_bytes  # noqa: E402
-from longspec.prefix_cache import common_prefix  # noqa: E402
+from longspec.cache import token_bytes
+from longspec.prefix_cache import common_prefix
 
 
 def cached_kv_bytes(config, tokens: int, dtype: torch.dtype) -> int:

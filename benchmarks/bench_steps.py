@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.engine import Engine, Sequence  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
-from longspec.decoding.runner import time_graph  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
+from longspec import GenerationConfig, load_target
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.runner import time_graph
+from longspec.decoding.tree import TreeSpec
+from longspec.models.checkpoint import load_draft
 
 
 def kernel_profile(fn, top: int = 12, order: bool = False) -> tuple:

@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, random_target  # noqa: E402
-from longspec.training.data import PackedData  # noqa: E402
-from longspec.training import distributed  # noqa: E402
-from longspec.training.trainer import TrainConfig, Trainer  # noqa: E402
+from bench_steps import SHAPES, random_target
+from longspec.training.data import PackedData
+from longspec.training import distributed
+from longspec.training.trainer import TrainConfig, Trainer
 
 
 def main(argv=None):

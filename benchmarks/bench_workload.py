@@ -39,11 +39,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
-from bench_generate import code_prompt  # noqa: E402  (this script's folder is on the path)
+from longspec import GenerationConfig, load_target
+from longspec.decoding.generator import Generator
+from longspec.models.checkpoint import load_draft
+from bench_generate import code_prompt  # (this script's folder is on the path)
 
 
 def sync():

@@ -8,21 +8,17 @@ then under the torch profiler the costliest device kernels and host operations o
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import random_target  # noqa: E402
-from longspec import GenerationConfig  # noqa: E402
-from longspec.decoding.engine import Engine, Sequence  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
+from bench_steps import random_target
+from longspec import GenerationConfig
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.proposers import LongSpecProposer
+from longspec.decoding.tree import TreeSpec
+from longspec.models.draft import DraftConfig, init_draft
 
 
 def main(argv=None):

@@ -14,17 +14,14 @@ first, kept on the target), ours on prompt B again (the same Generator). Run it 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import add_target_args, code_prompt, run_hf, target_from_args  # noqa: E402
-from longspec import GenerationConfig  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
+from bench_generate import add_target_args, code_prompt, run_hf, target_from_args
+from longspec import GenerationConfig
+from longspec.decoding.generator import Generator
 
 
 def main(argv=None):

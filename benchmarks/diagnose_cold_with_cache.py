@@ -22,13 +22,11 @@ import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
-from diagnose_cached_prefill import admit_ms, host_profile, profile  # noqa: E402
+from bench_steps import SHAPES, cuda_defaults, random_target
+from diagnose_cached_prefill import admit_ms, host_profile, profile
 
 
 class OldestCollections:

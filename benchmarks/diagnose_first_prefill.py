@@ -11,25 +11,21 @@ copies (a new shape's plan cost), and flash alone.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import random_target  # noqa: E402
-from longspec import GenerationConfig  # noqa: E402
-from longspec.attention import fast  # noqa: E402
-from longspec.decoding.engine import Engine, Sequence  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
-from longspec.models import layer_prefill  # noqa: E402
-from longspec.models.draft import DraftConfig, init_draft  # noqa: E402
+from bench_steps import random_target
+from longspec import GenerationConfig
+from longspec.attention import fast
+from longspec.decoding.engine import Engine, Sequence
+from longspec.decoding.proposers import LongSpecProposer
+from longspec.decoding.tree import TreeSpec
+from longspec.models import layer_prefill
+from longspec.models.draft import DraftConfig, init_draft
 
 SPENT: dict = defaultdict(float)
 

@@ -12,14 +12,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_steps import SHAPES, cuda_defaults, random_target  # noqa: E402
+from bench_steps import SHAPES, cuda_defaults, random_target
 
-from longspec.decoding.engine import Sequence  # noqa: E402
+from longspec.decoding.engine import Sequence
 
 
 def timings(graph, repeats: int) -> dict:

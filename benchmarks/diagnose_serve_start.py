@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's longspec, installed or not
 
 
 def log_cache_messages(path: str) -> None:

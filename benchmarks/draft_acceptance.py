@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import load_target  # noqa: E402
-from longspec.convert import default_model_dir  # noqa: E402
-from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, measure_acceptance  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
+from longspec import load_target
+from longspec.convert import default_model_dir
+from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, measure_acceptance
+from longspec.models.checkpoint import load_draft
 
 
 def source_tokens(tokenizer, dirs, n_tokens: int) -> list:

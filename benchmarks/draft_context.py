@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import add_target_args, code_prompt, target_from_args  # noqa: E402
-from longspec.models.checkpoint import load_draft  # noqa: E402
+from bench_generate import add_target_args, code_prompt, target_from_args
+from longspec.models.checkpoint import load_draft
 
 
 @torch.no_grad()

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import default_draft_path, default_model_path, load_draft, load_target  # noqa: E402
-from longspec.training.loss import target_forward  # noqa: E402
+from longspec import default_draft_path, default_model_path, load_draft, load_target
+from longspec.training.loss import target_forward
 
 
 @torch.no_grad()

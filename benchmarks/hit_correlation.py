@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import code_prompt  # noqa: E402
-from longspec import GenerationConfig, default_draft_path, default_model_path, load_draft, load_target  # noqa: E402
-from longspec.decoding import acceptance  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
-from longspec.decoding.tree import TreeSpec  # noqa: E402
+from bench_generate import code_prompt
+from longspec import GenerationConfig, default_draft_path, default_model_path, load_draft, load_target
+from longspec.decoding import acceptance
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.tree import TreeSpec
 
 CORRELATIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

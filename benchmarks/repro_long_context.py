@@ -11,15 +11,13 @@ memory access); ``--eager``, ``--attention matmul``, a single generator and 2k p
 capture; ``--max-len`` whether it follows the cache capacity.
 """
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from longspec import GenerationConfig, load_target  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.decoding.proposers import PromptLookup  # noqa: E402
+from longspec import GenerationConfig, load_target
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import PromptLookup
 
 
 def main():

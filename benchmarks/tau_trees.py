@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import code_prompt  # noqa: E402
-from longspec import GenerationConfig, load_draft, load_target  # noqa: E402
-from longspec.convert import default_model_dir  # noqa: E402
-from longspec.decoding.generator import Generator  # noqa: E402
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup  # noqa: E402
-from longspec.decoding.streaming import StreamingSelfSpec  # noqa: E402
-from longspec.training.selfdistill import TASKS, chat_ids  # noqa: E402
+from bench_generate import code_prompt
+from longspec import GenerationConfig, load_draft, load_target
+from longspec.convert import default_model_dir
+from longspec.decoding.generator import Generator
+from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.training.selfdistill import TASKS, chat_ids
 
 ASSETS = Path(__file__).resolve().parents[1] / "longspec" / "assets" / "smollm2-draft"
 

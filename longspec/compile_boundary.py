@@ -1,6 +1,6 @@
 """Functions that compiled steps call as they are (a graph break: Triton launches, in-place
 writes into the KV pool), marked without importing TorchDynamo. ``torch.compiler.disable``
-imports it, which costs a process 1-4 s of its start even when it never compiles (``longspec
+imports it, which costs a process seconds of its start even when it never compiles (``longspec
 generate``, a CPU); :func:`compile_boundary` defers that to :func:`mark_compile_boundaries`,
 which the first compiled step calls (``models.target.compile_step``)."""
 from __future__ import annotations

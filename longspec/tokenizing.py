@@ -1,9 +1,8 @@
 """Tokenising a chat's prompt again on every turn, without redoing the part seen before.
 
 A chat client sends the whole conversation on every turn. With a prefix cache, the server
-prefills only the new turn's tokens; tokenising the conversation again costs far more: about
-0.35 s of one core for 170k tokens of text (SmolLM2's tokenizer, ``benchmarks/bench_prefix.py
---api chat``), against tens of milliseconds for the cached prefill on a GPU.
+prefills only the new turn's tokens; tokenising the whole conversation again costs far more than
+that prefill on a GPU, at long contexts (docs/benchmarks.md, "Prefix cache").
 
 :class:`PieceCache` reuses the ids of the pieces a prompt shares with earlier ones, exactly.
 A Hugging Face (fast) tokenizer first splits a text at its added tokens (``<|im_start|>``,

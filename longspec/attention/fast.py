@@ -89,7 +89,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if torch.compiler.is_compiling():
             return _compiled_lower_right(q, k, v, gqa)
-        from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo: 1-4 s, only here)
+        from torch.nn.attention.bias import causal_lower_right  # (imports TorchDynamo, seconds: only here)
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, s), enable_gqa=gqa)
 

@@ -12,11 +12,8 @@ import torch
 from .tree import TreeSpec
 
 # the draft and the lookup hit on largely the same (easy) tokens: a level holding both is right
-# this far between independent hits (0) and the better of the two alone (1). Fitted on held-out
-# code (transformers/generation, 2k / 3k / 4k / 7.9k tokens, the step-8000 draft, the lookup's
-# rates on the generated text): hybrid `4,16,16,16,16,1,1,1,1,1` measured 5.38 / - / 7.11 / 4.33
-# tokens a round against 6.60 / - / 9.59 / 6.12 predicted as independent and 5.00 / - / 8.69 /
-# 4.56 at 0.5; `4,4,4,4,4,1,1,1,1,1` at 3k 5.00 against 6.45 and 5.04
+# this far between independent hits (0) and the better of the two alone (1); fitted on held-out
+# code (docs/benchmarks.md, "The measurements behind the code's choices")
 HIT_CORRELATION = 0.5
 ACCEPTANCE_WIDTHS = (1, 2, 3, 4, 8, 16)
 

@@ -40,8 +40,8 @@ from .tree import TreeSpec
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
 # (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
-# deeper beams at about the default's node count: on held-out code a depth-8 beam of 61 nodes drafted
-# 4.23 tokens a round against the default's 3.71 (69 nodes, depth 5; CPU, the step-8000 draft)
+# deeper beams at about the default's node count: on held-out code a depth-8 beam drafted more
+# tokens a round than the default's depth 5 (docs/benchmarks.md)
 CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DEFAULT_TREE,
                    "4,8,8,8,8,8,8,8", "4,4,4,4,4,1,1,1,1,1", "4,8,8,8,8,8,8,8,1,1", HYBRID_TREE)
 # what ``--proposer auto`` weighs on a CPU (its controller measures them while generating; the

@@ -262,7 +262,7 @@ class ChunkedPrefill:
     def prepare_by_layer(self, row: int = 0) -> None:
         """On CUDA, where a prompt may go layer by layer, runs short prompts by layer into row
         ``row`` (holding no sequence; their blocks taken from the pool's free ones, never evicting
-        a cached prefix, and given back) once (:func:`layer_prefill.warm_up`: cuDNN's ~0.9 s
+        a cached prefix, and given back) once (:func:`layer_prefill.warm_up`: cuDNN's
         set-up, and its kernels for both kinds of length, :attr:`warm_tokens`), which the first
         such prompts would pay."""
         if self.cuda_graphs and not self.by_layer_ready and self.by_layer(self.cache.max_len):

@@ -47,7 +47,7 @@ class WarmUp:
         took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
         graphs compiled ({what: :func:`compile_counts`' counts}). Ends with a full garbage
         collection: compiling leaves hundreds of thousands of new Python objects, whose first full
-        collection (0.2-0.4 s at the 8B shape) would otherwise fall in a request soon after.
+        collection (a noticeable pause at the 8B shape) would otherwise fall in a request soon after.
         ``kinds``: the kinds of round to prepare instead, as (greedy, truncating) pairs (see
         :attr:`round_kind`)."""
         if self.has_active:
