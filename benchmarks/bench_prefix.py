@@ -33,7 +33,7 @@ table, then one JSON line last.
 Requests go as token ids (``--api completions``, the default) or, with a real tokenizer, as chat
 messages (``--api chat``): the server then renders and tokenises the whole conversation on every
 request, as it does for a chat client (its tokenizer cache keeps the earlier messages' ids, see
-``longspec/tokenizing.py``); the document trace sends the document as a system message and the
+``longspec/serving/tokenizing.py``); the document trace sends the document as a system message and the
 question as the user's. Either way a request's JSON body is encoded before its clock starts.
 
 The server runs in this process (FastAPI app on uvicorn in a thread, the same code as
@@ -96,8 +96,8 @@ class InProcessServer:
         import uvicorn
 
         from longspec.decoding.proposers import build_proposer, default_tree
-        from longspec.serve import build_server
-        from longspec.serve_http import create_app
+        from longspec.serving.server import build_server
+        from longspec.serving.http import create_app
 
         proposer = build_proposer(args.proposer, target, args.draft)
         tree = None if proposer is None else (args.tree or default_tree(args.proposer))

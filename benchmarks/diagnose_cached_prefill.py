@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    from longspec.serve import build_server
+    from longspec.serving.server import build_server
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = cuda_defaults(random_target(args.shape, dtype, args.device))  # as load_target sets it up

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                    help="which of the three engines to build (0: no cache, 1: a pool of one row, 2: of two rows)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    from longspec.serve import build_server
+    from longspec.serving.server import build_server
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = cuda_defaults(random_target(args.shape, dtype, args.device))

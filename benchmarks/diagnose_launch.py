@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=30)
     args = p.parse_args(argv)
-    from longspec.serve import build_server
+    from longspec.serving.server import build_server
 
     target = cuda_defaults(random_target(args.shape, torch.bfloat16, "cuda"))
     max_len = args.context + 4 * args.repeats + 64

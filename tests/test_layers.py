@@ -9,10 +9,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "longspec"
 # top to bottom; a module belongs to the layer of the longest prefix that names it
 LAYERS = [
     ["longspec", "longspec.cli"],  # (the package's own names: a facade that loads them on use)
-    ["longspec.serve_http"],
-    ["longspec.serve", "longspec.training", "longspec.parallel.workers", "longspec.parallel.serving",
+    ["longspec.serving", "longspec.serving.http"],  # (the server: its package, its HTTP side)
+    ["longspec.serving.server", "longspec.training", "longspec.parallel.workers", "longspec.parallel.serving",
      "longspec.parallel.mirror"],
-    ["longspec.serve_engine", "longspec.serve_request", "longspec.tokenizing"],
+    ["longspec.serving.engine_calls", "longspec.serving.request", "longspec.serving.tokenizing"],
     ["longspec.decoding"],
     ["longspec.convert"],
     ["longspec.models"],

@@ -239,7 +239,7 @@ def test_streamed_text_is_decoded_incrementally_and_adds_up_to_the_whole(kind):
     from transformers import AutoTokenizer
 
     from longspec import default_model_path
-    from longspec.serve import Worker
+    from longspec.serving.server import Worker
 
     rng = random.Random(0)
     if kind == "metaspace":
@@ -280,7 +280,7 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
 
     from longspec.decoding.engine import Engine, Sequence
     from longspec.decoding.proposers import PromptLookup
-    from longspec.serve import Request, build_server
+    from longspec.serving.server import Request, build_server
 
     target = load_target(tiny_dir)
     server = build_server(target, AutoTokenizer.from_pretrained(tiny_dir), "tiny", proposer=PromptLookup(),
@@ -331,7 +331,7 @@ def test_a_stop_string_is_found_while_a_character_is_held_back(tiny_dir):
     from transformers import AutoTokenizer
 
     from longspec.decoding.engine import Sequence
-    from longspec.serve import Request, build_server
+    from longspec.serving.server import Request, build_server
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     ids = tokenizer("hello STOP there 🚀", add_special_tokens=False).input_ids
@@ -433,7 +433,7 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
 
     from longspec.decoding.engine import Sequence
     from longspec.prefix_cache import PrefixCache
-    from longspec.serve import Request, build_server
+    from longspec.serving.server import Request, build_server
 
     matched, real_match = [], PrefixCache.match
     monkeypatch.setattr(PrefixCache, "match", lambda self, prompt, namespace=None: matched.append(1)
@@ -463,7 +463,7 @@ def test_the_prefill_time_of_a_request_whose_run_went_before_a_failed_one(tiny_d
     from transformers import AutoTokenizer
 
     from longspec.decoding.engine import Sequence
-    from longspec.serve import Request, build_server
+    from longspec.serving.server import Request, build_server
 
     server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=3,
                           max_len=64)
@@ -499,7 +499,7 @@ def test_the_engine_thread_runs_with_the_servers_cpu_threads(tiny_dir, monkeypat
     thread alone (two OpenMP pools made a decode step 1.4x slower): the worker sets them."""
     import threading
 
-    from longspec.serve import build_server
+    from longspec.serving.server import build_server
 
     calls = []
     set_threads = torch.set_num_threads
@@ -522,7 +522,7 @@ def test_the_app_stops_its_server_at_shutdown_through_fastapis_lifespan():
 
     from fastapi.testclient import TestClient
 
-    from longspec.serve_http import create_app
+    from longspec.serving.http import create_app
 
     class Stub:
         stopped = False

@@ -9,7 +9,7 @@ pytest.importorskip("tokenizers")
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402,E501
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from longspec.tokenizing import PieceCache  # noqa: E402
+from longspec.serving.tokenizing import PieceCache  # noqa: E402
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, def f(x): return x + 1",
           "  spaces\n\nnewlines\tand tabs é 漢字 it's 12345"] * 40

@@ -1,5 +1,5 @@
 """``longspec serve``: options checked, the target (or its tensor-parallel processes) loaded, the
-batch buckets' trees chosen and warmed up, then the OpenAI-compatible server (``longspec/serve.py``)."""
+batch buckets' trees chosen and warmed up, then the OpenAI-compatible server (``longspec/serving/server.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,7 @@ from .commands import UsageError, _device_and_dtype, _set_threads, _tensor_paral
 
 
 def cmd_serve(args) -> int:
-    """``longspec serve``: the OpenAI-compatible server (see ``longspec/serve.py``)."""
+    """``longspec serve``: the OpenAI-compatible server (see ``longspec/serving/server.py``)."""
     with contextlib.ExitStack() as held:  # (the listening socket, closed however the command ends)
         return _cmd_serve(args, held)
 
@@ -50,7 +50,7 @@ def _cmd_serve(args, held) -> int:
             raise UsageError(f"--buckets must lie in 1..--max-batch ({args.max_batch}), got {args.buckets}")
     parallel = _tensor_parallel(args, device)
     from ..decoding.bucket_choice import bucket_trees_option, choose_bucket_trees
-    from ..serve import Server, build_server
+    from ..serving.server import Server, build_server
 
     bucket_trees = bucket_trees_option(args.bucket_trees, name, tree, buckets, args.max_batch)
     if parallel and bucket_trees == "auto":  # (the cost model times steps on one device, not across ranks)
@@ -168,7 +168,7 @@ def _serve(args, sock, server, parallel_engine, name, tree, bucket_trees, api_ke
 
     import uvicorn
 
-    from ..serve_http import create_app
+    from ..serving.http import create_app
 
     model_name = server.model_name
     warm_up = args.warm_up == "on" or (args.warm_up == "auto" and device.startswith("cuda"))

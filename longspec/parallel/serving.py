@@ -43,7 +43,7 @@ def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     """This rank's share of the target, its proposer and engine, as :class:`EngineCalls`."""
     from ..decoding.proposers import build_proposer
     from ..models.checkpoint import load_target
-    from ..serve_engine import EngineCalls, build_engine
+    from ..serving.engine_calls import EngineCalls, build_engine
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

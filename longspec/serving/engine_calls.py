@@ -12,16 +12,16 @@ from typing import Optional
 
 import torch
 
-from .decoding.engine import Engine
-from .decoding.sampling import RowSampling
-from .decoding.tree import TreeSpec
+from ..decoding.engine import Engine
+from ..decoding.sampling import RowSampling
+from ..decoding.tree import TreeSpec
 
 
 def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: int = 4096, buckets=None,
                  bucket_trees=None, prefill_chunk: Optional[int] = None, prefix_cache: bool = True,
                  pool_tokens: Optional[int] = None) -> Engine:
     """A serving engine: ``max_batch`` rows of ``max_len`` slots with per-request sampling (see
-    :func:`~longspec.serve.build_server`); with compiled steps its proposals are compiled too (a
+    :func:`~longspec.serving.server.build_server`); with compiled steps its proposals are compiled too (a
     server lives long enough to repay the compilation). Raises ValueError for a ``max_len`` beyond
     the model's positions."""
     positions = target.config.max_position_embeddings

@@ -9,9 +9,9 @@ exactly the tokens it would get alone. Text reaches the client through an asynci
 server-sent events when ``stream`` is true. A seeded request draws its random numbers from its
 own generator, so its text does not depend on the requests decoded beside it.
 
-Endpoints (:mod:`longspec.serve_http`): ``POST /v1/completions``, ``POST /v1/chat/completions``,
+Endpoints (:mod:`longspec.serving.http`): ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health``. Extensions: ``top_k`` in requests; ``longspec`` (tau, token
-ids) in responses. Request bodies are checked and tokenised by :mod:`longspec.serve_request`."""
+ids) in responses. Request bodies are checked and tokenised by :mod:`longspec.serving.request`."""
 
 import asyncio
 import threading
@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from .decoding.engine import Engine, Sequence
-from .serve_engine import EngineCalls, build_engine
-from .serve_request import APIError, RequestParsing
+from ..decoding.engine import Engine, Sequence
+from .engine_calls import EngineCalls, build_engine
+from .request import APIError, RequestParsing
 from .tokenizing import PieceCache
 
 @dataclass
@@ -75,7 +75,7 @@ class Request:
 
 class Worker:
     """Runs the engine in a background thread (see the module docstring). ``calls``: how the
-    engine's state changes (:class:`~longspec.serve_engine.EngineCalls`, or under tensor
+    engine's state changes (:class:`~longspec.serving.engine_calls.EngineCalls`, or under tensor
     parallelism the calls every rank repeats); ``engine`` is read directly."""
 
     def __init__(self, engine: Engine, tokenizer, max_queue: int, calls=None, threads: Optional[int] = None):

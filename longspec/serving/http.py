@@ -1,5 +1,5 @@
 """The HTTP side of ``longspec serve`` (FastAPI): endpoints, limits and errors over a
-:class:`~longspec.serve.Server`.
+:class:`~longspec.serving.server.Server`.
 
 What a client can count on (docs/server-security.md says it for users):
 
@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from .serve import APIError, Request, Server
+from .server import APIError, Request, Server
 
 POLL_S = 0.5  # seconds between checks that a waiting client is still connected
 DEFAULT_MAX_BODY = 8 << 20  # bytes
