@@ -2,7 +2,7 @@
 noisy lags and distillation, and with other widths (by ``benchmarks/ablations.sh``), plus
 the reduced draft vocabulary, compared on held-out
 text by their acceptance (teacher-forced top-k hit rates per tree depth,
-``longspec.decoding.acceptance.measure_acceptance``), the tokens per round those predict for the
+``longspec.spec.acceptance.measure_acceptance``), the tokens per round those predict for the
 default beam tree and a chain, and the T=1 overlap ``sum min(p, q)`` with the target at depths 1
 and 5 (``draft_overlap.py``); held-out loss curves plotted (PNG). Prints a table and one JSON
 line last.
@@ -24,8 +24,8 @@ import torch
 from draft_acceptance import source_tokens
 from draft_overlap import overlaps
 from longspec import load_target
-from longspec.decoding.acceptance import expected_tokens, measure_acceptance
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.acceptance import expected_tokens, measure_acceptance
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 from longspec.training.data import frequent_tokens
 

@@ -62,7 +62,7 @@ def timed(fn, repeats: int, inner: int = 10) -> float:
     host: our wrapper's checks and two Triton launches take longer on the CPU than a
     decode-sized kernel on the GPU (the first sweep, timed eagerly, saw a constant ~80-120 us on
     every shape). Falls back to eager calls where a capture fails."""
-    from longspec.decoding.runner import time_graph
+    from longspec.engine.runner import time_graph
 
     for _ in range(3):
         fn()

@@ -19,7 +19,7 @@ import torch
 from longspec import load_target
 from longspec.attention.backend import AttentionMeta
 from longspec.convert import default_model_dir
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 
 
 def decode_ms(engine: Engine, prompt: list, steps: int) -> tuple:

@@ -38,8 +38,8 @@ import torch
 
 from bench_generate import code_prompt, peak_mib, run_hf, run_ours
 from longspec import GenerationConfig, load_target
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft, save_draft
 from longspec.models.draft import DraftConfig, init_draft
 

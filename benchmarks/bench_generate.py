@@ -25,9 +25,9 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 from longspec.prefix_cache import common_prefix
 

@@ -13,7 +13,7 @@ JSON line last; ``--out`` copies everything printed to a file.
     python benchmarks/bench_long.py --shape tiny --device cpu --contexts 256,700 --new-tokens 8 \\
         --prefill captured:64,sdpa:128,layers:128          # a CPU smoke test of this script
 
-The prefill modes (:class:`~longspec.decoding.prefill.ChunkedPrefill`): ``captured:N``
+The prefill modes (:class:`~longspec.engine.prefill.ChunkedPrefill`): ``captured:N``
 (captured N-token chunk steps, Triton causal split-KV attention; a prompt of
 ``ChunkedPrefill.by_layer_from`` tokens or more layer by layer, as ``layers``; the default), ``chunks:N``
 (captured chunk steps only, whatever the length), ``sdpa:N`` (eager
@@ -41,10 +41,10 @@ import torch
 from bench_steps import SHAPES, cuda_defaults, random_target
 from longspec import GenerationConfig
 from longspec.attention import fast
-from longspec.decoding.engine import Engine, Sequence
-from longspec.decoding.prefill import MODES, ChunkedPrefill
-from longspec.decoding.proposers import LongSpecProposer
-from longspec.decoding.tree import TreeSpec
+from longspec.engine.engine import Engine, Sequence
+from longspec.engine.prefill import MODES, ChunkedPrefill
+from longspec.spec.proposers import LongSpecProposer
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 BENCH_MODES = MODES + ("chunks",)  # chunks: captured chunk steps whatever the length
@@ -160,7 +160,7 @@ def hf_decode_ms(hf, ids: torch.Tensor, cuda: bool, short: int = 8, long: int = 
 def decode_step_ms(target, engine, cuda: bool) -> float:
     """One target decode step over row 0 of the engine's cache (its context in place), captured
     and replayed on CUDA: the autoregressive cost of a token. Nothing is committed."""
-    from longspec.decoding.runner import time_graph
+    from longspec.engine.runner import time_graph
 
     cache = engine.cache.rows(0, 1)
     token = torch.zeros(1, 1, dtype=torch.long, device=target.device)

@@ -1,5 +1,5 @@
 """What a server's arriving request costs: a prompt's prefill, eager (one forward) against
-:class:`~longspec.decoding.prefill.ChunkedPrefill` (fixed-shape chunks over the engine's
+:class:`~longspec.engine.prefill.ChunkedPrefill` (fixed-shape chunks over the engine's
 ``--max-len`` slots, each row's chunk step a CUDA graph), on a random-weight target of a known
 shape (a prefill's time does not depend on the weights' values). Per setting: the wall time of a
 whole prefill (synchronised, host work included), the device time of one chunk step (CUDA events
@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench_steps import SHAPES, random_target
-from longspec.decoding.prefill import ChunkedPrefill
+from longspec.engine.prefill import ChunkedPrefill
 
 
 def sync() -> None:

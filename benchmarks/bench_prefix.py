@@ -95,7 +95,7 @@ class InProcessServer:
     def __init__(self, target, tokenizer, args, prefix_cache: bool):
         import uvicorn
 
-        from longspec.decoding.proposers import build_proposer, default_tree
+        from longspec.spec.proposers import build_proposer, default_tree
         from longspec.serving.server import build_server
         from longspec.serving.http import create_app
 

@@ -27,10 +27,10 @@ import statistics
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Engine, Sequence
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.runner import time_graph
-from longspec.decoding.tree import TreeSpec
+from longspec.engine.engine import Engine, Sequence
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.engine.runner import time_graph
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 
 

@@ -1,5 +1,5 @@
 """Top-k / top-p warping of a round's rows on CUDA: the sorting path against the searched cut
-points (``longspec.decoding.truncation``), each captured in a CUDA graph and timed by replaying
+points (``longspec.spec.truncation``), each captured in a CUDA graph and timed by replaying
 it, for several row counts (a decode step's 1, a tree's nodes) and vocabularies; and whether the
 two keep exactly the same tokens (logits of a few scales; tied scores under top-k). Prints a table and
 one JSON line last.
@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from longspec.decoding import sampling
-from longspec.decoding.runner import time_graph
+from longspec.spec import sampling
+from longspec.engine.runner import time_graph
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ class HostProfile:
         self.profile = cProfile.Profile()
 
     def run(self, gen, prompt, config):
-        from longspec.decoding.engine import Engine
+        from longspec.engine.engine import Engine
 
         profile, methods = self.profile, {name: getattr(Engine, name) for name in ("launch", "finish")}
 

@@ -15,9 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_steps import random_target
 from longspec import GenerationConfig
-from longspec.decoding.engine import Engine, Sequence
-from longspec.decoding.proposers import LongSpecProposer
-from longspec.decoding.tree import TreeSpec
+from longspec.engine.engine import Engine, Sequence
+from longspec.spec.proposers import LongSpecProposer
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 

@@ -25,7 +25,7 @@ import torch
 
 from bench_steps import SHAPES, cuda_defaults, random_target
 
-from longspec.decoding.engine import Sequence
+from longspec.engine.engine import Sequence
 
 
 def admit_ms(engine, prompt: list, during=None) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from longspec import load_target
 from longspec.convert import default_model_dir
-from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, measure_acceptance
+from longspec.spec.acceptance import ACCEPTANCE_WIDTHS, measure_acceptance
 from longspec.models.checkpoint import load_draft
 
 

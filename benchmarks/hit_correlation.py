@@ -1,4 +1,4 @@
-"""Checks ``longspec.decoding.acceptance.HIT_CORRELATION`` on held-out text: generates greedily with the
+"""Checks ``longspec.spec.acceptance.HIT_CORRELATION`` on held-out text: generates greedily with the
 hybrid proposer (draft beam + lookup chain) and, for each tree, compares the measured tokens per
 round with what ``expected_tokens`` predicts from the draft's acceptance table and the lookup's
 true hit rates on the generated text, at several correlations (0: draft and lookup hits
@@ -17,10 +17,10 @@ import torch
 
 from bench_generate import code_prompt
 from longspec import GenerationConfig, default_draft_path, default_model_path, load_draft, load_target
-from longspec.decoding import acceptance
+from longspec.spec import acceptance
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.tree import TreeSpec
 
 CORRELATIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

@@ -17,7 +17,7 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import PromptLookup
+from longspec.spec.proposers import PromptLookup
 
 
 def main():
@@ -52,7 +52,7 @@ def main():
     proposer = make_proposer()
     where = {"generator": 0, "round": 0, "phase": 0}
     if args.sync_phases:  # synchronise after every graph replay and name the one that fails
-        from longspec.decoding.runner import PhaseRunner
+        from longspec.engine.runner import PhaseRunner
 
         replay, run_round = torch.cuda.CUDAGraph.replay, PhaseRunner.run_round
 

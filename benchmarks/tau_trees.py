@@ -23,8 +23,8 @@ from bench_generate import code_prompt
 from longspec import GenerationConfig, load_draft, load_target
 from longspec.convert import default_model_dir
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
 from longspec.training.selfdistill import TASKS, chat_ids
 
 ASSETS = Path(__file__).resolve().parents[1] / "longspec" / "assets" / "smollm2-draft"

@@ -8,7 +8,7 @@ print("loading torch, transformers and longspec ...", flush=True)  # (a few seco
 import torch
 from transformers import AutoTokenizer
 
-import longspec.decoding.prompt_lookup as source_file
+import longspec.spec.prompt_lookup as source_file
 from longspec import GenerationConfig, Generator, default_model_path, load_target
 
 # float32: speculative output equals plain output token for token (bfloat16 may differ at near-ties)

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from longspec import (GenerationConfig, Generator, LongSpecProposer, PromptLookup, TreeSpec, default_draft_path,
                       default_model_path, load_draft, load_target)
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 target = load_target(default_model_path(), dtype=torch.float32, device=device)

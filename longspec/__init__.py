@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GenerationConfig": ".config", "ModelConfig": ".config",
     "default_draft_path": ".convert", "default_model_path": ".convert",
-    "GenerationOutput": ".decoding.sequence", "Generator": ".decoding.generator",
-    "LongSpecProposer": ".decoding.proposers", "PromptLookup": ".decoding.proposers",
-    "StreamingSelfSpec": ".decoding.streaming", "TreeSpec": ".decoding.tree",
+    "GenerationOutput": ".engine.sequence", "Generator": ".decoding.generator",
+    "LongSpecProposer": ".spec.proposers", "PromptLookup": ".spec.proposers",
+    "StreamingSelfSpec": ".spec.streaming", "TreeSpec": ".spec.tree",
     "TargetModel": ".models", "load_target": ".models",
     "load_draft": ".models.checkpoint", "save_draft": ".models.checkpoint",
     "ParallelGenerator": ".parallel.workers",

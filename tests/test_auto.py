@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from longspec import load_target
-from longspec.decoding import acceptance, auto, bucket_choice
-from longspec.decoding.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
+from longspec.spec import acceptance
+from longspec.decoding import auto, bucket_choice
+from longspec.spec.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
 from longspec.decoding.auto import device_key, resolve
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 ROW = [0.5, 0.6, 0.65, 0.7, 0.8, 0.9]  # top-1, 2, 3, 4, 8, 16
@@ -176,7 +177,7 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
     that batch: the engine's own tree where verifying stays cheap, a small one where many rows
     make every verified token cost, plain rounds (None) where no tree pays; costs are measured
     per batch (and cached under it)."""
-    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+    from longspec.spec.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny
     hybrid = LongSpecProposer(draft, PromptLookup())
@@ -380,7 +381,7 @@ def test_hybrid_chain_rounds_are_the_lookups_own(tiny):
     tokens and the same accepted counts round by round, and beam trees can return after it."""
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
-    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+    from longspec.spec.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny
     prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 3
@@ -407,7 +408,7 @@ def test_lookup_acceptance_prior():
 
 
 def test_lookup_counts_are_the_rates_positions():
-    from longspec.decoding.acceptance import lookup_counts
+    from longspec.spec.acceptance import lookup_counts
 
     text = [5, 6, 7, 8, 9] * 6 + [1, 2]
     hits, positions = lookup_counts(text, depths=4, tail=20)
@@ -447,7 +448,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     and the next tree every row (the draft's window too)."""
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
-    from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+    from longspec.spec.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny
     prompt = torch.randint(0, 160, (60,), generator=torch.Generator().manual_seed(3)).tolist() * 2
@@ -493,7 +494,7 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
 
 
 def test_switching_needs_a_proposer(tiny):
-    from longspec.decoding.engine import Engine
+    from longspec.engine.engine import Engine
 
     target, _ = tiny
     with pytest.raises(ValueError, match="proposer"):
@@ -672,7 +673,7 @@ def test_lookup_index_predicts_as_the_whole_texts_sort():
     prompt, vocabularies of 2 to 50,000, prompts shorter than an n-gram)."""
     import numpy as np
 
-    from longspec.decoding.acceptance import LookupIndex, lookup_predictions
+    from longspec.spec.acceptance import LookupIndex, lookup_predictions
 
     rng = random.Random(0)
     for trial in range(300):
@@ -776,7 +777,7 @@ def test_auto_takes_a_row_in_for_its_first_tree_before_reading_its_first_token(t
     (a GPU queues that work behind the prefill instead of waiting for it): no switch follows."""
     from longspec import GenerationConfig
     from longspec.decoding import controller
-    from longspec.decoding.engine import Engine
+    from longspec.engine.engine import Engine
     from longspec.decoding.generator import Generator
 
     monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
@@ -841,7 +842,7 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
     round in flight is finished, and the shared engine serves the next call."""
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
-    from longspec.decoding.proposers import PromptLookup
+    from longspec.spec.proposers import PromptLookup
 
     target, _ = tiny
     prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(12)).tolist() * 2
@@ -861,7 +862,7 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
     assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
     assert again._engine is engine
     # Ctrl-C while waiting for a round, with another launched ahead of it: both are finished
-    from longspec.decoding.engine import Engine
+    from longspec.engine.engine import Engine
 
     real, calls = Engine.finish, []
 
@@ -985,7 +986,7 @@ def test_auto_near_the_context_end_runs_plain_rounds_in_its_own_engine(tiny, tmp
     the row holding room for plain rounds only (no tree may then run: refused); plain decoding's
     tokens; the next call speculates again."""
     from longspec import GenerationConfig
-    from longspec.decoding.engine import Sequence
+    from longspec.engine.engine import Sequence
     from longspec.decoding.generator import Generator
 
     monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))

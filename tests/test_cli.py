@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from longspec.cli import main
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.tree import TreeSpec
 from conftest import needs_default_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_first_run_converts_then_auto_measures_once_and_matches_plain_decoding(t
     auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert auto["proposer"] == "auto" and auto["auto"].startswith("cost model")  # (what the user chose)
     from longspec.decoding import auto as cost_model
-    from longspec.decoding.tree import TreeSpec
+    from longspec.spec.tree import TreeSpec
 
     costs = json.loads((tmp_path / "costs.json").read_text())
     assert len(costs) == len(cost_model.COST_CONTEXTS)  # one device and model, at each context measured

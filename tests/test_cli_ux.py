@@ -7,7 +7,7 @@ import pytest
 
 import longspec
 from longspec.cli import commands, main
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.tree import TreeSpec
 
 from test_cli import needs_default_model
 

@@ -8,7 +8,7 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
 from longspec.models import target as target_module
 from longspec.models.draft import DraftConfig, init_draft
 
@@ -89,8 +89,8 @@ def test_the_triton_attention_is_no_graph_break_of_a_compiled_round(tiny, compil
     import torch._dynamo
 
     from longspec.attention import triton_kernels
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.tree import TreeSpec
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.tree import TreeSpec
 
     if not triton_kernels.available():
         pytest.skip("needs triton")
@@ -145,8 +145,8 @@ def test_compile_counts_count_the_graphs_compiled(tiny, compiled_backend):
     part and ``longspec serve`` prints after its warm-up): a compiled engine's first rounds add
     graphs, the same rounds again none."""
     from longspec.cli.serve_command import _graphs
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.tree import TreeSpec
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.tree import TreeSpec
     from longspec.models.target import compile_counts
 
     target = load_target(tiny[1])
@@ -244,7 +244,7 @@ def test_a_large_vocabularys_sampled_argmax_runs_apart_with_the_same_result(comp
     either way, as two graphs for a large vocabulary and one for a small one."""
     import torch._dynamo
 
-    from longspec.decoding.sampling import LARGE_VOCAB, warp_probs_rows
+    from longspec.spec.sampling import LARGE_VOCAB, warp_probs_rows
     from longspec.models.target import compile_step
 
     temperature = torch.tensor([0.0, 0.7])

@@ -8,10 +8,10 @@ from safetensors.torch import save_file
 
 from longspec import GenerationConfig, load_target
 from longspec.attention import triton_kernels
-from longspec.decoding.engine import Engine
+from longspec.engine.engine import Engine
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft, save_draft
 from longspec.models.draft import DraftCache, DraftConfig, init_draft
 
@@ -302,7 +302,7 @@ def test_a_reduced_vocabulary_draft_selects_among_its_columns_as_over_the_whole_
     trees) and sampled (its children drawn from the whole vocabulary's distribution, the same
     draws). A vocabulary narrower than a level (``narrow``: 3 tokens) goes whole, as before."""
     from longspec import PromptLookup
-    from longspec.decoding.drafting import TreeDrafter
+    from longspec.spec.drafting import TreeDrafter
 
     if hybrid and not tree[0].isdigit():
         pytest.skip("the lookup chain merges into beam trees")
@@ -349,8 +349,8 @@ def test_the_hybrids_chain_rounds_draft_as_the_engine_says(targets, monkeypatch)
     the target's probability of each: lossless without a draft distribution)."""
     from longspec import PromptLookup
     from longspec.cache import KVCache
-    from longspec.decoding.drafting import TreeDrafter
-    from longspec.decoding.sampling import RowSampling, Uniforms
+    from longspec.spec.drafting import TreeDrafter
+    from longspec.spec.sampling import RowSampling, Uniforms
 
     target = targets["llama"]
     proposer = LongSpecProposer(noisy_draft(target, window=6), lookup=PromptLookup())

@@ -20,11 +20,11 @@ from longspec import GenerationConfig, load_target
 from longspec.attention import triton_kernels
 from longspec.config import ModelConfig
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import default_tree
-from longspec.decoding.prefill import ChunkedPrefill
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import default_tree
+from longspec.engine.prefill import ChunkedPrefill
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 
 from conftest import assert_close, hf_logits, randomize_

@@ -9,11 +9,11 @@ import torch
 
 from conftest import hf_logits
 from longspec import GenerationConfig, load_target
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 pytestmark = [pytest.mark.gpu,
@@ -202,8 +202,8 @@ def test_capture_survives_a_dead_graph_collected_during_it():
     collection could strike."""
     import gc
 
-    from longspec.decoding.runner import PhaseRunner
-    from longspec.decoding.sampling import Uniforms
+    from longspec.engine.runner import PhaseRunner
+    from longspec.spec.sampling import Uniforms
 
     class Holder:
         pass
@@ -240,8 +240,8 @@ def test_a_destroyed_graph_does_not_break_a_live_one():
     still replay correctly after other graphs were captured and destroyed and the cache emptied
     (a replay into freed memory would be an illegal memory access). Last in this file: a failure
     here poisons the CUDA context."""
-    from longspec.decoding.runner import PhaseRunner, time_graph
-    from longspec.decoding.sampling import Uniforms
+    from longspec.engine.runner import PhaseRunner, time_graph
+    from longspec.spec.sampling import Uniforms
 
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)  # skinny: cuBLAS splits K (workspace)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -451,7 +451,7 @@ def test_select_top_on_cuda_is_topk(shape, k, biased):
     """The draft's top-k kernels at the draft's sizes (a beam level over 16 parents, a static
     level over the whole vocabulary) give torch.topk's values with indices that hold them,
     eagerly and inside a captured graph."""
-    from longspec.decoding.topk import top_k
+    from longspec.spec.topk import top_k
 
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = torch.randn(shape, generator=gen, device="cuda").log_softmax(-1)
@@ -474,7 +474,7 @@ def test_select_top_on_cuda_is_topk(shape, k, biased):
 def test_warping_on_cuda_keeps_what_the_sorting_path_keeps(vocab):
     """Top-k / top-p on CUDA (cut points searched for, no sort) keep exactly the tokens of the
     sorting path, for a tree's 74 rows of logits at several scales, eagerly and in a graph."""
-    from longspec.decoding import sampling
+    from longspec.spec import sampling
 
     gen = torch.Generator(device="cuda").manual_seed(vocab)
     for scale, top_k, top_p in ((1.0, 0, 0.9), (4.0, 0, 0.9), (4.0, 20, 0.8), (8.0, 1000, 0.99)):

@@ -295,7 +295,7 @@ def test_captured_draws_change_nothing_compiled_code_is_guarded_on():
     draws recorded their layout in a dict that the compiled code was guarded on."""
     from torch._dynamo.utils import counters
 
-    from longspec.decoding.sampling import Uniforms, uniform
+    from longspec.spec.sampling import Uniforms, uniform
 
     u = Uniforms(torch.Generator().manual_seed(0), "cpu")
     u.seed_row(1, 7)  # a seeded row: its numbers go into the buffer's layout
@@ -324,7 +324,7 @@ def test_a_rows_own_generator_gives_it_the_same_numbers_in_any_batch(static):
     """A row with its own generator (a seeded server request) draws the same numbers whatever
     the batch size, the row it sits in and the shared generator's state, eagerly or from a
     captured round's buffer (refilled before each round)."""
-    from longspec.decoding.sampling import Uniforms
+    from longspec.spec.sampling import Uniforms
 
     def rounds(batch: int, row: int, first_row: int = 0) -> list:
         u = Uniforms(torch.Generator().manual_seed(batch * 31 + row), "cpu")

@@ -13,7 +13,9 @@ LAYERS = [
     ["longspec.serving.server", "longspec.training", "longspec.parallel.workers", "longspec.parallel.serving",
      "longspec.parallel.mirror"],
     ["longspec.serving.engine_calls", "longspec.serving.request", "longspec.serving.tokenizing"],
-    ["longspec.decoding"],
+    ["longspec.decoding"],  # a call: the Generator and its policy (auto, the controller)
+    ["longspec.engine"],  # rounds over rows
+    ["longspec.spec"],  # what a round proposes and how it is verified
     ["longspec.convert"],
     ["longspec.models"],
     ["longspec.prefix_cache"],
@@ -77,10 +79,10 @@ def test_every_import_points_down_or_sideways():
 
 def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
     package = tmp_path / "longspec"
-    (package / "decoding").mkdir(parents=True)
+    (package / "engine").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "decoding" / "__init__.py").write_text("")
-    (package / "decoding" / "engine.py").write_text("from ..cache import KVCache\n")  # (down: fine)
-    (package / "cache.py").write_text("def f():\n    from .decoding.engine import Engine\n")
-    assert upward_imports(package) == ["longspec/cache.py:2: longspec.cache imports longspec.decoding.engine, "
+    (package / "engine" / "__init__.py").write_text("")
+    (package / "engine" / "engine.py").write_text("from ..cache import KVCache\n")  # (down: fine)
+    (package / "cache.py").write_text("def f():\n    from .engine.engine import Engine\n")
+    assert upward_imports(package) == ["longspec/cache.py:2: longspec.cache imports longspec.engine.engine, "
                                        "a layer above"]

@@ -7,9 +7,9 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.attention import reference, triton_kernels
-from longspec.decoding.engine import Engine, Sequence
-from longspec.decoding.proposers import LongSpecProposer
-from longspec.decoding.tree import TreeSpec
+from longspec.engine.engine import Engine, Sequence
+from longspec.spec.proposers import LongSpecProposer
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

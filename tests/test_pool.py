@@ -11,11 +11,11 @@ from longspec.attention import reference
 from longspec.attention.paged import physical_slots, rows_of
 from longspec.attention.triton_kernels import available, prefix_attention, tree_attention
 from longspec.cache import BlockPool, KVCache, PoolExhausted
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 TRITON = [pytest.param("triton", marks=pytest.mark.skipif(not available(), reason="needs triton"))]

@@ -1,4 +1,4 @@
-"""Chunked prefill (:class:`~longspec.decoding.prefill.ChunkedPrefill`): the same K/V and logits
+"""Chunked prefill (:class:`~longspec.engine.prefill.ChunkedPrefill`): the same K/V and logits
 as the eager prefill, whatever the prompt's length against the chunk, and the same tokens from
 an engine that prefills in chunks (rows joining between rounds, with and without a proposer)."""
 import pytest
@@ -6,11 +6,11 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.cache import BlockPool
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.prefill import MODES, ChunkedPrefill, chunk_plan, default_sizes
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.tree import TreeSpec
+from longspec.engine.prefill import MODES, ChunkedPrefill, chunk_plan, default_sizes
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
 

@@ -11,11 +11,11 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.cache import BlockPool, KVCache, PoolExhausted
-from longspec.decoding.engine import Engine, Sequence
+from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 from longspec.prefix_cache import Hit, PrefixCache
 

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from longspec.decoding.sampling import sample, warp_logits, warp_probs
+from longspec.spec.sampling import sample, warp_logits, warp_probs
 
 
 def hf_probs(logits, temperature, top_k, top_p):
@@ -86,7 +86,7 @@ def test_sample_shapes_and_determinism():
 
 
 def test_per_row_warping_equals_scalar_warping():
-    from longspec.decoding.sampling import warp_probs_rows
+    from longspec.spec.sampling import warp_probs_rows
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 3, 50, generator=gen) * 3
@@ -102,7 +102,7 @@ def test_per_row_warping_equals_scalar_warping():
 def test_per_row_warping_without_top_k_and_top_p_skips_them_with_the_same_result():
     """top_k / top_p None (no row uses them): the same distributions as with them off (0 / 1.0),
     greedy rows still one-hot."""
-    from longspec.decoding.sampling import warp_probs_rows
+    from longspec.spec.sampling import warp_probs_rows
 
     logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(1)) * 3
     t = torch.tensor([0.0, 0.7, 1.3])
@@ -116,7 +116,7 @@ def test_searched_cut_points_equal_the_sorting_path(case):
     """The cut points found without sorting (the Triton program CUDA runs; here interpreted) keep
     exactly the tokens the sorting path keeps: top-k with tied scores, scores of -inf, k at or
     past the vocabulary, top-p alone, after top-k, and off."""
-    from longspec.decoding import sampling, truncation
+    from longspec.spec import sampling, truncation
 
     if not truncation.available():
         pytest.skip("needs triton")
@@ -138,7 +138,7 @@ def test_searched_cut_points_equal_the_sorting_path(case):
 
 def test_searched_cut_points_of_rows_past_a_program_block():
     """A vocabulary of several blocks and a nucleus spread over them; p = 0.999 keeps almost all."""
-    from longspec.decoding import sampling, truncation
+    from longspec.spec import sampling, truncation
 
     if not truncation.available():
         pytest.skip("needs triton")
@@ -154,7 +154,7 @@ def test_the_cut_point_program_compiles_for_a_gpu():
     import subprocess
     import sys
 
-    from longspec.decoding import truncation
+    from longspec.spec import truncation
 
     if not truncation.available():
         pytest.skip("needs triton")
@@ -162,7 +162,7 @@ def test_the_cut_point_program_compiles_for_a_gpu():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from longspec.decoding import truncation
+from longspec.spec import truncation
 signature = {"S": "*fp32", "K": "*i64", "P": "*fp32", "CUT": "*fp32", "V": "i32", "stride": "i32",
              "BLOCK": "constexpr"}
 source = ASTSource(truncation._cut_kernel, signature, constexprs={"BLOCK": truncation.BLOCK})

@@ -278,8 +278,8 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
     they were not set up, get their lone-run tokens."""
     from transformers import AutoTokenizer
 
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.proposers import PromptLookup
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.proposers import PromptLookup
     from longspec.serving.server import Request, build_server
 
     target = load_target(tiny_dir)
@@ -330,7 +330,7 @@ def test_a_stop_string_is_found_while_a_character_is_held_back(tiny_dir):
     before it, and so does the last flush of a request that ends there."""
     from transformers import AutoTokenizer
 
-    from longspec.decoding.engine import Sequence
+    from longspec.engine.engine import Sequence
     from longspec.serving.server import Request, build_server
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
@@ -431,7 +431,7 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
     (not once per request after it: k^2 / 2 matches of long prompts) and the admission once more."""
     from transformers import AutoTokenizer
 
-    from longspec.decoding.engine import Sequence
+    from longspec.engine.engine import Sequence
     from longspec.prefix_cache import PrefixCache
     from longspec.serving.server import Request, build_server
 
@@ -462,7 +462,7 @@ def test_the_prefill_time_of_a_request_whose_run_went_before_a_failed_one(tiny_d
     the time of its own run's first token (not none, not a negative number)."""
     from transformers import AutoTokenizer
 
-    from longspec.decoding.engine import Sequence
+    from longspec.engine.engine import Sequence
     from longspec.serving.server import Request, build_server
 
     server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=3,

@@ -11,9 +11,9 @@ import torch
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import PromptLookup, TreeDrafter
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import PromptLookup, TreeDrafter
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 
 
 class RandomDraft(TreeDrafter):
@@ -141,7 +141,7 @@ def test_prompt_lookup_takes_a_prompt_and_first_token_in_any_form(targets):
     """An engine gives the prompt as a tensor on the device and the first token as a 0-d tensor
     (not read yet); a caller may give lists and ints: the same history, its last ``capacity``
     tokens where the prompt is longer."""
-    from longspec.decoding.sampling import Uniforms
+    from longspec.spec.sampling import Uniforms
 
     target = targets["llama"]
     cache = target.new_cache(2, 64)

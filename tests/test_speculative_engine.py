@@ -9,9 +9,9 @@ import torch
 
 from longspec import GenerationConfig
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import LongSpecProposer, PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import LongSpecProposer, PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.tree import TreeSpec
 from conftest import cyclic_garbage  # noqa: E402
 from test_speculative import prompts_for
 
@@ -21,8 +21,8 @@ def test_sequences_join_and_leave_between_rounds(targets, proposer):
     """Engine.step with requests added while others run, in rows freed by finished ones: each
     output equals the request generated alone. Rounds run over the smallest batch bucket that
     holds the active rows (1, 2 or 3 here), and every bucket is used."""
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.proposers import LongSpecProposer
     from longspec.models.draft import DraftConfig, init_draft
 
     target = targets["qwen3"]
@@ -47,8 +47,8 @@ def test_buckets_with_trees_of_their_own_equal_alone(targets, proposer):
     """Buckets may draft smaller trees than the engine's (less speculation where many rows share a
     round): requests moving between buckets, and so between trees, still get exactly the tokens
     they get alone; a tree that does not fit, or a bucket that is none, is refused up front."""
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.proposers import LongSpecProposer
     from longspec.models.draft import DraftConfig, init_draft
 
     target = targets["qwen3"]
@@ -128,7 +128,7 @@ def run_joining(engine, seqs: list) -> None:
 def test_idle_rows_survive_many_rounds(targets, proposer):
     """A row that finished early keeps taking part in (masked) rounds while another one runs far
     longer: nothing it holds may outgrow its buffers."""
-    from longspec.decoding.engine import Engine, Sequence
+    from longspec.engine.engine import Engine, Sequence
 
     target = targets["llama"]
     gen = torch.Generator().manual_seed(4)
@@ -146,7 +146,7 @@ def test_idle_rows_survive_many_rounds(targets, proposer):
 def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     """Engine.warm_up on an empty engine creates each bucket's runner; the tokens generated
     afterwards are those of a fresh engine."""
-    from longspec.decoding.engine import Engine, Sequence
+    from longspec.engine.engine import Engine, Sequence
 
     target = targets["llama"]
     prompt, config = prompts_for(1, seed=5)[0], GenerationConfig(max_new_tokens=9, ignore_eos=True)
@@ -169,8 +169,8 @@ def test_rounds_sort_for_top_k_or_top_p_only_while_a_sampled_row_uses_them(targe
     """Sampled rounds skip top-k / top-p's sorts of the whole vocabulary unless a sampled row uses
     them (a kind of round with graphs of its own): a top-k 1 row still gets the greedy tokens
     beside a row sampled from the whole distribution, and once it has left, rounds go without."""
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.sampling import RowSampling
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.sampling import RowSampling
 
     target = targets["llama"]
     prompt = prompts_for(1, seed=3)[0]
@@ -192,7 +192,7 @@ def test_rounds_sort_for_top_k_or_top_p_only_while_a_sampled_row_uses_them(targe
 def test_warm_up_ends_with_a_full_garbage_collection(targets, automatic_gc_off):
     """What the warm-up (or anything before it) left as garbage is collected by the warm-up, not
     by a full collection in the middle of a later request."""
-    from longspec.decoding.engine import Engine
+    from longspec.engine.engine import Engine
 
     engine = Engine(targets["llama"], PromptLookup(), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
     gone = cyclic_garbage()  # (only the warm-up's own collection can free it)
@@ -206,7 +206,7 @@ def test_a_generate_call_that_compiled_collects_its_garbage_and_one_that_did_not
     """A ``Generator`` call that prepared (compiled, captured) steps ends with a full collection:
     its leftovers do not make a later call pay for one; a call that prepared nothing does not.
     (On a CPU these steps run eagerly: the preparation's seconds are the engine's, set here.)"""
-    from longspec.decoding.engine import Engine
+    from longspec.engine.engine import Engine
 
     prepared = [0.0]
     monkeypatch.setattr(Engine, "capture_seconds", lambda self: prepared[0])
@@ -224,8 +224,8 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     """While warm_up runs, ``engine.warming`` names the part being prepared (what ``longspec
     serve``'s status line prints every ~2 s); None before and after."""
     from longspec.status import Heartbeat
-    from longspec.decoding import runner as runner_module
-    from longspec.decoding.engine import Engine
+    from longspec.engine import runner as runner_module
+    from longspec.engine.engine import Engine
 
     engine = Engine(targets["llama"], PromptLookup(), TreeSpec.parse("2,2"), max_batch=2, max_len=64)
     seen = []
@@ -248,10 +248,10 @@ def test_warm_up_tells_the_proposer_each_kind_of_round(targets, monkeypatch):
     """Each runner is prepared (captured, on CUDA) with the proposer drafting for its kind of
     round: greedy rounds never draw children from the draft distribution; and a proposer that
     cannot run on part of the batch gets one bucket."""
-    from longspec.decoding import runner as runner_module
-    from longspec.decoding.engine import Engine
-    from longspec.decoding.proposers import Proposer
-    from longspec.decoding.sampling import RowSampling
+    from longspec.engine import runner as runner_module
+    from longspec.engine.engine import Engine
+    from longspec.spec.proposers import Proposer
+    from longspec.spec.sampling import RowSampling
 
     seen = {}
     monkeypatch.setattr(runner_module.PhaseRunner, "prepare",
@@ -327,8 +327,8 @@ def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, mon
 def test_sampled_prefill_after_a_captured_round_draws_fresh_numbers(targets):
     """A request joining with sampling after rounds used a static random buffer (as captured
     CUDA-graph rounds do) draws its first token from fresh numbers, not past that buffer's end."""
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.sampling import RowSampling
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.sampling import RowSampling
 
     target = targets["llama"]
     engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=2, max_len=64,
@@ -349,7 +349,7 @@ def test_collector_paused_collects_first_and_pauses():
     (also after an error)."""
     import gc
 
-    from longspec.decoding.runner import collector_paused
+    from longspec.engine.runner import collector_paused
 
     collected = []
 
@@ -377,7 +377,7 @@ def test_collector_paused_collects_first_and_pauses():
 def test_a_launched_round_is_finished_before_anything_else(targets):
     """Engine.launch starts a round and returns, Engine.finish takes its tokens: a second launch,
     a switch of tree or a finish with nothing running is refused; launch + finish is a step."""
-    from longspec.decoding.engine import Engine, Sequence
+    from longspec.engine.engine import Engine, Sequence
 
     target = targets["qwen3"]
     prompt = prompts_for(1, seed=25)[0]
@@ -405,7 +405,7 @@ def test_rounds_launched_ahead_give_each_row_its_own_tokens(targets, proposer):
     has room for both (Engine.can_launch_ahead): rows with different budgets, one of which meets
     its EOS while a round launched after is in flight (its part of that round dropped), each get
     exactly the tokens they get alone; launching ahead is refused where a row might lack room."""
-    from longspec.decoding.engine import Engine, Sequence
+    from longspec.engine.engine import Engine, Sequence
     from longspec.models.draft import DraftConfig, init_draft
 
     target = targets["qwen3"]

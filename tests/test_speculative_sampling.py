@@ -8,10 +8,10 @@ from scipy import stats
 
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
-from longspec.decoding.proposers import PromptLookup
-from longspec.decoding.streaming import StreamingSelfSpec
-from longspec.decoding.sampling import warp_probs
-from longspec.decoding.tree import TreeSpec
+from longspec.spec.proposers import PromptLookup
+from longspec.spec.streaming import StreamingSelfSpec
+from longspec.spec.sampling import warp_probs
+from longspec.spec.tree import TreeSpec
 from test_speculative import RandomDraft
 
 
@@ -72,7 +72,7 @@ def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree
 def test_sampling_with_a_lookup_tail_matches_target_distribution(small_vocab_target):
     """The hybrid with levels of one node (filled by the lookup chain on a repetitive prompt)
     under sampling: the same chi-square test against the exact warped target."""
-    from longspec.decoding.proposers import LongSpecProposer
+    from longspec.spec.proposers import LongSpecProposer
     from longspec.models.draft import DraftConfig, init_draft
 
     target, n = small_vocab_target, 20000
@@ -88,8 +88,8 @@ def test_sampling_with_a_lookup_tail_matches_target_distribution(small_vocab_tar
 def test_engine_with_per_row_sampling(small_vocab_target, tree):
     """One engine, rows with their own settings: greedy rows give exactly the greedy output; the
     sampled rows (T=0.8, top-p 0.9) follow the exact two-token target distribution."""
-    from longspec.decoding.engine import Engine, Sequence
-    from longspec.decoding.sampling import RowSampling
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.sampling import RowSampling
 
     target, n = small_vocab_target, 6000
     prompt = [1, 5, 2, 7, 3, 0, 6]

@@ -4,8 +4,8 @@ import itertools
 import pytest
 import torch
 
-from longspec.decoding.proposers import beam_select, topk_children
-from longspec.decoding.tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
+from longspec.spec.proposers import beam_select, topk_children
+from longspec.spec.tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
 
 
 def random_parents(B, widths, gen):
@@ -245,7 +245,7 @@ def test_select_top_kernel_is_topk(shape, k, biased):
     """The draft's top-k kernels (under the Triton interpreter on a CPU) give torch.topk's values
     of the flattened x + bias, in order, with distinct indices that hold them; among ties the
     smaller index first; NaN above everything, -inf kept."""
-    topk = pytest.importorskip("longspec.decoding.topk")
+    topk = pytest.importorskip("longspec.spec.topk")
     if topk.triton is None:
         pytest.skip("no Triton")
     gen = torch.Generator().manual_seed(sum(shape) + k)

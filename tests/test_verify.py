@@ -9,11 +9,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import longspec.decoding.verify as verify_mod
-from longspec.decoding.sampling import warp_probs
-from longspec.decoding.proposers import beam_select
-from longspec.decoding.tree import DraftTree, TreeSpec
-from longspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
+import longspec.spec.verify as verify_mod
+from longspec.spec.sampling import warp_probs
+from longspec.spec.proposers import beam_select
+from longspec.spec.tree import DraftTree, TreeSpec
+from longspec.spec.verify import verify_greedy, verify_sampling, verify_tree
 
 V = 8
 PROMPT = (1, 2)
@@ -333,7 +333,7 @@ def _wrong_sampled_residual(p, q):
 def _wrong_bonus_resampled(walk_sample, p, generator):
     """Deliberately wrong: when every top-k child is rejected, resample the bonus from p, so a
     rejected child can come back (the rule needs p with the children removed)."""
-    from longspec.decoding.sampling import sample
+    from longspec.spec.sampling import sample
 
     return sample(p, generator)
 

@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
     from .. import GenerationConfig, Generator, load_target
     from ..config import ModelConfig
     from ..convert import DEFAULT_NAME, default_model_dir
-    from ..decoding.sequence import cache_need, round_slots
+    from ..engine.sequence import cache_need, round_slots
     from ..models.checkpoint import check_size, read_config, safetensors_files
     from ..models.progress import prefill_progress
 
@@ -122,8 +122,8 @@ def cmd_generate(args) -> int:
     chosen = name  # (what --json reports: "auto" stays "auto", whatever it runs first)
     parallel = _tensor_parallel(args, device)
     if parallel and name == "auto":  # (auto's cost model times steps per device: not across ranks)
-        from ..decoding.proposers import default_tree
-        from ..decoding.tree import TreeSpec
+        from ..spec.proposers import default_tree
+        from ..spec.tree import TreeSpec
 
         name = "hybrid" if args.draft or not args.target else "pld"
         tree = TreeSpec.coerce(default_tree(name))
@@ -267,7 +267,7 @@ def _tokenize(target_dir, text: str, chat: bool) -> list:
 def check_length(prompt_len: int, max_new_tokens: int, tree, limit: int) -> None:
     """A UsageError when the prompt, ``max_new_tokens`` and one round of ``tree`` (None: a decode
     step) need more positions than the model has (``limit``)."""
-    from ..decoding.sequence import cache_need, round_slots
+    from ..engine.sequence import cache_need, round_slots
 
     slots = round_slots(tree)
     need = cache_need(prompt_len, max_new_tokens, slots)
@@ -281,7 +281,7 @@ def check_length(prompt_len: int, max_new_tokens: int, tree, limit: int) -> None
 def auto_biggest_slots() -> int:
     """The most cache slots a round of any setting ``--proposer auto`` may pick writes."""
     from ..decoding import auto
-    from ..decoding.tree import TreeSpec
+    from ..spec.tree import TreeSpec
 
     shapes = [f"chain:{n}" for n in getattr(auto, "LOOKUP_CHAINS", ())] + list(getattr(auto, "CANDIDATE_TREES", ()))
     return max([TreeSpec.parse(s).num_nodes for s in shapes] or [1])
@@ -322,8 +322,8 @@ def describe_tree(tree) -> str:
 def proposer_choice(args):
     """(proposer name, TreeSpec or None) from --proposer / --tree / --draft, checked without loading
     anything."""
-    from ..decoding.proposers import default_tree
-    from ..decoding.tree import TreeSpec
+    from ..spec.proposers import default_tree
+    from ..spec.tree import TreeSpec
 
     name = "longspec" if args.draft and args.proposer == "none" else args.proposer
     if args.draft and name not in ("longspec", "hybrid", "auto"):

@@ -97,7 +97,7 @@ def _cmd_serve(args, held) -> int:
         server = Server(parallel_engine.engine, tokenizer, model_name, args.max_queue, parallel_engine.calls,
                         on_stop=parallel_engine.close)  # (uvicorn re-raises SIGTERM after its shutdown)
     else:
-        from ..decoding.proposers import build_proposer
+        from ..spec.proposers import build_proposer
 
         threads = None
         if device == "cpu":

@@ -1,22 +1,5 @@
-"""Speculative decoding: tree shapes, sampling and lossless verification."""
-from .sampling import check_sampling_args, sample, warp_logits, warp_probs
-from .drafting import beam_select, topk_children
-from .tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
-from .verify import VerifyResult, verify_greedy, verify_sampling, verify_tree
-
-__all__ = [
-    "DraftTree",
-    "TreeSpec",
-    "VerifyResult",
-    "ancestor_mask_from_parents",
-    "beam_select",
-    "check_sampling_args",
-    "depths_from_parents",
-    "sample",
-    "topk_children",
-    "verify_tree",
-    "verify_greedy",
-    "verify_sampling",
-    "warp_logits",
-    "warp_probs",
-]
+"""One call of generation and its policy: the :class:`~longspec.decoding.generator.Generator`
+(plans a call, runs the engine's rounds), ``--proposer auto``'s cost model and candidates
+(``auto``), the controller that switches between them while generating (``controller``), the
+serving buckets' trees (``bucket_choice``), and the engines, proposers and controllers a process
+shares (``shared``)."""

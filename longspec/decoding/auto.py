@@ -33,10 +33,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .acceptance import LookupIndex, expected_tokens, lookup_acceptance, lookup_counts
-from .runner import time_graph
-from .sequence import DEFAULT_TREE, HYBRID_TREE
-from .tree import TreeSpec
+from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance, lookup_counts
+from ..engine.runner import time_graph
+from ..spec.tree import DEFAULT_TREE, HYBRID_TREE
+from ..spec.tree import TreeSpec
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
 # (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
@@ -98,9 +98,9 @@ def measure_costs(target, candidates: dict, context: int, repeats: int = 3, batc
 
 def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: int) -> dict:
     from ..config import GenerationConfig
-    from .sampling import Uniforms
+    from ..spec.sampling import Uniforms
 
-    from .longspec_proposer import LongSpecProposer
+    from ..spec.longspec_proposer import LongSpecProposer
 
     device, vocab = target.device, target.config.vocab_size
     # the tree each proposer begins with: the hybrid drafts a chain (its lookup alone) only as a view
@@ -306,7 +306,7 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
-    from .proposers import LongSpecProposer, PromptLookup
+    from ..spec.proposers import LongSpecProposer, PromptLookup
 
     candidates = {}
     chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
@@ -353,7 +353,7 @@ class Plan:
     ({tree or None: (tokens per round, round ms)} of every candidate, the
     :class:`~longspec.decoding.controller.Controller`'s start; None: no cost model, ``start``
     runs throughout). ``hits``: the lookup's hit rates on the prompt, ``acceptance`` the
-    draft's table and ``index`` the prompt's :class:`~longspec.decoding.acceptance.LookupIndex`,
+    draft's table and ``index`` the prompt's :class:`~longspec.spec.acceptance.LookupIndex`,
     for :meth:`repredict`."""
 
     name: str

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .acceptance import expected_tokens
+from ..spec.acceptance import expected_tokens
 from .auto import CANDIDATE_TREES, choose
-from .runner import batch_buckets
-from .tree import TreeSpec
+from ..engine.runner import batch_buckets
+from ..spec.tree import TreeSpec
 
 
 def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,
@@ -22,7 +22,7 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
     draft = getattr(proposer, "draft", None)
     if draft is None or not draft.config.acceptance:
         return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
-    from .drafting import takes_lookup
+    from ..spec.drafting import takes_lookup
 
     lookup = getattr(proposer, "lookup", None)
     fits = []

@@ -1,7 +1,7 @@
 """``--proposer auto`` while it generates: an online choice, after every round, among the rounds
 one engine can run (plain rounds, prompt lookup's chain alone, the hybrid's trees), by measured
 tokens per second. A policy above the engine: it chooses, the engine runs what it is told
-(:meth:`~longspec.decoding.engine.Engine.use_tree`).
+(:meth:`~longspec.engine.engine.Engine.use_tree`).
 
 * **Round times** are measured on every round (the engine's round: drafting, verifying, the
   host's reading of it; not the controller's own work or a switch's) and kept across calls per
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .tree import TreeSpec
+from ..spec.tree import TreeSpec
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says

@@ -1,5 +1,5 @@
 """The public generation API: :class:`Generator`, a thin front over a long-lived
-:class:`~longspec.decoding.engine.Engine`.
+:class:`~longspec.engine.engine.Engine`.
 
 One engine per (target, proposer, tree, context) lives as long as its target, shared by every
 ``Generator`` of that target: its KV block pool, its proposer's state and its captured CUDA
@@ -21,12 +21,12 @@ import torch
 from ..cache import kv_pool_tokens
 from ..config import GenerationConfig
 from ..models.target import TargetModel
-from .engine import Engine, owner_of
-from .sampling import RowSampling
-from .proposers import PROPOSERS, default_tree, proposer_family
-from .sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
+from ..engine.engine import Engine, owner_of
+from ..spec.sampling import RowSampling
+from ..spec.proposers import PROPOSERS, default_tree, proposer_family
+from ..engine.sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from .shared import engine_controller, new_controller, registry, shared_draft, shared_proposer
-from .tree import TreeSpec
+from ..spec.tree import TreeSpec
 
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
@@ -54,7 +54,7 @@ class Generator:
     ``proposer``: None or "none" (plain decoding), a name ("pld", "streaming", "longspec",
     "hybrid", or "auto": plain rounds, prompt lookup's chains or the hybrid's trees, chosen while
     generating by measured tokens per second, starting from a cost model, as ``longspec
-    generate`` does), or a :class:`~longspec.decoding.proposers.Proposer`.
+    generate`` does), or a :class:`~longspec.spec.proposers.Proposer`.
     ``draft``: the LongSpec draft of "longspec" / "hybrid" / "auto" (loaded, or a checkpoint
     folder; default: the one shipped for the default model). ``tree``: the tree to draft (a
     :class:`TreeSpec` or its string form; default per proposer, see :func:`default_tree`).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 
 from ..models.target import TargetModel
-from .proposers import build_proposer, resolve_draft
+from ..spec.proposers import build_proposer, resolve_draft
 
 CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
 

@@ -41,7 +41,7 @@ class EngineSpec:
 
 def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     """This rank's share of the target, its proposer and engine, as :class:`EngineCalls`."""
-    from ..decoding.proposers import build_proposer
+    from ..spec.proposers import build_proposer
     from ..models.checkpoint import load_target
     from ..serving.engine_calls import EngineCalls, build_engine
 

@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from ..decoding.engine import Engine
-from ..decoding.sampling import RowSampling
-from ..decoding.tree import TreeSpec
+from ..engine.engine import Engine
+from ..spec.sampling import RowSampling
+from ..spec.tree import TreeSpec
 
 
 def build_engine(target, proposer=None, tree=None, max_batch: int = 8, max_len: int = 4096, buckets=None,

@@ -1,14 +1,14 @@
 """What ``longspec serve`` takes from a request body: every field checked (an OpenAI-style 400 error
-otherwise, :class:`APIError`) and the prompt turned into a :class:`~longspec.decoding.engine.Sequence`
+otherwise, :class:`APIError`) and the prompt turned into a :class:`~longspec.engine.engine.Sequence`
 (token ids as given, a text tokenised, chat messages rendered by the model's chat template and
 tokenised through the :class:`~longspec.serving.tokenizing.PieceCache`)."""
 from __future__ import annotations
 
 from typing import Optional
 
-from ..decoding.engine import Sequence
-from ..decoding.sampling import check_sampling_args
-from ..decoding.sequence import cache_need
+from ..engine.engine import Sequence
+from ..spec.sampling import check_sampling_args
+from ..engine.sequence import cache_need
 
 class APIError(Exception):
     """An OpenAI-style error: HTTP ``status`` and the error object's fields."""

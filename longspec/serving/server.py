@@ -1,5 +1,5 @@
 """``longspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one
-:class:`~longspec.decoding.engine.Engine` with continuous batching.
+:class:`~longspec.engine.engine.Engine` with continuous batching.
 
 One worker thread owns the engine: between rounds it admits queued requests into free rows (the
 wave's unseeded requests in one batched prefill) and ends cancelled ones; each round advances
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..decoding.engine import Engine, Sequence
+from ..engine.engine import Engine, Sequence
 from .engine_calls import EngineCalls, build_engine
 from .request import APIError, RequestParsing
 from .tokenizing import PieceCache

@@ -86,7 +86,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.max_lag is None:
-            from ..decoding.tree import TreeSpec
+            from ..spec.tree import TreeSpec
 
             self.max_lag = TreeSpec.parse(self.tree).depth
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):

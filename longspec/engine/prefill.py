@@ -5,7 +5,7 @@ small model's prefill is launch-bound, and in a server every running stream wait
 arriving request's prefill. :class:`ChunkedPrefill` runs a prompt as chunks of a fixed number of
 tokens, each one forward over a fixed number of cache slots with a causal mask, then commits the
 chunk's real tokens: on CUDA each row's chunk step is captured once as a CUDA graph (through
-:class:`~longspec.decoding.runner.PhaseRunner`, like a round), so a prefill is a few replays. The
+:class:`~longspec.engine.runner.PhaseRunner`, like a round), so a prefill is a few replays. The
 K/V and the last token's logits are the eager prefill's (up to kernel rounding).
 
 A ladder of chunk sizes (``sizes``, default :func:`default_sizes`: the big chunk, 1/8, 1/16 and
@@ -63,8 +63,8 @@ from ..cache import KVCache
 from ..models import layer_prefill
 from ..models.layer_prefill import prefill_by_layer
 from .runner import PhaseRunner
-from .sampling import Uniforms
-from .sequence import token_tensor
+from ..spec.sampling import Uniforms
+from ..spec.tokens import token_tensor
 
 
 MODES = ("captured", "sdpa", "layers")

@@ -88,7 +88,7 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     (0 = greedy: the one-hot of the argmax), top_k [B] long (0 = off), top_p [B] float (1 = off).
     The same warpers as transformers, in the same order, with no host synchronisation. top_k and
     top_p None: no row uses them, and their work over the whole vocabulary is skipped. On CUDA
-    the cut points are searched for (:mod:`longspec.decoding.truncation`) instead of sorting the
+    the cut points are searched for (:mod:`longspec.spec.truncation`) instead of sorting the
     vocabulary twice per row, which cost more than the rest of a tree's acceptance."""
     view = (-1,) + (1,) * (logits.dim() - 1)
     t = temperature.view(view)
@@ -123,7 +123,7 @@ def _truncate_sorting(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) ->
 @compile_boundary
 def _cut_apart(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """:func:`_truncate_sorting` without sorting: each row's cut point found by
-    :func:`longspec.decoding.truncation.cut_points` (a Triton launch, outside the compiled graph)."""
+    :func:`longspec.spec.truncation.cut_points` (a Triton launch, outside the compiled graph)."""
     rows = scores.shape[:-1]
     flat = scores.reshape(-1, scores.shape[-1])
     k, p = k[..., 0].expand(rows).reshape(-1), p[..., 0].expand(rows).reshape(-1)

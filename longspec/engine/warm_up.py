@@ -1,4 +1,4 @@
-"""Preparing an :class:`~longspec.decoding.engine.Engine`'s rounds before requests need them:
+"""Preparing an :class:`~longspec.engine.engine.Engine`'s rounds before requests need them:
 compilation and CUDA-graph capture of every bucket's rounds of each kind (greedy, sampled,
 sampled with top-k / top-p) and tree, and of the prefill's chunk steps, with the time each part
 took; and the seconds its rounds spent, per phase."""
@@ -11,13 +11,13 @@ from typing import Optional
 import torch
 
 from ..models.target import compile_counts
-from .sampling import RowSampling
+from ..spec.sampling import RowSampling
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree
 
 
 class WarmUp:
-    """The part of :class:`~longspec.decoding.engine.Engine` that prepares its rounds and counts
+    """The part of :class:`~longspec.engine.engine.Engine` that prepares its rounds and counts
     their time. It works on the engine's state (``runners``, ``parked``, ``buckets``,
     ``chunked_prefill``, ``config``, ``rows``, ``proposer``; it sets ``warming``,
     ``greedy_round``, ``warm_up_seconds``, ``warm_up_graphs``) through its ``has_active``,

@@ -7,7 +7,7 @@ sequence by one round (autoregressive: one token; speculative: propose a tree ->
 target forward -> accept -> commit the accepted K/V), with fixed shapes and no host
 synchronisation until it reads the round's tokens, once. Sequences join (``add``) and leave
 between rounds without reallocating anything: a finished row is only masked (their admission:
-:mod:`~longspec.decoding.admission`).
+:mod:`~longspec.engine.admission`).
 
 :class:`~longspec.decoding.generator.Generator` is the public API: ``generate`` is a thin loop
 over an engine."""
@@ -26,14 +26,14 @@ from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from .admission import Admission
-from .drafting import Proposer
+from ..spec.drafting import Proposer
 from .prefill import ChunkedPrefill
 from .runner import PhaseRunner, RoundRows, batch_buckets
-from .sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
+from ..spec.sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
 from .sequence import Sequence, Streamer
 from .switching import TreeSwitching
-from .tree import TreeSpec
-from .verify import verify_greedy, verify_sampling
+from ..spec.tree import TreeSpec
+from ..spec.verify import verify_greedy, verify_sampling
 from .warm_up import WarmUp
 
 __all__ = ["Engine", "Sequence", "owner_of"]  # (Sequence: what callers add, imported from here too)
@@ -55,7 +55,7 @@ def _release_if_orphaned(proposer) -> None:
 class Engine(Admission, TreeSwitching, WarmUp):
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
-    each with its own (``config`` a :class:`~longspec.decoding.sampling.RowSampling`: every
+    each with its own (``config`` a :class:`~longspec.spec.sampling.RowSampling`: every
     sequence's ``temperature`` / ``top_k`` / ``top_p``). ``cuda_graphs`` (default: on CUDA when
     the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
@@ -63,7 +63,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
     decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
     ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens (a prompt's
     rest in the smaller chunks of its ladder; or the ladder's sizes), graph-captured per row and
-    size on CUDA (:class:`~longspec.decoding.prefill.ChunkedPrefill`; default: one eager prefill).
+    size on CUDA (:class:`~longspec.engine.prefill.ChunkedPrefill`; default: one eager prefill).
 
     The target's KV cache is a :class:`~longspec.cache.BlockPool` of ``block_size``-token blocks
     (default 256, or the row's length rounded up to 64 when shorter) shared by the rows: a

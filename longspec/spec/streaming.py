@@ -1,5 +1,5 @@
 """StreamingLLM self-speculation: the target drafts for itself from a constant-size view of its
-own KV cache (MagicDec's baseline), as a :class:`~longspec.decoding.drafting.TreeDrafter`."""
+own KV cache (MagicDec's baseline), as a :class:`~longspec.spec.drafting.TreeDrafter`."""
 from __future__ import annotations
 
 import torch

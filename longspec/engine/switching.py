@@ -1,15 +1,15 @@
-"""Switching an :class:`~longspec.decoding.engine.Engine`'s rounds between trees (and plain
+"""Switching an :class:`~longspec.engine.engine.Engine`'s rounds between trees (and plain
 rounds) while it generates, as ``--proposer auto``'s controller chooses, with the proposer
 catching up on the rows' text when a tree that needs its whole state takes over."""
 from __future__ import annotations
 
 from typing import Optional
 
-from .tree import TreeSpec
+from ..spec.tree import TreeSpec
 
 
 class TreeSwitching:
-    """The part of :class:`~longspec.decoding.engine.Engine` that changes the tree its buckets
+    """The part of :class:`~longspec.engine.engine.Engine` that changes the tree its buckets
     draft. It works on the engine's state (``proposer``, ``tree``, ``rows``, ``buckets``,
     ``bucket_trees``, ``runners``, ``parked``, ``_views``, ``behind``, ``_in_flight``) through its
     ``tree_of``."""

@@ -1,6 +1,6 @@
 """Token trees for speculation: shapes (``TreeSpec``), batched drafts (``DraftTree``), helpers.
 
-Conventions used throughout ``longspec.decoding``:
+Conventions used throughout speculation (``longspec.spec``, ``longspec.engine``):
 
 * Node 0 is the ROOT: the last accepted token, whose target K/V is not cached yet. Nodes
   ``1..N-1`` are draft tokens. Nodes are stored in topological order (``parent < index``) and
@@ -22,7 +22,12 @@ from typing import Optional, Sequence
 
 import torch
 
+DEFAULT_TREE = "4,16,16,16,16"  # the paper's beam tree
+HYBRID_TREE = DEFAULT_TREE + ",1,1,1,1,1"  # the lookup chain alone past the beam (hybrid proposer)
+
 __all__ = [
+    "DEFAULT_TREE",
+    "HYBRID_TREE",
     "TreeSpec",
     "DraftTree",
     "ancestor_mask_from_parents",

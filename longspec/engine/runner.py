@@ -20,8 +20,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..cache import KVCache
-from .sampling import Uniforms
-from .tree import TreeSpec
+from ..spec.sampling import Uniforms
+from ..spec.tree import TreeSpec
 
 
 _CAPTURE_STREAMS: dict = {}  # device -> the side stream every capture on it runs on

@@ -1,4 +1,4 @@
-"""Sequences joining and leaving an :class:`~longspec.decoding.engine.Engine` between rounds.
+"""Sequences joining and leaving an :class:`~longspec.engine.engine.Engine` between rounds.
 
 A sequence joins (:meth:`Admission.add`) when the engine has a free row and its KV pool the
 blocks the sequence can use (prompt, ``max_new_tokens``, one round's writes; less the cached
@@ -14,12 +14,13 @@ import torch
 
 from ..cache import PoolExhausted
 from ..prefix_cache import Hit
-from .sampling import RowSampling
-from .sequence import Sequence, Streamer, cache_need, round_slots, token_tensor
+from ..spec.sampling import RowSampling
+from ..spec.tokens import token_tensor
+from .sequence import Sequence, Streamer, cache_need, round_slots
 
 
 class Admission:
-    """The part of :class:`~longspec.decoding.engine.Engine` that admits sequences and lets them
+    """The part of :class:`~longspec.engine.engine.Engine` that admits sequences and lets them
     go: its rows, KV pool, prefix cache and prefill. It works on the engine's state (``rows``,
     ``max_len``, ``cache``, ``pool``, ``prefix``, ``target``, ``proposer``, ``tree``,
     ``config``, ``uniforms``, ``root``, ``active``, ``chunked_prefill``) and samples first tokens

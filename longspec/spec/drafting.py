@@ -2,8 +2,8 @@
 :class:`TreeDrafter`, which grows any tree shape (chain, static paths, beam widths) from a
 next-token distribution, with the selection helpers it uses (:func:`beam_select`,
 :func:`topk_children`) and the prompt-lookup chain it can merge into a beam tree. The concrete
-proposers (:mod:`~longspec.decoding.prompt_lookup`, :mod:`~longspec.decoding.longspec_proposer`,
-:mod:`~longspec.decoding.streaming`) build on it; :mod:`~longspec.decoding.proposers` gathers them."""
+proposers (:mod:`~longspec.spec.prompt_lookup`, :mod:`~longspec.spec.longspec_proposer`,
+:mod:`~longspec.spec.streaming`) build on it; :mod:`~longspec.spec.proposers` gathers them."""
 from __future__ import annotations
 
 import copy
@@ -68,7 +68,7 @@ class Proposer:
 
     def begin(self, target, cache: KVCache, tree: TreeSpec, config: GenerationConfig, rng) -> None:
         """Once per engine: ``cache`` is the target's (all batch rows), ``rng`` a
-        :class:`~longspec.decoding.sampling.Uniforms`."""
+        :class:`~longspec.spec.sampling.Uniforms`."""
         raise NotImplementedError
 
     def add(self, row: int, prompt, first_token, tree: Optional[TreeSpec] = None) -> None:
@@ -287,7 +287,7 @@ class TreeDrafter(Proposer):
 
 class _LookupChain:
     """The prompt-lookup chain of one round inside a beam tree (see ``TreeDrafter.lookup``): its
-    tokens are the lookup's :meth:`~longspec.decoding.prompt_lookup.PromptLookup.continuation`
+    tokens are the lookup's :meth:`~longspec.spec.prompt_lookup.PromptLookup.continuation`
     (one search a round); at each drafted level its token takes the level's last slot (the beam's
     weakest pair) under the chain's last node, and the tree's lookup tail (``TreeSpec.lookup_tail``)
     holds the chain alone."""

@@ -19,7 +19,7 @@ eight passes over the row for eight 4-bit digits, each pass evaluating the predi
 values of the next digit. The result is exactly a score of the row (the predicates change only
 at the row's values), so ``scores < cut`` is the same comparison the sorting path makes.
 
-The sorting path in :mod:`longspec.decoding.sampling` is the reference (and what CPUs run)."""
+The sorting path in :mod:`longspec.spec.sampling` is the reference (and what CPUs run)."""
 from __future__ import annotations
 
 import contextlib

@@ -9,7 +9,7 @@ import torch
 from ..cache import DraftCache
 from .drafting import TreeDrafter
 from .prompt_lookup import PromptLookup
-from .sequence import token_tensor
+from .tokens import token_tensor
 
 
 class LongSpecProposer(TreeDrafter):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .drafting import TreeDrafter
-from .sequence import token_tensor
+from .tokens import token_tensor
 from .tree import DraftTree
 
 

@@ -187,7 +187,7 @@ def verify_sampling(
         tree: the draft tree.
         target_probs: ``[B, N, V]`` target distributions, already warped by ``warp_probs``.
         generator: optional ``torch.Generator`` on the tensors' device, or a
-            :class:`~longspec.decoding.sampling.Uniforms`.
+            :class:`~longspec.spec.sampling.Uniforms`.
     """
     _check_target(tree, target_probs, "target_probs")
     sampled = tree.children_sampled
@@ -254,7 +254,7 @@ def verify_tree(
 ) -> VerifyResult:
     """Dispatch: ``temperature == 0`` -> ``verify_greedy``; otherwise warp the target logits with
     ``warp_probs`` and run ``verify_sampling``. ``target_logits``: ``[B, N, V]``. The settings may
-    be tensors with one value per row (:class:`~longspec.decoding.sampling.RowSampling`): rows at
+    be tensors with one value per row (:class:`~longspec.spec.sampling.RowSampling`): rows at
     temperature 0 then get one-hot target distributions, which the sampling rules verify exactly
     as the greedy rule does."""
     if torch.is_tensor(temperature):

@@ -1,30 +1,16 @@
-"""Per-request state and the arithmetic of cache room: what an :class:`~longspec.decoding.engine.Engine`
-keeps for each sequence it decodes, and the default tree shapes."""
+"""Per-request state and the arithmetic of cache room: what an :class:`~longspec.engine.engine.Engine`
+keeps for each sequence it decodes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq, Union
 
 import numpy as np
-import torch
 
-from .tree import TreeSpec
-
-DEFAULT_TREE = "4,16,16,16,16"
-HYBRID_TREE = DEFAULT_TREE + ",1,1,1,1,1"  # the lookup chain alone past the beam (hybrid proposer)
+from ..spec.tree import TreeSpec
 
 Prompts = Union[Seq[int], Seq[Seq[int]]]
 Streamer = Callable[[int, list], None]  # (row, new token ids) -> None
-
-
-def token_tensor(tokens: Seq[int], device) -> torch.Tensor:
-    """Token ids (a list of ints, an array, or a tensor) -> [len(tokens)] int64 on ``device``,
-    through numpy: several times faster than ``torch.tensor`` of a list, which a call would
-    otherwise pay for its prompt in the prefill and in the proposer's history. A tensor on
-    ``device`` already is returned as it is (no copy, no wait)."""
-    if torch.is_tensor(tokens):
-        return tokens.to(device=device, dtype=torch.long).reshape(-1)
-    return torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1)).to(device)
 
 
 @dataclass
