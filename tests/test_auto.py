@@ -402,19 +402,6 @@ def test_lookup_acceptance_prior():
     text = list(range(50)) + [1, 2, 3]  # 3 generated positions: 2 hits (after 1 comes 2, after 2 comes 3)
     assert lookup_acceptance(text, depths=1, tail=3)[0] == pytest.approx(2 / 3, abs=1e-3)
     assert lookup_acceptance(text, depths=1, tail=3, prior=[0.0], prior_weight=3)[0] == pytest.approx(2 / 6, abs=1e-3)
-    # a prior measured on one position weighs one position, not three (a short prompt's rates)
-    assert lookup_acceptance(text, depths=1, tail=3, prior=[0.0], prior_weight=3,
-                             prior_positions=[1])[0] == pytest.approx(2 / 4, abs=1e-3)
-
-
-def test_lookup_counts_are_the_rates_positions():
-    from longspec.spec.acceptance import lookup_counts
-
-    text = [5, 6, 7, 8, 9] * 6 + [1, 2]
-    hits, positions = lookup_counts(text, depths=4, tail=20)
-    assert positions[0] == 20 and all(h <= n for h, n in zip(hits, positions))
-    assert lookup_acceptance(text, depths=4, tail=20) == [round(h / n, 4) if n else 0.0 for h, n in zip(hits, positions)]
-    assert all(n <= h for n, h in zip(positions[1:], hits[:-1]))  # (depth d: the starts right up to d - 1)
 
 
 class Scripted:

@@ -33,10 +33,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance, lookup_counts
 from ..engine.runner import time_graph
-from ..spec.tree import DEFAULT_TREE, HYBRID_TREE
-from ..spec.tree import TreeSpec
+from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance
+from ..spec.tree import DEFAULT_TREE, HYBRID_TREE, TreeSpec
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
 # (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
@@ -365,16 +364,15 @@ class Plan:
     hits: tuple = ()
     acceptance: tuple = ()
     index: Optional[LookupIndex] = None
-    hit_positions: tuple = ()  # the positions per depth ``hits`` rest on
 
     def repredict(self, ids: Sequence[int], n_prompt: int) -> dict:
         """{tree: tokens per round} predicted from the lookup's hit rates on the generated part of
-        ``ids`` (each depth pulled towards the prompt's rate by a few positions, no more than that
-        rate rests on): a model continuing code repeats the prompt far more than the prompt
-        repeats itself (docs/benchmarks.md, "Generation on a CPU")."""
+        ``ids`` (each depth pulled towards the prompt's rate by a few positions): a model
+        continuing code repeats the prompt far more than the prompt repeats itself
+        (docs/benchmarks.md, "Generation on a CPU")."""
         start = max(0, n_prompt - PLAN_WINDOW)  # (the index holds the prompt's last PLAN_WINDOW tokens)
         hits = lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0,
-                                 index=self.index, prior_positions=self.hit_positions)
+                                 index=self.index)
         return {tree: expected_tokens(tree, () if tree.kind == "chain" else self.acceptance, hits)
                 for tree in self.predicted or {} if tree is not None}
 
@@ -384,9 +382,8 @@ LOOKUPS_KEPT = 8
 
 
 def _lookup_of(recent: np.ndarray) -> tuple:
-    """(:class:`LookupIndex`, :func:`lookup_acceptance`, the positions per depth those rates rest
-    on) of a prompt's last tokens ``recent`` (the index: re-predicting from the generated text
-    then costs little), kept for the last few
+    """(:class:`LookupIndex`, :func:`lookup_acceptance`) of a prompt's last tokens ``recent``
+    (the index: re-predicting from the generated text then costs little), kept for the last few
     texts: the same document asked again (another sample, a regenerated answer) is planned
     without sorting its n-grams again, most of a plan's time (it is not hidden where the prompt
     is in the prefix cache: its prefill is then shorter)."""
@@ -394,8 +391,7 @@ def _lookup_of(recent: np.ndarray) -> tuple:
     found = _LOOKUPS.pop(key, None)
     if found is None:
         index = LookupIndex(recent)
-        counts = lookup_counts(recent, index=index)
-        found = index, lookup_acceptance(recent, index=index, counts=counts), tuple(counts[1])
+        found = index, lookup_acceptance(recent, index=index)
     _LOOKUPS[key] = found
     while len(_LOOKUPS) > LOOKUPS_KEPT:
         _LOOKUPS.popitem(last=False)
@@ -410,7 +406,7 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
         tree = TreeSpec.parse(HYBRID_TREE)
         return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
     recent = np.asarray(ids[-PLAN_WINDOW:], dtype=np.int64)
-    index, hits, positions = _lookup_of(recent)
+    index, hits = _lookup_of(recent)
     candidates = _candidates(recent, draft, hits, target.device.type == "cuda")
     label, gain, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]
@@ -425,4 +421,4 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
            f"cost model: {gain:.2f}x plain decoding predicted")
     return Plan("hybrid" if draft is not None else "pld", biggest, start, draft,
                 f"{why} ({predictions(candidates, costs)}); measured while generating", predicted, tuple(hits),
-                tuple(map(tuple, draft.config.acceptance)) if draft is not None else (), index, positions)
+                tuple(map(tuple, draft.config.acceptance)) if draft is not None else (), index)

@@ -46,48 +46,29 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
 
 
 def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024,
-                      prior: Sequence[float] = (), prior_weight: float = 0.0, index: "LookupIndex" = None,
-                      prior_positions: Sequence[int] = (), counts: Optional[tuple] = None) -> list:
+                      prior: Sequence[float] = (), prior_weight: float = 0.0, index: "LookupIndex" = None) -> list:
     """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
     the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
     prediction for position s is what followed the most recent earlier occurrence of the longest
     (up to ``max_ngram``) suffix of ``token_ids[:s]``, as :class:`PromptLookup` ranks first;
     measured over the last ``tail`` positions. With a ``prior`` (rates per depth), each depth's
-    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it), no
-    more than the prior was measured on (``prior_positions``, from :func:`lookup_counts`: a
-    short prompt's rates rest on a handful of positions, and must not hold back what the text
-    measures). ``index``: a :class:`LookupIndex` of ``token_ids`` or of a prompt they continue
-    (its predictions on the continuation cost little). ``counts``: :func:`lookup_counts` of these
-    arguments, if already made."""
-    hits, positions = counts or lookup_counts(token_ids, depths, max_ngram, tail, index)
-    q = []
-    for d in range(depths):
-        weight = 0.0
-        if prior:
-            weight = min(prior_weight, prior_positions[d]) if len(prior_positions) > d else prior_weight
-        extra = weight * prior[min(d, len(prior) - 1)] if prior else 0.0
-        q.append(round((hits[d] + extra) / (positions[d] + weight), 4) if positions[d] or weight else 0.0)
-    return q
-
-
-def lookup_counts(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024,
-                  index: "LookupIndex" = None) -> tuple:
-    """(hits, positions) per chain depth d (lists of ``depths`` ints): of the ``positions[d-1]``
-    starts in the last ``tail`` positions whose lookup chain was right up to depth d - 1 (and
-    that have a depth d), how many it got right at d (:func:`lookup_acceptance`'s rates)."""
+    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it).
+    ``index``: a :class:`LookupIndex` of ``token_ids`` or of a prompt they continue (its
+    predictions on the continuation cost little)."""
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     guess = index.last_predictions(ids, tail) if index is not None and index.max_ngram == max_ngram else None
     if guess is None:
         guess = lookup_predictions(ids, max_ngram)[max(0, len(ids) - tail):]
     hit = guess == ids[len(ids) - len(guess):]
-    hits, positions, runs = [], [], np.arange(len(hit))  # starts whose chain is right so far
+    q, runs = [], np.arange(len(hit))  # starts whose chain is right so far
+    weight = prior_weight if prior else 0.0
     for d in range(depths):
         valid = runs[runs + d < len(hit)]
         ok = valid[hit[valid + d]]
-        hits.append(len(ok))
-        positions.append(len(valid))
+        extra = weight * prior[min(d, len(prior) - 1)] if prior else 0.0
+        q.append(round((len(ok) + extra) / (len(valid) + weight), 4) if len(valid) or weight else 0.0)
         runs = ok
-    return hits, positions
+    return q
 
 
 def lookup_predictions(ids: np.ndarray, max_ngram: int = 3) -> np.ndarray:
