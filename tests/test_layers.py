@@ -1,6 +1,7 @@
 """The package's layers only import downwards: every import of a longspec module (at the top of a
 file or inside a function) goes to the same layer or one below. A new module must be placed in
-a layer here."""
+a layer here. Outside the command line, a module imports the package's own modules at its top
+(no import hidden in a function)."""
 import ast
 from pathlib import Path
 
@@ -86,3 +87,35 @@ def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
     (package / "cache.py").write_text("def f():\n    from .engine.engine import Engine\n")
     assert upward_imports(package) == ["longspec/cache.py:2: longspec.cache imports longspec.engine.engine, "
                                        "a layer above"]
+
+
+def function_local_imports(package: Path) -> list:
+    """Imports of the package's own modules inside functions, outside ``cli/``: every module says
+    what it needs at its top. The command line alone loads the library on use, so that
+    ``longspec --help`` and ``--version`` answer without importing PyTorch."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "cli":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("longspec"))) or \
+                      (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "longspec" for a in node.names))
+                if own:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} (in {fn.name})")
+    return found
+
+
+def test_the_package_imports_its_own_modules_at_the_top():
+    found = function_local_imports(PACKAGE)
+    assert not found, "\n".join(found)
+
+
+def test_a_function_local_import_is_found(tmp_path):
+    package = tmp_path / "longspec"
+    (package / "cli").mkdir(parents=True)
+    (package / "cli" / "main.py").write_text("def main():\n    from ..engine import engine\n")  # (the CLI may)
+    (package / "cache.py").write_text("import os\n\n\ndef f():\n    if os:\n        from .config import X\n")
+    assert function_local_imports(package) == ["longspec/cache.py:6 (in f)"]

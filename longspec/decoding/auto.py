@@ -33,8 +33,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..config import GenerationConfig
+from ..convert import home_dir
 from ..engine.runner import time_graph
+from ..models.checkpoint import write_atomic
 from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance
+from ..spec.proposers import LongSpecProposer, PromptLookup
+from ..spec.sampling import Uniforms
 from ..spec.tree import DEFAULT_TREE, HYBRID_TREE, TreeSpec
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
@@ -96,10 +101,7 @@ def measure_costs(target, candidates: dict, context: int, repeats: int = 3, batc
 
 
 def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: int) -> dict:
-    from ..config import GenerationConfig
-    from ..spec.sampling import Uniforms
 
-    from ..spec.longspec_proposer import LongSpecProposer
 
     device, vocab = target.device, target.config.vocab_size
     # the tree each proposer begins with: the hybrid drafts a chain (its lookup alone) only as a view
@@ -273,7 +275,6 @@ def monotone(target_ms: dict) -> dict:
 
 
 def _costs_path(costs_file: Optional[str]) -> str:
-    from ..convert import home_dir
 
     return costs_file or str(home_dir() / "costs.json")
 
@@ -290,7 +291,6 @@ def _read_costs(costs_file: Optional[str]) -> dict:
 def _write_costs(costs_file: Optional[str], data: dict) -> None:
     from pathlib import Path
 
-    from ..models.checkpoint import write_atomic
 
     path = Path(_costs_path(costs_file))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,7 +305,6 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
-    from ..spec.proposers import LongSpecProposer, PromptLookup
 
     candidates = {}
     chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..spec.acceptance import expected_tokens
-from .auto import CANDIDATE_TREES, choose
 from ..engine.runner import batch_buckets
+from ..spec.acceptance import expected_tokens
+from ..spec.drafting import takes_lookup
 from ..spec.tree import TreeSpec
+from .auto import CANDIDATE_TREES, choose
 
 
 def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,
@@ -22,7 +23,6 @@ def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], conte
     draft = getattr(proposer, "draft", None)
     if draft is None or not draft.config.acceptance:
         return {}, [f"no draft acceptance table: every bucket drafts {tree}"]
-    from ..spec.drafting import takes_lookup
 
     lookup = getattr(proposer, "lookup", None)
     fits = []

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..models.checkpoint import write_atomic
 from ..spec.tree import TreeSpec
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
@@ -339,7 +340,6 @@ class Controller:
 
     def save(self) -> None:
         """Writes the corrections learned to the store (other keys' kept)."""
-        from ..models.checkpoint import write_atomic
 
         data = self._stored()
         data[self.key] = {json.dumps([name, sampling]): [*pair, self.calls.get((name, sampling), PROBE_CALLS)]

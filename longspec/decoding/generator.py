@@ -20,13 +20,14 @@ import torch
 
 from ..cache import kv_pool_tokens
 from ..config import GenerationConfig
-from ..models.target import TargetModel
 from ..engine.engine import Engine, owner_of
-from ..spec.sampling import RowSampling
-from ..spec.proposers import PROPOSERS, default_tree, proposer_family
 from ..engine.sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
-from .shared import engine_controller, new_controller, registry, shared_draft, shared_proposer
+from ..models.target import TargetModel
+from ..spec.proposers import PROPOSERS, default_tree, proposer_family
+from ..spec.sampling import RowSampling
 from ..spec.tree import TreeSpec
+from .auto import candidate_trees, costs_measured, resolve
+from .shared import engine_controller, new_controller, registry, shared_draft, shared_proposer
 
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
@@ -211,7 +212,6 @@ class Generator:
         which a controller chooses among while it generates."""
         if self.proposer != "auto":
             return CallPlan(self.proposer, self.tree, self.tree, controller=self.controller)
-        from .auto import resolve
 
         chosen = resolve(self.target, prompts[0], self.draft)
         proposer = shared_proposer(self.target, chosen.name, self.draft)
@@ -225,7 +225,6 @@ class Generator:
         tree it may choose; else None (the plan is made first)."""
         if self.proposer != "auto" or (self.draft is not None and not self.draft.config.acceptance):
             return None
-        from .auto import candidate_trees, costs_measured
 
         if not costs_measured(self.target, self.draft):
             return None

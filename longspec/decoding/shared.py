@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import weakref
 
+from ..convert import home_dir
 from ..models.target import TargetModel
 from ..spec.proposers import build_proposer, resolve_draft
+from .auto import corrections_key
+from .controller import Controller
 
 CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
 
@@ -45,13 +48,10 @@ def new_controller(target: TargetModel, draft):
     """An ``auto`` controller whose corrections of the cost model (what it learns about a
     checkpoint's acceptance) are kept for the next process beside the step costs (for a
     checkpoint on disk)."""
-    from .controller import Controller
 
     offset = target.device.type != "cuda"  # (see Controller: eager steps on a CPU, graphs on CUDA)
     if target.path is None:
         return Controller(offset=offset)
-    from ..convert import home_dir
-    from .auto import corrections_key
 
     return Controller(str(home_dir() / CORRECTIONS_FILE), corrections_key(target, draft), offset=offset)
 

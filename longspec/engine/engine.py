@@ -21,19 +21,19 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from ..attention import triton_kernels
-from ..cache import DEFAULT_BLOCK_SIZE, BlockPool, pool_blocks
+from ..cache import BlockPool, DEFAULT_BLOCK_SIZE, pool_blocks
 from ..config import GenerationConfig
 from ..models.target import TargetModel, compile_step
 from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
-from .admission import Admission
 from ..spec.drafting import Proposer
-from .prefill import ChunkedPrefill
-from .runner import PhaseRunner, RoundRows, batch_buckets
 from ..spec.sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
-from .sequence import Sequence, Streamer
-from .switching import TreeSwitching
 from ..spec.tree import TreeSpec
 from ..spec.verify import verify_greedy, verify_sampling
+from .admission import Admission
+from .prefill import ChunkedPrefill
+from .runner import PhaseRunner, RoundRows, batch_buckets
+from .sequence import Sequence, Streamer
+from .switching import TreeSwitching
 from .warm_up import WarmUp
 
 __all__ = ["Engine", "Sequence", "owner_of"]  # (Sequence: what callers add, imported from here too)

@@ -62,9 +62,9 @@ import torch
 from ..cache import KVCache
 from ..models import layer_prefill
 from ..models.layer_prefill import prefill_by_layer
-from .runner import PhaseRunner
 from ..spec.sampling import Uniforms
 from ..spec.tokens import token_tensor
+from .runner import PhaseRunner
 
 
 MODES = ("captured", "sdpa", "layers")

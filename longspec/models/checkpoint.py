@@ -10,9 +10,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import ModelConfig
+from ..attention import triton_kernels
+from ..config import MULTIMODAL, ModelConfig
 from ..outdir import temp_prefix
 from ..parallel.sharding import Shard, shard_slice
+from .draft import DraftConfig, LongSpecDraft
 from .target import TargetModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -159,7 +161,6 @@ def use_device_kernels(model: TargetModel) -> None:
     the head size does not suit them) and compiled steps; elsewhere the defaults."""
     if model.device.type != "cuda":
         return
-    from ..attention import triton_kernels
     d = model.config.head_dim
     fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
     model.attention_impl = "triton" if fits else "matmul"
@@ -168,7 +169,6 @@ def use_device_kernels(model: TargetModel) -> None:
 
 def is_multimodal(raw: dict) -> bool:
     """Whether a config.json describes a multimodal checkpoint whose text model is loaded."""
-    from ..config import MULTIMODAL
 
     return raw.get("model_type") in MULTIMODAL.values() and isinstance(raw.get("text_config"), dict)
 
@@ -270,7 +270,6 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
     ``mlp`` and three norms; cross-attention k/v weights are ignored). Raises ValueError when the
     draft does not fit the target. ``dtype``: of the draft's weights (default: the target's);
     ``fuse``: q/k/v and gate/up in one product each, for inference (training keeps them apart)."""
-    from .draft import LongSpecDraft
 
     config, files, rename = read_draft_config(path, target)
     with torch.device("meta"):
@@ -285,7 +284,6 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
 def read_draft_config(path: Union[str, Path], target) -> tuple:
     """(DraftConfig, safetensors files, key rename or None) of the draft at ``path`` (see
     :func:`load_draft`), without loading its weights."""
-    from .draft import DraftConfig
 
     path = Path(path)
     raw = read_config(path)

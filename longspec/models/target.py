@@ -25,13 +25,14 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import AttentionMeta, attend
+from ..attention import AttentionMeta, attend, ops
 from ..attention.backend import TRITON_CAUSAL_MAX_TOKENS
 from ..cache import KVCache, store_kv
+from ..compile_boundary import mark_compile_boundaries, shorten_compile_failures
 from ..config import ModelConfig
 from ..parallel.sharding import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-from .rope import RotaryEmbedding, apply_rotary
 from . import progress
+from .rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -223,11 +224,9 @@ def compile_step(fn):
     uncompiled, with a warning: the same results, slower."""
     import torch._dynamo
 
-    from ..compile_boundary import mark_compile_boundaries, shorten_compile_failures
 
     mark_compile_boundaries()
     shorten_compile_failures()
-    from ..attention import ops
 
     ops.register()  # (after the boundaries: the attention kernels become operators, not graph breaks)
     config = torch._dynamo.config

@@ -10,6 +10,9 @@ from typing import Optional
 
 import torch
 
+from ..models.checkpoint import load_target
+from ..serving.engine_calls import EngineCalls, build_engine
+from ..spec.proposers import build_proposer
 from .group import TensorParallel
 from .mirror import Driver
 
@@ -41,9 +44,6 @@ class EngineSpec:
 
 def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     """This rank's share of the target, its proposer and engine, as :class:`EngineCalls`."""
-    from ..spec.proposers import build_proposer
-    from ..models.checkpoint import load_target
-    from ..serving.engine_calls import EngineCalls, build_engine
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 
 from ..config import GenerationConfig
+from ..decoding.generator import Generator
+from ..models.checkpoint import load_target
 from .group import TensorParallel
 from .mirror import Driver
 
@@ -42,8 +44,6 @@ class ParallelSpec:
 
 def build_generator(spec: ParallelSpec, tp: TensorParallel):
     """This rank's share of the target and a Generator over it."""
-    from ..decoding.generator import Generator
-    from ..models.checkpoint import load_target
 
     if spec.proposer == "auto":
         raise ValueError("proposer 'auto' measures step times, which differ between ranks: pick one of none, pld, "

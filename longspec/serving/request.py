@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..engine.engine import Sequence
-from ..spec.sampling import check_sampling_args
 from ..engine.sequence import cache_need
+from ..spec.sampling import check_sampling_args
 
 class APIError(Exception):
     """An OpenAI-style error: HTTP ``status`` and the error object's fields."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
+from ..models.checkpoint import load_draft
 from .drafting import Proposer, TreeDrafter, beam_select, takes_lookup, topk_children
 from .longspec_proposer import LongSpecProposer
 from .prompt_lookup import PromptLookup
@@ -49,8 +51,6 @@ def default_draft(target: TargetModel):
     """The draft shipped for the default model when ``target`` is it, else None."""
     from pathlib import Path
 
-    from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
-    from ..models.checkpoint import load_draft
 
     shipped_for = home_dir() / "models" / DEFAULT_NAME
     if target.path is None or Path(target.path).resolve() != shipped_for.resolve():
@@ -81,7 +81,6 @@ def resolve_draft(draft, target):
     if draft is None:
         return default_draft(target)
     if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
-        from ..models.checkpoint import load_draft
 
         return load_draft(draft, target)
     return draft

@@ -31,6 +31,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..files import read_text
+from ..models.checkpoint import write_atomic
+from ..outdir import remove_stale
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 FILE_MARKER = "# ==== "  # starts each file's header line in a project document
@@ -395,8 +397,6 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
             if shown is not None:
                 shown.close()
         if cached is not None and write_cache:
-            from ..models.checkpoint import write_atomic
-            from ..outdir import remove_stale
 
             cached.parent.mkdir(parents=True, exist_ok=True)
             remove_stale(cached.parent)  # entries a killed run left half-written

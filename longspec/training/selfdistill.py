@@ -18,6 +18,8 @@ import random
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..config import GenerationConfig
+from ..decoding.generator import Generator
 from .data import check_not_stdlib, read_text_file, tree_files
 
 DOC_SUFFIXES = (".md", ".rst", ".txt", ".py")
@@ -67,8 +69,6 @@ def self_distill(target, tokenizer, paths: Sequence, out, tasks: Sequence[str] =
     each document gets one task, in turn (``limit``: at most that many records, counted before
     sharding). ``shard`` (i, n): only requests i, i + n, i + 2n, ... of that list, so that n
     processes with the same ``seed`` answer disjoint parts of it. Returns the number of records."""
-    from ..config import GenerationConfig
-    from ..decoding.generator import Generator
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:

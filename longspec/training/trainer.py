@@ -26,10 +26,12 @@ import torch
 
 from ..models.checkpoint import load_target, resolve_dtype
 from ..models.draft import DraftConfig, init_draft
-from . import distributed
 from ..outdir import check_out_dir
+from . import distributed
 from .checkpoints import (MetricsLog, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
                           write_atomic)
+from ..models.checkpoint import load_draft, read_draft_config
+from ..spec.tree import TreeSpec
 from .data import DataConfig, PackedData, build_data, check_seq_len, load_tokenizer
 from .loss import DraftLoss, target_forward
 from .positions import anchor_offset_positions, sample_lag
@@ -86,7 +88,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.max_lag is None:
-            from ..spec.tree import TreeSpec
 
             self.max_lag = TreeSpec.parse(self.tree).depth
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):
@@ -138,7 +139,6 @@ def initial_draft(config: TrainConfig, target, source: Optional[Path] = None, re
     ``--init-from``'s draft with its float32 weights (a warm start; its stale acceptance table is
     dropped), or with ``resume`` the run's checkpoint, whose weights the caller loads next (with
     its trainer state). Raises ValueError when it does not fit this run."""
-    from ..models.checkpoint import load_draft, read_draft_config
 
     if source is None:
         widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
