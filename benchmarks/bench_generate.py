@@ -29,7 +29,7 @@ from longspec.spec.proposers import LongSpecProposer, PromptLookup
 from longspec.spec.streaming import StreamingSelfSpec
 from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
-from longspec.prefix_cache import common_prefix
+from longspec.kv.prefix_cache import common_prefix
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

@@ -58,8 +58,8 @@ import torch
 
 from bench_steps import SHAPES, copy_bandwidth, cuda_defaults, random_target
 
-from longspec.cache import token_bytes
-from longspec.prefix_cache import common_prefix
+from longspec.kv.cache import token_bytes
+from longspec.kv.prefix_cache import common_prefix
 
 
 def cached_kv_bytes(config, tokens: int, dtype: torch.dtype) -> int:

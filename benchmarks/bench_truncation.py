@@ -5,6 +5,7 @@ two keep exactly the same tokens (logits of a few scales; tied scores under top-
 one JSON line last.
 
     python benchmarks/bench_truncation.py --vocab 49152,262144 --rows 1,16,27,74
+    python benchmarks/bench_truncation.py --sweep 512:4,512:8,1024:8,1024:16   (block:warps of the program)
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import json
 
 import torch
 
-from longspec.spec import sampling
 from longspec.engine.runner import time_graph
+from longspec.spec import sampling, truncation
 
 
 def main() -> None:
@@ -23,7 +24,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,27,74")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--sweep", default="", help="BLOCK:NUM_WARPS settings of the searching program to time too")
     args = ap.parse_args()
+    settings = [tuple(map(int, x.split(":"))) for x in args.sweep.split(",") if x]
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, mismatches = [], 0
     print(f"{'vocab':>7} {'rows':>5} {'sorting ms':>11} {'searched ms':>12} {'speedup':>8}")
@@ -44,9 +47,14 @@ def main() -> None:
             timed = {"sorting": lambda: out.__setitem__(0, sampling._truncate_sorting(logits, k, p).softmax(-1)),
                      "searched": lambda: out.__setitem__(0, sampling._cut_apart(logits, k, p).softmax(-1))}
             ms = {name: time_graph(fn) * 1e3 for name, fn in timed.items()}
+            default = truncation.BLOCK, truncation.NUM_WARPS
+            for block, warps in settings:
+                truncation.BLOCK, truncation.NUM_WARPS = block, warps
+                ms[f"searched {block}:{warps}"] = time_graph(timed["searched"]) * 1e3
+            truncation.BLOCK, truncation.NUM_WARPS = default
             results.append(dict(vocab=vocab, rows=rows, **{f"{n}_ms": round(t, 4) for n, t in ms.items()}))
             print(f"{vocab:>7} {rows:>5} {ms['sorting']:>11.3f} {ms['searched']:>12.3f} "
-                  f"{ms['sorting'] / ms['searched']:>7.2f}x")
+                  f"{ms['sorting'] / ms['searched']:>7.2f}x", *(f"{k} {v:.3f}" for k, v in ms.items() if ":" in k))
     print(f"rows whose kept tokens differ between the two paths: {mismatches}")
     print(json.dumps(dict(top_k=args.top_k, top_p=args.top_p, mismatched_rows=mismatches, results=results)))
 

@@ -348,7 +348,7 @@ def test_the_hybrids_chain_rounds_draft_as_the_engine_says(targets, monkeypatch)
     greedy and sampled rounds alike (the children are chosen deterministically, and verified by
     the target's probability of each: lossless without a draft distribution)."""
     from longspec import PromptLookup
-    from longspec.cache import KVCache
+    from longspec.kv.cache import KVCache
     from longspec.spec.drafting import TreeDrafter
     from longspec.spec.sampling import RowSampling, Uniforms
 

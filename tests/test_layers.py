@@ -19,8 +19,8 @@ LAYERS = [
     ["longspec.spec"],  # what a round proposes and how it is verified
     ["longspec.convert"],
     ["longspec.models"],
-    ["longspec.prefix_cache"],
-    ["longspec.cache"],
+    ["longspec.kv.prefix_cache"],
+    ["longspec.kv", "longspec.kv.cache"],  # the KV block pool
     ["longspec.attention"],
     ["longspec.parallel", "longspec.parallel.sharding", "longspec.parallel.group", "longspec.config",
      "longspec.compile_boundary", "longspec.files", "longspec.outdir", "longspec.status"],
@@ -83,9 +83,11 @@ def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
     (package / "engine").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "engine" / "__init__.py").write_text("")
-    (package / "engine" / "engine.py").write_text("from ..cache import KVCache\n")  # (down: fine)
-    (package / "cache.py").write_text("def f():\n    from .engine.engine import Engine\n")
-    assert upward_imports(package) == ["longspec/cache.py:2: longspec.cache imports longspec.engine.engine, "
+    (package / "engine" / "engine.py").write_text("from ..kv.cache import KVCache\n")  # (down: fine)
+    (package / "kv").mkdir()
+    (package / "kv" / "__init__.py").write_text("")
+    (package / "kv" / "cache.py").write_text("def f():\n    from ..engine.engine import Engine\n")
+    assert upward_imports(package) == ["longspec/kv/cache.py:2: longspec.kv.cache imports longspec.engine.engine, "
                                        "a layer above"]
 
 
@@ -117,5 +119,6 @@ def test_a_function_local_import_is_found(tmp_path):
     package = tmp_path / "longspec"
     (package / "cli").mkdir(parents=True)
     (package / "cli" / "main.py").write_text("def main():\n    from ..engine import engine\n")  # (the CLI may)
-    (package / "cache.py").write_text("import os\n\n\ndef f():\n    if os:\n        from .config import X\n")
-    assert function_local_imports(package) == ["longspec/cache.py:6 (in f)"]
+    (package / "kv").mkdir()
+    (package / "kv" / "cache.py").write_text("import os\n\n\ndef f():\n    if os:\n        from ..config import X\n")
+    assert function_local_imports(package) == ["longspec/kv/cache.py:6 (in f)"]

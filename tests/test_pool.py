@@ -10,7 +10,7 @@ from longspec import GenerationConfig, load_target
 from longspec.attention import reference
 from longspec.attention.paged import physical_slots, rows_of
 from longspec.attention.triton_kernels import available, prefix_attention, tree_attention
-from longspec.cache import BlockPool, KVCache, PoolExhausted
+from longspec.kv.cache import BlockPool, KVCache, PoolExhausted
 from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
@@ -49,7 +49,7 @@ def test_pool_size_defaults_to_every_row_and_on_cuda_to_half_the_free_memory(tar
     """An engine's default pool holds every row's slots; on CUDA at most half the memory free now
     (the smallest budget over tensor-parallel ranks, at least one block); a given size rounds up
     to whole blocks."""
-    import longspec.cache as cache
+    import longspec.kv.cache as cache
 
     config, dtype = target.cache_config, torch.float32
     assert cache.pool_blocks(config, dtype, "cpu", 3, 64, 16) == 12

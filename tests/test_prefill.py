@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.cache import BlockPool
+from longspec.kv.cache import BlockPool
 from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.engine.prefill import MODES, ChunkedPrefill, chunk_plan, default_sizes

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from longspec import GenerationConfig, load_target
-from longspec.cache import BlockPool, KVCache, PoolExhausted
+from longspec.kv.cache import BlockPool, KVCache, PoolExhausted
 from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
 from longspec.spec.streaming import StreamingSelfSpec
 from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
-from longspec.prefix_cache import Hit, PrefixCache
+from longspec.kv.prefix_cache import Hit, PrefixCache
 
 BLOCK = 16
 
@@ -175,8 +175,7 @@ def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_f
     that other cached blocks follow is copied from and kept."""
     pool = BlockPool(target.config, num_blocks=10, block_size=4)
     cache = PrefixCache(pool)
-    rows = KVCache(target.config, 1, 32, pool=pool, paged=True)
-    rows.allocator = cache
+    rows = KVCache(target.config, 1, 32, pool=pool, paged=True, allocator=cache)
     a = cache.allocate(3)
     cache.register(a, list(range(10)), last=True)  # [0..3] [4..7] [8, 9]
     cache.release(a)
@@ -198,8 +197,7 @@ def test_a_rows_last_block_is_copied_in_part_and_taken_over_only_where_nothing_f
     c = cache.allocate(2)
     cache.register(c, [3] * 8)
     cache.release(c)
-    rows = KVCache(target.config, 2, 32, pool=pool, paged=True)
-    rows.allocator = cache
+    rows = KVCache(target.config, 2, 32, pool=pool, paged=True, allocator=cache)
     whole, part = Sequence([3] * 9, 4), Sequence([3] * 6 + [1, 1], 4)
     cache.assign(rows, [0, 1], [part, whole], [16, 16])
     assert rows.blocks[1][:2] == c and rows.blocks[0][0] == c[0] and c[1] not in rows.blocks[0]
@@ -503,7 +501,7 @@ def test_the_python_api_keeps_several_documents_within_its_kv_memory(target):
     """A Generator's pool holds one row by default on a CPU, so a document that comes back after
     two others was evicted; with ``kv_memory`` for four rows it is read from the cache, with the
     same output (``stats["kv_pool_tokens"]`` says the pool's size)."""
-    from longspec.cache import token_bytes
+    from longspec.kv.cache import token_bytes
 
     docs = [tokens(300, seed) for seed in (31, 32, 33)]
     config = GenerationConfig(max_new_tokens=8)

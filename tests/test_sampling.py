@@ -166,7 +166,7 @@ from longspec.spec import truncation
 signature = {"S": "*fp32", "K": "*i64", "P": "*fp32", "CUT": "*fp32", "V": "i32", "stride": "i32",
              "BLOCK": "constexpr"}
 source = ASTSource(truncation._cut_kernel, signature, constexprs={"BLOCK": truncation.BLOCK})
-triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": truncation.NUM_WARPS})
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

@@ -432,7 +432,7 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
     from transformers import AutoTokenizer
 
     from longspec.engine.engine import Sequence
-    from longspec.prefix_cache import PrefixCache
+    from longspec.kv.prefix_cache import PrefixCache
     from longspec.serving.server import Request, build_server
 
     matched, real_match = [], PrefixCache.match

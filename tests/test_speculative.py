@@ -241,7 +241,7 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
     best match of the history's tail and the tokens after it, wrapping past the history's end
     (a repeating motif, a match just before the end), as the by-hand copy gives; found is False
     exactly where nothing matches."""
-    from longspec.cache import KVCache
+    from longspec.kv.cache import KVCache
 
     target = targets["llama"]
     gen = torch.Generator().manual_seed(depth * 100 + max_ngram * 10 + min_ngram)
@@ -267,7 +267,7 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
 def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngram):
     """The vectorised lookup ranks exactly the candidates the by-hand search finds, for the
     root (history only) and for tree nodes (history + the node's path)."""
-    from longspec.cache import KVCache
+    from longspec.kv.cache import KVCache
 
     target = targets["llama"]
     gen = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)

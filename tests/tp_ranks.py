@@ -53,7 +53,7 @@ def run_cases(target, draft_dir, cases) -> dict:
 def draft_states(target, draft, cache, ids) -> torch.Tensor:
     """The draft's hidden states [1, T, H] over ``ids`` (whose target KV is in ``cache``), one token
     at a time, each query seeing the target's KV up to itself."""
-    from longspec.cache import DraftCache
+    from longspec.kv.cache import DraftCache
 
     ring = DraftCache(draft.config, 1, tree_size=1, dtype=target.dtype, device=target.device)
     target_kv = target.last_layer_kv(cache)

@@ -1,4 +1,4 @@
-"""One attention interface for every forward over a :class:`~longspec.cache.KVCache`.
+"""One attention interface for every forward over a :class:`~longspec.kv.cache.KVCache`.
 
 The caller builds :class:`AttentionMeta` once per step (per-row lengths, where the new tokens
 go, their tree mask, how many cache slots to attend over); every layer then calls
@@ -22,9 +22,8 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import reference, triton_kernels
 from .fast import causal_attention, masked_attention, runs_attention
-from . import triton_kernels
 from .paged import LayerKV, block_runs
 
 IMPLEMENTATIONS = ("reference", "sdpa", "matmul", "triton")
@@ -99,7 +98,7 @@ class AttentionMeta:
 
     def layer(self, k_layer: torch.Tensor, v_layer: torch.Tensor) -> LayerKV:
         """One layer of the pool (k_layer, v_layer [Hkv, P, D]) as these rows read it: a
-        :class:`~longspec.cache.LayerKV`."""
+        :class:`~longspec.kv.cache.LayerKV`."""
         return LayerKV(k_layer, v_layer, self.table, self.block_size, self.dense_row0, self.scratch)
 
     @classmethod
@@ -234,7 +233,7 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def attend_prefix(q: torch.Tensor, kv: LayerKV, limits: torch.Tensor, impl: str,
                   n_keys: Optional[int] = None) -> torch.Tensor:
     """Query i of row b sees slots ``0..limits[b, i]-1`` of the cache layer ``kv`` (a
-    :class:`~longspec.cache.LayerKV`: the draft's
+    :class:`~longspec.kv.cache.LayerKV`: the draft's
     cross-attention into the target cache, each query at its own lag); a query that sees none
     gets zeros. q [B, Hq, M, D], limits [B, M]. Triton: the split-KV kernel through the block
     table, no [B, M, S] mask; otherwise over the first ``n_keys`` slots (default: the capacity)."""

@@ -1,4 +1,4 @@
-"""Reading a paged KV cache: a layer of the :class:`~longspec.cache.BlockPool` seen through the
+"""Reading a paged KV cache: a layer of the :class:`~longspec.kv.cache.BlockPool` seen through the
 rows' block table (:class:`LayerKV`), and the map from a row's logical slots to the pool's."""
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def _cmd_serve(args, held) -> int:
         target.compile_steps = target.compile_steps and args.compile
         pool_tokens = None
         if args.kv_memory is not None:
-            from ..cache import pool_tokens_for
+            from ..kv.cache import pool_tokens_for
 
             try:
                 pool_tokens = pool_tokens_for(args.kv_memory, target.config, target.dtype, target.device)

@@ -18,10 +18,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..cache import kv_pool_tokens
 from ..config import GenerationConfig
 from ..engine.engine import Engine, owner_of
 from ..engine.sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
+from ..kv.cache import kv_pool_tokens
 from ..models.target import TargetModel
 from ..spec.proposers import PROPOSERS, default_tree, proposer_family
 from ..spec.sampling import RowSampling

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..cache import PoolExhausted
-from ..prefix_cache import Hit
+from ..kv.cache import PoolExhausted
+from ..kv.prefix_cache import Hit
 from ..spec.sampling import RowSampling
 from ..spec.tokens import token_tensor
 from .sequence import Sequence, Streamer, cache_need, round_slots

@@ -21,10 +21,10 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from ..attention import triton_kernels
-from ..cache import BlockPool, DEFAULT_BLOCK_SIZE, pool_blocks
 from ..config import GenerationConfig
+from ..kv.cache import BlockPool, DEFAULT_BLOCK_SIZE, pool_blocks
+from ..kv.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from ..models.target import TargetModel, compile_step
-from ..prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from ..spec.drafting import Proposer
 from ..spec.sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
 from ..spec.tree import TreeSpec
@@ -65,19 +65,19 @@ class Engine(Admission, TreeSwitching, WarmUp):
     rest in the smaller chunks of its ladder; or the ladder's sizes), graph-captured per row and
     size on CUDA (:class:`~longspec.engine.prefill.ChunkedPrefill`; default: one eager prefill).
 
-    The target's KV cache is a :class:`~longspec.cache.BlockPool` of ``block_size``-token blocks
+    The target's KV cache is a :class:`~longspec.kv.cache.BlockPool` of ``block_size``-token blocks
     (default 256, or the row's length rounded up to 64 when shorter) shared by the rows: a
     sequence takes the blocks it can use (prompt, ``max_new_tokens``, one round's tree) when it
     joins and returns them when it leaves. ``pool_tokens``: the pool's size (default: ``max_len``
     for every row, so every request that fits a row is admitted, or on CUDA at most half the free
     device memory); a smaller pool admits a request
-    only while it has the blocks (:class:`~longspec.cache.PoolExhausted` otherwise, see
+    only while it has the blocks (:class:`~longspec.kv.cache.PoolExhausted` otherwise, see
     :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
     block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
     and the kind of round only: its CUDA graphs serve every later request.
 
     ``prefix_cache``: full blocks of the prompts (and of finished requests' text) stay indexed by
-    content (:class:`~longspec.prefix_cache.PrefixCache`): a prompt that starts with cached blocks
+    content (:class:`~longspec.kv.prefix_cache.PrefixCache`): a prompt that starts with cached blocks
     reuses them and prefills only the rest, with the same output; idle cached blocks are evicted,
     least recently used first, when a request needs blocks. Rows are then always paged (read
     through their block tables). Off for models with dynamic NTK RoPE (a prefix's K/V depend on
@@ -128,10 +128,8 @@ class Engine(Admission, TreeSwitching, WarmUp):
                                  tp=None if target.shard is None else target.shard.tp)
         self.pool = BlockPool(target.cache_config, num_blocks, block, target.dtype, device)
         prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
-        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache)
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
-        if self.prefix is not None:
-            self.cache.allocator = self.prefix
+        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache, allocator=self.prefix)
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
         self.step_keys = self.max_len if device.type == "cuda" else None

@@ -59,7 +59,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cache import KVCache
+from ..kv.cache import KVCache
 from ..models import layer_prefill
 from ..models.layer_prefill import prefill_by_layer
 from ..spec.sampling import Uniforms

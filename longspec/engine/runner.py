@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..cache import KVCache
+from ..kv.cache import KVCache
 from ..spec.sampling import Uniforms
 from ..spec.tree import TreeSpec
 

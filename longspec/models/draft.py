@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..attention import attend_masked, attend_prefix
 from ..attention.fast import masked_attention
-from ..cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
+from ..kv.cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig
 from .rope import apply_rotary
 from .target import MLP, Projections, RMSNorm, TargetModel
@@ -255,7 +255,7 @@ class LongSpecDraft(nn.Module):
         """Incremental forward. input_ids, positions, index (sequence index: the token's slot in
         the target cache, for a tree node root index + depth), node (-1 for committed tokens, else
         tree node number) and valid: [B, T]; target_kv: the target cache's last layer (a
-        :class:`~longspec.cache.LayerKV`); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
+        :class:`~longspec.kv.cache.LayerKV`); cross_limit [B, T]: target slots ``0..limit-1`` visible to each query; tree_mask
         [B, T, N] for pending nodes; slot: see ``DraftCache.write``; cross_keys: target slots the
         cross-attention reads at most (default: the cache's capacity; ``cross_limit`` must not pass it). Writes this step's K/V into
         ``cache`` first. Returns hidden [B, T, H]."""

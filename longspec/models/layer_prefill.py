@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import causal_attention
-from ..cache import KVCache, store_kv
+from ..kv.cache import KVCache, store_kv
 from . import progress
 
 

@@ -1,5 +1,5 @@
 """One generic Llama-family decoder (Llama 2/3/3.1, Vicuna, LongChat, Mistral, Qwen2/2.5, Qwen3,
-Gemma 3 as config flags) running on the static :class:`~longspec.cache.KVCache`.
+Gemma 3 as config flags) running on the static :class:`~longspec.kv.cache.KVCache`.
 
 Gemma 3 is the same block with flags: (1 + w) RMSNorms in float32, four norms per block (after
 attention, around the MLP), GeGLU, q/k norms, embeddings times sqrt(hidden), its own softmax scale,
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from ..attention import AttentionMeta, attend, ops
 from ..attention.backend import TRITON_CAUSAL_MAX_TOKENS
-from ..cache import KVCache, store_kv
 from ..compile_boundary import mark_compile_boundaries, shorten_compile_failures
 from ..config import ModelConfig
+from ..kv.cache import KVCache, store_kv
 from ..parallel.sharding import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from . import progress
 from .rope import RotaryEmbedding, apply_rotary
@@ -375,11 +375,13 @@ class TargetModel(nn.Module):
                    fusion_intact([m.gate_proj, m.up_proj], m._fused)
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.model.layers))
 
-    def new_cache(self, batch_size: int, max_len: int, pool=None, paged: bool = False) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, pool=None, paged: bool = False, allocator=None) -> KVCache:
         """A KV cache of ``batch_size`` rows of ``max_len`` slots: its own dense pool, or rows
-        over a shared :class:`~longspec.cache.BlockPool` (``pool``; ``paged``: read through the
-        block table even where the pool has a block for every row)."""
-        return KVCache(self.cache_config, batch_size, max_len, self.dtype, self.device, pool=pool, paged=paged)
+        over a shared :class:`~longspec.kv.cache.BlockPool` (``pool``; ``paged``: read through the
+        block table even where the pool has a block for every row; ``allocator``: what hands the
+        pool's blocks out, if not the pool itself)."""
+        return KVCache(self.cache_config, batch_size, max_len, self.dtype, self.device, pool=pool, paged=paged,
+                       allocator=allocator)
 
     # the small interface a draft reads the target through
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -403,7 +405,7 @@ class TargetModel(nn.Module):
     @staticmethod
     def last_layer_kv(cache: KVCache):
         """The last layer's K/V (as stored: keys already rotated), a
-        :class:`~longspec.cache.LayerKV` (``.dense(n)``: [B, Hkv, n, D]); under tensor
+        :class:`~longspec.kv.cache.LayerKV` (``.dense(n)``: [B, Hkv, n, D]); under tensor
         parallelism this rank's KV heads (``shard.kv_heads``)."""
         return cache.layer(-1)
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..cache import KVCache
 from ..config import GenerationConfig
+from ..kv.cache import KVCache
 from .sampling import config_rows, uniform, warp_with
 from .topk import top_k
 from .tree import DraftTree, TreeSpec

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..cache import DraftCache
+from ..kv.cache import DraftCache
 from .drafting import TreeDrafter
 from .prompt_lookup import PromptLookup
 from .tokens import token_tensor

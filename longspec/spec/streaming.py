@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ..kv.cache import KVCache
 from .drafting import TreeDrafter
 
 

@@ -14,9 +14,9 @@ scores' values instead:
   exactly equal score are kept or dropped together instead of by their order in a sort.
 
 Both predicates fall as ``t`` grows, so the largest ``t`` is found digit by digit over the
-scores' float32 bit patterns, mapped to integers in the order of the floats (:func:`_key`):
-eight passes over the row for eight 4-bit digits, each pass evaluating the predicate at the 16
-values of the next digit. The result is exactly a score of the row (the predicates change only
+scores' float32 bit patterns, as integers in the order of the floats (-0.0 just below +0.0;
+:func:`_value` maps one back): eight passes over the row for eight 4-bit digits, each pass
+evaluating the predicate at the 16 values of the next digit. The result is exactly a score of the row (the predicates change only
 at the row's values), so ``scores < cut`` is the same comparison the sorting path makes.
 
 The sorting path in :mod:`longspec.spec.sampling` is the reference (and what CPUs run)."""
@@ -33,20 +33,16 @@ except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
 BLOCK = 512  # scores a program reads at a time
+NUM_WARPS = 8  # (one program a row: a decode step has one row, so each program should use its SM well)
 
 if triton is not None:
-    NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # _key(-inf) ...
-    POS_INF_KEY = tl.constexpr(0x80000000 + 0x7F800000)  # ... and _key(+inf)
-
-    @triton.jit
-    def _key(s):
-        """float32 -> int64 in [0, 2^32), in the order of the floats (-0.0 just below +0.0)."""
-        bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-        return tl.where(bits >= 0, bits + 2147483648, -1 - bits)
+    # a float's key: 2^31 + its bits if it is >= +0.0, else 2^31 - 1 - its magnitude's bits
+    NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # the key of -inf ...
+    POS_INF_KEY = tl.constexpr(0x80000000 + 0x7F800000)  # ... and of +inf
 
     @triton.jit
     def _value(key):
-        """The inverse of :func:`_key`, clamped to [-inf, +inf] (keys past them are no float)."""
+        """The float of ``key``, clamped to [-inf, +inf] (keys past them are no float)."""
         key = tl.minimum(tl.maximum(key, NEG_INF_KEY), POS_INF_KEY)
         bits = tl.where(key >= 2147483648, key - 2147483648, -1 - key).to(tl.int32)
         return bits.to(tl.float32, bitcast=True)
@@ -113,5 +109,5 @@ def cut_points(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
         return cut
     with (torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext()):
         _cut_kernel[(r,)](scores, top_k.long().contiguous(), top_p.float().contiguous(), cut, v, scores.stride(0),
-                          BLOCK=BLOCK, num_warps=4)
+                          BLOCK=BLOCK, num_warps=NUM_WARPS)
     return cut

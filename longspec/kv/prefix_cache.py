@@ -85,9 +85,9 @@ class CachedBlock:
 
 
 class PrefixCache:
-    """The prefix index of a :class:`~longspec.cache.BlockPool` and the allocator of its blocks
+    """The prefix index of a :class:`~longspec.kv.cache.BlockPool` and the allocator of its blocks
     (see the module docstring). ``allocate`` / ``release`` / ``num_free`` are what a
-    :class:`~longspec.cache.KVCache` calls on its allocator."""
+    :class:`~longspec.kv.cache.KVCache` calls on its allocator."""
 
     def __init__(self, pool: BlockPool):
         self.pool, self.block_size = pool, pool.block_size
@@ -197,7 +197,7 @@ class PrefixCache:
             self.refs[b] = self.refs.get(b, 0) + 1
 
     def assign(self, cache, rows, seqs: list, needs: list, hits: Optional[list] = None) -> None:
-        """Gives rows ``rows`` of ``cache`` (a :class:`~longspec.cache.KVCache` allocating from
+        """Gives rows ``rows`` of ``cache`` (a :class:`~longspec.kv.cache.KVCache` allocating from
         this cache) room for ``seqs`` (``needs`` slots each): the cached blocks each prompt
         starts with, held before any fresh block is allocated (so no allocation evicts them), then
         fresh blocks; sets each sequence's ``cached_tokens`` and indexes nothing yet (see

@@ -10,10 +10,10 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from .attention import kv_store
-from .attention.paged import LayerKV, physical_slots, rows_of
-from .compile_boundary import compile_boundary
-from .config import ModelConfig
+from ..attention import kv_store
+from ..attention.paged import LayerKV, physical_slots, rows_of
+from ..compile_boundary import compile_boundary
+from ..config import ModelConfig
 
 
 DEFAULT_BLOCK_SIZE = 256  # tokens per block of a shared pool (a multiple of the kernels' key block)
@@ -205,12 +205,12 @@ class KVCache:
     over a shared ``pool``, each row holds ``max_len / block_size`` table entries; rows own no
     blocks until :meth:`assign` gives them some (an engine admitting a request), and
     :meth:`unassign` returns them. A pool with a block for every row is used densely unless
-    ``paged`` (rows that share blocks: a prefix cache). ``allocator`` hands the blocks out: the
-    pool, or a :class:`~longspec.prefix_cache.PrefixCache` over it."""
+    ``paged`` (rows that share blocks: a prefix cache). ``allocator`` hands the blocks out, chosen
+    here for good: the pool (None), or a :class:`~longspec.kv.prefix_cache.PrefixCache` over it."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device="cpu", pool: Optional[BlockPool] = None,
-                 paged: bool = False):
+                 paged: bool = False, allocator=None):
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if pool is None:  # one block per row, owned for good: a one-slot scratch for stray slots
@@ -222,7 +222,7 @@ class KVCache:
         home = torch.arange(batch_size * max_blocks, device=device).view(batch_size, max_blocks)
         # dense: the pool holds every row's home blocks, so each row owns them for good
         self.dense = not paged and pool.num_blocks >= batch_size * max_blocks
-        self.allocator = pool
+        self.allocator = pool if allocator is None else allocator
         if self.dense:
             pool.allocate(batch_size * max_blocks, prefer=0)
             self.table = home
