@@ -920,14 +920,16 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c.begin({cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
     # ... or by its prediction calibrated by another tree's measured rounds at this kind of round
-    # (not by a chain's: the cost model scales alike only within a kind)
+    # alone (not by a chain's, nor by plain rounds': the cost model scales alike only within a kind)
     wide = TreeSpec.parse("4,8")
-    for other, vouches in (("chain:5", False), ("4,8", True)):
+    for measured, vouches in (({"chain:5": 2.4}, False), ({"4,8": 2.4}, True),
+                              ({"chain:5": 2.0, "4,8": 4.0}, False)):  # (the tree 2x its prediction: 2.4 ms)
         c = timed_plain(Controller(), 1.0)
         c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
-        c.records("truncated")[0][other] = [2.4] * 3  # (measured: 1.2x what the cost model said)
+        for other, ms in measured.items():
+            c.records("truncated")[0][other] = [ms] * 3  # (1.2x what the cost model said, unless said)
         c.begin({cheap: (3.0, 1.2), chain: (1.1, 2.0), wide: (1.2, 2.0), None: (1.0, 1.0)}, t07)
-        assert (c.observe(1.0, 1e-3) == cheap) is vouches, other
+        assert (c.observe(1.0, 1e-3) == cheap) is vouches, measured
 
 
 def test_a_near_tie_with_plain_rounds_does_not_leave_them():

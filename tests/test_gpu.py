@@ -470,25 +470,39 @@ def test_select_top_on_cuda_is_topk(shape, k, biased):
     assert torch.equal(scores.gather(1, out[1]), out[0])
 
 
+def exact_nucleus(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """scores [R, V] -> [R, V] bool: what top-k then top-p keep, in float64 (a token is kept iff
+    it is within the k largest, ties kept, and the mass above it is below p)."""
+    s = scores.double()
+    vocab = s.shape[-1]
+    kth = s.sort(-1, descending=True).values.gather(-1, (k.clamp(1, vocab) - 1)[:, None])
+    s = s.masked_fill(((k > 0) & (k < vocab))[:, None] & (s < kth), float("-inf"))
+    probs, order = s.softmax(-1).sort(-1, descending=True)
+    above = probs.cumsum(-1) - probs
+    return torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, (above < p.double()[:, None]) & (probs > 0))
+
+
 @pytest.mark.parametrize("vocab", [49152, 262144])
-def test_warping_on_cuda_keeps_what_the_sorting_path_keeps(vocab):
+def test_warping_on_cuda_keeps_the_exact_nucleus(vocab):
     """Top-k / top-p on CUDA (cut points searched for, no sort) keep exactly the tokens of the
-    sorting path, for a tree's 74 rows of logits at several scales, eagerly and in a graph."""
+    float64 nucleus, for a tree's 74 rows of logits at several scales (p up to 0.999), eagerly
+    and in a graph; the warped distribution is the softmax over them."""
     from longspec.spec import sampling
 
     gen = torch.Generator(device="cuda").manual_seed(vocab)
-    for scale, top_k, top_p in ((1.0, 0, 0.9), (4.0, 0, 0.9), (4.0, 20, 0.8), (8.0, 1000, 0.99)):
+    for scale, top_k, top_p in ((1.0, 0, 0.9), (4.0, 0, 0.9), (4.0, 20, 0.8), (8.0, 1000, 0.99), (2.0, 0, 0.999)):
         logits = torch.randn(74, 1, vocab, generator=gen, device="cuda") * scale
         t = torch.full((74,), 0.7, device="cuda")
         k, p = torch.full((74,), top_k, device="cuda"), torch.full((74,), top_p, device="cuda")
-        ours = sampling.warp_probs_rows(logits, t, k, p)
-        ref = sampling._truncate_sorting(logits / 0.7, k.view(-1, 1, 1), p.view(-1, 1, 1).float()).softmax(-1)
-        assert torch.equal(ours > 0, ref > 0), (scale, top_k, top_p)
-        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+        scores = logits / 0.7
+        kept = sampling._cut_apart(scores, k.view(-1, 1, 1), p.view(-1, 1, 1)).isfinite()[:, 0]
+        exact = exact_nucleus(scores[:, 0], k, p)
+        assert torch.equal(kept, exact), (scale, top_k, top_p, (kept != exact).sum(-1).nonzero().tolist())
+        ours = sampling.warp_probs_rows(logits, t, k, p)[:, 0]
+        torch.testing.assert_close(ours, scores[:, 0].masked_fill(~exact, float("-inf")).softmax(-1), atol=1e-6, rtol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sampling.warp_probs_rows(logits, t, k, p)
-    logits.mul_(0.5)
+        out = sampling._cut_apart(scores, k.view(-1, 1, 1), p.view(-1, 1, 1))
+    scores.mul_(0.5)
     graph.replay()
-    ref = sampling._truncate_sorting(logits / 0.7, k.view(-1, 1, 1), p.view(-1, 1, 1).float())
-    assert torch.equal(out > 0, ref.isfinite())
+    assert torch.equal(out.isfinite()[:, 0], exact_nucleus(scores[:, 0], k, p))

@@ -356,17 +356,15 @@ class Controller:
 
     def _calibrate(self) -> None:
         """Candidates never measured on this engine: their predicted time, scaled by the measured
-        over the predicted time of those that were (their median ratio; with ``offset``, plus the
-        median of measured less predicted); candidates measured in fewer than
+        over the predicted time of those of their kind that were (plain rounds, the draft's trees,
+        the lookup's chains: the cost model scales alike within a kind, not across; none of its
+        kind: those of any kind); candidates measured in fewer than
         :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not keep a
         candidate out for good: nothing would measure it again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
-        settled = [(measured[name], c.predicted_ms) for name, c in self.candidates.items()
-                   if self._settled(name) and c.predicted_ms > 0]
-        gaps = sorted(m - p if self.offset else m / p for m, p in settled)
-        gap = gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
+        settled = [name for name in self.candidates if self._settled(name)]
         for name, c in self.candidates.items():
-            estimate = max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms
+            estimate = self._scaled(c, [other for other in settled if self._kin(other, name)] or settled)
             if measured[name] is None:
                 c.ms = estimate
             elif not self._settled(name):
@@ -421,7 +419,22 @@ class Controller:
         measured = self.round_ms(name)
         if measured is not None:
             return measured
-        if any(other != name and _kind(other) == _kind(name) and self._settled(other)
-               for other, c in self.candidates.items() if c.tree is not None):
-            return self.candidates[name].ms
+        if any(other != name and self._kin(other, name) and self._settled(other) for other in self.candidates):
+            return self.candidates[name].ms  # (:meth:`_calibrate` scaled it by them)
         return None
+
+    def _kin(self, a: str, b: str) -> bool:
+        """Whether candidates ``a`` and ``b`` are of one kind: plain rounds, the draft's trees or
+        the lookup's chains."""
+        plain_a, plain_b = self.candidates[a].tree is None, self.candidates[b].tree is None
+        return plain_a == plain_b and (plain_a or _kind(a) == _kind(b))
+
+    def _scaled(self, c: Candidate, by: list) -> float:
+        """``c``'s predicted round time scaled by the measured over the predicted time of the
+        candidates ``by`` (their median ratio; with ``offset``, plus the median of measured less
+        predicted; none: as predicted)."""
+        gaps = sorted(self.round_ms(name) - self.candidates[name].predicted_ms if self.offset else
+                      self.round_ms(name) / self.candidates[name].predicted_ms
+                      for name in by if self.candidates[name].predicted_ms > 0)
+        gap = gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
+        return max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms

@@ -54,7 +54,7 @@ class DraftConfig:
     # > 0: the draft scores only this many tokens (the most frequent of its training data, kept in
     # the ``vocab_subset`` buffer; FR-Spec style); verification still covers the full vocabulary
     draft_vocab: int = 0
-    # measured top-k hit rates per tree depth (rows) and width (``decoding.acceptance.ACCEPTANCE_WIDTHS``)
+    # measured top-k hit rates per tree depth (rows) and width (``spec.acceptance.ACCEPTANCE_WIDTHS``)
     # on held-out text: what ``--proposer auto`` predicts acceptance from
     acceptance: list = field(default_factory=list)
 

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from ..compile_boundary import compile_boundary
-from . import truncation
 from ..config import check_sampling_args  # (the arguments' check belongs to the settings; re-exported here)
+from . import truncation
 
 # Vocabularies above this many tokens take the sampled rounds' greedy argmax outside the compiled
 # graph (a graph break; eager, the same index): at Gemma 3's 262,144 tokens Inductor fused it with

@@ -51,20 +51,22 @@ if triton is not None:
     def _search(row, V, below, m, target, COUNT: tl.constexpr, BLOCK: tl.constexpr):
         """The largest value ``t`` of the row's scores ``s`` with ``count(s >= t) >= target``
         (COUNT) or with ``sum(exp(s - m))`` over ``s >= t`` (and ``s >= below``) ``>= target``.
-        No NaN is compared: what the compiler may assume of NaNs does not matter."""
+        Masses in float64 (a float32 sum over a whole vocabulary is a few of its last bits off,
+        enough to move a cut near p = 0.999 by a token or more: the sorting path sums the small
+        tail first). No NaN is compared: what the compiler may assume of NaNs does not matter."""
         digits = tl.arange(0, 16).to(tl.int64)
         prefix = tl.zeros((), dtype=tl.int64)
         for i in tl.static_range(8):
             keys = prefix + (digits << (28 - 4 * i))  # [16]: the values of the next digit
             cand, live = _value(keys), keys <= POS_INF_KEY  # (above +inf: no score reaches it)
-            acc = tl.zeros((16,), dtype=tl.float32)
+            acc = tl.zeros((16,), dtype=tl.float64)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
                 s = tl.load(row + j, mask=j < V, other=float("-inf"))
                 if COUNT:
-                    w = tl.where(j < V, 1.0, 0.0)
+                    w = tl.where(j < V, 1.0, 0.0).to(tl.float64)
                 else:
-                    w = tl.where((j < V) & (s >= below), tl.exp(s - m), 0.0)
+                    w = tl.where((j < V) & (s >= below), tl.exp(s.to(tl.float64) - m.to(tl.float64)), 0.0)
                 acc += tl.sum(tl.where((s[:, None] >= cand[None, :]) & live[None, :], w[:, None], 0.0), 0)
             # digit 0 always holds (the prefix does); the largest digit that still holds
             best = tl.max(tl.where((acc >= target) | (digits == 0), digits, 0), 0)
@@ -79,18 +81,19 @@ if triton is not None:
         p = tl.load(P + r)
         cut = tl.full((), float("-inf"), tl.float32)
         if (k > 0) & (k < V):
-            cut = _search(row, V, cut, 0.0, k.to(tl.float32), True, BLOCK)
+            cut = _search(row, V, cut, 0.0, k.to(tl.float64), True, BLOCK)
         if p < 1.0:
             m = tl.full((), float("-inf"), tl.float32)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
                 m = tl.maximum(m, tl.max(tl.load(row + j, mask=j < V, other=float("-inf")), 0))
-            z = tl.zeros((), dtype=tl.float32)
+            z = tl.zeros((), dtype=tl.float64)
             for start in range(0, V, BLOCK):
                 j = start + tl.arange(0, BLOCK)
                 s = tl.load(row + j, mask=j < V, other=float("-inf"))
-                z += tl.sum(tl.where((j < V) & (s >= cut), tl.exp(s - m), 0.0), 0)
-            cut = _search(row, V, cut, m, p * z, False, BLOCK)
+                z += tl.sum(tl.where((j < V) & (s >= cut), tl.exp(s.to(tl.float64) - m.to(tl.float64)), 0.0), 0)
+            # (the top score alone has mass 1: a positive target never cuts it, however small p)
+            cut = _search(row, V, cut, m, tl.maximum(p.to(tl.float64) * z, 1e-30), False, BLOCK)
         tl.store(CUT + r, cut)
 
 

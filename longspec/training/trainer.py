@@ -24,14 +24,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.checkpoint import load_target, resolve_dtype
+from ..models.checkpoint import load_draft, load_target, read_draft_config, resolve_dtype
 from ..models.draft import DraftConfig, init_draft
 from ..outdir import check_out_dir
+from ..spec.tree import TreeSpec
 from . import distributed
 from .checkpoints import (MetricsLog, latest_checkpoint, load_checkpoint, remove_leftovers, save_checkpoint,
                           write_atomic)
-from ..models.checkpoint import load_draft, read_draft_config
-from ..spec.tree import TreeSpec
 from .data import DataConfig, PackedData, build_data, check_seq_len, load_tokenizer
 from .loss import DraftLoss, target_forward
 from .positions import anchor_offset_positions, sample_lag
