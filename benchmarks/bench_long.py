@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from bench_steps import SHAPES, cuda_defaults, random_target
-from longspec import GenerationConfig
 from longspec.attention import fast
 from longspec.engine.engine import Engine, Sequence
 from longspec.engine.prefill import MODES, ChunkedPrefill
@@ -196,7 +195,7 @@ def run_context(target, draft, args, n: int, cuda: bool) -> dict:
         torch.cuda.reset_peak_memory_stats()
     max_len = n + args.new_tokens + tree.num_nodes + 1 + max(chunk for _, chunk in modes)  # (a last chunk's padding)
     engine = Engine(target, LongSpecProposer(draft), tree, max_batch=1, max_len=max_len, pool_tokens=max_len,
-                    config=GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True), cuda_graphs=cuda)
+                    cuda_graphs=cuda)
     t0 = time.perf_counter()
     engine.warm_up()
     say(f"[{n}] engine: {engine.pool.nbytes / 2**30:.2f} GiB KV pool, rounds prepared in {time.perf_counter() - t0:.1f} s")

@@ -26,7 +26,7 @@ import statistics
 
 import torch
 
-from longspec import GenerationConfig, load_target
+from longspec import load_target
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
 from longspec.engine.runner import time_graph
@@ -257,8 +257,7 @@ def main(argv=None):
                 proposer = PromptLookup() if lookup else LongSpecProposer(draft, PromptLookup() if hybrid else None)
                 # full rounds replayed ~45 times advance the cache by up to depth + 1 tokens each
                 room = ctx + 64 * (tree.depth + 1) + 256
-                engine = Engine(target, proposer, tree, max_batch=b, max_len=room, buckets=[b],
-                                config=GenerationConfig(max_new_tokens=400), cuda_graphs=False,
+                engine = Engine(target, proposer, tree, max_batch=b, max_len=room, buckets=[b], cuda_graphs=False,
                                 compile_proposals=True)  # as Generator's engines (with --compile on)
                 engine.add([Sequence(row.tolist(), 400) for row in ids])
                 rows_view = engine.view(b)

@@ -14,7 +14,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_steps import random_target
-from longspec import GenerationConfig
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer
 from longspec.spec.tree import TreeSpec
@@ -34,7 +33,7 @@ def main(argv=None):
     draft = init_draft(DraftConfig.for_target(target), target)
     draft.fuse_projections()
     engine = Engine(target, LongSpecProposer(draft), TreeSpec.parse("4,16,16,16,16"), max_batch=1,
-                    max_len=args.length + 2048 + 200, config=GenerationConfig(max_new_tokens=4), prefill_chunk=2048)
+                    max_len=args.length + 2048 + 200, prefill_chunk=2048)
     engine.warm_up()
     prompt = torch.randint(0, target.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(1)).tolist()
     for path in args.paths.split(","):

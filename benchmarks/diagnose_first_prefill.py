@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench_steps import random_target
-from longspec import GenerationConfig
 from longspec.attention import fast
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer
@@ -81,7 +80,7 @@ def main(argv=None):
     draft = init_draft(DraftConfig.for_target(target), target)
     draft.fuse_projections()
     engine = Engine(target, LongSpecProposer(draft), TreeSpec.parse("4,16,16,16,16"), max_batch=1,
-                    max_len=max(lengths) + 2048 + 200, config=GenerationConfig(max_new_tokens=4), prefill_chunk=2048)
+                    max_len=max(lengths) + 2048 + 200, prefill_chunk=2048)
     engine.warm_up(prefill_by_layer=not args.no_attention_warm_up)
     engine.chunked_prefill.by_layer_from = 1
     print(f"target and engine ready in {time.perf_counter() - t0:.1f} s", flush=True)

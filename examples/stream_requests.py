@@ -14,8 +14,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 target = load_target(default_model_path(), dtype=torch.float32, device=device)
 tokenizer = AutoTokenizer.from_pretrained(default_model_path())
 hybrid = LongSpecProposer(load_draft(default_draft_path(), target), lookup=PromptLookup())  # draft + prompt lookup
-engine = Engine(target, hybrid, TreeSpec.parse("4,4,4,4,4"), max_batch=2, max_len=512,
-                config=GenerationConfig(temperature=0.0))
+engine = Engine(target, hybrid, TreeSpec.parse("4,4,4,4,4"), max_batch=2, max_len=512)  # (sampling: per Sequence)
 
 texts = ["def fibonacci(n):\n", "class Stack:\n", "import json\n\ndef load(path):\n"]
 requests = [Sequence(tokenizer(text).input_ids, max_new_tokens=24) for text in texts]

@@ -147,8 +147,7 @@ def test_one_host_sync_per_round(model, spec):
     target = cuda_target(path, torch.bfloat16, compiled=True)  # the default steps: compiled
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     proposer = None if spec is None else LongSpecProposer(draft)
-    engine = Engine(target, proposer, TreeSpec.parse(spec) if spec else None, max_batch=2, max_len=256,
-                    config=GenerationConfig(max_new_tokens=64, ignore_eos=True))
+    engine = Engine(target, proposer, TreeSpec.parse(spec) if spec else None, max_batch=2, max_len=256)
     engine.add([Sequence(torch.randint(0, 160, (n,)).tolist(), 64) for n in (30, 50)])
     engine.step()  # captures the graphs
     torch.cuda.synchronize()

@@ -5,7 +5,7 @@ a random draft). About a minute on an H200."""
 import pytest
 import torch
 
-from longspec import GenerationConfig, load_target
+from longspec import load_target
 from longspec.attention import reference, triton_kernels
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer
@@ -74,11 +74,10 @@ def test_greedy_speculative_equals_autoregressive_after_256k_tokens(tiny_model_f
     target = load_target(path, dtype=torch.float32, device="cuda")
     target.compile_steps = False  # (compilation is tested elsewhere; it would only add minutes here)
     prompt = torch.randint(0, 160, (262_200,), generator=torch.Generator().manual_seed(5)).tolist()
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     draft = init_draft(DraftConfig.for_target(target, window=64), target, seed=3)
     outputs = []
     for proposer, tree in ((None, None), (LongSpecProposer(draft), TreeSpec.parse("3,4,4,4"))):
-        engine = Engine(target, proposer, tree, max_len=len(prompt) + 8192, config=config, prefill_chunk=8192)
+        engine = Engine(target, proposer, tree, max_len=len(prompt) + 8192, prefill_chunk=8192)
         assert engine.chunked_prefill.takes([len(prompt)], [0]) and engine.chunked_prefill.by_layer(len(prompt))
         seq = Sequence(prompt, 40)
         engine.add([seq])

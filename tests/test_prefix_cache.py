@@ -48,9 +48,10 @@ def engine_for(target, name="none", max_batch=2, max_len=256, pool_tokens=None, 
                   block_size=BLOCK, cuda_graphs=False, prefix_cache=True, **kw)
 
 
-def run(engine: Engine, prompts: list, n: int = 10) -> list:
-    """Admits ``prompts`` together, decodes them to the end; returns their sequences."""
-    seqs = [Sequence(p, n) for p in prompts]
+def run(engine: Engine, prompts: list, n: int = 10, **sampling) -> list:
+    """Admits ``prompts`` together (``sampling``: their temperature, top_k, top_p; default
+    greedy), decodes them to the end; returns their sequences."""
+    seqs = [Sequence(p, n, **sampling) for p in prompts]
     engine.add(seqs)
     while engine.has_active:
         engine.step()
@@ -346,16 +347,16 @@ def test_seeded_sampling_draws_the_same_tokens_cached_and_cold(target):
     """A seeded call's tokens, through the hybrid proposer, are the same on a cold engine and on
     an engine that has the prompt's prefix cached (the cached K/V are the prefill's)."""
     doc = tokens(70, 12)
-    config = GenerationConfig(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    sampled = dict(temperature=0.8, top_p=0.9)
     prop, tree = proposer(target, "hybrid")
     outputs = []
     for warm in (False, True):
         engine = Engine(target, prop, tree, max_batch=1, max_len=256, block_size=BLOCK, cuda_graphs=False,
-                        config=config, prefix_cache=True)
+                        prefix_cache=True)
         if warm:
-            run(engine, [doc + [5]], n=3)
+            run(engine, [doc + [5]], n=3, **sampled)
         engine.uniforms.generator = torch.Generator().manual_seed(5)
-        (s,) = run(engine, [doc + [9, 9]], n=12)
+        (s,) = run(engine, [doc + [9, 9]], n=12, **sampled)
         assert s.cached_tokens == (4 * BLOCK + 6 if warm else 0)  # (then doc's last 6 tokens, copied)
         outputs.append(s.tokens)
         assert_no_leak(engine)
@@ -464,9 +465,11 @@ def test_sampling_after_a_cached_prefix_matches_the_target_distribution(tiny_mod
     prompt, n = [1, 5, 2, 7, 3, 0, 6], 20000
     config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     engine = Engine(target, StreamingSelfSpec(window=2, sinks=1), TreeSpec.parse("chain:3"), max_batch=n, max_len=16,
-                    block_size=4, config=config, cuda_graphs=False, prefix_cache=True)
-    run(engine, [prompt[:6]], n=2)  # caches [1, 5, 2, 7] and the row's last block [3, 0, x]
-    seqs = run(engine, [prompt] * n, n=2)
+                    block_size=4, cuda_graphs=False, prefix_cache=True)
+    engine.uniforms.generator = torch.Generator().manual_seed(config.seed)
+    sampled = dict(temperature=config.temperature, top_p=config.top_p)
+    run(engine, [prompt[:6]], n=2, **sampled)  # caches [1, 5, 2, 7] and the row's last block [3, 0, x]
+    seqs = run(engine, [prompt] * n, n=2, **sampled)
     assert {s.cached_tokens for s in seqs} == {6}
     assert_two_token_distribution(target, prompt, config, [s.tokens for s in seqs])
     assert_no_leak(engine)

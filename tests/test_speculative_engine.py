@@ -153,7 +153,8 @@ def test_warm_up_prepares_every_bucket_and_changes_nothing(targets):
     expected = Generator(target, PromptLookup(), "2,2").generate([prompt], config).sequences[0]
     engine = Engine(target, PromptLookup(), TreeSpec.parse("2,2"), max_batch=5, max_len=64)
     engine.warm_up(sampled=True)
-    assert set(engine.runners) == {(g, False, n) for g in (True, False) for n in (1, 2, 4, 5)}
+    kinds = [(True, False), (False, False), (False, True)]  # greedy, sampled, sampled with top-k / top-p
+    assert set(engine.runners) == {(*kind, n) for kind in kinds for n in (1, 2, 4, 5)}
     seq = Sequence(prompt, 9)
     engine.add([seq])
     while engine.has_active:
@@ -234,7 +235,8 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     engine.warm_up(sampled=True)
     assert engine.warming is None
     assert seen == ["bucket 1's greedy rounds", "bucket 2's greedy rounds", "bucket 1's sampled rounds",
-                    "bucket 2's sampled rounds"]
+                    "bucket 2's sampled rounds", "bucket 1's sampled (top-k / top-p) rounds",
+                    "bucket 2's sampled (top-k / top-p) rounds"]
     assert list(engine.warm_up_seconds) == ["the prefill", *seen, "garbage collection"]
     assert min(engine.warm_up_seconds.values()) >= 0
     lines = []

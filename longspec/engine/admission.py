@@ -14,7 +14,6 @@ import torch
 
 from ..kv.cache import PoolExhausted
 from ..kv.prefix_cache import Hit
-from ..spec.sampling import RowSampling
 from ..spec.tokens import token_tensor
 from .sequence import Sequence, Streamer, cache_need, round_slots
 
@@ -150,9 +149,8 @@ class Admission:
         rows = self.cache.rows(row0, row0 + n)
         cached = [s.cached_tokens for s in seqs]
         rows.lengths.copy_(torch.tensor(cached))
-        if isinstance(self.config, RowSampling):
-            for i, s in enumerate(seqs):
-                self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
+        for i, s in enumerate(seqs):
+            self.config.set_row(row0 + i, s.temperature, s.top_k, s.top_p)
         rest = [s.text(0)[c:] for s, c in zip(seqs, cached)]
         chunked = self.chunked_prefill
         if chunked is not None and chunked.takes([len(r) for r in rest], cached):
@@ -191,7 +189,5 @@ class Admission:
             streamer(s.row, kept)
 
     def _all_greedy(self, seqs: list) -> bool:
-        """Whether these sequences all decode greedily (the engine's setting, or each one's)."""
-        if isinstance(self.config, RowSampling):
-            return all(s.temperature == 0 for s in seqs)
-        return self.config.greedy
+        """Whether these sequences all decode greedily (each one's temperature 0)."""
+        return all(s.temperature == 0 for s in seqs)

@@ -21,7 +21,6 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from ..attention import triton_kernels
-from ..config import GenerationConfig
 from ..kv.cache import BlockPool, DEFAULT_BLOCK_SIZE, pool_blocks
 from ..kv.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from ..models.target import TargetModel, compile_step
@@ -54,9 +53,9 @@ def _release_if_orphaned(proposer) -> None:
 
 class Engine(Admission, TreeSwitching, WarmUp):
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
-    new tokens + tree), sharing the sampling settings of ``config`` (a ``GenerationConfig``), or
-    each with its own (``config`` a :class:`~longspec.spec.sampling.RowSampling`: every
-    sequence's ``temperature`` / ``top_k`` / ``top_p``). ``cuda_graphs`` (default: on CUDA when
+    new tokens + tree), each with its own sampling settings: every sequence's ``temperature`` /
+    ``top_k`` / ``top_p``, set as it joins into ``config`` (a
+    :class:`~longspec.spec.sampling.RowSampling` of ``max_batch`` rows, made if not given). ``cuda_graphs`` (default: on CUDA when
     the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
     e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
@@ -92,12 +91,15 @@ class Engine(Admission, TreeSwitching, WarmUp):
     generate`` runs uncompiled unless ``--compile``."""
 
     def __init__(self, target: TargetModel, proposer=None, tree: Optional[TreeSpec] = None, max_batch: int = 1,
-                 max_len: int = 2048, config: Optional[GenerationConfig] = None, cuda_graphs: Optional[bool] = None,
+                 max_len: int = 2048, config: Optional[RowSampling] = None, cuda_graphs: Optional[bool] = None,
                  buckets: Optional[Seq[int]] = None, bucket_trees: Optional[dict] = None,
                  prefill_chunk: Optional[int] = None, pool_tokens: Optional[int] = None,
                  block_size: Optional[int] = None, prefix_cache: bool = False, compile_proposals: bool = False):
         self.target, self.proposer, self.tree = target, proposer, tree
-        self.config = config or GenerationConfig()
+        if config is not None and not isinstance(config, RowSampling):
+            raise TypeError(f"an Engine samples per row: config must be a RowSampling (or None), not "
+                            f"{type(config).__name__}; each Sequence carries its temperature, top_k and top_p")
+        self.config = config if config is not None else RowSampling.zeros(max_batch, target.device)
         device = target.device
         block = block_size or (PREFIX_BLOCK_SIZE if prefix_cache else min(DEFAULT_BLOCK_SIZE, -(-max_len // 64) * 64))
         if block < 1 or max_len < 1 or (pool_tokens is not None and pool_tokens < 1):
@@ -241,7 +243,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
     def round_kind(self) -> tuple:
         """(greedy, truncating) of the current round: every row greedy; or sampled, with top-k /
         top-p on for some row (their sorts) or for none. Each kind has its own captured graphs."""
-        truncating = not self.greedy_round and isinstance(self.config, RowSampling) and self.config.truncating
+        truncating = not self.greedy_round and self.config.truncating
         return self.greedy_round, truncating
 
     def round_kind_of(self, seqs: list) -> tuple:

@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 
 from ..models.target import compile_counts
-from ..spec.sampling import RowSampling
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree
 
@@ -56,7 +55,7 @@ class WarmUp:
         if kinds is None:
             kinds = [(True, False)]  # (greedy, truncating); sampled: with per-row settings, with top-k / top-p too
             if sampled:
-                kinds += [(False, False), (False, True)] if isinstance(self.config, RowSampling) else [(False, False)]
+                kinds += [(False, False), (False, True)]
         own = {b: self.tree_of(b) for b in self.buckets}
         self.warm_up_seconds, self.warm_up_graphs = {}, {}
 
@@ -89,8 +88,7 @@ class WarmUp:
         """Rounds from now on are greedy or sampled, with top-k / top-p (``truncating``, for an
         engine with per-row settings) or without."""
         self.greedy_round = greedy
-        if isinstance(self.config, RowSampling):
-            self.config.truncating = truncating
+        self.config.truncating = truncating
 
     def prepare_prefill(self, by_layer: bool = False) -> None:
         """Prepares (on CUDA captures) the chunked prefill's chunk step of every size (one each,

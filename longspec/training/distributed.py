@@ -48,6 +48,9 @@ class DistEnv:
             dist.barrier()
 
     def close(self) -> None:
+        """Leaves the process group (after a barrier on success: a rank that tore its gloo group
+        down while the other still ended its own once aborted that one, "terminate called without
+        an active exception")."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False

@@ -391,7 +391,9 @@ def train(config: TrainConfig, tokenizer=None, target=None,
     config.validate()
     env = distributed.setup(config.device)
     try:
-        return _run(config, env, tokenizer, target, callback)
+        result = _run(config, env, tokenizer, target, callback)
+        env.barrier()  # every rank done with the group before one tears it down (see DistEnv.close)
+        return result
     finally:
         env.close()
 
