@@ -453,3 +453,12 @@ def test_rounds_launched_ahead_give_each_row_its_own_tokens(targets, proposer):
         engine.finish()
     while engine.has_active:
         engine.step()
+
+
+def test_an_engine_takes_sampling_settings_per_row_only(targets):
+    """An engine's rows each sample with their own sequence's settings: a GenerationConfig for the
+    whole engine is refused with a clear error (settings go on each Sequence)."""
+    from longspec.engine.engine import Engine
+
+    with pytest.raises(TypeError, match="RowSampling.*each Sequence carries"):
+        Engine(targets["llama"], None, None, max_len=64, config=GenerationConfig(temperature=0.7))
