@@ -86,8 +86,9 @@ def round_kind(sampling):
 
 
 def _kind(name: str) -> str:
-    """A candidate's kind, by its label: "chain" (the lookup's chain alone), else "tree"."""
-    return "chain" if name.startswith("chain") else "tree"
+    """A candidate's kind, by its label: "plain" (rounds), "chain" (the lookup's chain alone), else
+    "tree" (the draft's)."""
+    return "plain" if name == "plain" else "chain" if name.startswith("chain") else "tree"
 
 
 @dataclass
@@ -363,8 +364,11 @@ class Controller:
         candidate out for good: nothing would measure it again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         settled = [name for name in self.candidates if self._settled(name)]
+        gaps = {kind: self._gap([n for n in settled if _kind(n) == kind] or settled, measured)
+                for kind in set(map(_kind, self.candidates))}
         for name, c in self.candidates.items():
-            estimate = self._scaled(c, [other for other in settled if self._kin(other, name)] or settled)
+            gap = gaps[_kind(name)]
+            estimate = max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms
             if measured[name] is None:
                 c.ms = estimate
             elif not self._settled(name):
@@ -419,22 +423,14 @@ class Controller:
         measured = self.round_ms(name)
         if measured is not None:
             return measured
-        if any(other != name and self._kin(other, name) and self._settled(other) for other in self.candidates):
+        if any(other != name and _kind(other) == _kind(name) and self._settled(other) for other in self.candidates):
             return self.candidates[name].ms  # (:meth:`_calibrate` scaled it by them)
         return None
 
-    def _kin(self, a: str, b: str) -> bool:
-        """Whether candidates ``a`` and ``b`` are of one kind: plain rounds, the draft's trees or
-        the lookup's chains."""
-        plain_a, plain_b = self.candidates[a].tree is None, self.candidates[b].tree is None
-        return plain_a == plain_b and (plain_a or _kind(a) == _kind(b))
-
-    def _scaled(self, c: Candidate, by: list) -> float:
-        """``c``'s predicted round time scaled by the measured over the predicted time of the
-        candidates ``by`` (their median ratio; with ``offset``, plus the median of measured less
-        predicted; none: as predicted)."""
-        gaps = sorted(self.round_ms(name) - self.candidates[name].predicted_ms if self.offset else
-                      self.round_ms(name) / self.candidates[name].predicted_ms
-                      for name in by if self.candidates[name].predicted_ms > 0)
-        gap = gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
-        return max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms
+    def _gap(self, names: list, measured: dict) -> float:
+        """How candidates ``names``' ``measured`` round times compare with their predictions: the
+        median ratio (with ``offset``, the median of measured less predicted; none: no change)."""
+        gaps = sorted(measured[n] - self.candidates[n].predicted_ms if self.offset else
+                      measured[n] / self.candidates[n].predicted_ms
+                      for n in names if self.candidates[n].predicted_ms > 0)
+        return gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
