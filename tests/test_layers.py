@@ -78,15 +78,20 @@ def test_every_import_points_down_or_sideways():
     assert not wrong, "\n".join(wrong)
 
 
+def write_package(root: Path, files: dict) -> Path:
+    """A folder ``longspec`` under ``root`` holding ``files`` ({path inside it: source})."""
+    package = root / "longspec"
+    for name, source in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(source)
+    return package
+
+
 def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
-    package = tmp_path / "longspec"
-    (package / "engine").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "engine" / "__init__.py").write_text("")
-    (package / "engine" / "engine.py").write_text("from ..kv.cache import KVCache\n")  # (down: fine)
-    (package / "kv").mkdir()
-    (package / "kv" / "__init__.py").write_text("")
-    (package / "kv" / "cache.py").write_text("def f():\n    from ..engine.engine import Engine\n")
+    package = write_package(tmp_path, {
+        "__init__.py": "", "engine/__init__.py": "", "kv/__init__.py": "",
+        "engine/engine.py": "from ..kv.cache import KVCache\n",  # (down: fine)
+        "kv/cache.py": "def f():\n    from ..engine.engine import Engine\n"})
     assert upward_imports(package) == ["longspec/kv/cache.py:2: longspec.kv.cache imports longspec.engine.engine, "
                                        "a layer above"]
 
@@ -116,9 +121,7 @@ def test_the_package_imports_its_own_modules_at_the_top():
 
 
 def test_a_function_local_import_is_found(tmp_path):
-    package = tmp_path / "longspec"
-    (package / "cli").mkdir(parents=True)
-    (package / "cli" / "main.py").write_text("def main():\n    from ..engine import engine\n")  # (the CLI may)
-    (package / "kv").mkdir()
-    (package / "kv" / "cache.py").write_text("import os\n\n\ndef f():\n    if os:\n        from ..config import X\n")
+    package = write_package(tmp_path, {
+        "cli/main.py": "def main():\n    from ..engine import engine\n",  # (the CLI may)
+        "kv/cache.py": "import os\n\n\ndef f():\n    if os:\n        from ..config import X\n"})
     assert function_local_imports(package) == ["longspec/kv/cache.py:6 (in f)"]

@@ -55,8 +55,9 @@ class Engine(Admission, TreeSwitching, WarmUp):
     """Decoding state of up to ``max_batch`` sequences of at most ``max_len`` tokens (prompt +
     new tokens + tree), each with its own sampling settings: every sequence's ``temperature`` /
     ``top_k`` / ``top_p``, set as it joins into ``config`` (a
-    :class:`~longspec.spec.sampling.RowSampling` of ``max_batch`` rows, made if not given). ``cuda_graphs`` (default: on CUDA when
-    the proposer allows it) captures each phase of a round on first use. ``bucket_trees``: {batch
+    :class:`~longspec.spec.sampling.RowSampling` of ``max_batch`` rows, made if not given).
+    ``cuda_graphs`` (default: on CUDA when the proposer allows it) captures each phase of a round
+    on first use. ``bucket_trees``: {batch
     bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
     e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
     decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
