@@ -303,7 +303,7 @@ def test_arrivals_are_prefilled_together_and_a_failure_fails_only_its_request(ti
 
         monkeypatch.setattr(Engine, "add", add)
         monkeypatch.setattr(PromptLookup, "add", setup)
-        make = lambda p: Request(Sequence(p, 6, temperature=0.0), [], None, loop, asyncio.Queue())  # noqa: E731
+        make = lambda p: Request(Sequence(p, 6, temperature=0.0), [], loop, asyncio.Queue())  # noqa: E731
         requests = [make(p) for p in prompts]
         server.worker._admit(requests[:2])
         assert calls == [2]  # a wave of arrivals: one prefill
@@ -340,7 +340,7 @@ def test_a_stop_string_is_found_while_a_character_is_held_back(tiny_dir):
     loop = asyncio.new_event_loop()
     try:
         for last_flush in (False, True):
-            request = Request(Sequence([1, 2, 3], 50, temperature=0.0), ["STOP"], None, loop, asyncio.Queue())
+            request = Request(Sequence([1, 2, 3], 50, temperature=0.0), ["STOP"], loop, asyncio.Queue())
             request.seq.tokens, request.seq.row = ids[:cut], 0
             server.worker.running[id(request.seq)] = request
             if last_flush:  # the request ended (length) in that round, before its text was read
@@ -442,11 +442,11 @@ def test_a_wave_of_waiting_requests_matches_each_prompt_against_the_prefix_cache
                           max_len=128)
     loop = asyncio.new_event_loop()
     try:
-        requests = [Request(Sequence(prompt_ids(i), 3, temperature=0.0), [], None, loop, asyncio.Queue())
+        requests = [Request(Sequence(prompt_ids(i), 3, temperature=0.0), [], loop, asyncio.Queue())
                     for i in range(8)]
         with server.worker.lock:  # they all wait before the worker looks
-            server.worker.waiting.extend(requests)
-            server.worker.lock.notify()
+            for request in requests:
+                server.worker.submit(request)
         deadline = time.monotonic() + 60
         while any(not r.seq.done for r in requests) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -475,7 +475,7 @@ def test_the_prefill_time_of_a_request_whose_run_went_before_a_failed_one(tiny_d
     assert engine.free_rows() == [0, 2]
     loop = asyncio.new_event_loop()
     try:
-        first, second = (Request(Sequence(prompt_ids(3 + i), 20), [], None, loop, asyncio.Queue()) for i in range(2))
+        first, second = (Request(Sequence(prompt_ids(3 + i), 20), [], loop, asyncio.Queue()) for i in range(2))
         real, runs = engine._prefill_rows, []
 
         def second_run_fails_once(seqs, row0):

@@ -20,6 +20,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine.engine import Engine, owner_of
+from ..engine.scheduler import Scheduler
 from ..engine.sequence import GenerationOutput, Prompts, Sequence, Streamer, cache_need, round_slots
 from ..kv.cache import kv_pool_tokens
 from ..models.target import TargetModel
@@ -353,7 +354,13 @@ class Generator:
         t0 = clock()
         setup_s = t0 - t_setup
         try:
-            engine.add(seqs, streamer, meanwhile=make_plan if outline is not None else None)
+            scheduler = Scheduler(engine)
+            scheduler.submit(seqs)
+            admitted = scheduler.schedule()  # (all: the engine has a row, and a row's blocks, for each prompt)
+            if len(admitted) < len(seqs):
+                raise RuntimeError(f"{len(seqs) - len(admitted)} of {len(seqs)} prompts found no room in an engine "
+                                   f"sized for them")
+            engine.add(admitted, streamer, meanwhile=make_plan if outline is not None else None)
             if outline is not None:
                 plan, plan_s, controller, predicted, start = made
             trees = [(0, tree_text(start))] if controller is not None else []

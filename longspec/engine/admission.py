@@ -20,10 +20,11 @@ from .sequence import Sequence, Streamer, cache_need, round_slots
 
 class Admission:
     """The part of :class:`~longspec.engine.engine.Engine` that admits sequences and lets them
-    go: its rows, KV pool, prefix cache and prefill. It works on the engine's state (``rows``,
-    ``max_len``, ``cache``, ``pool``, ``prefix``, ``target``, ``proposer``, ``tree``,
-    ``config``, ``uniforms``, ``root``, ``active``, ``chunked_prefill``) and samples first tokens
-    with its ``_next_token``; the proposer takes a row in through its ``take_in``."""
+    go: its rows, KV pool, prefix cache and prefill (and a seeded sequence's own generator). It
+    works on the engine's state (``rows``, ``max_len``, ``cache``, ``pool``, ``prefix``,
+    ``target``, ``proposer``, ``tree``, ``config``, ``uniforms``, ``root``, ``active``,
+    ``chunked_prefill``) and samples first tokens with its ``_next_token``; the proposer takes a
+    row in through its ``take_in``."""
 
     def room(self) -> int:
         """Cache slots a round writes (the decode token, or the whole tree)."""
@@ -39,23 +40,16 @@ class Admission:
     @torch.inference_mode()
     def add(self, seqs: list, streamer: Optional[Streamer] = None, meanwhile=None) -> None:
         """Prefills ``seqs`` into free rows (consecutive rows in one batched forward) and emits each
-        one's first token. Raises ValueError if they do not fit. ``meanwhile()``: host work done
-        once while the device runs the (first) prefill, before the proposer takes the rows in
-        (it may choose their tree: :meth:`use_tree`) and before the prefill is waited for."""
+        one's first token. Raises ValueError if they do not fit (:class:`~longspec.kv.cache.PoolExhausted`
+        where the pool is short of blocks now: :class:`~longspec.engine.scheduler.Scheduler`
+        decides who joins when). ``meanwhile()``: host work done once while the device runs the
+        (first) prefill, before the proposer takes the rows in (it may choose their tree:
+        :meth:`use_tree`) and before the prefill is waited for."""
         free = self.free_rows()
         if len(seqs) > len(free):
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
-        if self.proposer is not None and any(s.plain_rounds for s in seqs) and \
-                any(self.tree_of(b) is not None for b in self.buckets):
-            raise ValueError("a sequence with room for plain rounds only joins an engine that runs plain rounds "
-                             "(use_tree(None) first)")
         for s in seqs:
-            if not s.prompt:
-                raise ValueError("a sequence's prompt must hold at least one token")
-            need = self.need(s)
-            if need > self.max_len:
-                raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
-                                 f"{need} cache slots, the engine has {self.max_len}")
+            self.check(s)
         hits = self.hits(seqs)
         if not self.can_admit(seqs, hits):
             raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs, hits)} "
@@ -70,6 +64,24 @@ class Admission:
             self._prefill(seqs[start:stop], free[start], streamer, hits[start:stop] if start == 0 else None,
                           meanwhile if start == 0 else None)
             start = stop
+
+    def check(self, s: Sequence) -> None:
+        """Raises ValueError for a sequence that could never join: an empty prompt, more cache
+        slots than a row has, more blocks than the whole pool, or room for plain rounds only in an
+        engine that drafts trees."""
+        if not s.prompt:
+            raise ValueError("a sequence's prompt must hold at least one token")
+        if s.plain_rounds and self.proposer is not None and any(self.tree_of(b) is not None for b in self.buckets):
+            raise ValueError("a sequence with room for plain rounds only joins an engine that runs plain rounds "
+                             "(use_tree(None) first)")
+        need = self.need(s)
+        if need > self.max_len:
+            raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
+                             f"{need} cache slots, the engine has {self.max_len}")
+        if self.cache.blocks_for(need) > self.pool.num_blocks:
+            raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
+                             f"{self.cache.blocks_for(need)} KV blocks of {self.pool.block_size} tokens, more than "
+                             f"the pool's {self.pool.num_blocks}")
 
     def need(self, s: Sequence) -> int:
         """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes: one for a
@@ -110,13 +122,21 @@ class Admission:
             texts = [token_tensor(s.text(0), self.target.device) for s in seqs] if self.proposer is not None else []
             logits = self._prefill_rows(seqs, row0)
             self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own
-            first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
+            for row, s in zip(rows, seqs):
+                if s.seed is not None:
+                    self.uniforms.seed_row(row, s.seed)
+            self.uniforms.first_row = row0  # (the first tokens' draws: index 0 is row0, not a running row)
+            try:
+                first = self._next_token(logits, self._all_greedy(seqs), slice(row0, row0 + n))
+            finally:
+                self.uniforms.first_row = 0
             if meanwhile is not None:
                 meanwhile()
-        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, or tokens)
+        except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, tokens or a generator)
             self.cache.lengths[row0:row0 + n] = 0
             for row in rows:
                 self.cache.unassign(row)
+                self.uniforms.drop_row(row)
             raise
         for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
             self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size,
@@ -134,6 +154,7 @@ class Admission:
             for row in rows[taken + 1:]:  # (those after a failed one: blocks back, retried alone by the caller)
                 self.cache.lengths[row] = 0
                 self.cache.unassign(row)
+                self.uniforms.drop_row(row)
             for s, t in zip(seqs[:taken], first.tolist()):
                 self._emit(s, [t], streamer)
                 if not s.done:
@@ -182,6 +203,7 @@ class Admission:
                                  last=True, indexed=s.cached_tokens // self.pool.block_size, namespace=s.cache_namespace)
         self.cache.lengths[s.row] = 0
         self.cache.unassign(s.row)
+        self.uniforms.drop_row(s.row)
 
     def _emit(self, s: Sequence, tokens: list, streamer) -> None:
         kept = s.extend(tokens)

@@ -40,24 +40,10 @@ class EngineCalls:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def add(self, seqs: list, seed: Optional[int] = None, streamer=None) -> list:
-        """Prefills ``seqs`` (``Engine.add``); with ``seed`` (one sequence) it draws from its own
-        generator of that seed in the row it takes (the first free one), so its text does not
-        depend on its neighbours. Returns [(row, tokens)] of the sequences."""
-        if seed is None:
-            self.engine.add(seqs, streamer=streamer)
-        else:
-            uniforms = self.engine.uniforms
-            row = self.engine.free_rows()[0]
-            uniforms.seed_row(row, seed)
-            uniforms.first_row = row  # the prefill's draws: index 0 is this row
-            try:
-                self.engine.add(seqs, streamer=streamer)
-            except Exception:
-                uniforms.drop_row(row)
-                raise
-            finally:
-                uniforms.first_row = 0
+    def add(self, seqs: list, streamer=None) -> list:
+        """Prefills ``seqs`` (``Engine.add``; a sequence with a ``seed`` draws from its own
+        generator in the row it takes). Returns [(row, tokens)] of the sequences."""
+        self.engine.add(seqs, streamer=streamer)
         return [(s.row, s.tokens) for s in seqs]
 
     def step(self, streamer=None) -> list:
@@ -67,13 +53,9 @@ class EngineCalls:
         self.engine.step(streamer=streamer)
         return [(s.row, s.tokens[n:]) for s, n in zip(seqs, before)]
 
-    def leave(self, row: int, held: bool, seeded: bool) -> None:
-        """A request leaves: ends the sequence in ``row`` if it still ``held`` it (it had not
-        finished), and ``seeded``: the row's own generator goes."""
-        if held:
-            self.engine.cancel(self.engine.rows[row])
-        if seeded and row >= 0:
-            self.engine.uniforms.drop_row(row)
+    def cancel(self, row: int) -> None:
+        """Ends the sequence in ``row`` now (``Engine.cancel``: its row, blocks and generator go)."""
+        self.engine.cancel(self.engine.rows[row])
 
     def warm_up(self, sampled: bool = False, trees: Optional[list] = None) -> None:
         """``Engine.warm_up`` (the seconds it took differ between ranks: not returned)."""

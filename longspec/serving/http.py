@@ -166,11 +166,11 @@ def create_app(server: Server, api_keys=(), max_body: int = DEFAULT_MAX_BODY):
         server.worker.take_for_parsing()  # (a 429 now, before any parsing, where the queue is full)
         parsed = False
         try:
-            seq, stop, seed, stream = await loop.run_in_executor(parser, server.parse, raw, chat, tenant)
+            seq, stop, stream = await loop.run_in_executor(parser, server.parse, raw, chat, tenant)
             parsed = True
         finally:
             server.worker.parsing_done(parsed)
-        request = Request(seq, stop, seed, loop, asyncio.Queue(), received=received)
+        request = Request(seq, stop, loop, asyncio.Queue(), received=received)
         server.worker.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"

@@ -63,7 +63,7 @@ class RequestParsing:
                                 f"({self.max_len})", param, "context_length_exceeded")
 
     def parse(self, raw: bytes, chat: bool, tenant=None) -> tuple:
-        """Request body (bytes) -> (Sequence, stop strings, seed, stream). Every field is checked
+        """Request body (bytes) -> (Sequence, stop strings, stream). Every field is checked
         before the prompt is tokenised. ``tenant``: the API key's index (None: no keys); with the
         body's ``cache_salt`` it is the sequence's cache namespace (its cached prompt blocks are
         shared with the same tenant and salt only). Raises APIError. Runs off the event loop."""
@@ -120,8 +120,8 @@ class RequestParsing:
                                 f"this server's KV pool holds {pool.num_blocks * pool.block_size} in all (--kv-memory)",
                            limit, "context_length_exceeded")
         seq = Sequence(ids, max_tokens, self.eos, temperature=temperature, top_k=top_k, top_p=top_p,
-                       cache_namespace=None if tenant is None and salt is None else (tenant, salt))
-        return seq, stop, seed, bool(stream)
+                       cache_namespace=None if tenant is None and salt is None else (tenant, salt), seed=seed)
+        return seq, stop, bool(stream)
 
     def _prompt_ids(self, body: dict) -> list:
         prompt = body.get("prompt")

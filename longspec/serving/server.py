@@ -1,8 +1,9 @@
 """``longspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one
 :class:`~longspec.engine.engine.Engine` with continuous batching.
 
-One worker thread owns the engine: between rounds it admits queued requests into free rows (the
-wave's unseeded requests in one batched prefill) and ends cancelled ones; each round advances
+One worker thread owns the engine: between rounds it admits the requests its
+:class:`~longspec.engine.scheduler.Scheduler` lets join (a wave in one batched prefill) and ends
+cancelled ones; each round advances
 every active request; text is decoded incrementally (each round's new tokens). Every
 request has its own sampling settings (a ``RowSampling`` engine), so a greedy request gets
 exactly the tokens it would get alone. Text reaches the client through an asyncio queue, as
@@ -16,13 +17,13 @@ ids) in responses. Request bodies are checked and tokenised by :mod:`longspec.se
 import asyncio
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ..engine.engine import Engine, Sequence
+from ..engine.scheduler import Scheduler
 from .engine_calls import EngineCalls, build_engine
 from .request import APIError, RequestParsing
 from .tokenizing import PieceCache
@@ -34,7 +35,6 @@ class Request:
 
     seq: Sequence
     stop: list
-    seed: Optional[int]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     text: str = ""
@@ -82,7 +82,8 @@ class Worker:
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
         self.threads = threads  # the engine thread's PyTorch CPU threads (None: the default)
         self.calls = calls or EngineCalls(engine)
-        self.waiting: deque = deque()
+        self.scheduler = Scheduler(engine)  # decides who joins when (under the lock: requests arrive on other threads)
+        self.queued: dict = {}  # Sequence id -> Request, of the sequences waiting in the scheduler
         self.parsing = 0  # requests taken for parsing, not yet queued (they count against the queue)
         self.parsed = 0  # requests parsed so far
         self.running: dict = {}  # Sequence id -> Request
@@ -114,7 +115,11 @@ class Worker:
         beyond the free rows (``max_queue`` 0: a request is taken only when a row is free)."""
         with self.lock:
             self._refuse_if_full(0)
-            self.waiting.append(request)
+            try:
+                self.scheduler.submit([request.seq])
+            except ValueError as err:  # (the parsing checked the same: it cannot happen from HTTP)
+                raise APIError(400, str(err), code="context_length_exceeded") from None
+            self.queued[id(request.seq)] = request
             self.lock.notify()
 
     def _refuse_if_full(self, parsing: int) -> None:
@@ -122,8 +127,9 @@ class Worker:
         them being parsed) already wait beyond the free rows."""
         if self.failure is not None:
             raise APIError(503, self.failure, code="engine_failed", kind="server_error")
-        if len(self.waiting) + parsing >= self.max_queue + len(self.engine.free_rows()):
-            raise APIError(429, f"the server is busy: all rows are in use and {len(self.waiting) + parsing} requests "
+        waiting = len(self.scheduler.waiting) + parsing
+        if waiting >= self.max_queue + len(self.engine.free_rows()):
+            raise APIError(429, f"the server is busy: all rows are in use and {waiting} requests "
                                 f"are waiting", code="queue_full", kind="rate_limit_error")
 
     def cancel(self, request: Request) -> None:
@@ -136,7 +142,7 @@ class Worker:
         their hand-over of tokens to the requests (part of the rounds) and in all the worker's work
         between waits (admissions too); rows free and rows drawing from their own generator."""
         with self.lock:
-            return {"active": len(self.running), "waiting": len(self.waiting), "parsing": self.parsing,
+            return {"active": len(self.running), "waiting": len(self.scheduler.waiting), "parsing": self.parsing,
                     "parsed": self.parsed, "rounds": self.rounds,
                     "free_rows": len(self.engine.free_rows()),
                     "row_generators": len(self.engine.uniforms.row_generators),
@@ -164,34 +170,28 @@ class Worker:
         error = APIError(status, message, code=code, kind="server_error")
         with self.lock:
             self.failure = message
-            requests = [*self.waiting, *list(self.running.values())]
-            self.waiting.clear()
+            requests = [*self.queued.values(), *list(self.running.values())]
+            self.scheduler.waiting.clear()
+            self.queued.clear()
             self.lock.notify()
         for request in requests:
             request.push(("error", error))
 
     # ---- worker thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        """Schedule (under the lock), admit, run a round, settle the requests it finished."""
         if self.threads:
             torch.set_num_threads(self.threads)
         while True:
             with self.lock:
-                while not self.stopped and not self.waiting and not self.running and self.failure is None:
+                while not self.stopped and not self.queued and not self.running and self.failure is None:
                     self.lock.wait()
                 if self.stopped or self.failure is not None:
                     return
-                admit, hits = [], []  # (each prompt matched against the prefix cache once, not once per later one)
-                free = len(self.engine.free_rows())
-                while self.waiting and len(admit) < free:
-                    request = self.waiting[0]
-                    if not request.cancelled:
-                        hit = self.engine.hits([request.seq])
-                        if not self.engine.can_admit([r.seq for r in admit + [request]], hits + hit):
-                            break  # too few free KV blocks: it waits (first in, first out) for running requests to end
-                        hits += hit
-                    self.waiting.popleft()
-                    if not request.cancelled:
-                        admit.append(request)
+                for request in [r for r in self.queued.values() if r.cancelled]:
+                    self.scheduler.drop(request.seq)
+                    del self.queued[id(request.seq)]
+                admit = [self.queued.pop(id(s)) for s in self.scheduler.schedule()]
                 cancelled = [r for r in self.running.values() if r.cancelled]
             start = time.perf_counter()
             try:
@@ -213,39 +213,34 @@ class Worker:
                 self.busy_s += time.perf_counter() - start
 
     def _admit(self, requests: list) -> None:
-        """Prefills the admitted requests: those without a seed together (one forward per run of
-        consecutive free rows: a wave of arrivals does not stall the running streams once per
-        request), each seeded one alone (its row gets a generator of its seed). A failure fails only its
-        request: a failed group is retried one request at a time."""
-        unseeded = [r for r in requests if r.seed is None]
-        groups = ([unseeded] if unseeded else []) + [[r] for r in requests if r.seed is not None]
+        """Prefills the admitted requests together (one forward per run of consecutive free rows:
+        a wave of arrivals does not stall the running streams once per request). A failure fails
+        only its request: a failed wave is retried one request at a time."""
+        if not requests:
+            return
         with torch.inference_mode():
-            for group in groups:
-                try:
-                    self._add(group)
-                except Exception as err:  # noqa: BLE001 - these requests only
-                    if len(group) == 1:
-                        self._fail(group[0], err)
-                        continue
-                    for request in group:
-                        row = request.seq.row
-                        if row >= 0 and not request.seq.done and not int(self.engine.active[row]):
-                            self._fail(request, err)  # its prefill ran, but not its proposer's set-up
-                        elif row < 0:  # not prefilled before the failure: alone now
-                            try:
-                                self._add([request])
-                            except Exception as one_err:  # noqa: BLE001 - this request only
-                                self._fail(request, one_err)
-                self._settle(group)
+            try:
+                self._add(requests)
+            except Exception as err:  # noqa: BLE001 - these requests only
+                for request in requests:
+                    row = request.seq.row
+                    if len(requests) == 1 or (row >= 0 and not request.seq.done and not int(self.engine.active[row])):
+                        self._fail(request, err)  # (a wave's request whose prefill ran, but not its proposer's set-up)
+                    elif row < 0:  # not prefilled before the failure: alone now
+                        try:
+                            self._add([request])
+                        except Exception as one_err:  # noqa: BLE001 - this request only
+                            self._fail(request, one_err)
+            self._settle(requests)
 
     def _add(self, group: list) -> None:
-        """Prefills ``group``; a seeded request (alone in its group) draws from its own generator
-        in the row it takes (the first free one), so its text does not depend on its neighbours."""
+        """Prefills ``group`` (a seeded request draws from its own generator in the row it takes,
+        so its text does not depend on its neighbours)."""
         start = time.perf_counter()
         for request in group:
             self.running[id(request.seq)] = request
             request.prefill_start = start
-        self.calls.add([r.seq for r in group], group[0].seed, streamer=self._on_tokens)
+        self.calls.add([r.seq for r in group], streamer=self._on_tokens)
         done = time.perf_counter()
         for request in group:  # (those whose first token went out have its time: see _hand_over)
             if not request.first_token and request.seq.row >= 0:
@@ -327,12 +322,14 @@ class Worker:
             request.seq.tokens and request.seq.tokens[-1] in request.seq.eos) else "stop"
 
     def _leave(self, request: Request) -> None:
-        """Ends ``request``'s sequence and frees its row (and the row's generator)."""
+        """Ends ``request``'s sequence and frees its row (and the row's generator) if it still
+        holds it."""
         seq = request.seq
         held = seq.row >= 0 and self.engine.rows[seq.row] is seq
         seq.done = True
         self.running.pop(id(seq), None)
-        self.calls.leave(seq.row, held, request.seed is not None)
+        if held:
+            self.calls.cancel(seq.row)
 
     def _finish(self, request: Request, reason: Optional[str]) -> None:
         self._leave(request)
