@@ -294,6 +294,30 @@ def test_one_engine_serves_every_length_and_is_freed_at_once_when_replaced(targe
     assert old() is None and len(gen._engine.rows) == 2
 
 
+def test_a_targets_engines_live_as_long_as_the_target(tiny_model_factory):
+    """The engines, proposers and auto's controllers a process keeps for a target belong to one
+    object the target holds (``Engines.of``): Generators made call by call share them, and they
+    go with the target, not before (a module-level store would keep every target alive)."""
+    import gc
+    import weakref
+
+    from longspec import load_target
+    from longspec.decoding.shared import Engines
+
+    _, path = tiny_model_factory("spec-llama", "llama", max_position_embeddings=512, seed=3)
+    target = load_target(path)
+    prompt = prompts_for(1, seed=5)[0]
+    for _ in range(2):
+        Generator(target, "pld").generate([prompt], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    engines = Engines.of(target)
+    assert target.engines is engines and len(engines.engines) == 1
+    engine = weakref.ref(next(iter(engines.engines.values())))
+    gone = weakref.ref(target)
+    del target, engines
+    gc.collect()
+    assert gone() is None and engine() is None
+
+
 @pytest.mark.parametrize("kind", ["pld", "hybrid"])
 def test_the_old_cache_is_freed_before_a_new_engine_allocates(targets, kind, monkeypatch):
     """A proposer kept for the target's next engine (one with more rows) no longer holds the old

@@ -28,7 +28,7 @@ from ..spec.proposers import PROPOSERS, default_tree, proposer_family
 from ..spec.sampling import RowSampling
 from ..spec.tree import TreeSpec
 from .auto import candidate_trees, costs_measured, resolve
-from .shared import engine_controller, new_controller, registry, shared_draft, shared_proposer
+from .shared import Engines, new_controller
 
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
@@ -90,12 +90,12 @@ class Generator:
         elif isinstance(proposer, str):
             if proposer not in PROPOSERS:
                 raise ValueError(f"unknown proposer {proposer!r}; expected one of {', '.join(PROPOSERS)}")
-            draft = shared_draft(target, draft) if proposer in ("auto", "longspec", "hybrid") else draft
+            draft = Engines.of(target).draft(draft) if proposer in ("auto", "longspec", "hybrid") else draft
             if proposer == "auto":
                 if tree is not None:
                     raise ValueError("proposer 'auto' chooses its tree itself: leave tree out")
             else:  # one proposer per name and draft in the process: Generators of it share its engine
-                proposer = shared_proposer(target, proposer, draft, window)
+                proposer = Engines.of(target).proposer(proposer, draft, window)
         if proposer is not None and proposer != "auto":
             tree = TreeSpec.coerce(default_tree(proposer_family(proposer)) if tree is None else tree)
             tree.validate(target.config.vocab_size)
@@ -109,10 +109,9 @@ class Generator:
 
     @property
     def _engine(self) -> Optional[Engine]:
-        """The engine of the last call (held by the target's registry only, so a replaced engine
-        is freed whatever Generator used it)."""
-        found = registry(self.target).get(self._key)
-        return None if found is None else found[1]
+        """The engine of the last call (held by the target's :class:`Engines` only, so a replaced
+        engine is freed whatever Generator used it)."""
+        return Engines.of(self.target).get(self._key)
 
     def _prepare(self, prompts: Prompts, config: GenerationConfig):
         if isinstance(prompts, (str, bytes)) or (len(prompts) > 0 and isinstance(prompts[0], (str, bytes))):
@@ -215,7 +214,7 @@ class Generator:
             return CallPlan(self.proposer, self.tree, self.tree, controller=self.controller)
 
         chosen = resolve(self.target, prompts[0], self.draft)
-        proposer = shared_proposer(self.target, chosen.name, self.draft)
+        proposer = Engines.of(self.target).proposer(chosen.name, self.draft)
         return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen,
                         choices=tuple(chosen.predicted or ()))
 
@@ -231,7 +230,7 @@ class Generator:
             return None
         trees = candidate_trees(self.draft, self.target.device.type == "cuda")
         name = "pld" if self.draft is None else "hybrid"
-        return CallPlan(shared_proposer(self.target, name, self.draft), trees[0], None, name=name,
+        return CallPlan(Engines.of(self.target).proposer(name, self.draft), trees[0], None, name=name,
                         choices=(*trees, None))
 
     def _begin(self, engine: Engine, plan: "CallPlan", config: GenerationConfig) -> tuple:
@@ -239,7 +238,7 @@ class Generator:
         ``plan``: auto's controller of ``engine`` begun with its predictions, or the one given to
         this Generator, or none."""
         if plan.auto is not None and plan.auto.predicted is not None:
-            controller = engine_controller(self.target, self.draft, engine)
+            controller = Engines.of(self.target).controller(engine, self.draft)
             return controller, plan.auto.predicted, controller.begin(plan.auto.predicted, sampling_key(config))
         if plan.controller is not None:
             return plan.controller, None, plan.controller.begin(None, None)
@@ -259,20 +258,17 @@ class Generator:
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
         """The process-wide engine of this target for ``proposer`` drafting trees up to ``tree``,
         with at least ``batch`` rows (built on first use, or rebuilt with more rows)."""
-        engines = registry(self.target)
+        engines = Engines.of(self.target)
         # (the attention, compilation, dtype and device settings are the engine's too: its steps use them)
-        key = ("engine", None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
+        key = (None if proposer is None else id(proposer), str(tree), self.max_len, self.cuda_graphs,
                self.prefix_cache, None if self.kv_memory is None else str(self.kv_memory),
                self.target.attention_impl, self.target.compile_steps, str(self.target.dtype), str(self.target.device))
-        engine = engines[key][1] if key in engines else None
+        engine = engines.get(key)
         if engine is not None and (len(engine.rows) < batch or (proposer is not None and owner_of(proposer) is not engine)):
             batch = max(batch, len(engine.rows))
             engine = None
         if engine is None:
-            # an engine of this key, or one that holds this proposer, goes first: its pool is freed first
-            for other in [k for k, (p, _) in engines.items()
-                          if k[0] == "engine" and (k == key or (proposer is not None and p is proposer))]:
-                engines.pop(other)[1].close()
+            engines.replace(key, proposer)
             chunk = min(PREFILL_CHUNK, self.max_len) if self.target.device.type == "cuda" else None
             # (with compiled steps the proposals are compiled too, once per machine: on-disk caches)
             engine = Engine(self.target, proposer, tree, batch, self.max_len, RowSampling.zeros(batch, self.target.device),
@@ -280,7 +276,7 @@ class Generator:
                             compile_proposals=True,
                             pool_tokens=kv_pool_tokens(self.target.cache_config, self.target.dtype, self.target.device,
                                                        self.max_len, self.kv_memory, batch, DEFAULT_KV_ROWS))
-            engines[key] = (proposer, engine)
+            engines.engines[key] = engine
         self._key = key
         return engine
 
@@ -319,7 +315,7 @@ class Generator:
         seqs = [Sequence(p, config.max_new_tokens, eos, temperature=config.temperature, top_k=config.top_k or 0,
                          top_p=config.top_p or 1.0, plain_rounds=near_end) for p in prompts]
         kind = engine.round_kind_of(seqs)
-        captured = engine_controller(self.target, self.draft, engine).captured_kinds if plan.choices else None
+        captured = Engines.of(self.target).controller(engine, self.draft).captured_kinds if plan.choices else None
         if plan.choices and engine.cuda_graphs and kind not in captured:
             # every round auto may switch to, captured for this kind of round now: later calls of
             # this kind capture nothing

@@ -44,10 +44,11 @@ def owner_of(proposer) -> Optional["Engine"]:
     return None if ref is None else ref()
 
 
-def _release_if_orphaned(proposer) -> None:
-    """An engine is gone: its proposer, unless another engine has taken it since, forgets the
-    state sized for it (the KV cache it referenced, its buffers)."""
-    if owner_of(proposer) is None:
+def _release_if_orphaned(proposer_ref: weakref.ref) -> None:
+    """An engine is gone: its proposer, if still alive and unless another engine has taken it
+    since, forgets the state sized for it (the KV cache it referenced, its buffers)."""
+    proposer = proposer_ref()
+    if proposer is not None and owner_of(proposer) is None:
         proposer.release()
 
 
@@ -149,7 +150,9 @@ class Engine(Admission, TreeSwitching, WarmUp):
             for small in filter(None, self.bucket_trees.values()):
                 proposer.with_tree(small)  # raises now for a tree that does not fit or suit the proposer
             proposer.engine = weakref.ref(self)  # its state now belongs to this engine (no cycle through it)
-            weakref.finalize(self, _release_if_orphaned, proposer)  # a proposer kept by the caller frees it too
+            # a proposer kept by the caller frees it too (held weakly: the proposer holds the target,
+            # which holds its engines)
+            weakref.finalize(self, _release_if_orphaned, weakref.ref(proposer))
         # with target.compile_steps, the glue around the target's (compiled) layers is compiled too
         self._compiled = target.compile_steps and (proposer is None or proposer.graphable)
         self._accept = compile_step(self._accept_round) if self._compiled else self._accept_round

@@ -332,6 +332,9 @@ class TargetModel(nn.Module):
         self.attention_impl = "sdpa"
         # fixed-shape steps run each layer through torch.compile (load_target's default on CUDA)
         self.compile_steps = False
+        # what this process keeps for the model while it lives (its engines, their drafts and
+        # proposers: longspec.decoding.shared.Engines), made on first use
+        self.engines = None
 
     def build_rotary(self, device=None) -> None:
         """The RoPE modules: ``rotary`` (every layer, or the global ones) and ``rotary_local`` (the
