@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +27,7 @@ from ..spec.proposers import PROPOSERS, default_tree, proposer_family
 from ..spec.sampling import RowSampling
 from ..spec.tree import TreeSpec
 from .auto import candidate_trees, costs_measured, resolve
+from .rounds import run_rounds, tree_text
 from .shared import Engines, new_controller
 
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
@@ -136,61 +136,8 @@ class Generator:
         return prompts
 
     # whether a round is launched before the last one's tokens are read (None: where rounds run
-    # asynchronously to the host, on a GPU; see _rounds)
+    # asynchronously to the host, on a GPU; see run_rounds)
     launch_ahead: Optional[bool] = None
-
-    def _rounds(self, engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None) -> tuple:
-        """Rounds until every row is done; with a ``controller`` (see
-        :class:`~longspec.decoding.controller.Controller`), every round's measurements (its tree,
-        tokens per row, wall time) go to it, and the engine runs the tree it names next;
-        ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
-        given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
-        milliseconds, every 8). On a GPU the next round is launched before this one's tokens are
-        read (:meth:`Engine.launch` ahead, where every row has room for both): the device runs
-        rounds back to back, and the host's work on a round (its tokens, the controller's
-        weighing, a re-prediction) costs no time while it is shorter than a round; a choice of
-        tree takes effect a round later, after the round in flight. Returns the number of rounds
-        and the seconds they took (not the loop's other work: switches, and on a CPU the
-        controller's)."""
-        rounds, stepping, seq = 0, 0.0, seqs[0]
-        on_cpu = engine.target.device.type == "cpu"
-        check, chosen = 8 if on_cpu else 16, _KEEP
-        ahead = not on_cpu if self.launch_ahead is None else self.launch_ahead
-        launched, last = deque(), 0.0  # (tree, when) of the rounds in flight; when the last one's tokens came
-
-        def finish() -> None:
-            nonlocal rounds, stepping, last, check, chosen
-            tree, start = launched.popleft()
-            tokens = engine.finish(streamer)
-            now = time.perf_counter()
-            seconds, last = now - max(start, last), now
-            rounds, stepping = rounds + 1, stepping + seconds
-            if controller is None or tokens is None or not engine.has_active:
-                return
-            if repredict is not None and len(seq.tokens) >= check:
-                check = check + 8 if on_cpu else 2 * check
-                if controller.wants_predictions():
-                    controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-            chosen = controller.observe(tokens, seconds, tree)
-
-        try:
-            while engine.has_active:
-                while engine.has_active and (not launched or ahead and len(launched) < 2 and engine.can_launch_ahead()):
-                    tree, start = engine.tree_of(engine.bucket()), time.perf_counter()
-                    engine.launch(ahead=bool(launched))
-                    launched.append((tree, start))
-                finish()
-                if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
-                    while launched:  # (the round in flight ran the old tree: finished, and weighed, first)
-                        finish()
-                    if engine.has_active and chosen != engine.tree_of(engine.bucket()):
-                        engine.use_tree(chosen)
-                        trees.append((len(seq.tokens), tree_text(chosen)))
-                chosen = _KEEP
-        finally:  # (an error or Ctrl-C, even while waiting for a round, leaves none running in the shared engine)
-            while engine.in_flight:
-                engine.finish()
-        return rounds, stepping
 
     @staticmethod
     def _need(prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> int:
@@ -362,7 +309,7 @@ class Generator:
             trees = [(0, tree_text(start))] if controller is not None else []
             repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
             t_prefill = clock()
-            rounds, stepping = self._rounds(engine, seqs, streamer, controller, trees, repredict)
+            rounds, stepping = run_rounds(engine, seqs, streamer, controller, trees, repredict, self.launch_ahead)
         finally:  # a failed or interrupted call leaves the shared engine empty
             for s in seqs:
                 engine.cancel(s)
@@ -421,14 +368,6 @@ class CallPlan:
     auto: object = None
     controller: object = None
     choices: tuple = ()  # the trees auto's controller may run (None: plain rounds), captured on a first call
-
-
-_KEEP = object()  # Generator._rounds: no new choice of tree this round
-
-
-def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:
-    """A tree's text in a call's stats (None: plain rounds)."""
-    return None if tree is None else str(tree)
 
 
 def sampling_key(config: GenerationConfig) -> tuple:

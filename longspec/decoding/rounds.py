@@ -1,0 +1,75 @@
+"""A call's rounds over an :class:`~longspec.engine.engine.Engine`, steered by a controller:
+each round's measurements go to it, and the engine runs the tree it names next; on a GPU the
+next round is launched before this one's tokens are read."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+from ..engine.engine import Engine
+from ..spec.tree import TreeSpec
+
+_KEEP = object()  # run_rounds: no new choice of tree this round
+
+
+def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:
+    """A tree's text in a call's stats (None: plain rounds)."""
+    return None if tree is None else str(tree)
+
+
+def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None,
+               launch_ahead: Optional[bool] = None) -> tuple:
+    """Rounds until every row is done; with a ``controller`` (see
+    :class:`~longspec.decoding.controller.Controller`), every round's measurements (its tree,
+    tokens per row, wall time) go to it, and the engine runs the tree it names next;
+    ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
+    given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
+    milliseconds, every 8). On a GPU the next round is launched before this one's tokens are
+    read (:meth:`Engine.launch` ahead, where every row has room for both): the device runs
+    rounds back to back, and the host's work on a round (its tokens, the controller's
+    weighing, a re-prediction) costs no time while it is shorter than a round; a choice of
+    tree takes effect a round later, after the round in flight (``launch_ahead``: whether rounds
+    are launched ahead; None: on a GPU). Returns the number of rounds
+    and the seconds they took (not the loop's other work: switches, and on a CPU the
+    controller's)."""
+    rounds, stepping, seq = 0, 0.0, seqs[0]
+    on_cpu = engine.target.device.type == "cpu"
+    check, chosen = 8 if on_cpu else 16, _KEEP
+    ahead = not on_cpu if launch_ahead is None else launch_ahead
+    launched, last = deque(), 0.0  # (tree, when) of the rounds in flight; when the last one's tokens came
+
+    def finish() -> None:
+        nonlocal rounds, stepping, last, check, chosen
+        tree, start = launched.popleft()
+        tokens = engine.finish(streamer)
+        now = time.perf_counter()
+        seconds, last = now - max(start, last), now
+        rounds, stepping = rounds + 1, stepping + seconds
+        if controller is None or tokens is None or not engine.has_active:
+            return
+        if repredict is not None and len(seq.tokens) >= check:
+            check = check + 8 if on_cpu else 2 * check
+            if controller.wants_predictions():
+                controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
+        chosen = controller.observe(tokens, seconds, tree)
+
+    try:
+        while engine.has_active:
+            while engine.has_active and (not launched or ahead and len(launched) < 2 and engine.can_launch_ahead()):
+                tree, start = engine.tree_of(engine.bucket()), time.perf_counter()
+                engine.launch(ahead=bool(launched))
+                launched.append((tree, start))
+            finish()
+            if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
+                while launched:  # (the round in flight ran the old tree: finished, and weighed, first)
+                    finish()
+                if engine.has_active and chosen != engine.tree_of(engine.bucket()):
+                    engine.use_tree(chosen)
+                    trees.append((len(seq.tokens), tree_text(chosen)))
+            chosen = _KEEP
+    finally:  # (an error or Ctrl-C, even while waiting for a round, leaves none running in the shared engine)
+        while engine.in_flight:
+            engine.finish()
+    return rounds, stepping
+
