@@ -9,9 +9,10 @@ import torch
 
 from longspec import load_target
 from longspec.spec import acceptance
-from longspec.decoding import auto, bucket_choice
+from longspec.decoding import auto, bucket_choice, step_costs
 from longspec.spec.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
-from longspec.decoding.auto import device_key, resolve
+from longspec.decoding.auto import resolve
+from longspec.decoding.step_costs import device_key
 from longspec.spec.tree import TreeSpec
 from longspec.models.draft import DraftConfig, init_draft
 
@@ -84,8 +85,8 @@ def test_measure_acceptance_table(tiny):
 
 def cost_contexts(target) -> set:
     """The contexts costs are measured at (the same whatever the prompt and the candidates)."""
-    cap = target.config.max_position_embeddings - auto.COST_MARGIN
-    return {min(c, cap) for c in auto.COST_CONTEXTS}
+    cap = target.config.max_position_embeddings - step_costs.COST_MARGIN
+    return {min(c, cap) for c in step_costs.COST_CONTEXTS}
 
 
 def fake_costs(target, path, prompt_len, target_ms, draft_ms):
@@ -100,7 +101,7 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     target, draft = tiny
     draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
     ids = list(range(40))  # no repeats: prompt lookup never hits
-    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    monkeypatch.setattr(step_costs, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
     labels = [f"hybrid chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.AUTO_TREES]
     sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
@@ -140,7 +141,7 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
     tableless = init_draft(DraftConfig.for_target(target, window=16), target)  # pick's default tree alone
     assert not tableless.config.acceptance and auto.candidate_trees(tableless) == [TreeSpec.parse(auto.HYBRID_TREE)]
     # its costs: the chain drafted by a hybrid begun with its beam tree, as in the engine
-    costs = auto.measure_costs(target, on_cuda, context=64, repeats=1)
+    costs = step_costs.measure_costs(target, on_cuda, context=64, repeats=1)
     assert set(costs["draft_ms"]) == set(on_cuda) and min(costs["draft_ms"].values()) > 0
     # as pick runs on CUDA: drafting costly, verifying cheap, a repeating text -> the hybrid's chain
     candidates = auto._candidates
@@ -200,7 +201,7 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
         key + " | batch 4": {"target_ms": {m: 1 + float(m) / 8 for m in sizes},
                              "draft_ms": {label: 0.01 for label in labels}},
         key + " | batch 16": {"target_ms": {m: float(m) for m in sizes}, "draft_ms": {label: 0.01 for label in labels}}}))
-    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    monkeypatch.setattr(step_costs, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     chosen, lines = bucket_choice.bucket_trees(target, hybrid, big, [1, 4, 16], 100, costs_file=str(costs))
     # batch 1: every size costs the same, so the most tokens a round wins (a deeper candidate than
     # the engine's own tree, with this table)
@@ -243,8 +244,8 @@ def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
     ran = []
     clock = iter(range(1000))
     fns = {name: (lambda name=name: ran.append(name)) for name in ("1", "7", "chain")}
-    monkeypatch.setattr(auto.time, "perf_counter", lambda: float(next(clock)))
-    medians = auto._time(fns, torch.device("cpu"), repeats=3)
+    monkeypatch.setattr(step_costs.time, "perf_counter", lambda: float(next(clock)))
+    medians = step_costs._time(fns, torch.device("cpu"), repeats=3)
     monkeypatch.undo()
     assert ran == ["1", "7", "chain"] * 4
     assert medians == {"1": 1.0, "7": 1.0, "chain": 1.0}
@@ -493,8 +494,8 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
     second, extrapolated) linearly in the prompt's length: no prompt length measures anything."""
     target, _ = tiny
     monkeypatch.setattr(target.config, "max_position_embeddings", 16384)
-    monkeypatch.setattr(auto, "COST_CONTEXTS", (1024, 8192))
-    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    monkeypatch.setattr(step_costs, "COST_CONTEXTS", (1024, 8192))
+    monkeypatch.setattr(step_costs, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
     at = {1024: ({"1": 40.0, "6": 60.0}, 2.0), 8192: ({"1": 68.0, "6": 116.0}, 9.0)}
     costs.write_text(json.dumps({f"{device_key(target)} | {c}": {"target_ms": t, "draft_ms": {"pld chain:5": d}}
@@ -502,7 +503,7 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
     chain = TreeSpec.chain(5)
     for n, plain, verify, draft in ((4608, 54.0, 88.0, 5.5), (1024, 40.0, 60.0, 2.0), (300, 40.0, 60.0, 2.0),
                                     (8192, 68.0, 116.0, 9.0), (15360, 96.0, 172.0, 16.0)):
-        _, _, used = auto.choose(target, {"pld chain:5": (chain, None, 2.0)}, n, str(costs))
+        _, _, used = step_costs.choose(target, {"pld chain:5": (chain, None, 2.0)}, n, str(costs))
         assert used["target_ms"] == pytest.approx({"1": plain, "6": verify})
         assert used["draft_ms"] == pytest.approx({"pld chain:5": draft})
 
@@ -510,12 +511,12 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
 def test_step_costs_made_monotone():
     """Times per token count made non-decreasing by pooling the counts that disagree (their mean),
     not by lifting every larger count to the slow one's time."""
-    assert auto.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == pytest.approx(
+    assert step_costs.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == pytest.approx(
         {"1": 55.3, "2": 55.3, "3": 61.25, "11": 61.25})
-    assert auto.monotone({"1": 42.0, "7": 76.7, "9": 68.3, "26": 95.3}) == pytest.approx(
+    assert step_costs.monotone({"1": 42.0, "7": 76.7, "9": 68.3, "26": 95.3}) == pytest.approx(
         {"1": 42.0, "7": 72.5, "9": 72.5, "26": 95.3})
-    assert auto.monotone({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 2.0, "5": 2.0, "9": 2.0})
-    assert auto.monotone({"1": 1.0, "5": 2.0}) == {"1": 1.0, "5": 2.0}
+    assert step_costs.monotone({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 2.0, "5": 2.0, "9": 2.0})
+    assert step_costs.monotone({"1": 1.0, "5": 2.0}) == {"1": 1.0, "5": 2.0}
 
 
 def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0) -> list:
@@ -804,7 +805,7 @@ def test_a_plan_reads_the_prompts_last_tokens_only(tiny, tmp_path, monkeypatch):
     target, draft = tiny
     draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
     monkeypatch.setattr(auto, "PLAN_WINDOW", 64)
-    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
+    monkeypatch.setattr(step_costs, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
     rng = random.Random(4)
     head, recent = [rng.randrange(160) for _ in range(100)], [rng.randrange(20) for _ in range(64)]

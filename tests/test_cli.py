@@ -109,11 +109,11 @@ def test_first_run_converts_then_auto_measures_once_and_matches_plain_decoding(t
     assert not any("converting" in line for line in runs[1].stderr.splitlines())  # converted once
     auto, again, plain = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert auto["proposer"] == "auto" and auto["auto"].startswith("cost model")  # (what the user chose)
-    from longspec.decoding import auto as cost_model
+    from longspec.decoding import auto as cost_model, step_costs
     from longspec.spec.tree import TreeSpec
 
     costs = json.loads((tmp_path / "costs.json").read_text())
-    assert len(costs) == len(cost_model.COST_CONTEXTS)  # one device and model, at each context measured
+    assert len(costs) == len(step_costs.COST_CONTEXTS)  # one device and model, at each context measured
     shapes = [f"chain:{n}" for n in cost_model.LOOKUP_CHAINS] + list(cost_model.AUTO_TREES)
     for entry in costs.values():
         assert {"1"} | {str(TreeSpec.parse(s).num_nodes) for s in shapes} <= set(entry["target_ms"])

@@ -9,7 +9,8 @@ from ..engine.runner import batch_buckets
 from ..spec.acceptance import expected_tokens
 from ..spec.drafting import takes_lookup
 from ..spec.tree import TreeSpec
-from .auto import CANDIDATE_TREES, choose
+from .auto import CANDIDATE_TREES
+from .step_costs import choose
 
 
 def bucket_trees(target, proposer, tree: TreeSpec, buckets: Sequence[int], context: int,

@@ -10,7 +10,7 @@ from ..convert import home_dir
 from ..engine.engine import Engine
 from ..models.target import TargetModel
 from ..spec.proposers import build_proposer, resolve_draft
-from .auto import corrections_key
+from .step_costs import corrections_key
 from .controller import Controller
 
 CORRECTIONS_FILE = "corrections.json"  # in the longspec home: what auto's controllers learned (see Controller)
