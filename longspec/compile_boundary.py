@@ -2,7 +2,7 @@
 writes into the KV pool), marked without importing TorchDynamo. ``torch.compiler.disable``
 imports it, which costs a process seconds of its start even when it never compiles (``longspec
 generate``, a CPU); :func:`compile_boundary` defers that to :func:`mark_compile_boundaries`,
-which the first compiled step calls (``models.target.compile_step``)."""
+which the first compiled step calls (``models.compiled.compile_step``)."""
 from __future__ import annotations
 
 import functools

@@ -9,7 +9,7 @@ import torch
 from longspec import GenerationConfig, load_target
 from longspec.decoding.generator import Generator
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
-from longspec.models import target as target_module
+from longspec.models import compiled as compiled_module
 from longspec.models.draft import DraftConfig, init_draft
 
 
@@ -18,7 +18,7 @@ def compiled_backend(monkeypatch):
     import torch._dynamo
 
     monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "aot_eager")
-    monkeypatch.setattr(target_module, "_COMPILED", {})
+    monkeypatch.setattr(compiled_module, "_COMPILED", {})
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
@@ -126,7 +126,7 @@ def test_a_failing_compiler_falls_back_to_uncompiled_steps(tiny, monkeypatch):
         raise RuntimeError("this machine has no compiler")
 
     monkeypatch.setenv("LONGSPEC_COMPILE_BACKEND", "longspec_test_failing")
-    monkeypatch.setattr(target_module, "_COMPILED", {})
+    monkeypatch.setattr(compiled_module, "_COMPILED", {})
     torch._dynamo.reset()
     target = load_target(tiny[1])
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
@@ -147,7 +147,7 @@ def test_compile_counts_count_the_graphs_compiled(tiny, compiled_backend):
     from longspec.cli.serve_command import _graphs
     from longspec.engine.engine import Engine, Sequence
     from longspec.spec.tree import TreeSpec
-    from longspec.models.target import compile_counts
+    from longspec.models.compiled import compile_counts
 
     target = load_target(tiny[1])
     target.compile_steps = True
@@ -179,7 +179,7 @@ def test_a_step_that_cannot_compile_runs_uncompiled_with_a_one_line_warning(monk
     import torch._dynamo
     from torch._dynamo import register_backend
 
-    from longspec.models.target import compile_step
+    from longspec.models.compiled import compile_step
 
     def failing(gm, example_inputs):
         raise RuntimeError("no kernel for this op\nsecond line of the compiler's message")
@@ -245,7 +245,7 @@ def test_a_large_vocabularys_sampled_argmax_runs_apart_with_the_same_result(comp
     import torch._dynamo
 
     from longspec.spec.sampling import LARGE_VOCAB, warp_probs_rows
-    from longspec.models.target import compile_step
+    from longspec.models.compiled import compile_step
 
     temperature = torch.tensor([0.0, 0.7])
     graphs = {}

@@ -10,7 +10,7 @@ from longspec import GenerationConfig, load_target
 from longspec.attention import reference
 from longspec.attention.paged import physical_slots, rows_of
 from longspec.attention.triton_kernels import available, prefix_attention, tree_attention
-from longspec.kv.cache import BlockPool, KVCache, PoolExhausted
+from longspec.kv.cache import BlockPool, PoolExhausted
 from longspec.engine.engine import Engine, Sequence
 from longspec.decoding.generator import Generator
 from longspec.spec.proposers import LongSpecProposer, PromptLookup

@@ -15,7 +15,7 @@ import torch
 
 from longspec import GenerationConfig, Generator, load_target
 from longspec.config import ModelConfig
-from longspec.models.checkpoint import read_config, save_draft
+from longspec.models.checkpoint import save_draft
 from longspec.parallel import ParallelGenerator, Shard, TensorParallel
 from test_draft import noisy_draft
 from tp_ranks import CASES, run_cases, run_ranks

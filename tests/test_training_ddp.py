@@ -105,7 +105,7 @@ def test_a_failing_rank_stops_the_job_with_its_message(tiny_model_factory, tmp_p
     (hook / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import longspec.training.trainer as t\n"
+        "    import longspec.training.run as t\n"
         "    def broken(*args, **kwargs):\n"
         "        raise ValueError('corrupt shard on rank 1')\n"
         "    t.build_data = broken\n")

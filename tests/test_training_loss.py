@@ -48,7 +48,7 @@ def test_chunked_head_loss_compiled_by_inductor_is_the_same(distill):
     KL's reduction: now a comparison)."""
     from torch._dynamo.utils import counters
 
-    from longspec.models.target import compile_step
+    from longspec.models.compiled import compile_step
     from longspec.training.loss import _chunk_terms
 
     gen = torch.Generator().manual_seed(4)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from longspec.spec.proposers import beam_select, topk_children
-from longspec.spec.tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
+from longspec.spec.draft_tree import DraftTree
+from longspec.spec.tree import TreeSpec, ancestor_mask_from_parents, depths_from_parents
 
 
 def random_parents(B, widths, gen):

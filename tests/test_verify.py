@@ -12,7 +12,8 @@ from scipy.stats import chi2
 import longspec.spec.verify as verify_mod
 from longspec.spec.sampling import warp_probs
 from longspec.spec.proposers import beam_select
-from longspec.spec.tree import DraftTree, TreeSpec
+from longspec.spec.draft_tree import DraftTree
+from longspec.spec.tree import TreeSpec
 from longspec.spec.verify import verify_greedy, verify_sampling, verify_tree
 
 V = 8

@@ -15,8 +15,9 @@ import argparse
 import sys
 
 from .. import __version__
-from .commands import cmd_convert, cmd_draft_vocab, cmd_generate, cmd_self_distill, cmd_train
+from .commands import cmd_generate
 from .serve_command import cmd_serve
+from .train_commands import cmd_convert, cmd_draft_vocab, cmd_self_distill, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,8 @@ import torch
 from ..attention import triton_kernels
 from ..kv.cache import BlockPool, DEFAULT_BLOCK_SIZE, pool_blocks
 from ..kv.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
-from ..models.target import TargetModel, compile_step
+from ..models.compiled import compile_step
+from ..models.target import TargetModel
 from ..spec.drafting import Proposer
 from ..spec.sampling import RowSampling, Uniforms, config_rows, sample, truncates, warp_with
 from ..spec.tree import TreeSpec

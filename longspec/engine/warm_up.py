@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..models.target import compile_counts
+from ..models.compiled import compile_counts
 
 _OWN_TREES = object()  # warm_up: each bucket's own tree
 

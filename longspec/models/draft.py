@@ -27,7 +27,8 @@ from ..attention.fast import masked_attention
 from ..kv.cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig
 from .rope import apply_rotary
-from .target import MLP, Projections, RMSNorm, TargetModel
+from .layers import MLP, Projections, RMSNorm
+from .target import TargetModel
 
 
 @dataclass

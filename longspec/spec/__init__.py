@@ -4,7 +4,8 @@ warps, lossless verification, and the model of how many tokens a round emits. Th
 (``longspec.engine``) runs these; ``longspec.decoding`` decides which to run."""
 from .drafting import beam_select, topk_children
 from .sampling import check_sampling_args, sample, warp_logits, warp_probs
-from .tree import DraftTree, TreeSpec, ancestor_mask_from_parents, depths_from_parents
+from .draft_tree import DraftTree
+from .tree import TreeSpec, ancestor_mask_from_parents, depths_from_parents
 from .verify import VerifyResult, verify_greedy, verify_sampling, verify_tree
 
 __all__ = [

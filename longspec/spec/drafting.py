@@ -13,9 +13,10 @@ import torch
 
 from ..config import GenerationConfig
 from ..kv.cache import KVCache
+from .draft_tree import DraftTree
 from .sampling import config_rows, uniform, warp_with
 from .topk import top_k
-from .tree import DraftTree, TreeSpec
+from .tree import TreeSpec
 
 if TYPE_CHECKING:
     from .prompt_lookup import PromptLookup

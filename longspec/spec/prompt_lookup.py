@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .draft_tree import DraftTree
 from .drafting import TreeDrafter
 from .tokens import token_tensor
-from .tree import DraftTree
 
 
 class PromptLookup(TreeDrafter):

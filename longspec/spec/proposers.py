@@ -1,7 +1,7 @@
 """Draft strategies behind one interface.
 
 The :class:`~longspec.engine.engine.Engine` calls, per engine: ``begin``; per sequence: ``add``
-after its prefill; per round: ``propose(root)`` -> :class:`~longspec.spec.tree.DraftTree`,
+after its prefill; per round: ``propose(root)`` -> :class:`~longspec.spec.draft_tree.DraftTree`,
 then ``accepted(tokens, counts)`` with each row's newly emitted tokens (the interface:
 :class:`Proposer`).
 

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
+from .draft_tree import DraftTree
 from .sampling import check_sampling_args, sample, uniform, warp_probs
-from .tree import DraftTree
 
 __all__ = ["VerifyResult", "verify_greedy", "verify_sampling", "verify_tree"]
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.target import compile_step
+from ..models.compiled import compile_step
 
 
 @dataclass
