@@ -89,3 +89,27 @@ def test_a_seeded_sequence_draws_its_own_numbers_whoever_joins_beside_it(targets
         return seeded.tokens
 
     assert seeded_tokens(others=True) == seeded_tokens(others=False)
+
+
+def test_the_schedule_takes_what_can_admit_allows_with_cached_prefixes(targets):
+    """With a prefix cache (idle cached blocks evictable unless a prompt pins them), the one-pass
+    schedule admits exactly the longest run of waiting sequences that ``Engine.can_admit``
+    accepts together, for waves of prompts sharing cached prefixes or not."""
+    target = targets["llama"]
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 160, (128,), generator=gen).tolist()
+    for trial in range(6):
+        engine = Engine(target, None, None, max_batch=6, max_len=384, pool_tokens=640, prefix_cache=True)
+        warm = Sequence(shared + [1, 2], 3)  # leaves the shared prefix's blocks cached, idle
+        engine.add([warm])
+        while engine.has_active:
+            engine.step()
+        seqs = []
+        for _ in range(6):
+            rest = torch.randint(0, 160, (int(torch.randint(1, 90, (1,), generator=gen)),), generator=gen).tolist()
+            prompt = (shared if torch.rand(1, generator=gen) < 0.5 else []) + rest
+            seqs.append(Sequence(prompt, int(torch.randint(2, 120, (1,), generator=gen))))
+        scheduler = Scheduler(engine)
+        scheduler.submit(seqs)
+        longest = max(k for k in range(len(seqs) + 1) if engine.can_admit(seqs[:k]))
+        assert scheduler.schedule() == seqs[:longest], trial

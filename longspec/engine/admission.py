@@ -98,6 +98,11 @@ class Admission:
         hits = self.hits(seqs) if hits is None else hits
         return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
 
+    def pinned(self, hit: Hit) -> set:
+        """The idle cached blocks a sequence whose prompt starts with ``hit`` holds when it joins
+        (they then cannot be evicted for fresh blocks; none without a prefix cache)."""
+        return self.prefix.pinned([hit]) if self.prefix is not None else set()
+
     def can_admit(self, seqs: list, hits: Optional[list] = None) -> bool:
         """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`);
         ``hits``: their :meth:`hits` (default: matched now)."""

@@ -53,20 +53,23 @@ class Scheduler:
     def schedule(self) -> list:
         """The waiting sequences that join now, taken off the queue in order: as many as there
         are free rows while the pool has their blocks (each prompt matched against the prefix
-        cache once). Raises :class:`~longspec.kv.cache.PoolExhausted` when the first one cannot
-        join although nothing runs (blocks pinned by no sequence: only an engine used outside
-        this scheduler can leave them)."""
-        engine, admit, hits = self.engine, [], []
-        free = len(engine.free_rows())
-        while self.waiting and len(admit) < free:
-            hit = engine.hits([self.waiting[0]])
-            if not engine.can_admit(admit + [self.waiting[0]], hits + hit):
+        cache once; the test of ``Engine.can_admit`` over them all, in one pass). Raises
+        :class:`~longspec.kv.cache.PoolExhausted` when the first one cannot join although
+        nothing runs (blocks pinned by no sequence: only an engine used outside this scheduler
+        can leave them)."""
+        engine, admit = self.engine, []
+        free_rows, free_blocks = len(engine.free_rows()), engine.cache.allocator.num_free
+        fresh, pinned = 0, set()  # (the blocks those admitted take: one pass, not one per sequence)
+        while self.waiting and len(admit) < free_rows:
+            s = self.waiting[0]
+            hit, = engine.hits([s])
+            more, pins = engine.blocks_needed([s], [hit]), pinned | engine.pinned(hit)
+            if fresh + more > free_blocks - len(pins):
                 if not admit and not engine.has_active:
-                    raise PoolExhausted(f"KV pool exhausted with no sequence running: a prompt of "
-                                        f"{len(self.waiting[0].prompt)} tokens needs "
-                                        f"{engine.blocks_needed([self.waiting[0]], hit)} blocks, "
-                                        f"{engine.pool.num_free} of {engine.pool.num_blocks} are free")
+                    raise PoolExhausted(f"KV pool exhausted with no sequence running: a prompt of {len(s.prompt)} "
+                                        f"tokens needs {more} blocks, {engine.pool.num_free} of "
+                                        f"{engine.pool.num_blocks} are free")
                 break  # it waits for running sequences to leave, and those behind it with it
-            hits += hit
+            fresh, pinned = fresh + more, pins
             admit.append(self.waiting.popleft())
         return admit

@@ -247,10 +247,14 @@ class PrefixCache:
             pool.k[:, :, target * size:target * size + n] = k
             pool.v[:, :, target * size:target * size + n] = v
 
-    def pinned_by(self, hits: list) -> int:
-        """Idle blocks among ``hits`` (from :meth:`match`): a request that takes them cannot
+    def pinned(self, hits: list) -> set:
+        """The idle blocks among ``hits`` (from :meth:`match`): a request that takes them cannot
         evict them for its fresh blocks."""
-        return len({b for h in hits for b in h.blocks if b in self.idle})
+        return {b for h in hits for b in h.blocks if b in self.idle}
+
+    def pinned_by(self, hits: list) -> int:
+        """How many blocks :meth:`pinned` holds."""
+        return len(self.pinned(hits))
 
     def register(self, blocks: list, tokens: list, last: bool = False, indexed: int = 0, namespace=None) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
