@@ -185,10 +185,10 @@ def test_an_engine_over_a_small_pool_decodes_rows_of_very_different_lengths_exac
         engine.add(seqs[:2])
         with pytest.raises(PoolExhausted, match="KV pool exhausted"):
             engine.add(seqs[2:])
-        assert not engine.can_admit(seqs[2:])
+        assert not engine.blocks.can_admit(seqs[2:])
         while engine.has_active:
             engine.step()
-            if engine.can_admit(seqs[2:]) and seqs[2].row < 0:
+            if engine.blocks.can_admit(seqs[2:]) and seqs[2].row < 0:
                 engine.add(seqs[2:])
         assert [s.tokens for s in seqs] == plain
         assert engine.pool.num_free == engine.pool.num_blocks

@@ -313,7 +313,7 @@ def test_requests_sharing_a_prefix_run_while_another_prefix_is_evicted(target):
     held = set(engine.prefix.match(x + [0]).blocks)
     assert all(engine.prefix.refs[b] == 2 for b in held) and not held & set(engine.prefix.idle)
     long = Sequence(tokens(70, 9), 10)
-    assert engine.can_admit([long])
+    assert engine.blocks.can_admit([long])
     engine.add([long])
     assert engine.prefix.evicted > 0 and engine.prefix.match(y + [0]) == Hit([]) and set(engine.prefix.match(x + [0]).blocks) == held
     while engine.has_active:
@@ -333,12 +333,12 @@ def test_a_pool_of_one_request_evicts_as_it_goes_and_waits_when_short(target):
     assert engine.prefix.evicted > 0
     first, second = Sequence(prompts[0], 10), Sequence(prompts[1], 10)
     engine.add([first])
-    assert not engine.can_admit([second])
+    assert not engine.blocks.can_admit([second])
     with pytest.raises(PoolExhausted):
         engine.add([second])
     while engine.has_active:
         engine.step()
-    assert engine.can_admit([second])
+    assert engine.blocks.can_admit([second])
     run(engine, [prompts[1]])
     assert_no_leak(engine)
 

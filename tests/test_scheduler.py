@@ -39,7 +39,7 @@ def test_sequences_join_in_order_as_blocks_free_up(targets, proposer):
     engine = Engine(target, draft, None if draft is None else TreeSpec.parse("chain:3"), max_batch=4, max_len=128,
                     pool_tokens=192, block_size=64)
     seqs = [Sequence(p, n) for p, n in zip(prompts, budgets)]
-    assert [engine.cache.blocks_for(engine.need(s)) for s in seqs] == [1, 1, 2, 1, 1]
+    assert [engine.blocks.blocks_for(s) for s in seqs] == [1, 1, 2, 1, 1]
     scheduler = Scheduler(engine)
     scheduler.submit(seqs)
     waves = [[seqs.index(s) for s in wave] for wave in run(scheduler, engine) if wave]
@@ -111,5 +111,5 @@ def test_the_schedule_takes_what_can_admit_allows_with_cached_prefixes(targets):
             seqs.append(Sequence(prompt, int(torch.randint(2, 120, (1,), generator=gen))))
         scheduler = Scheduler(engine)
         scheduler.submit(seqs)
-        longest = max(k for k in range(len(seqs) + 1) if engine.can_admit(seqs[:k]))
+        longest = max(k for k in range(len(seqs) + 1) if engine.blocks.can_admit(seqs[:k]))
         assert scheduler.schedule() == seqs[:longest], trial

@@ -1,11 +1,10 @@
 """Sequences joining and leaving an :class:`~longspec.engine.engine.Engine` between rounds.
 
-A sequence joins (:meth:`Admission.add`) when the engine has a free row and its KV pool the
-blocks the sequence can use (prompt, ``max_new_tokens``, one round's writes; less the cached
-blocks its prompt starts with, with a prefix cache): its row takes them, its prompt is prefilled
-(consecutive rows in one batched forward, or in fixed-shape chunks) and its first token is
-emitted. It leaves when it is done or cancelled: its row is masked and its blocks go back to the
-pool (its full blocks stay indexed by content, with a prefix cache)."""
+A sequence joins (:meth:`Admission.add`, where the :class:`~longspec.engine.scheduler.Scheduler`
+lets it) into a free row: the row takes its blocks from the
+:class:`~longspec.engine.blocks.BlockManager`, its prompt is prefilled (consecutive rows in one
+batched forward, or in fixed-shape chunks) and its first token is emitted. It leaves when it is
+done or cancelled: its row is masked and its blocks go back."""
 from __future__ import annotations
 
 from typing import Optional
@@ -13,22 +12,16 @@ from typing import Optional
 import torch
 
 from ..kv.cache import PoolExhausted
-from ..kv.prefix_cache import Hit
 from ..spec.tokens import token_tensor
-from .sequence import Sequence, Streamer, cache_need, round_slots
+from .sequence import Sequence, Streamer
 
 
 class Admission:
     """The part of :class:`~longspec.engine.engine.Engine` that admits sequences and lets them
-    go: its rows, KV pool, prefix cache and prefill (and a seeded sequence's own generator). It
-    works on the engine's state (``rows``, ``max_len``, ``cache``, ``pool``, ``prefix``,
-    ``target``, ``proposer``, ``tree``, ``config``, ``uniforms``, ``root``, ``active``,
-    ``chunked_prefill``) and samples first tokens with its ``_next_token``; the proposer takes a
-    row in through its ``take_in``."""
-
-    def room(self) -> int:
-        """Cache slots a round writes (the decode token, or the whole tree)."""
-        return round_slots(self.tree if self.proposer is not None else None)
+    go: its rows and the prefill (and a seeded sequence's own generator). It works on the
+    engine's state (``rows``, ``max_len``, ``blocks``, ``cache``, ``target``, ``proposer``,
+    ``config``, ``uniforms``, ``root``, ``active``, ``chunked_prefill``) and samples first
+    tokens with its ``_next_token``; the proposer takes a row in through its ``take_in``."""
 
     def free_rows(self) -> list:
         return [r for r, s in enumerate(self.rows) if s is None]
@@ -50,9 +43,9 @@ class Admission:
             raise ValueError(f"{len(seqs)} sequences do not fit: {len(free)} of {len(self.rows)} rows are free")
         for s in seqs:
             self.check(s)
-        hits = self.hits(seqs)
-        if not self.can_admit(seqs, hits):
-            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks_needed(seqs, hits)} "
+        hits = self.blocks.hits(seqs)
+        if not self.blocks.can_admit(seqs, hits):
+            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks.blocks_needed(seqs, hits)} "
                                 f"blocks of {self.pool.block_size} tokens, {self.pool.num_free} of "
                                 f"{self.pool.num_blocks} are free")
         start = 0
@@ -74,43 +67,14 @@ class Admission:
         if s.plain_rounds and self.proposer is not None and any(self.tree_of(b) is not None for b in self.buckets):
             raise ValueError("a sequence with room for plain rounds only joins an engine that runs plain rounds "
                              "(use_tree(None) first)")
-        need = self.need(s)
+        need = self.blocks.need(s)
         if need > self.max_len:
             raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
                              f"{need} cache slots, the engine has {self.max_len}")
-        if self.cache.blocks_for(need) > self.pool.num_blocks:
+        if self.blocks.blocks_for(s) > self.pool.num_blocks:
             raise ValueError(f"prompt of {len(s.prompt)} tokens with max_new_tokens {s.max_new_tokens} needs "
-                             f"{self.cache.blocks_for(need)} KV blocks of {self.pool.block_size} tokens, more than "
+                             f"{self.blocks.blocks_for(s)} KV blocks of {self.pool.block_size} tokens, more than "
                              f"the pool's {self.pool.num_blocks}")
-
-    def need(self, s: Sequence) -> int:
-        """Cache slots sequence ``s`` can use (prompt, new tokens, one round's writes: one for a
-        sequence with room for plain rounds only)."""
-        return cache_need(len(s.prompt), s.max_new_tokens, 1 if s.plain_rounds else self.room())
-
-    def hits(self, seqs: list) -> list:
-        """Per sequence, the cached blocks its prompt starts with (none without a prefix cache)."""
-        return [self.prefix.match(s.prompt, s.cache_namespace) if self.prefix is not None else Hit([]) for s in seqs]
-
-    def blocks_needed(self, seqs: list, hits: Optional[list] = None) -> int:
-        """Fresh pool blocks that ``seqs`` take when they join (0 for a dense pool: rows own
-        theirs), besides the cached blocks their prompts start with (``hits``)."""
-        hits = self.hits(seqs) if hits is None else hits
-        return sum(self.cache.blocks_for(self.need(s)) - len(h.blocks) for s, h in zip(seqs, hits))
-
-    def pinned(self, hit: Hit) -> set:
-        """The idle cached blocks a sequence whose prompt starts with ``hit`` holds when it joins
-        (they then cannot be evicted for fresh blocks; none without a prefix cache)."""
-        return self.prefix.pinned([hit]) if self.prefix is not None else set()
-
-    def can_admit(self, seqs: list, hits: Optional[list] = None) -> bool:
-        """Whether the pool has the blocks for ``seqs`` now (rows are checked by :meth:`add`);
-        ``hits``: their :meth:`hits` (default: matched now)."""
-        hits = self.hits(seqs) if hits is None else hits
-        room = self.cache.allocator.num_free
-        if self.prefix is not None:
-            room -= self.prefix.pinned_by(hits)
-        return self.blocks_needed(seqs, hits) <= room
 
     def _prefill(self, seqs: list, row0: int, streamer, hits: Optional[list] = None, meanwhile=None) -> None:
         """Prefills ``seqs`` into rows ``row0..``, then (``meanwhile()``, the proposer taking
@@ -118,11 +82,7 @@ class Admission:
         tokens: on a GPU that work costs no time while it is shorter than the prefill."""
         n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
-            if self.prefix is None:
-                for row, s in zip(rows, seqs):
-                    self.cache.assign(row, self.need(s))
-            else:
-                self.prefix.assign(self.cache, rows, seqs, [self.need(s) for s in seqs], hits)
+            self.blocks.allocate(row0, seqs, hits)
             # (uploaded before the prefill is launched: a copy from host memory waits for the device)
             texts = [token_tensor(s.text(0), self.target.device) for s in seqs] if self.proposer is not None else []
             logits = self._prefill_rows(seqs, row0)
@@ -138,14 +98,12 @@ class Admission:
             if meanwhile is not None:
                 meanwhile()
         except BaseException:  # (a failed or interrupted prefill leaves no row holding blocks, tokens or a generator)
-            self.cache.lengths[row0:row0 + n] = 0
             for row in rows:
-                self.cache.unassign(row)
+                self.blocks.free(row)
                 self.uniforms.drop_row(row)
             raise
-        for row, s in zip(rows, seqs) if self.prefix is not None else ():  # requests arriving now may share them
-            self.prefix.register(self.cache.blocks[row], s.prompt, indexed=s.cached_tokens // self.pool.block_size,
-                                 namespace=s.cache_namespace)
+        for row, s in zip(rows, seqs):  # (requests arriving now may share its prompt's blocks)
+            self.blocks.index(row, s)
         self.root[row0:row0 + n] = first
         taken = 0
         try:
@@ -157,8 +115,7 @@ class Admission:
                 taken += 1
         finally:  # the rows taken in emit their first tokens and run, even where a later one failed
             for row in rows[taken + 1:]:  # (those after a failed one: blocks back, retried alone by the caller)
-                self.cache.lengths[row] = 0
-                self.cache.unassign(row)
+                self.blocks.free(row)
                 self.uniforms.drop_row(row)
             for s, t in zip(seqs[:taken], first.tolist()):
                 self._emit(s, [t], streamer)
@@ -203,11 +160,7 @@ class Admission:
             return
         self.rows[s.row] = None
         self.active[s.row] = 0
-        if self.prefix is not None:  # its committed tokens whose ids it knows (not those cut off after a stop)
-            self.prefix.register(self.cache.blocks[s.row], (s.prompt + s.tokens)[:int(self.cache.lengths[s.row])],
-                                 last=True, indexed=s.cached_tokens // self.pool.block_size, namespace=s.cache_namespace)
-        self.cache.lengths[s.row] = 0
-        self.cache.unassign(s.row)
+        self.blocks.free(s.row, s)
         self.uniforms.drop_row(s.row)
 
     def _emit(self, s: Sequence, tokens: list, streamer) -> None:

@@ -30,9 +30,10 @@ from ..spec.sampling import RowSampling, Uniforms, config_rows, sample, truncate
 from ..spec.tree import TreeSpec
 from ..spec.verify import verify_greedy, verify_sampling
 from .admission import Admission
+from .blocks import BlockManager
 from .prefill import ChunkedPrefill
 from .runner import PhaseRunner, RoundRows, batch_buckets
-from .sequence import Sequence, Streamer
+from .sequence import Sequence, Streamer, round_slots
 from .switching import TreeSwitching
 from .warm_up import WarmUp
 
@@ -74,7 +75,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
     for every row, so every request that fits a row is admitted, or on CUDA at most half the free
     device memory); a smaller pool admits a request
     only while it has the blocks (:class:`~longspec.kv.cache.PoolExhausted` otherwise, see
-    :meth:`can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
+    :meth:`~longspec.engine.blocks.BlockManager.can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
     block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
     and the kind of round only: its CUDA graphs serve every later request.
 
@@ -135,6 +136,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
         prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache, allocator=self.prefix)
+        self.blocks = BlockManager(self.cache, self.prefix, round_slots(tree if proposer is not None else None))
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)
         self.step_keys = self.max_len if device.type == "cuda" else None
@@ -331,7 +333,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
     def can_launch_ahead(self) -> bool:
         """Whether a round may start before the rounds in flight are finished: every row still
         needs tokens after they emit their most. Its writes then stay inside the blocks each row
-        holds (:meth:`need`); a row that meets its EOS meanwhile only wastes it (its part is
+        holds (``BlockManager.need``); a row that meets its EOS meanwhile only wastes it (its part is
         dropped)."""
         most = sum(v.out_tokens.shape[1] for v, *_ in self._in_flight)
         return self.has_active and all(len(s.tokens) + most < s.max_new_tokens for s in self.rows if s is not None)

@@ -53,17 +53,17 @@ class Scheduler:
     def schedule(self) -> list:
         """The waiting sequences that join now, taken off the queue in order: as many as there
         are free rows while the pool has their blocks (each prompt matched against the prefix
-        cache once; the test of ``Engine.can_admit`` over them all, in one pass). Raises
+        cache once; the test of ``BlockManager.can_admit`` over them all, in one pass). Raises
         :class:`~longspec.kv.cache.PoolExhausted` when the first one cannot join although
         nothing runs (blocks pinned by no sequence: only an engine used outside this scheduler
         can leave them)."""
-        engine, admit = self.engine, []
-        free_rows, free_blocks = len(engine.free_rows()), engine.cache.allocator.num_free
+        engine, blocks, admit = self.engine, self.engine.blocks, []
+        free_rows, free_blocks = len(engine.free_rows()), blocks.num_free
         fresh, pinned = 0, set()  # (the blocks those admitted take: one pass, not one per sequence)
         while self.waiting and len(admit) < free_rows:
             s = self.waiting[0]
-            hit, = engine.hits([s])
-            more, pins = engine.blocks_needed([s], [hit]), pinned | engine.pinned(hit)
+            hit, = blocks.hits([s])
+            more, pins = blocks.blocks_needed([s], [hit]), pinned | blocks.pinned(hit)
             if fresh + more > free_blocks - len(pins):
                 if not admit and not engine.has_active:
                     raise PoolExhausted(f"KV pool exhausted with no sequence running: a prompt of {len(s.prompt)} "

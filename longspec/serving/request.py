@@ -107,7 +107,7 @@ class RequestParsing:
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
         ids = self._chat_ids(body) if chat else self._prompt_ids(body)
-        room = self.engine.room()
+        room = self.engine.blocks.round_slots
         if max_tokens is None:  # OpenAI's defaults: what the context leaves (chat) / 16
             max_tokens = max(1, self.max_len - len(ids) + 2 - room) if chat else 16
         need = cache_need(len(ids), max_tokens, room)
