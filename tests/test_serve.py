@@ -537,3 +537,44 @@ def test_the_app_stops_its_server_at_shutdown_through_fastapis_lifespan():
     with TestClient(app):
         assert not stub.stopped
     assert stub.stopped
+
+
+def test_a_request_the_scheduler_refuses_fails_and_the_worker_lives_on(tiny_dir, monkeypatch):
+    """Where the scheduler finds that the first waiting request can never join (blocks held by no
+    sequence: an engine used outside it), that request gets an error instead of waiting forever,
+    and the worker thread goes on serving the next one."""
+    from transformers import AutoTokenizer
+
+    from longspec.engine.engine import Sequence
+    from longspec.engine.scheduler import Scheduler
+    from longspec.kv.cache import PoolExhausted
+    from longspec.serving.server import Request, build_server
+
+    server = build_server(load_target(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir), "tiny", max_batch=2,
+                          max_len=128)
+    real, calls = Scheduler.schedule, []
+
+    def refuse_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise PoolExhausted("KV pool exhausted with no sequence running")
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", refuse_once)
+    loop = asyncio.new_event_loop()
+    try:
+        first, second = (Request(Sequence(prompt_ids(i), 3, temperature=0.0), [], loop, asyncio.Queue())
+                         for i in range(2))
+        with server.worker.lock:
+            server.worker.submit(first)
+            server.worker.submit(second)
+        deadline = time.monotonic() + 30
+        while not second.seq.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.run_until_complete(asyncio.sleep(0))
+        kinds = [first.events.get_nowait()[0] for _ in range(first.events.qsize())]
+        assert kinds == ["error"] and second.seq.done and len(second.seq.tokens) == 3
+        assert server.worker.thread.is_alive() and server.worker.stats()["waiting"] == 0
+    finally:
+        server.worker.stop()
+        loop.close()

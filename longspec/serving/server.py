@@ -24,6 +24,7 @@ import torch
 
 from ..engine.engine import Engine, Sequence
 from ..engine.scheduler import Scheduler
+from ..kv.cache import PoolExhausted
 from .engine_calls import EngineCalls, build_engine
 from .request import APIError, RequestParsing
 from .tokenizing import PieceCache
@@ -191,9 +192,15 @@ class Worker:
                 for request in [r for r in self.queued.values() if r.cancelled]:
                     self.scheduler.drop(request.seq)
                     del self.queued[id(request.seq)]
-                admit = [self.queued.pop(id(s)) for s in self.scheduler.schedule()]
+                refused = None
+                try:
+                    admit = [self.queued.pop(id(s)) for s in self.scheduler.schedule()]
+                except PoolExhausted as err:  # (it never fits: failed, not waited for forever)
+                    admit, refused = [], (self.queued.pop(id(self.scheduler.waiting.popleft())), err)
                 cancelled = [r for r in self.running.values() if r.cancelled]
             start = time.perf_counter()
+            if refused is not None:
+                self._fail(*refused)
             try:
                 for request in cancelled:
                     self._finish(request, None)
