@@ -74,7 +74,6 @@ def convert_gguf(gguf_file: Union[str, Path], out_dir: Union[str, Path],
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     say("reading the tokenizer")
     if tokenizer_dir is None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -208,7 +207,6 @@ def default_model_dir(announce: bool = False) -> Path:
         import time
 
         from transformers.utils import logging as hf_logging
-
 
         start, stage = time.perf_counter(), ["loading the converter"]
         status(f"converting the default model ({DEFAULT_NAME}) once into {out}; this takes about 20 s")

@@ -89,12 +89,12 @@ def test_index_matches_whole_blocks_keeps_held_blocks_and_evicts_the_least_recen
     assert pool.num_free == 4 and list(cache.idle) == [a[1], a[0]]  # the chain's tail first out
     hit = cache.match(prompt)
     cache.acquire(hit.blocks)  # held: never evicted
-    assert cache.pinned_by([hit, hit]) == 0 and cache.num_free == 4
-    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 0  # (held blocks)
+    assert len(cache.pinned([hit, hit])) == 0 and cache.num_free == 4
+    assert len(cache.pinned([cache.match([0, 1, 2, 3, 4, 5, 9])])) == 0  # (held blocks)
     with pytest.raises(PoolExhausted, match="5 blocks of 4 tokens needed, 4 of 6 free or evictable"):
         cache.allocate(5)
     cache.release(hit.blocks)
-    assert cache.pinned_by([cache.match([0, 1, 2, 3, 4, 5, 9])]) == 1  # idle: an admission would hold it
+    assert len(cache.pinned([cache.match([0, 1, 2, 3, 4, 5, 9])])) == 1  # idle: an admission would hold it
     # (the second block matches only in part: copied before the admission allocates, not held)
     b = cache.allocate(5)  # takes the four free blocks and evicts the tail block first
     assert cache.evicted == 1 and a[1] in b and a[0] not in b and cache.match(prompt) == Hit(a[:1])

@@ -74,7 +74,6 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
-
     candidates = {}
     chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
     for n in chains:

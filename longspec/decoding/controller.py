@@ -341,7 +341,6 @@ class Controller:
 
     def save(self) -> None:
         """Writes the corrections learned to the store (other keys' kept)."""
-
         data = self._stored()
         data[self.key] = {json.dumps([name, sampling]): [*pair, self.calls.get((name, sampling), PROBE_CALLS)]
                           for (name, sampling), pair in self.learned.items()}

@@ -64,7 +64,8 @@ class Engines:
     def replace(self, key, proposer=None) -> None:
         """Closes the engine of ``key`` and any engine that holds ``proposer`` (a proposer's state
         belongs to one engine), before a new one is built: their pools are freed first."""
-        for other in [k for k, e in self.engines.items() if k == key or (proposer is not None and e.proposer is proposer)]:
+        for other in [k for k, e in self.engines.items()
+                      if k == key or (proposer is not None and e.proposer is proposer)]:
             self.engines.pop(other).close()
 
     def get(self, key) -> Optional[Engine]:

@@ -45,7 +45,8 @@ class Admission:
             self.check(s)
         hits = self.blocks.hits(seqs)
         if not self.blocks.can_admit(seqs, hits):
-            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need {self.blocks.blocks_needed(seqs, hits)} "
+            raise PoolExhausted(f"KV pool exhausted: {len(seqs)} sequences need "
+                                f"{self.blocks.blocks_needed(seqs, hits)} "
                                 f"blocks of {self.pool.block_size} tokens, {self.pool.num_free} of "
                                 f"{self.pool.num_blocks} are free")
         start = 0

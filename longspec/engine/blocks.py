@@ -54,12 +54,17 @@ class BlockManager:
         """Blocks the allocator can hand out now (idle cached ones included)."""
         return self.cache.allocator.num_free
 
+    def fits(self, fresh: int, pinned: set) -> bool:
+        """Whether ``fresh`` blocks can be handed out now while the idle cached blocks ``pinned``
+        are held (they are not evicted for them)."""
+        return fresh <= self.num_free - len(pinned)
+
     def can_admit(self, seqs: list, hits: Optional[list] = None) -> bool:
         """Whether the pool has the blocks for ``seqs`` now; ``hits``: their :meth:`hits` (default:
         matched now)."""
         hits = self.hits(seqs) if hits is None else hits
-        pinned = self.prefix.pinned_by(hits) if self.prefix is not None else 0
-        return self.blocks_needed(seqs, hits) <= self.num_free - pinned
+        pinned = self.prefix.pinned(hits) if self.prefix is not None else set()
+        return self.fits(self.blocks_needed(seqs, hits), pinned)
 
     def allocate(self, row0: int, seqs: list, hits: Optional[list] = None) -> None:
         """Gives rows ``row0..`` the blocks of ``seqs`` (the cached blocks of their ``hits`` held
@@ -84,6 +89,7 @@ class BlockManager:
         indexed first (not those cut off after a stop string)."""
         if s is not None and self.prefix is not None:
             self.prefix.register(self.cache.blocks[row], (s.prompt + s.tokens)[:int(self.cache.lengths[row])],
-                                 last=True, indexed=s.cached_tokens // self.pool.block_size, namespace=s.cache_namespace)
+                                 last=True, indexed=s.cached_tokens // self.pool.block_size,
+                                 namespace=s.cache_namespace)
         self.cache.lengths[row] = 0
         self.cache.unassign(row)

@@ -60,10 +60,10 @@ class Engine(Admission, TreeSwitching, WarmUp):
     ``top_k`` / ``top_p``, set as it joins into ``config`` (a
     :class:`~longspec.spec.sampling.RowSampling` of ``max_batch`` rows, made if not given).
     ``cuda_graphs`` (default: on CUDA when the proposer allows it) captures each phase of a round
-    on first use. ``bucket_trees``: {batch
-    bucket: tree} for buckets that draft a smaller tree than ``tree`` (no deeper, no more nodes;
-    e.g. less speculation where many rows share a round), or None (or "plain") for buckets that
-    decode plainly, drafting nothing (where speculation does not pay); the others draft ``tree``.
+    on first use. ``bucket_trees``: {batch bucket: tree} for buckets that draft a smaller tree
+    than ``tree`` (no deeper, no more nodes; e.g. less speculation where many rows share a
+    round), or None (or "plain") for buckets that decode plainly, drafting nothing (where
+    speculation does not pay); the others draft ``tree``.
     ``prefill_chunk``: prompts are prefilled in fixed-shape chunks of that many tokens (a prompt's
     rest in the smaller chunks of its ladder; or the ladder's sizes), graph-captured per row and
     size on CUDA (:class:`~longspec.engine.prefill.ChunkedPrefill`; default: one eager prefill).
@@ -75,9 +75,10 @@ class Engine(Admission, TreeSwitching, WarmUp):
     for every row, so every request that fits a row is admitted, or on CUDA at most half the free
     device memory); a smaller pool admits a request
     only while it has the blocks (:class:`~longspec.kv.cache.PoolExhausted` otherwise, see
-    :meth:`~longspec.engine.blocks.BlockManager.can_admit`). A row reaches ``max_len`` slots (rounded up to the block size) through its
-    block table whatever the pool, so every round's shapes depend on the batch bucket, the tree
-    and the kind of round only: its CUDA graphs serve every later request.
+    :meth:`~longspec.engine.blocks.BlockManager.can_admit`). A row reaches ``max_len`` slots
+    (rounded up to the block size) through its block table whatever the pool, so every round's
+    shapes depend on the batch bucket, the tree and the kind of round only: its CUDA graphs serve
+    every later request.
 
     ``prefix_cache``: full blocks of the prompts (and of finished requests' text) stay indexed by
     content (:class:`~longspec.kv.prefix_cache.PrefixCache`): a prompt that starts with cached blocks
@@ -135,7 +136,8 @@ class Engine(Admission, TreeSwitching, WarmUp):
         self.pool = BlockPool(target.cache_config, num_blocks, block, target.dtype, device)
         prefix_cache = prefix_cache and target.config.rope.rope_type != "dynamic"
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
-        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache, allocator=self.prefix)
+        self.cache = target.new_cache(max_batch, self.max_len, pool=self.pool, paged=prefix_cache,
+                                      allocator=self.prefix)
         self.blocks = BlockManager(self.cache, self.prefix, round_slots(tree if proposer is not None else None))
         # keys a step attends over: the whole capacity on CUDA (fixed shapes, capturable); on a CPU
         # the slots in use (reading the longest length costs nothing there)

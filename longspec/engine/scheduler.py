@@ -58,13 +58,13 @@ class Scheduler:
         nothing runs (blocks pinned by no sequence: only an engine used outside this scheduler
         can leave them)."""
         engine, blocks, admit = self.engine, self.engine.blocks, []
-        free_rows, free_blocks = len(engine.free_rows()), blocks.num_free
+        free_rows = len(engine.free_rows())
         fresh, pinned = 0, set()  # (the blocks those admitted take: one pass, not one per sequence)
         while self.waiting and len(admit) < free_rows:
             s = self.waiting[0]
             hit, = blocks.hits([s])
             more, pins = blocks.blocks_needed([s], [hit]), pinned | blocks.pinned(hit)
-            if fresh + more > free_blocks - len(pins):
+            if not blocks.fits(fresh + more, pins):
                 if not admit and not engine.has_active:
                     raise PoolExhausted(f"KV pool exhausted with no sequence running: a prompt of {len(s.prompt)} "
                                         f"tokens needs {more} blocks, {engine.pool.num_free} of "

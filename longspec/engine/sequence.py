@@ -36,7 +36,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens read from a prefix cache instead of prefilled
     cache_namespace: object = None  # shares cached blocks only with sequences of the same (a tenant)
     plain_rounds: bool = False  # holds room for plain rounds only: its engine drafts no tree while it is active
-    seed: Optional[int] = None  # its row draws from a generator of its own, so its text does not depend on its neighbours
+    seed: Optional[int] = None  # its row draws from its own generator: its text does not depend on its neighbours
     _prompt_ids: Optional[np.ndarray] = field(default=None, init=False, repr=False, compare=False)
 
     def text(self, generated: int) -> np.ndarray:

@@ -85,8 +85,8 @@ class WarmUp:
         return time.perf_counter() - t0
 
     def _use_round_kind(self, greedy: bool, truncating: bool) -> None:
-        """Rounds from now on are greedy or sampled, with top-k / top-p (``truncating``, for an
-        engine with per-row settings) or without."""
+        """Rounds from now on are greedy or sampled, with top-k / top-p (``truncating``) or
+        without."""
         self.greedy_round = greedy
         self.config.truncating = truncating
 

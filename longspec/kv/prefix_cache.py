@@ -252,10 +252,6 @@ class PrefixCache:
         evict them for its fresh blocks."""
         return {b for h in hits for b in h.blocks if b in self.idle}
 
-    def pinned_by(self, hits: list) -> int:
-        """How many blocks :meth:`pinned` holds."""
-        return len(self.pinned(hits))
-
     def register(self, blocks: list, tokens: list, last: bool = False, indexed: int = 0, namespace=None) -> None:
         """Indexes a row's full blocks: ``blocks`` hold ``tokens`` in order (the row's committed
         tokens whose ids are known); ``last``: the partly filled block after them too (a row that

@@ -169,7 +169,6 @@ def use_device_kernels(model: TargetModel) -> None:
 
 def is_multimodal(raw: dict) -> bool:
     """Whether a config.json describes a multimodal checkpoint whose text model is loaded."""
-
     return raw.get("model_type") in MULTIMODAL.values() and isinstance(raw.get("text_config"), dict)
 
 
@@ -270,7 +269,6 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
     ``mlp`` and three norms; cross-attention k/v weights are ignored). Raises ValueError when the
     draft does not fit the target. ``dtype``: of the draft's weights (default: the target's);
     ``fuse``: q/k/v and gate/up in one product each, for inference (training keeps them apart)."""
-
     config, files, rename = read_draft_config(path, target)
     with torch.device("meta"):
         draft = LongSpecDraft(config, target)
@@ -284,7 +282,6 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
 def read_draft_config(path: Union[str, Path], target) -> tuple:
     """(DraftConfig, safetensors files, key rename or None) of the draft at ``path`` (see
     :func:`load_draft`), without loading its weights."""
-
     path = Path(path)
     raw = read_config(path)
     files = safetensors_files(path)

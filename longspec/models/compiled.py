@@ -35,7 +35,6 @@ def compile_step(fn):
     uncompiled, with a warning: the same results, slower."""
     import torch._dynamo
 
-
     mark_compile_boundaries()
     shorten_compile_failures()
 

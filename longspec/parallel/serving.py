@@ -44,7 +44,6 @@ class EngineSpec:
 
 def build_engine_calls(spec: EngineSpec, tp: TensorParallel):
     """This rank's share of the target, its proposer and engine, as :class:`EngineCalls`."""
-
     if spec.threads:
         torch.set_num_threads(spec.threads)
     target = load_target(spec.target, spec.dtype, tensor_parallel=tp)

@@ -44,7 +44,6 @@ class ParallelSpec:
 
 def build_generator(spec: ParallelSpec, tp: TensorParallel):
     """This rank's share of the target and a Generator over it."""
-
     if spec.proposer == "auto":
         raise ValueError("proposer 'auto' measures step times, which differ between ranks: pick one of none, pld, "
                          "streaming, longspec, hybrid under tensor parallelism")

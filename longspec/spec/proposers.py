@@ -21,6 +21,7 @@ This module gathers them (``from longspec.spec.proposers import LongSpecProposer
 and builds one by name (:func:`build_proposer`)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
@@ -49,9 +50,6 @@ def default_tree(proposer: str) -> str:
 
 def default_draft(target: TargetModel):
     """The draft shipped for the default model when ``target`` is it, else None."""
-    from pathlib import Path
-
-
     shipped_for = home_dir() / "models" / DEFAULT_NAME
     if target.path is None or Path(target.path).resolve() != shipped_for.resolve():
         return None
@@ -81,7 +79,6 @@ def resolve_draft(draft, target):
     if draft is None:
         return default_draft(target)
     if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
-
         return load_draft(draft, target)
     return draft
 

@@ -16,8 +16,9 @@ scores' values instead:
 Both predicates fall as ``t`` grows, so the largest ``t`` is found digit by digit over the
 scores' float32 bit patterns, as integers in the order of the floats (-0.0 just below +0.0;
 :func:`_value` maps one back): eight passes over the row for eight 4-bit digits, each pass
-evaluating the predicate at the 16 values of the next digit. The result is exactly a score of the row (the predicates change only
-at the row's values), so ``scores < cut`` is the same comparison the sorting path makes.
+evaluating the predicate at the 16 values of the next digit. The result is exactly a score of
+the row (the predicates change only at the row's values), so ``scores < cut`` is the same
+comparison the sorting path makes.
 
 The sorting path in :mod:`longspec.spec.sampling` is the reference (and what CPUs run)."""
 from __future__ import annotations

@@ -397,7 +397,6 @@ def build_data(config: DataConfig, tokenizer, max_position_embeddings: int,
             if shown is not None:
                 shown.close()
         if cached is not None and write_cache:
-
             cached.parent.mkdir(parents=True, exist_ok=True)
             remove_stale(cached.parent)  # entries a killed run left half-written
             write_atomic(cached, lambda f: torch.save({"train": train.int(), "eval": held.int()}, f))

@@ -87,7 +87,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.max_lag is None:
-
             self.max_lag = TreeSpec.parse(self.tree).depth
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "max_lag", "log_every"):
             if getattr(self, name) < 1:
@@ -138,7 +137,6 @@ def initial_draft(config: TrainConfig, target, source: Optional[Path] = None, re
     ``--init-from``'s draft with its float32 weights (a warm start; its stale acceptance table is
     dropped), or with ``resume`` the run's checkpoint, whose weights the caller loads next (with
     its trainer state). Raises ValueError when it does not fit this run."""
-
     if source is None:
         widths = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
         return init_draft(DraftConfig.for_target(target, window=config.window, **widths), target,
