@@ -112,25 +112,31 @@ def predictions(candidates: dict, costs: dict) -> str:
 
 @dataclass
 class Plan:
-    """What ``--proposer auto`` runs for a prompt: ``name``, the proposer that runs every
-    candidate ("pld" or "hybrid"), the engine's ``tree`` (the
-    biggest candidate, which every other fits in), ``start`` (the cost model's pick: the first
-    rounds; None: plain rounds), the ``draft`` (the hybrid's), ``note`` (why) and ``predicted``
-    ({tree or None: (tokens per round, round ms)} of every candidate, the
-    :class:`~longspec.decoding.controller.Controller`'s start; None: no cost model, ``start``
-    runs throughout). ``hits``: the lookup's hit rates on the prompt, ``acceptance`` the
-    draft's table and ``index`` the prompt's :class:`~longspec.spec.acceptance.LookupIndex`,
-    for :meth:`repredict`."""
+    """What a ``Generator.generate`` call runs. ``name``: the proposer's ("pld" or "hybrid" for
+    ``--proposer auto``, which runs every candidate with it; "" for a Generator's own proposer);
+    ``tree``: the engine's (the biggest its rounds may draft, which every candidate fits in);
+    ``start``: the first rounds' tree (auto: the cost model's pick; None: plain rounds); ``draft``:
+    the hybrid's; ``note``: why (auto); ``predicted``: {tree or None: (tokens per round, round
+    ms)} of every candidate, the :class:`~longspec.decoding.controller.Controller`'s start (None:
+    no cost model, ``start`` runs throughout). ``hits``: the lookup's hit rates on the prompt,
+    ``acceptance`` the draft's table and ``index`` the prompt's
+    :class:`~longspec.spec.acceptance.LookupIndex`, for :meth:`repredict`. ``proposer``: the
+    proposer object the engine runs (None: plain decoding; :func:`resolve` leaves it to the
+    caller, which owns the proposers); ``controller``: one given to the Generator; ``choices``:
+    the trees auto's controller may run (None: plain rounds), captured on a first call."""
 
     name: str
     tree: Optional[TreeSpec]
     start: Optional[TreeSpec]
-    draft: object
-    note: str
+    draft: object = None
+    note: str = ""
     predicted: Optional[dict] = None
     hits: tuple = ()
     acceptance: tuple = ()
     index: Optional[LookupIndex] = None
+    proposer: object = None
+    controller: object = None
+    choices: tuple = ()
 
     def repredict(self, ids: Sequence[int], n_prompt: int) -> dict:
         """{tree: tokens per round} predicted from the lookup's hit rates on the generated part of

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -26,7 +26,7 @@ from ..models.target import TargetModel
 from ..spec.proposers import PROPOSERS, default_tree, proposer_family
 from ..spec.sampling import RowSampling
 from ..spec.tree import TreeSpec
-from .auto import candidate_trees, costs_measured, resolve
+from .auto import Plan, candidate_trees, costs_measured, resolve
 from .rounds import run_rounds, tree_text
 from .shared import Engines, new_controller
 
@@ -153,19 +153,18 @@ class Generator:
                 f"positions, over the maximum length {self.max_len} (the model's context; shorten the prompt, "
                 "lower max_new_tokens, use a smaller tree, or pass Generator(max_len=...))")
 
-    def plan(self, prompts: list, config: GenerationConfig) -> "CallPlan":
+    def plan(self, prompts: list, config: GenerationConfig) -> Plan:
         """What a call on ``prompts`` runs: this Generator's proposer and tree, or for "auto" the
         candidates of the cost model on the first prompt (:func:`~longspec.decoding.auto.resolve`),
         which a controller chooses among while it generates."""
         if self.proposer != "auto":
-            return CallPlan(self.proposer, self.tree, self.tree, controller=self.controller)
+            return Plan("", self.tree, self.tree, proposer=self.proposer, controller=self.controller)
 
         chosen = resolve(self.target, prompts[0], self.draft)
         proposer = Engines.of(self.target).proposer(chosen.name, self.draft)
-        return CallPlan(proposer, chosen.tree, chosen.start, chosen.note, chosen.name, chosen,
-                        choices=tuple(chosen.predicted or ()))
+        return replace(chosen, proposer=proposer, choices=tuple(chosen.predicted or ()))
 
-    def _outline(self) -> Optional["CallPlan"]:
+    def _outline(self) -> Optional[Plan]:
         """For "auto" where its plan can be made while the device prefills (its step costs
         measured: making it is then the host's work alone; a draft with an acceptance table, or
         none): the proposer and the biggest tree of every prompt's plan (the engine), with every
@@ -177,29 +176,29 @@ class Generator:
             return None
         trees = candidate_trees(self.draft, self.target.device.type == "cuda")
         name = "pld" if self.draft is None else "hybrid"
-        return CallPlan(Engines.of(self.target).proposer(name, self.draft), trees[0], None, name=name,
-                        choices=(*trees, None))
+        return Plan(name, trees[0], None, proposer=Engines.of(self.target).proposer(name, self.draft),
+                    choices=(*trees, None))
 
-    def _begin(self, engine: Engine, plan: "CallPlan", config: GenerationConfig) -> tuple:
+    def _begin(self, engine: Engine, plan: Plan, config: GenerationConfig) -> tuple:
         """(controller, auto's predictions or None, the tree of the first rounds) of a call of
         ``plan``: auto's controller of ``engine`` begun with its predictions, or the one given to
         this Generator, or none."""
-        if plan.auto is not None and plan.auto.predicted is not None:
+        if plan.predicted is not None:
             controller = Engines.of(self.target).controller(engine, self.draft)
-            return controller, plan.auto.predicted, controller.begin(plan.auto.predicted, sampling_key(config))
+            return controller, plan.predicted, controller.begin(plan.predicted, sampling_key(config))
         if plan.controller is not None:
             return plan.controller, None, plan.controller.begin(None, None)
         return None, None, plan.start
 
-    def first_rounds(self, plan: "CallPlan", config: GenerationConfig) -> tuple:
+    def first_rounds(self, plan: Plan, config: GenerationConfig) -> tuple:
         """(tree, predicted speed over plain decoding) of the first rounds of a call of ``plan``
         (from :meth:`plan`) in a new process: for "auto" the candidate its controller predicts
         fastest (from the cost model's predictions corrected by what earlier processes measured;
         it times plain rounds first); else ``plan.start``."""
-        if plan.auto is None or plan.auto.predicted is None:
+        if plan.predicted is None:
             return plan.start, None
         controller = new_controller(self.target, self.draft)
-        controller.begin(plan.auto.predicted, sampling_key(config))
+        controller.begin(plan.predicted, sampling_key(config))
         return controller.planned.tree, controller.gain()
 
     def engine(self, proposer, tree: Optional[TreeSpec], batch: int) -> Engine:
@@ -229,7 +228,7 @@ class Generator:
 
     @torch.inference_mode()
     def generate(self, prompts: Prompts, config: Optional[GenerationConfig] = None,
-                 streamer: Optional[Streamer] = None, plan: Optional["CallPlan"] = None) -> GenerationOutput:
+                 streamer: Optional[Streamer] = None, plan: Optional[Plan] = None) -> GenerationOutput:
         """Generates up to ``config.max_new_tokens`` tokens after each prompt (a list of token ids
         or a list of such lists; rows may differ in length). A row stops at its first EOS token,
         which is included in its output. ``streamer(row, tokens)`` is called as tokens appear.
@@ -250,8 +249,8 @@ class Generator:
         if near_end:
             # near the context's end (plain decoding fits: checked above): plain rounds in auto's
             # engine (its graphs captured, no second KV pool), its rows holding room for them only
-            plan, outline = CallPlan(plan.proposer, plan.tree, None, "the prompt leaves no room for a speculative tree",
-                                     "none"), None
+            plan, outline = Plan("none", plan.tree, None, note="the prompt leaves no room for a speculative tree",
+                                 proposer=plan.proposer), None
         t_setup = time.perf_counter()
         plan_s = t_setup - t_plan
         engine = self.engine(plan.proposer, plan.tree, len(prompts))
@@ -307,7 +306,7 @@ class Generator:
             if outline is not None:
                 plan, plan_s, controller, predicted, start = made
             trees = [(0, tree_text(start))] if controller is not None else []
-            repredict = plan.auto.repredict if predicted is not None and len(seqs) == 1 else None
+            repredict = plan.repredict if predicted is not None and len(seqs) == 1 else None
             t_prefill = clock()
             rounds, stepping = run_rounds(engine, seqs, streamer, controller, trees, repredict, self.launch_ahead)
         finally:  # a failed or interrupted call leaves the shared engine empty
@@ -350,24 +349,6 @@ class Generator:
                          draft_s=phase_s[0], verify_s=phase_s[-1],
                          other_s=max(t_end - t_prefill - sum(phase_s), 0.0))
         return GenerationOutput([s.tokens for s in seqs], stats)
-
-
-@dataclass
-class CallPlan:
-    """What one ``Generator.generate`` call runs: ``proposer`` (None: plain decoding), the
-    engine's ``tree`` (the biggest its rounds may draft), the tree of its first rounds
-    (``start``; None: plain rounds), ``note`` (why, for "auto"), ``name`` (the proposer's name,
-    for "auto"), ``auto`` (auto's :class:`~longspec.decoding.auto.Plan`: the candidates a
-    controller chooses among while generating) and ``controller`` (one given to the Generator)."""
-
-    proposer: object
-    tree: Optional[TreeSpec]
-    start: Optional[TreeSpec]
-    note: str = ""
-    name: str = ""
-    auto: object = None
-    controller: object = None
-    choices: tuple = ()  # the trees auto's controller may run (None: plain rounds), captured on a first call
 
 
 def sampling_key(config: GenerationConfig) -> tuple:
