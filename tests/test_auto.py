@@ -9,7 +9,7 @@ import torch
 
 from longspec import load_target
 from longspec.spec import acceptance
-from longspec.decoding import auto, bucket_choice, step_costs
+from longspec.decoding import auto, bucket_choice, corrections, step_costs
 from longspec.spec.acceptance import ACCEPTANCE_WIDTHS, expected_tokens, lookup_acceptance, measure_acceptance
 from longspec.decoding.auto import resolve
 from longspec.decoding.step_costs import device_key
@@ -325,12 +325,12 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert set(ran[-15:]) == {None}  # then plain rounds for good
     c.end()
     assert {name: c.round_ms(name) for name in c.times} == pytest.approx({"chain:5": 1.2, "plain": 1.0})
-    assert c.learned[("chain:5", "greedy")][0] == 0.0  # (no extra token measured)
+    assert c.learned.pairs[("chain:5", "greedy")][0] == 0.0  # (no extra token measured)
     # the next greedy call: none of the chain's extra tokens came, so few are expected (but
     # enough that a prompt predicted to repeat much gets a few rounds again); the tree, never
     # measured, starts from the cost model and runs first
     assert c.begin(predicted, "greedy") == tree
-    low = 1 + controller.MIN_CORRECTION
+    low = 1 + corrections.MIN_CORRECTION
     assert c.candidates["chain:5"].prior == pytest.approx(low) and c.candidates["4,4,1"].prior == 3.0
     c.begin(predicted, "sampled")
     assert c.candidates["chain:5"].prior == pytest.approx(2.0)  # (nothing measured at that setting yet)
@@ -353,7 +353,6 @@ def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_ea
     its time scaled like the measured ones' (here plain rounds': 0.8 of the prediction), so a
     chain accepting little at temperature 1 gives way to plain rounds; a sampled call's tokens a
     round come from earlier calls at its setting, not from the greedy prediction."""
-    from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
     chain, t1 = TreeSpec.chain(5), (1.0, 0, 1.0)
@@ -367,7 +366,7 @@ def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_ea
     assert c.candidates["plain"].ms == pytest.approx(1.2)
     c.end()
     assert c.begin(predicted, t1) is None  # the chain's 1.1 tokens in 1.5 ms: plain from the start
-    low = controller.MIN_CORRECTION  # (of the 0.8 extra tokens predicted, 0.1 came)
+    low = corrections.MIN_CORRECTION  # (of the 0.8 extra tokens predicted, 0.1 came)
     assert c.candidates["chain:5"].prior == pytest.approx(1 + 0.8 * low)
     # a prompt where the cost model predicts more: the same share of its extra tokens, here too
     # few to pay (a new prediction while generating is corrected alike)
@@ -645,7 +644,7 @@ def test_corrections_are_kept_for_the_next_process(tmp_path):
     nxt = timed_plain(Controller(str(store), "model A"), 1.2)
     assert nxt.begin(predicted, "greedy") == chain  # 1 + 0.2 x min(5 / 0.2, MAX_CORRECTION) tokens
     assert nxt.candidates["chain:8"].prior == pytest.approx(1 + 0.2 * controller.MAX_CORRECTION)
-    assert nxt.calls[("chain:8", "greedy")] == 1  # (the calls that measured it: a probe's rule)
+    assert nxt.learned.calls[("chain:8", "greedy")] == 1  # (the calls that measured it: a probe's rule)
     assert nxt.begin(predicted, t1) is None  # (nothing learned at temperature 1)
     assert timed_plain(Controller(str(store), "model B"), 1.2).begin(predicted, "greedy") is None
     other = Controller(str(store), "model B")
@@ -692,11 +691,11 @@ def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):
     c.begin({chain: (2.0, 1.0), None: (1.0, 1.0)}, "greedy")
     c.observe(5.0, 1e-3)
     c.end()
-    assert c.learned[("chain:8", "greedy")] == (4.0, 1.0)
+    assert c.learned.pairs[("chain:8", "greedy")] == (4.0, 1.0)
     # a store of another shape, or with entries this version cannot read, is learned again
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps({"model": {"not json": [1, 2], json.dumps(["chain:8", "greedy"]): "x"}, "other": 3}))
-    assert Controller(str(odd), "model").learned == {} and Controller(str(odd), "other").learned == {}
+    assert Controller(str(odd), "model").learned.pairs == {} and Controller(str(odd), "other").learned.pairs == {}
 
 
 def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corrections(tiny, tmp_path, monkeypatch):
@@ -884,8 +883,8 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c = timed_plain(Controller(), 1.0)
     times, _ = c.records("truncated")  # (their rounds measured in an earlier call)
     times["chain:5"], times["4,4,1"] = [1.25] * 3, [2.6] * 3
-    c.learned[("chain:5", t07)] = c.learned[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
-    c.calls[("chain:5", t07)] = c.calls[("4,4,1", t07)] = 1
+    c.learned.pairs[("chain:5", t07)] = c.learned.pairs[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
+    c.learned.calls[("chain:5", t07)] = c.learned.calls[("4,4,1", t07)] = 1
     assert c.begin(predicted, t07) is None  # (corrected: 1.2 tokens in 1.25 ms)
     ran = [c.observe(1.0, 1e-3)]
     assert ran == [chain]  # probed: 2 tokens in 1.25 ms hoped
@@ -893,9 +892,9 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
         ran.append(c.observe(*((4.0, 1.25e-3) if ran[-1] == chain else (1.0, 1e-3))))
     assert set(ran) == {chain}  # it hits: it stays
     c.end()
-    assert c.calls[("chain:5", t07)] == 2
+    assert c.learned.calls[("chain:5", t07)] == 2
     # where it does not hit, plain rounds are back within a few rounds, and it is not probed again
-    c.learned[("chain:5", t07)], c.calls[("chain:5", t07)] = (0.1, 2.0), 1
+    c.learned.pairs[("chain:5", t07)], c.learned.calls[("chain:5", t07)] = (0.1, 2.0), 1
     c.begin(predicted, t07)
     ran = [c.observe(1.0, 1e-3)]
     for _ in range(30):
@@ -903,7 +902,7 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     assert ran[0] == chain and ran.count(chain) <= controller.DWELL + 1 and set(ran[-20:]) == {None}
     # measured in PROBE_CALLS calls: no probe; nor of a tree whose rounds cost 2.6 plain ones
     c.end()
-    c.learned[("chain:5", t07)] = (0.1, 2.0)
+    c.learned.pairs[("chain:5", t07)] = (0.1, 2.0)
     c.begin(predicted, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
     # of two cheap candidates to probe, the one whose uncorrected prediction is fastest
@@ -911,13 +910,13 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c = timed_plain(Controller(), 1.0)
     times, _ = c.records("truncated")
     for name, ms in (("chain:5", 1.25), ("2,2", 1.4)):
-        c.learned[(name, t07)], c.calls[(name, t07)], times[name] = (0.1, 2.0), 1, [ms] * 3
+        c.learned.pairs[(name, t07)], c.learned.calls[(name, t07)], times[name] = (0.1, 2.0), 1, [ms] * 3
     c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert c.observe(1.0, 1e-3) == cheap
     # a candidate whose round time is only predicted (a new process) is not probed: a probe's cost
     # is bounded by a measured time ...
     c = timed_plain(Controller(), 1.0)
-    c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
+    c.learned.pairs[("2,2", t07)], c.learned.calls[("2,2", t07)] = (0.1, 2.0), 1
     c.begin({cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
     # ... or by its prediction calibrated by another tree's measured rounds at this kind of round
@@ -926,7 +925,7 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     for measured, vouches in (({"chain:5": 2.4}, False), ({"4,8": 2.4}, True),
                               ({"chain:5": 2.0, "4,8": 4.0}, False)):  # (the tree 2x its prediction: 2.4 ms)
         c = timed_plain(Controller(), 1.0)
-        c.learned[("2,2", t07)], c.calls[("2,2", t07)] = (0.1, 2.0), 1
+        c.learned.pairs[("2,2", t07)], c.learned.calls[("2,2", t07)] = (0.1, 2.0), 1
         for other, ms in measured.items():
             c.records("truncated")[0][other] = [ms] * 3  # (1.2x what the cost model said, unless said)
         c.begin({cheap: (3.0, 1.2), chain: (1.1, 2.0), wide: (1.2, 2.0), None: (1.0, 1.0)}, t07)
@@ -1014,7 +1013,7 @@ def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind():
 
     big, small, chain, t1 = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5), (1.0, 0, 1.0)
     c = timed_plain(Controller(), 1.0)
-    c.learned[("2,2", t1)] = (0.6, 2.0)  # (0.3 of its extra tokens came)
+    c.learned.pairs[("2,2", t1)] = (0.6, 2.0)  # (0.3 of its extra tokens came)
     assert c.begin({big: (4.4, 2.0), small: (3.0, 1.5), chain: (1.2, 1.2), None: (1.0, 1.0)}, t1) is None
     assert c.candidates["4,4,1"].prior == pytest.approx(1.0 + 3.4 * 0.3)
     assert c.candidates["chain:5"].prior == pytest.approx(1.2)
@@ -1042,12 +1041,11 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
     lookup's prediction on the text generated since says far more (a chat answer quoting the
     code), it runs again, once a call: its new rounds decide, and the call's correction counts
     all its rounds."""
-    from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
     chain, t07 = TreeSpec.chain(5), (0.7, 0, 0.9)
     c = timed_plain(Controller(), 1.0)
-    c.learned[("chain:5", t07)], c.calls[("chain:5", t07)] = (2.0, 2.0), 3  # (as predicted, in 3 calls)
+    c.learned.pairs[("chain:5", t07)], c.learned.calls[("chain:5", t07)] = (2.0, 2.0), 3  # (as predicted, in 3 calls)
     assert c.begin({chain: (2.0, 1.2), None: (1.0, 1.0)}, t07) == chain
     ran = [chain]
     for _ in range(20):
@@ -1062,8 +1060,8 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
         ran.append(c.observe(*((4.0, 1.2e-3) if ran[-1] == chain else (1.0, 1e-3))))
     assert set(ran) == {chain} and not c.wants_predictions()
     c.end()  # (every round it ran counts: first + 10, of which 10 made 3 extra tokens)
-    assert c.learned[("chain:5", t07)] == pytest.approx((controller.LEARNED_DECAY * 2.0 + 30.0,
-                                                          controller.LEARNED_DECAY * 2.0 + first + 10))
+    assert c.learned.pairs[("chain:5", t07)] == pytest.approx((corrections.LEARNED_DECAY * 2.0 + 30.0,
+                                                          corrections.LEARNED_DECAY * 2.0 + first + 10))
 
 
 def test_round_times_are_kept_per_kind_of_round():
@@ -1120,7 +1118,7 @@ def test_a_tree_that_gave_way_returns_only_on_a_prediction_above_the_one_it_ran_
 
     tree, t1 = TreeSpec.parse("4,4,1"), (1.0, 0, 1.0)
     c = timed_plain(Controller(), 1.0)
-    c.learned[("4,4,1", t1)], c.calls[("4,4,1", t1)] = (2.0, 2.0), 3
+    c.learned.pairs[("4,4,1", t1)], c.learned.calls[("4,4,1", t1)] = (2.0, 2.0), 3
     assert c.begin({tree: (2.0, 1.2), None: (1.0, 1.0)}, t1) == tree
     ran = [tree]
     for _ in range(controller.RETRY_AFTER + 12):

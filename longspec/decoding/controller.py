@@ -33,7 +33,7 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   process where the candidate predicted fastest is within :data:`RETIME_MARGIN` of the cost
   model's time for them) is always a candidate, so rounds that do not pay lose their place
   within a few rounds.
-* **Probes**: a correction learned from fewer than :data:`PROBE_CALLS` calls may be a prompt's
+* **Probes**: a correction learned from fewer than :data:`~longspec.decoding.corrections.PROBE_CALLS` calls may be a prompt's
   accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds were
   measured (or calibrated by those of its kind) to cost little more than plain ones
   (:data:`PROBE_COST`) and whose uncorrected
@@ -41,14 +41,11 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   decide."""
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-from ..models.checkpoint import write_atomic
 from ..spec.tree import TreeSpec
+from .corrections import MAX_CORRECTION, Corrections, kind_of
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
@@ -57,14 +54,9 @@ SWITCH_MARGIN = 1.1  # a candidate takes over when predicted this much faster (f
 RETREAT_MARGIN = 1.03  # ... and plain rounds when this much faster (a call must never be slower than plain decoding)
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
-LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, in the correction of the next
-MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero) ...
-MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
-SAVE_EVERY_S = 10.0  # a controller with a store writes what it learned after a call at most this often
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
 RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
-PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed ...
 PROBE_COST = 1.5  # ... where its round costs at most this many plain rounds (a GPU's small trees at temperature 1)
 
 
@@ -83,12 +75,6 @@ def round_kind(sampling):
         temperature, top_k, top_p = sampling
         return "greedy" if not temperature else "truncated" if top_k or top_p < 1.0 else "sampled"
     return sampling
-
-
-def _kind(name: str) -> str:
-    """A candidate's kind, by its label: "plain" (rounds), "chain" (the lookup's chain alone), else
-    "tree" (the draft's)."""
-    return "plain" if name == "plain" else "chain" if name.startswith("chain") else "tree"
 
 
 @dataclass
@@ -136,22 +122,7 @@ class Controller:
         self.kinds_timed: dict = {}
         self.times, self.timed_at = self.records(None)
         self.rounds = 0  # rounds observed, across calls
-        # (label, sampling key) -> [extra tokens measured, extra tokens predicted] by earlier calls
-        # (decayed sums over their rounds; extra: beyond the one a plain round emits), and the
-        # number of calls that measured them
-        self.learned: dict = {}
-        self.calls: dict = {}
-        self.store, self.key, self.saved_at = store, key, None
-        stored = self._stored().get(key)
-        for text, entry in stored.items() if isinstance(stored, dict) else ():
-            try:
-                name, sampling = json.loads(text)
-                measured, predicted, *calls = map(float, entry)
-            except (ValueError, TypeError):
-                continue  # (an entry this version cannot read: learned again)
-            learned = name, tuple(sampling) if isinstance(sampling, list) else sampling
-            self.learned[learned] = (measured, predicted)
-            self.calls[learned] = int(calls[0]) if calls else PROBE_CALLS
+        self.learned = Corrections(store, key)  # what earlier calls (and processes) measured
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
         self.planned: Optional[Candidate] = None
@@ -175,17 +146,8 @@ class Controller:
 
     def correction(self, name: str) -> float:
         """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
-        calls at this call's sampling settings (1: none measured): the prediction reads this
-        prompt, the correction what the cost model misses (a sampled call's lower acceptance; a
-        model continuing code repeats its prompt far more than the prompt repeats itself)."""
-        measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
-        if predicted <= 0.0:  # none of its own: those of its kind's (the draft's trees, or the lookup's chains), pooled
-            pairs = [(m, p) for (other, sampling), (m, p) in self.learned.items()
-                     if sampling == self.sampling and _kind(other) == _kind(name) and p > 0.0]
-            measured, predicted = sum(m for m, _ in pairs), sum(p for _, p in pairs)
-        if predicted <= 0.0:
-            return 1.0
-        return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
+        calls at this call's sampling settings (:meth:`Corrections.of`)."""
+        return self.learned.of(name, self.sampling)
 
     def _expect(self, c: Candidate, predicted: float, most: float = MAX_CORRECTION) -> tuple:
         """(base, hoped): tokens per round expected of ``c`` from a prediction, its extra tokens
@@ -321,33 +283,8 @@ class Controller:
         for name, c in self.candidates.items():
             tokens, rounds = c.tokens + c.earlier[0], c.rounds + c.earlier[1]
             if rounds and c.tree is not None:
-                measured, predicted = self.learned.get((name, self.sampling), (0.0, 0.0))
-                self.learned[name, self.sampling] = (
-                    LEARNED_DECAY * measured + tokens - rounds,
-                    LEARNED_DECAY * predicted + rounds * max(c.predicted - 1.0, 0.0))
-                self.calls[name, self.sampling] = self.calls.get((name, self.sampling), 0) + 1
-        if self.store is not None and (self.saved_at is None or time.monotonic() - self.saved_at > SAVE_EVERY_S):
-            try:
-                self.save()
-            except OSError:  # (a read-only home: what was learned serves this process only)
-                self.saved_at = time.monotonic()
-
-    def _stored(self) -> dict:
-        try:
-            data = json.loads(Path(self.store).read_text()) if self.store is not None else {}
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}  # none yet, or unreadable: learn again
-
-    def save(self) -> None:
-        """Writes the corrections learned to the store (other keys' kept)."""
-        data = self._stored()
-        data[self.key] = {json.dumps([name, sampling]): [*pair, self.calls.get((name, sampling), PROBE_CALLS)]
-                          for (name, sampling), pair in self.learned.items()}
-        path = Path(self.store)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
-        self.saved_at = time.monotonic()
+                self.learned.fold(name, self.sampling, tokens - rounds, rounds * max(c.predicted - 1.0, 0.0))
+        self.learned.keep()
 
     def summary(self) -> str:
         """What each candidate measured in this call (for a call's stats)."""
@@ -363,10 +300,10 @@ class Controller:
         candidate out for good: nothing would measure it again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         settled = [name for name in self.candidates if self._settled(name)]
-        gaps = {kind: self._gap([n for n in settled if _kind(n) == kind] or settled, measured)
-                for kind in set(map(_kind, self.candidates))}
+        gaps = {kind: self._gap([n for n in settled if kind_of(n) == kind] or settled, measured)
+                for kind in set(map(kind_of, self.candidates))}
         for name, c in self.candidates.items():
-            gap = gaps[_kind(name)]
+            gap = gaps[kind_of(name)]
             estimate = max(c.predicted_ms + gap, 1e-3) if self.offset else gap * c.predicted_ms
             if measured[name] is None:
                 c.ms = estimate
@@ -408,7 +345,7 @@ class Controller:
         if self.probed or plain is None or not self._settled("plain"):
             return None
         probes = [c for name, c in self.candidates.items()
-                  if not (c.rounds or c.retried or c.tree is None or self.calls.get((name, self.sampling), 0) >= PROBE_CALLS)
+                  if not (c.rounds or c.retried or c.tree is None or self.learned.certain(name, self.sampling))
                   and (ms := self._known_ms(name)) is not None and ms <= PROBE_COST * plain.ms
                   and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
         return max(probes, key=lambda c: c.hoped / c.ms, default=None)
@@ -422,7 +359,7 @@ class Controller:
         measured = self.round_ms(name)
         if measured is not None:
             return measured
-        if any(other != name and _kind(other) == _kind(name) and self._settled(other) for other in self.candidates):
+        if any(other != name and kind_of(other) == kind_of(name) and self._settled(other) for other in self.candidates):
             return self.candidates[name].ms  # (:meth:`_calibrate` scaled it by them)
         return None
 
