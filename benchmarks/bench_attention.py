@@ -112,7 +112,9 @@ def floor_s(h: int, hkv: int, m: int, cap: int, d: int, bandwidth: float, rate: 
 def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: bool = False,
           wide: bool = False) -> list:
     """Times every launch configuration of the grid on one shape; prints the fastest five. ``wide``:
-    also smaller key blocks with deeper pipelines and two programs per multiprocessor for full tiles."""
+    also smaller key blocks with deeper pipelines, two programs per multiprocessor for full tiles,
+    and for a few rows (decode) five pipeline stages, key blocks of 256 and four programs per
+    multiprocessor."""
     import itertools
 
     h, hkv, cap, d = q.shape[1], k.shape[1], k.shape[2], q.shape[3]
@@ -120,9 +122,11 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
     results = []
     rows = h // hkv * m
     big = rows >= 128  # full 128-row tiles: 8 warps, one program per SM (the first sweep's best there);
-    blocks = ((32, 4), (64, 2), (64, 3), (128, 2)) if wide else ((64, 3), (128, 2))
-    grid = itertools.product(blocks, (8,) if big else (4, 8), (1, 2) if wide or not big else (1,), (False, True),
-                             (0, 64) if rows > 64 else (0,))
+    blocks = ((32, 4), (64, 2), (64, 3), (128, 2), (128, 3)) if wide else ((64, 3), (128, 2))
+    if wide and not big:  # a few rows over a long cache (decode): longer key blocks, more programs in flight
+        blocks += ((64, 5), (256, 2))
+    per_sm = ((1, 2, 4) if wide else (1, 2)) if not big else (1, 2) if wide else (1,)
+    grid = itertools.product(blocks, (8,) if big else (4, 8), per_sm, (False, True), (0, 64) if rows > 64 else (0,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
                                                    num_stages=stages, per_sm=per_sm, tma=tma, block_q=bq)
                                       for (bn, stages), warps, per_sm, tma, bq in grid]:
