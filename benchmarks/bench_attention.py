@@ -42,7 +42,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -261,18 +260,6 @@ def main(argv=None):
                 "matmul": lambda: matmul_attention(q, k, v, dense),
                 "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
             }
-            block_q = triton_kernels.tile_plan(KernelConfig(), g * m, d, q.element_size())[0]
-            full_tiles = g * m // block_q
-            if triton_kernels.tail_rows(g * m, block_q) and not args.causal:
-                # a tail tile (the plan counts full tiles only): without it, and one split fewer or more
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                splits = sms // (hkv * full_tiles)
-                impls["triton (no tail)"] = lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tail=False),
-                                                                   starts=starts, window=window)
-                for n in (splits - 1, splits + 1):
-                    impls[f"triton ({n} splits)"] = partial(tree_attention, q, k, v, lengths, tree,
-                                                            KernelConfig(programs=n * hkv * full_tiles),
-                                                            starts=starts, window=window)
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
             if args.window:  # flash cannot slide a window over a tree

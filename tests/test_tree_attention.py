@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
 from longspec.attention.triton_kernels import (KernelConfig, masked_attention, merge_plan, plan,  # noqa: E402
-                                               prefix_attention, tail_rows, tree_attention)
+                                               prefix_attention, tree_attention)
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
@@ -138,9 +138,7 @@ def test_lengths_outside_the_cache_never_read_outside_it():
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, merge_elements=32),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
                                     KernelConfig(block_q=32, block_n=16, programs=1, tma=True),
-                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, tma=True),
-                                    KernelConfig(block_n=16, programs=64, min_chunk=16, tail=False),
-                                    KernelConfig(block_q=64, block_n=16, programs=9, min_chunk=16)])
+                                    KernelConfig(block_q=32, block_n=16, programs=7, min_chunk=16, tma=True)])
 def test_other_launch_configs_compute_the_same(config):
     """Launch parameters (as a tuning sweep tries them) change the tiling, never the result."""
     check([300, 17], 69, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", config=config)
@@ -159,14 +157,6 @@ def test_merge_plan_loads_every_part_within_the_budget():
     for n_parts, rows, d in ((1, 1, 16), (7, 300, 32), (200, 16, 256)):
         parts, block_r = merge_plan(n_parts, rows, d, 4096)
         assert parts * block_r * d <= 4096 and block_r >= 1 and not parts & (parts - 1) and not block_r & (block_r - 1)
-
-
-def test_tail_rows():
-    """A few rows past the full tiles get a tile of their own, a power of two from 16; rows that
-    fill their last tile more than half, or one tile, do not."""
-    assert tail_rows(276, 128) == 32 and tail_rows(138, 128) == 16 and tail_rows(138, 64) == 16
-    assert tail_rows(256, 128) == tail_rows(222, 128) == tail_rows(100, 128) == tail_rows(64, 64) == 0
-    assert tail_rows(192, 128) == 64 and tail_rows(193, 128) == 0
 
 
 def test_plan_covers_the_capacity():

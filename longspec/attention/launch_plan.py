@@ -30,9 +30,6 @@ class KernelConfig:
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
     # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
-    # rows past the full tiles in a smaller tile of their own where they fill at most half a tile (see
-    # tail_rows); False: a full tile, mostly empty
-    tail: bool = True
     # loop variants timed and removed, none faster (docs/benchmarks.md, "Hybrid tree attention"): the
     # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full
     # tiles, Triton's automatic warp specialization of the unmasked loop
@@ -75,17 +72,6 @@ def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int, budget:
     return block_q, block_n, warps, stages
 
 
-def tail_rows(rows: int, block_q: int) -> int:
-    """Rows of the last tile's program where ``rows`` packed query rows leave a few past the full
-    tiles of ``block_q``: a power of two from 16 (a 69-node tree x 4 query heads: 276 rows = 2
-    tiles of 128 + 20 in a tile of 32, a quarter of a full tile's arithmetic), or 0 where the
-    rows fill their last tile more than half (or fit one tile): that tile is a full one."""
-    tail = rows % block_q
-    if rows <= block_q or tail == 0 or tail > block_q // 2:
-        return 0
-    return max(16, next_power_of_2(tail))
-
-
 def merge_plan(n_parts: int, rows: int, head_dim: int, elements: int, units: int = 1, programs: int = 132) -> tuple:
     """(parts, block_r) of the merge kernel: each program loads ``parts`` partial outputs of
     ``block_r`` rows at once. Where 16-row programs alone fill half the device (``units`` (row,
@@ -108,8 +94,7 @@ def shared_memory_budget(block_limit: int) -> int:
 
 def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:
     """(n_splits, chunk) for a cache of ``capacity`` slots shared by ``units`` (row tile, KV head,
-    sequence) triples (a tail tile of :func:`tail_rows` not counted: its programs, a fraction of a
-    full one's work, run in the gaps): at most ``programs`` programs in all where the cache is long enough (one
+    sequence) triples: at most ``programs`` programs in all where the cache is long enough (one
     full wave: a second, partial one would leave most multiprocessors idle), chunks of at least
     ``min_chunk`` keys, a multiple of ``block_n``."""
     want = max(1, programs // units)

@@ -114,47 +114,15 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, sst_b, sst_m,
                         stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale, FULL_TILES,
+                        HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        TAIL_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
-        """Tiles ``0 .. FULL_TILES - 1`` of BLOCK_Q rows; with TAIL_Q > 0, the last tile holds the
-        few rows past them in a tile of TAIL_Q rows (a quarter of the arithmetic of a full one)."""
+                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if TAIL_Q > 0:  # (a static test first: without a tail, one copy of the tile's code)
-            if tile >= FULL_TILES:
-                _tile(Q, K, V, KD, VD, LEN, LIM, START, TM, TBL, OP, LP, OUT, sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b,
-                      sv_h, sv_s, slim_b, slim_m, sst_b, sst_m, stm_b, stm_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                      sl_s, sout_b, sout_m, sout_h, HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
-                      pid, split, tile * BLOCK_Q, HAS_LIMIT, HAS_START, WINDOWED, DIRECT, TMA, PAGED, TAIL_Q,
-                      BLOCK_N, HEAD_D, PRECISION)
-            else:
-                _tile(Q, K, V, KD, VD, LEN, LIM, START, TM, TBL, OP, LP, OUT, sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b,
-                      sv_h, sv_s, slim_b, slim_m, sst_b, sst_m, stm_b, stm_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                      sl_s, sout_b, sout_m, sout_h, HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
-                      pid, split, tile * BLOCK_Q, HAS_LIMIT, HAS_START, WINDOWED, DIRECT, TMA, PAGED, BLOCK_Q,
-                      BLOCK_N, HEAD_D, PRECISION)
-        else:
-            _tile(Q, K, V, KD, VD, LEN, LIM, START, TM, TBL, OP, LP, OUT, sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b,
-                  sv_h, sv_s, slim_b, slim_m, sst_b, sst_m, stm_b, stm_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                  sl_s, sout_b, sout_m, sout_h, HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
-                  pid, split, tile * BLOCK_Q, HAS_LIMIT, HAS_START, WINDOWED, DIRECT, TMA, PAGED, BLOCK_Q,
-                  BLOCK_N, HEAD_D, PRECISION)
-
-    @triton.jit
-    def _tile(Q, K, V, KD, VD, LEN, LIM, START, TM, TBL, OP, LP, OUT,
-              sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, sst_b, sst_m, stm_b, stm_m, stbl_b,
-              so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-              HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale, pid, split, first_row,
-              HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr, DIRECT: tl.constexpr,
-              TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
-        """One program's work: the BLOCK_Q packed rows from ``first_row`` of KV head ``pid % HKV``
-        of row ``pid // HKV`` over split ``split`` of the prefix (and the tree part in the last)."""
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
-        rows, row_ok, i, q, row_end, row_start = _rows(Q, LIM, START, b, h, first_row, sq_b, sq_h, sq_m, slim_b,
+        rows, row_ok, i, q, row_end, row_start = _rows(Q, LIM, START, b, h, tile * BLOCK_Q, sq_b, sq_h, sq_m, slim_b,
                                                        slim_m, sst_b, sst_m, M, G, length, HAS_LIMIT, HAS_START,
                                                        BLOCK_Q, HEAD_D)
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
-                          shared_memory_budget, shared_memory_bytes, tail_rows, tile_plan)
+                          shared_memory_budget, shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
 
@@ -130,8 +130,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     rows = g * m
     block_q, block_n, num_warps, num_stages = tile_plan(c, rows, d, q.element_size(), _shared_memory_budget(q.device))
     tiles = triton.cdiv(rows, block_q)
-    tail_q = tail_rows(rows, block_q) if c.tail else 0
-    units = b * hkv * (tiles - (tail_q > 0))
+    units = b * hkv * tiles
     programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
     windowed = starts is not None and window > 0
     span = min(cap, window + m + block_n) if windowed else cap  # + block_n: the span starts block-aligned
@@ -175,9 +174,9 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
             hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, cap,
-            block_size, LOG2E / math.sqrt(d), rows // block_q,
+            block_size, LOG2E / math.sqrt(d),
             HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
-            PAGED=paged, BLOCK_Q=block_q, TAIL_Q=tail_q, BLOCK_N=block_n, HEAD_D=d,
+            PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
