@@ -181,6 +181,9 @@ def main(argv=None):
                    "proposals and rounds in launch order")
     p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma=0,block_q=64 "
                    "(KernelConfig's fields: a boolean one by its name or as name=0/1, an integer one as name=value)")
+    p.add_argument("--no-prefill", action="store_true", help="the context's K/V left as allocated, only the "
+                   "rows' lengths set (a step's time does not depend on their values; a 1M-token prefill takes "
+                   "minutes); no proposals (their engines prefill)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
@@ -232,7 +235,10 @@ def main(argv=None):
             b = args.batch
             cache = target.new_cache(b, -(-(ctx + max_m) // 64) * 64)
             ids = torch.randint(0, c.vocab_size, (b, ctx), device="cuda")
-            target.prefill(ids, torch.full((b,), ctx, device="cuda"), cache)
+            if args.no_prefill:
+                cache.lengths.fill_(ctx)
+            else:
+                target.prefill(ids, torch.full((b,), ctx, device="cuda"), cache)
             kv_bytes = 2 * c.num_layers * c.num_kv_heads * b * cache.max_len * c.head_dim * cache.k.element_size()
             floor = (weight_bytes + kv_bytes) / bw
             for m in [1] + list(map(int, args.trees.split(","))):
@@ -251,7 +257,7 @@ def main(argv=None):
                     n, table = kernel_profile(step)
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
             cache = None  # the proposals' engines hold caches of their own
-            for spec in (args.proposals.split(";") if draft is not None else []):
+            for spec in (args.proposals.split(";") if draft is not None and not args.no_prefill else []):
                 hybrid, lookup = spec.startswith("hybrid:"), spec.startswith("pld:")
                 tree = TreeSpec.parse(spec.removeprefix("hybrid:").removeprefix("pld:"))
                 proposer = PromptLookup() if lookup else LongSpecProposer(draft, PromptLookup() if hybrid else None)

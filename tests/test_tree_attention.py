@@ -9,6 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
+from longspec.attention.launch_plan import LONG_CHUNK, programs_per_sm  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
 from longspec.attention.triton_kernels import (KernelConfig, masked_attention, merge_plan, plan,  # noqa: E402
                                                prefix_attention, tree_attention)
@@ -157,6 +158,17 @@ def test_merge_plan_loads_every_part_within_the_budget():
     for n_parts, rows, d in ((1, 1, 16), (7, 300, 32), (200, 16, 256)):
         parts, block_r = merge_plan(n_parts, rows, d, 4096)
         assert parts * block_r * d <= 4096 and block_r >= 1 and not parts & (parts - 1) and not block_r & (block_r - 1)
+
+
+def test_programs_per_sm():
+    """One program per multiprocessor, except small tiles over a cache so long that each would
+    stream more than LONG_CHUNK keys: up to four, each a shorter chunk."""
+    assert programs_per_sm(1 << 20, 8, 16) == 4 and programs_per_sm(1 << 19, 8, 16) == 2
+    assert programs_per_sm(131072, 8, 16) == programs_per_sm(32768, 8, 32) == 1
+    assert programs_per_sm(1 << 20, 16, 128) == 1 and programs_per_sm(1 << 24, 8, 16) == 4  # (trees; at most 4)
+    for cap in (4096, 1 << 18, 1 << 20, 1 << 22):
+        n = programs_per_sm(cap, 8, 16)
+        assert cap / (n * 132 // 8) <= LONG_CHUNK or n == 4
 
 
 def test_plan_covers_the_capacity():

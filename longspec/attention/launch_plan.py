@@ -15,8 +15,9 @@ def next_power_of_2(n: int) -> int:
 class KernelConfig:
     """Launch parameters of the partial kernel. ``block_q``: packed query rows per tile (0: the
     rows rounded up to a power of two, at most 128); ``programs``: how many programs the split-KV
-    plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning 1: the
-    fastest measured for decode and for 64-tree rows, docs/benchmarks.md);
+    plan fills at most (0: the device's multiprocessors times ``per_sm``, 0 there meaning
+    :func:`programs_per_sm`'s choice: 1, the fastest for trees and for decode at short contexts,
+    more for small tiles over a long cache, docs/benchmarks.md);
     ``min_chunk``: keys per split-KV program at least (short caches: fewer, longer programs)."""
 
     block_q: int = 0
@@ -90,6 +91,22 @@ def shared_memory_budget(block_limit: int) -> int:
     opt-in maximum): 7/8 of it (room for Triton's own scratch), at most ``SHARED_MEMORY_BUDGET``.
     A consumer GPU (about 99 KB a block) gets smaller tiles than a Hopper data-centre GPU (227 KB)."""
     return min(SHARED_MEMORY_BUDGET, block_limit * 7 // 8) if block_limit > 0 else SHARED_MEMORY_BUDGET
+
+
+LONG_CHUNK = 16384  # keys a program of small tiles streams at most before more programs share each SM
+
+
+def programs_per_sm(capacity: int, units: int, block_q: int, multiprocessors: int = 132) -> int:
+    """Split-KV programs per multiprocessor where the config leaves it open: 1, except for small
+    tiles (at most 32 rows: decode's few rows) over a cache so long that one program per
+    multiprocessor would stream more than LONG_CHUNK keys: then up to 4, each a shorter chunk.
+    Small programs share a multiprocessor, so it keeps more key blocks in flight (a decode step's
+    attention at 1M keys, 8 KV heads of 64: 1.5x faster, at the bandwidth floor); at short
+    contexts one program per multiprocessor stays best (more parts cost their merge)."""
+    if block_q > 32:
+        return 1
+    chunk = capacity / max(1, multiprocessors // max(units, 1))
+    return int(min(4, max(1, -(-chunk // LONG_CHUNK))))
 
 
 def plan(capacity: int, units: int, block_n: int = 64, programs: int = 132, min_chunk: int = 128) -> tuple:

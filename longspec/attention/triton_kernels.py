@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
-                          shared_memory_budget, shared_memory_bytes, tile_plan)
+                          programs_per_sm, shared_memory_budget, shared_memory_bytes, tile_plan)
 
 LOG2E = 1.4426950408889634
 
@@ -131,9 +131,10 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     block_q, block_n, num_warps, num_stages = tile_plan(c, rows, d, q.element_size(), _shared_memory_budget(q.device))
     tiles = triton.cdiv(rows, block_q)
     units = b * hkv * tiles
-    programs = c.programs or _multiprocessors(q.device) * (c.per_sm or 1)
     windowed = starts is not None and window > 0
     span = min(cap, window + m + block_n) if windowed else cap  # + block_n: the span starts block-aligned
+    sms = _multiprocessors(q.device)
+    programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms))
     n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits == 1
