@@ -483,7 +483,7 @@ def exact_nucleus(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
 def test_warping_on_cuda_keeps_the_exact_nucleus(vocab):
-    """Top-k / top-p on CUDA (cut points searched for, no sort) keep exactly the tokens of the
+    """Top-k / top-p on CUDA (two sorts of the vocabulary per row) keep exactly the tokens of the
     float64 nucleus, for a tree's 74 rows of logits at several scales (p up to 0.999), eagerly
     and in a graph; the warped distribution is the softmax over them."""
     from longspec.spec import sampling
@@ -494,14 +494,14 @@ def test_warping_on_cuda_keeps_the_exact_nucleus(vocab):
         t = torch.full((74,), 0.7, device="cuda")
         k, p = torch.full((74,), top_k, device="cuda"), torch.full((74,), top_p, device="cuda")
         scores = logits / 0.7
-        kept = sampling._cut_apart(scores, k.view(-1, 1, 1), p.view(-1, 1, 1)).isfinite()[:, 0]
+        kept = sampling._truncate_sorting(scores, k.view(-1, 1, 1), p.view(-1, 1, 1)).isfinite()[:, 0]
         exact = exact_nucleus(scores[:, 0], k, p)
         assert torch.equal(kept, exact), (scale, top_k, top_p, (kept != exact).sum(-1).nonzero().tolist())
         ours = sampling.warp_probs_rows(logits, t, k, p)[:, 0]
         torch.testing.assert_close(ours, scores[:, 0].masked_fill(~exact, float("-inf")).softmax(-1), atol=1e-6, rtol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sampling._cut_apart(scores, k.view(-1, 1, 1), p.view(-1, 1, 1))
+        out = sampling._truncate_sorting(scores, k.view(-1, 1, 1), p.view(-1, 1, 1))
     scores.mul_(0.5)
     graph.replay()
     assert torch.equal(out.isfinite()[:, 0], exact_nucleus(scores[:, 0], k, p))

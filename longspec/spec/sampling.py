@@ -16,7 +16,6 @@ import torch
 
 from ..compile_boundary import compile_boundary
 from ..config import check_sampling_args  # (the arguments' check belongs to the settings; re-exported here)
-from . import truncation
 
 # Vocabularies above this many tokens take the sampled rounds' greedy argmax outside the compiled
 # graph (a graph break; eager, the same index): at Gemma 3's 262,144 tokens Inductor fused it with
@@ -87,9 +86,8 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     """``warp_probs`` with settings per batch row: logits [B, ..., V]; temperature [B] float
     (0 = greedy: the one-hot of the argmax), top_k [B] long (0 = off), top_p [B] float (1 = off).
     The same warpers as transformers, in the same order, with no host synchronisation. top_k and
-    top_p None: no row uses them, and their work over the whole vocabulary is skipped. On CUDA
-    the cut points are searched for (:mod:`longspec.spec.truncation`) instead of sorting the
-    vocabulary twice per row, which cost more than the rest of a tree's acceptance."""
+    top_p None: no row uses them, and their work over the whole vocabulary (two sorts per row) is
+    skipped."""
     view = (-1,) + (1,) * (logits.dim() - 1)
     t = temperature.view(view)
     greedy = t == 0
@@ -99,15 +97,12 @@ def warp_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Opti
     if top_k is None and top_p is None:
         return torch.where(greedy, onehot, scores.softmax(dim=-1))
     k, p = top_k.view(view), top_p.view(view).float()
-    if scores.is_cuda and truncation.available():
-        return torch.where(greedy, onehot, _cut_apart(scores, k, p).softmax(dim=-1))
     return torch.where(greedy, onehot, _truncate_sorting(scores, k, p).softmax(dim=-1))
 
 
 def _truncate_sorting(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """scores [B, ..., V] with top-k then top-p applied (removed: ``-inf``), ``k``, ``p`` [B, 1, ...]
-    per row (0 / 1: off), by sorting the vocabulary: the reference of :func:`_cut_apart`, and what
-    CPUs run."""
+    per row (0 / 1: off), by sorting the vocabulary."""
     vocab = scores.shape[-1]
     ordered = scores.sort(dim=-1, descending=True).values
     kth = ordered.gather(-1, (k.clamp(1, vocab) - 1).expand(*scores.shape[:-1], 1))
@@ -118,17 +113,6 @@ def _truncate_sorting(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) ->
     last = torch.arange(vocab, device=scores.device) == vocab - 1
     remove = (_cumsum_apart(ascending.softmax(dim=-1)) <= (1 - p)) & ~last & (p < 1.0)
     return scores.masked_fill(remove.scatter(-1, index, remove), float("-inf"))
-
-
-@compile_boundary
-def _cut_apart(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """:func:`_truncate_sorting` without sorting: each row's cut point found by
-    :func:`longspec.spec.truncation.cut_points` (a Triton launch, outside the compiled graph)."""
-    rows = scores.shape[:-1]
-    flat = scores.reshape(-1, scores.shape[-1])
-    k, p = k[..., 0].expand(rows).reshape(-1), p[..., 0].expand(rows).reshape(-1)
-    cut = truncation.cut_points(flat, k, p)  # [R]
-    return scores.masked_fill(scores < cut.view(*rows, 1), float("-inf"))
 
 
 @compile_boundary
