@@ -36,9 +36,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
 * **Probes**: a correction learned from fewer than :data:`~longspec.decoding.corrections.PROBE_CALLS` calls may be a prompt's
   accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds were
   measured (or calibrated by those of its kind) to cost little more than plain ones
-  (:data:`PROBE_COST`), or no more than those of the candidate expected fastest, and whose
-  uncorrected prediction is clearly the fastest runs a few rounds once in such a call, and its own
-  rounds decide."""
+  (:data:`PROBE_COST`) and whose uncorrected
+  prediction is clearly the fastest runs a few rounds once in such a call, and its own rounds
+  decide."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -328,19 +328,15 @@ class Controller:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in
         it, its correction uncertain, its rounds cheap as measured at this kind of round
         (:meth:`_known_ms`: a probe's cost must be bounded by what it costs, and a prediction's time
-        alone is the least reliable in a new process; with ``offset``, a CPU's, the calibrated
-        prediction of the engine's own steps does): at most PROBE_COST measured plain rounds, or
-        no dearer than the measured rounds of ``best`` (the candidate expected fastest), which it
-        displaces; its uncorrected prediction faster than ``best`` by CLEAR_MARGIN; of several, the
-        one whose uncorrected prediction is fastest."""
+        alone is the least reliable in a new process), its uncorrected prediction faster than
+        ``best`` (the candidate expected fastest) by CLEAR_MARGIN; of several, the one whose
+        uncorrected prediction is fastest."""
         plain = self.candidates.get("plain")
-        if self.probed or plain is None:
+        if self.probed or plain is None or not self._settled("plain"):
             return None
-        bound = max(PROBE_COST * plain.ms if self._settled("plain") else 0.0,
-                    best.ms if self._settled(label(best.tree)) else 0.0)
         probes = [c for name, c in self.candidates.items()
                   if not (c.rounds or c.retried or c.tree is None or self.learned.certain(name, self.sampling))
-                  and (ms := self._known_ms(name) or (c.ms if self.offset else None)) is not None and ms <= bound
+                  and (ms := self._known_ms(name)) is not None and ms <= PROBE_COST * plain.ms
                   and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
         return max(probes, key=lambda c: c.hoped / c.ms, default=None)
 
