@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..spec.tree import TreeSpec
-from .corrections import MAX_CORRECTION, Corrections, kind_of, round_kind
+from .corrections import MAX_CORRECTION, Corrections, kind_of
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
@@ -65,6 +65,16 @@ _CURRENT = object()  # observe's default: the round ran the current candidate
 
 def label(tree: Optional[TreeSpec]) -> str:
     return "plain" if tree is None else str(tree)
+
+
+def round_kind(sampling):
+    """What a round's time depends on in a call's sampling settings ((temperature, top_k, top_p);
+    another key as it is): "greedy", "sampled", or "truncated" (top-k or top-p: their work on
+    every node's distribution made a tree's round a third dearer)."""
+    if isinstance(sampling, tuple) and len(sampling) == 3:
+        temperature, top_k, top_p = sampling
+        return "greedy" if not temperature else "truncated" if top_k or top_p < 1.0 else "sampled"
+    return sampling
 
 
 @dataclass

@@ -17,22 +17,6 @@ MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens
 MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
 SAVE_EVERY_S = 10.0  # a store is written after a call at most this often
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed
-# greedy calls: extra tokens counted as made as predicted before any measurement, so that a correction
-# learned from a few rounds stays near 1 (a lookup chain measured in a few rounds of one prompt must
-# not hold it out of a call whose text it copies from: greedy predictions come from the text itself)
-# and one learned from many rounds is what they made. Sampled calls take theirs as measured: there it
-# is the sampling's lower acceptance, which the cost model does not know at all
-CORRECTION_PRIOR = 4.0
-
-
-def round_kind(sampling):
-    """What a round's time depends on in a call's sampling settings ((temperature, top_k, top_p);
-    another key as it is): "greedy", "sampled", or "truncated" (top-k or top-p: their work on
-    every node's distribution made a tree's round a third dearer)."""
-    if isinstance(sampling, tuple) and len(sampling) == 3:
-        temperature, top_k, top_p = sampling
-        return "greedy" if not temperature else "truncated" if top_k or top_p < 1.0 else "sampled"
-    return sampling
 
 
 def kind_of(name: str) -> str:
@@ -64,8 +48,7 @@ class Corrections:
     def of(self, name: str, sampling) -> float:
         """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
         calls at ``sampling`` (1: none measured; none of its own: those of its kind, pooled, the
-        draft's trees or the lookup's chains), in greedy calls pulled towards 1 by CORRECTION_PRIOR
-        extra tokens made as predicted, within [MIN_CORRECTION, MAX_CORRECTION]: the
+        draft's trees or the lookup's chains), within [MIN_CORRECTION, MAX_CORRECTION]: the
         prediction reads the prompt, the correction what the cost model misses (a sampled call's
         lower acceptance; a model continuing code repeats its prompt far more than the prompt
         repeats itself)."""
@@ -76,9 +59,7 @@ class Corrections:
             measured, predicted = sum(m for m, _ in pairs), sum(p for _, p in pairs)
         if predicted <= 0.0:
             return 1.0
-        prior = CORRECTION_PRIOR if round_kind(sampling) == "greedy" else 0.0
-        ratio = (measured + prior) / (predicted + prior)
-        return min(max(ratio, MIN_CORRECTION), MAX_CORRECTION)
+        return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
 
     def certain(self, name: str, sampling) -> bool:
         """Whether ``name``'s correction at ``sampling`` was measured in PROBE_CALLS calls or more."""
