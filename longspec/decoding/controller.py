@@ -33,12 +33,12 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   process where the candidate predicted fastest is within :data:`RETIME_MARGIN` of the cost
   model's time for them) is always a candidate, so rounds that do not pay lose their place
   within a few rounds.
-* **Probes**: a correction learned from fewer than :data:`~longspec.decoding.corrections.PROBE_CALLS` calls may be a prompt's
-  accident (a lookup hits little on one prompt, much on the next): a candidate whose rounds were
-  measured (or calibrated by those of its kind) to cost little more than plain ones
-  (:data:`PROBE_COST`) and whose uncorrected
-  prediction is clearly the fastest runs a few rounds once in such a call, and its own rounds
-  decide."""
+* **Probes**: a correction learned from fewer than
+  :data:`~longspec.decoding.corrections.PROBE_CALLS` calls may be a prompt's accident (a lookup
+  hits little on one prompt, much on the next): a candidate whose rounds were measured (or
+  calibrated by those of its kind) to cost little more than plain ones (:data:`PROBE_COST`) and
+  whose uncorrected prediction is clearly the fastest runs a few rounds once in such a call, and
+  its own rounds decide."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,7 +57,9 @@ CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long ro
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
 RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
-PROBE_COST = 1.5  # ... where its round costs at most this many plain rounds (a GPU's small trees at temperature 1)
+# a candidate whose correction is uncertain (corrections.PROBE_CALLS) may be probed where its round costs at
+# most this many plain rounds (a GPU's small trees at temperature 1)
+PROBE_COST = 1.5
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
