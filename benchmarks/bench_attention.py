@@ -124,8 +124,9 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
     blocks = ((32, 4), (64, 2), (64, 3), (128, 2), (128, 3)) if wide else ((64, 3), (128, 2))
     if wide and not big:  # a few rows over a long cache (decode): longer key blocks, more programs in flight
         blocks += ((64, 5), (256, 2))
-    per_sm = ((1, 2, 4) if wide else (1, 2)) if not big else (1, 2) if wide else (1,)
-    grid = itertools.product(blocks, (8,) if big else (4, 8), per_sm, (False, True), (0, 64) if rows > 64 else (0,))
+    programs_per_sm = (1, 2, 4) if wide and not big else (1, 2) if wide or not big else (1,)
+    grid = itertools.product(blocks, (8,) if big else (4, 8), programs_per_sm, (False, True),
+                             (0, 64) if rows > 64 else (0,))
     for config in [KernelConfig()] + [KernelConfig(block_n=bn, num_warps=warps if not bq or bq > 64 else 4,
                                                    num_stages=stages, per_sm=per_sm, tma=tma, block_q=bq)
                                       for (bn, stages), warps, per_sm, tma, bq in grid]:

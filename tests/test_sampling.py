@@ -124,3 +124,12 @@ def test_top_p_over_a_whole_vocabulary_with_p_near_one_keeps_the_exact_nucleus()
     probs = logits.double().softmax(-1).sort(-1, descending=True).values
     exact = ((probs.cumsum(-1) - probs) < p.double()).sum(-1)  # kept: the mass above below p
     assert torch.equal(sampling._truncate_sorting(logits, k, p).isfinite().sum(-1), exact)
+
+
+def test_top_p_keeps_the_top_token_however_small_p():
+    from longspec.spec import sampling
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(2))
+    k, p = torch.zeros(2, 1, dtype=torch.long), torch.tensor([[1e-45], [1e-30]])
+    kept = sampling._truncate_sorting(logits, k, p).isfinite()
+    assert (kept.sum(-1) == 1).all() and torch.equal(kept.float().argmax(-1), logits.argmax(-1))
