@@ -122,6 +122,25 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     assert pick(target, [1, 2, 3] * 40, None, costs_file=str(costs))[:2] == ("pld", TreeSpec.chain(max(auto.LOOKUP_CHAINS)))
 
 
+def test_one_chain_by_the_step_costs(tiny, tmp_path):
+    """Of the lookup chains, the controller gets the one the step costs rate best (a CPU's matrix
+    kernels take a step's rows in blocks whose size differs between CPUs), compared where a chain
+    pays (PAYING_HITS) when the prompt repeats less; the note still shows every chain's prediction."""
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    costs = tmp_path / "costs.json"
+    labels = [f"hybrid chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.AUTO_TREES]
+    sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
+    ids = list(range(40))  # (no repeats)
+    chains = {TreeSpec.chain(n) for n in auto.LOOKUP_CHAINS}
+    for step, picked in (({m: 1.0 for m in sizes}, max(auto.LOOKUP_CHAINS)),  # every count alike: the longest
+                         ({m: 1.0 + 0.5 * (int(m) > 6) for m in sizes}, 5)):  # a 7th row dear: 6 rows of 4 and 6
+        fake_costs(target, costs, len(ids), step, {label: 0.01 for label in labels})
+        plan = resolve(target, ids, draft, costs_file=str(costs))
+        assert chains & set(plan.predicted) == {TreeSpec.chain(picked)}
+        assert all(f"hybrid chain:{n}: " in plan.note for n in auto.LOOKUP_CHAINS)
+
+
 def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, monkeypatch):
     """On CUDA with a draft, auto weighs the hybrid's tree and its lookup's chain (run by the same
     hybrid proposer, so one engine serves both), the chain rated on the lookup's hits alone; the
@@ -228,9 +247,8 @@ def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_p
     # verifying m tokens costs 1 + m/5: a chain pays once the lookup hits often enough
     fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 5 for m in range(1, 12)}, {k: 0.01 for k in labels})
     plan = resolve(target, ids, None, costs_file=str(costs))
-    assert (plan.name, plan.start, plan.tree) == ("pld", None, TreeSpec.chain(max(auto.LOOKUP_CHAINS)))
-    assert None in plan.predicted
-    chain = TreeSpec.chain(max(auto.LOOKUP_CHAINS))
+    chain = plan.tree  # (the one chain the costs pick: see test_one_chain_by_the_step_costs)
+    assert (plan.name, plan.start, chain.kind) == ("pld", None, "chain") and set(plan.predicted) == {None, chain}
     assert plan.predicted[chain][0] == pytest.approx(1.0, abs=0.05)
     assert plan.repredict(ids + ids[10:50], len(ids))[chain] > 3.0  # (of at most 9)
     assert plan.repredict(ids + list(range(200, 240)), len(ids))[chain] < 1.1
@@ -294,11 +312,12 @@ def test_a_process_times_plain_rounds_first_where_the_choice_hangs_on_them():
     assert ran[0] == chain and ran[-1] is None and miss.round_ms("plain") == pytest.approx(1.3), ran
 
 
-def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
+def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay(monkeypatch):
     """The controller starts with the predicted fastest candidate; from measured rounds it keeps
     it where it pays, settles on plain rounds where nothing speculative does (leaving the costly
     tree within a few rounds), and carries round times and, per sampling setting, tokens per
     round over to its next calls."""
+    monkeypatch.setattr(corrections, "PRIOR_EXTRA", 0.0)  # (the sums below alone)
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
@@ -325,7 +344,7 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert set(ran[-15:]) == {None}  # then plain rounds for good
     c.end()
     assert {name: c.round_ms(name) for name in c.times} == pytest.approx({"chain:5": 1.2, "plain": 1.0})
-    assert c.learned.pairs[("chain:5", "greedy")][0] == 0.0  # (no extra token measured)
+    assert c.learned.pairs[("chain", "greedy")][0] == 0.0  # (no extra token measured)
     # the next greedy call: none of the chain's extra tokens came, so few are expected (but
     # enough that a prompt predicted to repeat much gets a few rounds again); the tree, never
     # measured, starts from the cost model and runs first
@@ -348,11 +367,12 @@ def test_controller_keeps_the_faster_round_and_leaves_rounds_that_do_not_pay():
     assert c.round_ms("chain:5") == pytest.approx(1.5)
 
 
-def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_earlier_calls():
+def test_controller_scales_unmeasured_times_and_takes_sampled_acceptance_from_earlier_calls(monkeypatch):
     """The cost model's times run long (uncompiled steps): a candidate never run is predicted at
     its time scaled like the measured ones' (here plain rounds': 0.8 of the prediction), so a
     chain accepting little at temperature 1 gives way to plain rounds; a sampled call's tokens a
     round come from earlier calls at its setting, not from the greedy prediction."""
+    monkeypatch.setattr(corrections, "PRIOR_EXTRA", 0.0)  # (the sums below alone)
     from longspec.decoding.controller import Controller
 
     chain, t1 = TreeSpec.chain(5), (1.0, 0, 1.0)
@@ -623,10 +643,11 @@ def test_plain_rounds_timed_long_ago_are_timed_again_where_the_choice_hangs_on_t
     assert clear.begin({tree: (6.0, 1.9), None: (1.0, 1.5)}, "greedy") == tree
 
 
-def test_corrections_are_kept_for_the_next_process(tmp_path):
+def test_corrections_are_kept_for_the_next_process(tmp_path, monkeypatch):
     """What a controller learned about the cost model's predictions goes to its store after a
     call (other models' entries kept, an unreadable store ignored), and a new controller (the
     next ``longspec generate``) starts from it: here the chain that the prediction undervalued."""
+    monkeypatch.setattr(corrections, "PRIOR_EXTRA", 0.0)  # (the sums below alone)
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
@@ -644,7 +665,7 @@ def test_corrections_are_kept_for_the_next_process(tmp_path):
     nxt = timed_plain(Controller(str(store), "model A"), 1.2)
     assert nxt.begin(predicted, "greedy") == chain  # 1 + 0.2 x min(5 / 0.2, MAX_CORRECTION) tokens
     assert nxt.candidates["chain:8"].prior == pytest.approx(1 + 0.2 * controller.MAX_CORRECTION)
-    assert nxt.learned.calls[("chain:8", "greedy")] == 1  # (the calls that measured it: a probe's rule)
+    assert nxt.learned.calls[("chain", "greedy")] == 1  # (the calls that measured it: a probe's rule)
     assert nxt.begin(predicted, t1) is None  # (nothing learned at temperature 1)
     assert timed_plain(Controller(str(store), "model B"), 1.2).begin(predicted, "greedy") is None
     other = Controller(str(store), "model B")
@@ -691,7 +712,7 @@ def test_a_store_that_cannot_be_written_is_not_an_error(tmp_path):
     c.begin({chain: (2.0, 1.0), None: (1.0, 1.0)}, "greedy")
     c.observe(5.0, 1e-3)
     c.end()
-    assert c.learned.pairs[("chain:8", "greedy")] == (4.0, 1.0)
+    assert c.learned.pairs[("chain", "greedy")] == (4.0, 1.0)
     # a store of another shape, or with entries this version cannot read, is learned again
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps({"model": {"not json": [1, 2], json.dumps(["chain:8", "greedy"]): "x"}, "other": 3}))
@@ -868,13 +889,14 @@ def test_an_error_while_weighing_a_round_leaves_the_engine_usable(tiny):
     assert again.generate([prompt], config).sequences == Generator(target).generate([prompt], config).sequences
 
 
-def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
+def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once(monkeypatch):
     """A correction learned in one call (a lookup that hit little on that prompt) would keep a
     cheap candidate out of every later call at that setting: while fewer than PROBE_CALLS calls
     measured it, a candidate whose rounds cost at most PROBE_COST plain ones and whose uncorrected
     prediction is the fastest by CLEAR_MARGIN runs once in a call; its own rounds then decide (it
     stays where it hits, leaves where it does not, and is not probed again in that call). An
     expensive tree is not probed, nor a candidate measured in enough calls."""
+    monkeypatch.setattr(corrections, "PRIOR_EXTRA", 0.0)  # (the sums below alone)
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
@@ -883,8 +905,8 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c = timed_plain(Controller(), 1.0)
     times, _ = c.records("truncated")  # (their rounds measured in an earlier call)
     times["chain:5"], times["4,4,1"] = [1.25] * 3, [2.6] * 3
-    c.learned.pairs[("chain:5", t07)] = c.learned.pairs[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
-    c.learned.calls[("chain:5", t07)] = c.learned.calls[("4,4,1", t07)] = 1
+    c.learned.pairs[("chain", t07)] = c.learned.pairs[("4,4,1", t07)] = (0.1, 2.0)  # (one call: 0.05 of the extra tokens)
+    c.learned.calls[("chain", t07)] = c.learned.calls[("4,4,1", t07)] = 1
     assert c.begin(predicted, t07) is None  # (corrected: 1.2 tokens in 1.25 ms)
     ran = [c.observe(1.0, 1e-3)]
     assert ran == [chain]  # probed: 2 tokens in 1.25 ms hoped
@@ -892,9 +914,9 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
         ran.append(c.observe(*((4.0, 1.25e-3) if ran[-1] == chain else (1.0, 1e-3))))
     assert set(ran) == {chain}  # it hits: it stays
     c.end()
-    assert c.learned.calls[("chain:5", t07)] == 2
+    assert c.learned.calls[("chain", t07)] == 2
     # where it does not hit, plain rounds are back within a few rounds, and it is not probed again
-    c.learned.pairs[("chain:5", t07)], c.learned.calls[("chain:5", t07)] = (0.1, 2.0), 1
+    c.learned.pairs[("chain", t07)], c.learned.calls[("chain", t07)] = (0.1, 2.0), 1
     c.begin(predicted, t07)
     ran = [c.observe(1.0, 1e-3)]
     for _ in range(30):
@@ -902,7 +924,7 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     assert ran[0] == chain and ran.count(chain) <= controller.DWELL + 1 and set(ran[-20:]) == {None}
     # measured in PROBE_CALLS calls: no probe; nor of a tree whose rounds cost 2.6 plain ones
     c.end()
-    c.learned.pairs[("chain:5", t07)] = (0.1, 2.0)
+    c.learned.pairs[("chain", t07)] = (0.1, 2.0)
     c.begin(predicted, t07)
     assert {c.observe(1.0, 1e-3) for _ in range(10)} == {None}
     # of two cheap candidates to probe, the one whose uncorrected prediction is fastest
@@ -910,7 +932,8 @@ def test_a_cheap_candidate_whose_correction_rests_on_few_calls_is_probed_once():
     c = timed_plain(Controller(), 1.0)
     times, _ = c.records("truncated")
     for name, ms in (("chain:5", 1.25), ("2,2", 1.4)):
-        c.learned.pairs[(name, t07)], c.learned.calls[(name, t07)], times[name] = (0.1, 2.0), 1, [ms] * 3
+        learned = corrections.learned_as(name), t07
+        c.learned.pairs[learned], c.learned.calls[learned], times[name] = (0.1, 2.0), 1, [ms] * 3
     c.begin({chain: (2.0, 1.25), cheap: (3.0, 1.4), None: (1.0, 1.0)}, t07)
     assert c.observe(1.0, 1e-3) == cheap
     # a candidate whose round time is only predicted (a new process) is not probed: a probe's cost
@@ -1005,10 +1028,11 @@ def test_auto_near_the_context_end_runs_plain_rounds_in_its_own_engine(tiny, tmp
     assert gen.generate([short], config).sequences == plain.generate([short], config).sequences
 
 
-def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind():
+def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind(monkeypatch):
     """A tree no call measured yet at a sampling setting starts from the correction the draft's
     other trees learned there (at temperature 1 the draft's every tree hits less than its greedy
     table says), not from the cost model alone; the lookup's chain keeps its own (none)."""
+    monkeypatch.setattr(corrections, "PRIOR_EXTRA", 0.0)  # (the sums below alone)
     from longspec.decoding.controller import Controller
 
     big, small, chain, t1 = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5), (1.0, 0, 1.0)
@@ -1018,6 +1042,46 @@ def test_an_untried_candidate_takes_the_pooled_correction_of_its_kind():
     assert c.candidates["4,4,1"].prior == pytest.approx(1.0 + 3.4 * 0.3)
     assert c.candidates["chain:5"].prior == pytest.approx(1.2)
     assert c.begin({big: (4.4, 2.0), small: (3.0, 1.5), None: (1.0, 1.0)}, "greedy") == big  # (another setting)
+
+
+def test_every_chain_length_learns_one_correction(tmp_path):
+    """The lookup's chains share what they learned (one lookup on one text; a CPU's step costs
+    pick the length): a chain of 3 starts from what the chain of 7 measured, and a store of an
+    older version, a key per chain length, is read as one entry; trees keep their own."""
+    from longspec.decoding.controller import Controller
+
+    store = tmp_path / "corrections.json"
+    entry = lambda name, pair: (json.dumps([name, "greedy"]), [*pair, 3])  # noqa: E731
+    store.write_text(json.dumps({"m": dict([entry("chain:7", (3.0, 2.0)), entry("chain:5", (1.0, 2.0)),
+                                            entry("2,2", (1.0, 4.0))])}))
+    c = timed_plain(Controller(str(store), "m"), 1.0)
+    assert c.learned.pairs[("chain", "greedy")] == (4.0, 4.0) and c.learned.calls[("chain", "greedy")] == 6
+    k = corrections.PRIOR_EXTRA  # (every correction's sums start from k extra tokens as predicted)
+    assert c.learned.of("chain:3", "greedy") == 1.0 and c.learned.of("2,2", "greedy") == (1 + k) / (4 + k)
+    c.learned.fold("chain:3", "greedy", 0.0, 4.0)
+    assert c.learned.of("chain:7", "greedy") == pytest.approx((2 + k) / (6 + k))  # (earlier sums decayed by half)
+    # a few rounds of one call that made none of their extra tokens: not the least correction
+    c.learned.fold("2,2", "t1", 0.0, 4.0)
+    assert c.learned.of("2,2", "t1") == pytest.approx(k / (4 + k)) and k / (4 + k) > 0.6
+
+
+def test_a_trees_shortfall_does_not_lower_an_untried_chain():
+    """A tree that made few of its predicted extra tokens lowers the untried trees' priors (the
+    draft misses this text), not the lookup chain's, which reads the text's repeats; a chain's
+    shortfall lowers the trees' too (their predictions count the lookup's hits)."""
+    from longspec.decoding.controller import Controller
+
+    tree, other, chain = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5)
+    c = timed_plain(Controller(), 1.0)
+    assert c.begin({tree: (4.0, 1.5), other: (3.0, 1.4), chain: (3.0, 1.3), None: (1.0, 1.0)}, "greedy") == tree
+    for _ in range(4):
+        c.observe(1.0, 1.5e-3, tree)  # (none of its 3 extra tokens)
+    assert c.candidates["2,2"].prior == 1.0 and c.candidates["chain:5"].prior == 3.0
+    c = timed_plain(Controller(), 1.0)
+    c.begin({tree: (4.0, 1.5), chain: (3.0, 1.3), None: (1.0, 1.0)}, "greedy")
+    for _ in range(4):
+        c.observe(1.0, 1.3e-3, chain)
+    assert c.candidates["4,4,1"].prior == 1.0
 
 
 def test_plain_rounds_take_over_from_a_candidate_a_little_slower():
@@ -1045,7 +1109,7 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
 
     chain, t07 = TreeSpec.chain(5), (0.7, 0, 0.9)
     c = timed_plain(Controller(), 1.0)
-    c.learned.pairs[("chain:5", t07)], c.learned.calls[("chain:5", t07)] = (2.0, 2.0), 3  # (as predicted, in 3 calls)
+    c.learned.pairs[("chain", t07)], c.learned.calls[("chain", t07)] = (2.0, 2.0), 3  # (as predicted, in 3 calls)
     assert c.begin({chain: (2.0, 1.2), None: (1.0, 1.0)}, t07) == chain
     ran = [chain]
     for _ in range(20):
@@ -1060,7 +1124,7 @@ def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repe
         ran.append(c.observe(*((4.0, 1.2e-3) if ran[-1] == chain else (1.0, 1e-3))))
     assert set(ran) == {chain} and not c.wants_predictions()
     c.end()  # (every round it ran counts: first + 10, of which 10 made 3 extra tokens)
-    assert c.learned.pairs[("chain:5", t07)] == pytest.approx((corrections.LEARNED_DECAY * 2.0 + 30.0,
+    assert c.learned.pairs[("chain", t07)] == pytest.approx((corrections.LEARNED_DECAY * 2.0 + 30.0,
                                                           corrections.LEARNED_DECAY * 2.0 + first + 10))
 
 

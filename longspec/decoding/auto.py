@@ -19,6 +19,7 @@ device at hand, from a measured cost model.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -37,11 +38,15 @@ from .step_costs import choose, cost_contexts, cost_key, read_costs
 CANDIDATE_TREES = ("2,2,2", "2,2,2,2,2", "3,3,3,3", "4,4,4,4,4", "4,8,8,8,8", DEFAULT_TREE,
                    "4,8,8,8,8,8,8,8", "4,4,4,4,4,1,1,1,1,1", "4,8,8,8,8,8,8,8,1,1", HYBRID_TREE)
 # what ``--proposer auto`` weighs on a CPU (its controller measures them while generating; the
-# cost model measures each once per device, so few: the first run's measurement stays short)
-# (one: a shorter chain saves a CPU round little and misses long repeats; of 7, verifying 8 tokens:
-# a CPU's matrix kernels take rows in blocks of 8, and a 9th row cost a round a fifth more,
-# docs/benchmarks.md)
-LOOKUP_CHAINS = (7,)
+# cost model measures each once per device, so few: the first run's measurement stays short).
+# Chains of 4, 6 and 8 tokens verified: a CPU's matrix kernels take a step's rows in blocks whose
+# size differs between CPUs (on one a 9th row cost a round a fifth more, on another a 7th row cost
+# a tenth more), so the cost model's measured steps, not one fixed length, pick the chain
+# (docs/benchmarks.md, "Generation on a CPU")
+LOOKUP_CHAINS = (3, 5, 7)
+# the lookup's hit rates at which the chains' lengths are compared where the prompt's are lower (a
+# chain that pays: its first token right half of the time, each next one four times in five)
+PAYING_HITS = (0.5,) + (0.8,) * 9
 AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # on CUDA: the default hybrid tree and two narrower, shallower beams with a lookup tail (cheaper
 # rounds, for where the draft's deep levels are rarely right, e.g. sampled calls: at temperature 1
@@ -171,6 +176,23 @@ def _lookup_of(recent: np.ndarray) -> tuple:
     return found
 
 
+def _one_chain(candidates: dict, costs: dict, hits: Sequence[float]) -> dict:
+    """``candidates`` with one lookup chain: the one of most expected tokens per millisecond under
+    ``costs`` at the lookup's hit rates ``hits`` or, where those are lower, at :data:`PAYING_HITS`
+    (the chains differ in length only, and their length matters where a chain pays: a prompt
+    that repeats nothing, e.g. a short one, says nothing of it; and a controller weighing several
+    on the few rounds of a call takes turns among them on the noise of those rounds)."""
+    at = [max(h, p) for h, p in itertools.zip_longest(hits, PAYING_HITS, fillvalue=0.0)]
+
+    def rate(name):
+        tree = candidates[name][0]
+        return expected_tokens(tree, lookup=at) / (costs["draft_ms"][name] + costs["target_ms"][str(tree.num_nodes)])
+
+    chains = [name for name, (tree, _, _) in candidates.items() if tree.kind == "chain"]
+    best = max(chains, key=rate, default=None)
+    return {name: c for name, c in candidates.items() if name == best or name not in chains}
+
+
 def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None) -> Plan:
     """``--proposer auto`` for prompt ``ids``: the candidates (:func:`_candidates`; on CUDA
     fewer) with their predicted tokens and times per round (:func:`choose`'s cost model), and
@@ -183,6 +205,8 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     candidates = _candidates(recent, draft, hits, target.device.type == "cuda")
     label, gain, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]
+    note = predictions(candidates, costs)
+    candidates = _one_chain(candidates, costs, hits)
     predicted = {tree: (tokens, costs["draft_ms"][name] + steps[str(tree.num_nodes)])
                  for name, (tree, _, tokens) in candidates.items()}
     predicted[None] = (1.0, steps["1"])
@@ -193,5 +217,5 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     why = ("cost model: plain decoding is fastest here" if label is None else
            f"cost model: {gain:.2f}x plain decoding predicted")
     return Plan("hybrid" if draft is not None else "pld", biggest, start, draft,
-                f"{why} ({predictions(candidates, costs)}); measured while generating", predicted, tuple(hits),
+                f"{why} ({note}); measured while generating", predicted, tuple(hits),
                 tuple(map(tuple, draft.config.acceptance)) if draft is not None else (), index)

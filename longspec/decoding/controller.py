@@ -322,19 +322,30 @@ class Controller:
         one that ran 2 x SETTLED_ROUNDS rounds, than its own rounds made (its prior only ever
         lowered, so it converges on what it measures, and no other candidate's rounds move it; a
         call's first rounds say less: on a CPU a tree measured 3, 1 and 3 tokens where the cost
-        model said 6.3, then made 6-7 a round); one that has not run, than the ones that ran
-        made, pooled (once they ran SETTLED_ROUNDS)."""
+        model said 6.3, then made 6-7 a round); one that has not run, than those that ran made,
+        pooled (once they ran SETTLED_ROUNDS): for a tree every candidate that ran (its
+        prediction reads the lookup's hits too), for a chain the chains (a tree's shortfall says
+        the draft misses this text, not that the lookup does: on a CPU one held the lookup's
+        chain at half of its text's prediction for a whole call)."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
             if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
                 c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
+        shares = {kind: self._share([c for c in ran if kind == "tree" or c.tree.kind == "chain"])
+                  for kind in ("tree", "chain")}
+        for c in self.candidates.values():  # (a retried one: its text's prediction)
+            share = None if c.rounds or c.tree is None or c.retried else shares[kind_of(label(c.tree))]
+            if share is not None:
+                c.prior = 1.0 + (c.base - 1.0) * share
+
+    @staticmethod
+    def _share(ran: list) -> Optional[float]:
+        """The share of their predicted extra tokens candidates ``ran`` made in this call (None:
+        fewer than SETTLED_ROUNDS rounds, or none predicted)."""
         hoped = sum(c.rounds * (c.base - 1.0) for c in ran)
         if sum(c.rounds for c in ran) < SETTLED_ROUNDS or hoped <= 0.0:
-            return
-        share = min(max(sum(c.tokens - c.rounds for c in ran) / hoped, 0.0), 1.0)
-        for c in self.candidates.values():
-            if not c.rounds and c.tree is not None and not c.retried:  # (a retried one: its text's prediction)
-                c.prior = 1.0 + (c.base - 1.0) * share
+            return None
+        return min(max(sum(c.tokens - c.rounds for c in ran) / hoped, 0.0), 1.0)
 
     def _probe(self, best: Candidate) -> Optional[Candidate]:
         """A candidate to probe now (see the module docstring), or None: once a call, untried in

@@ -16,6 +16,10 @@ LEARNED_DECAY = 0.5  # weight of earlier calls' measurements against a call's, i
 MAX_CORRECTION = 8.0  # the most a correction scales a prediction's extra tokens by (ones predicted near zero) ...
 MIN_CORRECTION = 0.2  # ... and the least (a candidate predicted to pay much on a prompt gets a few rounds again)
 SAVE_EVERY_S = 10.0  # a store is written after a call at most this often
+# extra tokens, as predicted, that every correction starts from: a few rounds of one call weigh
+# little (on a CPU four rounds of a chain on a text it missed, with no prior, held it out of the
+# next calls' copying prompts: the probe that would test it costs too much on a CPU)
+PRIOR_EXTRA = 8.0
 PROBE_CALLS = 2  # a correction measured in fewer calls than this is uncertain: its candidate may be probed
 
 
@@ -23,6 +27,13 @@ def kind_of(name: str) -> str:
     """A candidate's kind, by its label: "plain" (rounds), "chain" (the lookup's chain alone), else
     "tree" (the draft's)."""
     return "plain" if name == "plain" else "chain" if name.startswith("chain") else "tree"
+
+
+def learned_as(name: str) -> str:
+    """Under which name candidate ``name``'s correction is learned: a tree's own label; "chain"
+    for every lookup chain (one lookup on one text, whatever the chain's length, which a CPU's
+    step costs pick per machine: what one length learned holds for the next)."""
+    return "chain" if kind_of(name) == "chain" else name
 
 
 class Corrections:
@@ -41,9 +52,10 @@ class Corrections:
                 measured, predicted, *calls = map(float, entry)
             except (ValueError, TypeError):
                 continue  # (an entry this version cannot read: learned again)
-            learned = name, tuple(sampling) if isinstance(sampling, list) else sampling
-            self.pairs[learned] = (measured, predicted)
-            self.calls[learned] = int(calls[0]) if calls else PROBE_CALLS
+            learned = learned_as(name), tuple(sampling) if isinstance(sampling, list) else sampling
+            old_measured, old_predicted = self.pairs.get(learned, (0.0, 0.0))  # (older files: a key per chain)
+            self.pairs[learned] = (old_measured + measured, old_predicted + predicted)
+            self.calls[learned] = self.calls.get(learned, 0) + (int(calls[0]) if calls else PROBE_CALLS)
 
     def of(self, name: str, sampling) -> float:
         """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
@@ -51,7 +63,8 @@ class Corrections:
         draft's trees or the lookup's chains), within [MIN_CORRECTION, MAX_CORRECTION]: the
         prediction reads the prompt, the correction what the cost model misses (a sampled call's
         lower acceptance; a model continuing code repeats its prompt far more than the prompt
-        repeats itself)."""
+        repeats itself), the sums each started from :data:`PRIOR_EXTRA` as predicted."""
+        name = learned_as(name)
         measured, predicted = self.pairs.get((name, sampling), (0.0, 0.0))
         if predicted <= 0.0:
             pairs = [(m, p) for (other, s), (m, p) in self.pairs.items()
@@ -59,15 +72,17 @@ class Corrections:
             measured, predicted = sum(m for m, _ in pairs), sum(p for _, p in pairs)
         if predicted <= 0.0:
             return 1.0
+        measured, predicted = measured + PRIOR_EXTRA, predicted + PRIOR_EXTRA
         return min(max(measured / predicted, MIN_CORRECTION), MAX_CORRECTION)
 
     def certain(self, name: str, sampling) -> bool:
         """Whether ``name``'s correction at ``sampling`` was measured in PROBE_CALLS calls or more."""
-        return self.calls.get((name, sampling), 0) >= PROBE_CALLS
+        return self.calls.get((learned_as(name), sampling), 0) >= PROBE_CALLS
 
     def fold(self, name: str, sampling, measured: float, predicted: float) -> None:
         """A call's extra tokens ``measured`` against ``predicted`` (sums over its rounds of
         ``name``), added to the earlier calls' decayed by LEARNED_DECAY."""
+        name = learned_as(name)
         old_measured, old_predicted = self.pairs.get((name, sampling), (0.0, 0.0))
         self.pairs[name, sampling] = (LEARNED_DECAY * old_measured + measured,
                                       LEARNED_DECAY * old_predicted + predicted)
