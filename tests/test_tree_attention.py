@@ -169,6 +169,21 @@ def test_programs_per_sm():
     for cap in (4096, 1 << 18, 1 << 20, 1 << 22):
         n = programs_per_sm(cap, 8, 16)
         assert cap / (n * 132 // 8) <= LONG_CHUNK or n == 4
+    # a tree's 64-row tiles of heads of 64 dimensions: two programs where each of one would stream
+    # WIDE_CHUNK keys or more (12 units: 11 programs per unit, 2048 keys -> 186 each: one)
+    assert programs_per_sm(8192, 12, 64, 132, 64) == 2 and programs_per_sm(2048, 12, 64, 132, 64) == 1
+    assert programs_per_sm(1 << 20, 40, 64, 132, 64) == 2 and programs_per_sm(1 << 20, 40, 64, 132, 128) == 1
+
+
+def test_wide_trees_of_small_heads_take_64_row_tiles():
+    """A tree's many rows (more than 64 packed rows) take 64-row tiles of 4 warps where heads have
+    at most 64 dimensions, 128-row tiles of 8 warps at 128; decode's few rows as before."""
+    from longspec.attention.launch_plan import tile_plan
+
+    c = KernelConfig()
+    assert tile_plan(c, 276, 64, 2)[0::2] == (64, 4) and tile_plan(c, 222, 32, 2)[0::2] == (64, 4)
+    assert tile_plan(c, 276, 128, 2)[0::2] == (128, 8) and tile_plan(c, 4, 64, 2)[0] == 16
+    assert tile_plan(KernelConfig(block_q=128), 276, 64, 2)[0] == 128  # (a config's own choice stands)
 
 
 def test_plan_covers_the_capacity():
@@ -425,7 +440,7 @@ def test_the_store_kernel_is_compiled_once_whatever_the_prompt_length():
 
 
 def test_tma_loads_by_default_for_full_tiles_on_hopper(monkeypatch):
-    """The default config loads K/V through TMA descriptors for tiles of 128 rows on Hopper or
+    """The default config loads K/V through TMA descriptors for a tree's full tiles on Hopper or
     newer (faster there), not for smaller tiles (decode); the result is the same either way."""
     from longspec.attention import triton_kernels
 
@@ -434,7 +449,7 @@ def test_tma_loads_by_default_for_full_tiles_on_hopper(monkeypatch):
     make = triton_kernels._descriptors
     monkeypatch.setattr(triton_kernels, "_descriptors", lambda *a: described.append(a) or make(*a))
     device = "cuda" if ON_GPU else "cpu"
-    check([300, 17], 32, 8, 2, 16, torch.float32, device)  # 4 heads x 32 queries: one 128-row tile
+    check([300, 17], 32, 8, 2, 16, torch.float32, device)  # 4 heads x 32 queries: two 64-row tiles (16 dims)
     assert len(described) == 2  # K and V
     check([300, 17], 4, 8, 2, 16, torch.float32, device)  # 16 rows
     check([300, 17], 32, 8, 2, 16, torch.float32, device, config=KernelConfig(tma=False))

@@ -29,13 +29,20 @@ class KernelConfig:
     merge_elements: int = 4096  # partial-output elements a merge program loads at once (see merge_plan)
     min_chunk: int = 128
     # the unmasked loop loads K/V through tensor-memory-accelerator descriptors; None: for tiles of 128
-    # rows on Hopper or newer (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
+    # rows, and a tree's WIDE_HEAD_TILE-row tiles of heads of at most 64 dimensions, on Hopper or newer
+    # (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
     # loop variants timed and removed, none faster (docs/benchmarks.md, "Hybrid tree attention"): the
     # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full
     # tiles, Triton's automatic warp specialization of the unmasked loop
 
 
+# rows of a tile for a tree's many rows where heads have at most 64 dimensions: 4 warps of 64-row
+# tiles, two programs per multiprocessor where the cache is long (:func:`programs_per_sm`), beat
+# 128-row tiles of 8 warps by 1.1-1.5x from 2k to 1M keys on an H100 (docs/benchmarks.md, "Hybrid
+# tree attention"); at 128 dimensions the 128-row tiles stay best
+WIDE_HEAD_TILE = 64
+WIDE_CHUNK = 512  # keys a program of such tiles streams at one program per SM, from which two share each SM
 # shared memory one program may use: a Hopper GPU's 227 KB per block, less room for Triton's own
 # scratch (the estimate below counts the tiles only)
 SHARED_MEMORY_BUDGET = 200 * 1024
@@ -53,8 +60,11 @@ def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int, budget:
     head dims. The float32 accumulator [block_q, head_dim] stays within
     ``ACC_ELEMENTS_PER_THREAD`` registers per thread of 8 warps (head_dim 256: at most 64 rows),
     and the tiles within ``budget`` bytes (smaller key blocks first, then fewer pipeline
-    stages, then fewer rows). ``num_stages`` 0: Triton's default (3 on Hopper), counted as 3."""
-    block_q = c.block_q or max(16, min(128, next_power_of_2(rows)))
+    stages, then fewer rows). ``num_stages`` 0: Triton's default (3 on Hopper), counted as 3.
+    ``block_q`` 0: the rows rounded up to a power of two, at most 128, but tiles of
+    :data:`WIDE_HEAD_TILE` rows for heads of at most 64 dimensions (a tree's many rows: see there)."""
+    block_q = c.block_q or (WIDE_HEAD_TILE if head_dim <= 64 and rows > WIDE_HEAD_TILE
+                            else max(16, min(128, next_power_of_2(rows))))
     block_q = max(16, min(block_q, 8 * 32 * ACC_ELEMENTS_PER_THREAD // head_dim))
     block_n, stages = c.block_n, c.num_stages
     while shared_memory_bytes(block_q, block_n, head_dim, elem_size, stages or 3) > budget:
@@ -96,16 +106,20 @@ def shared_memory_budget(block_limit: int) -> int:
 LONG_CHUNK = 16384  # keys a program of small tiles streams at most before more programs share each SM
 
 
-def programs_per_sm(capacity: int, units: int, block_q: int, multiprocessors: int = 132) -> int:
+def programs_per_sm(capacity: int, units: int, block_q: int, multiprocessors: int = 132, head_dim: int = 128) -> int:
     """Split-KV programs per multiprocessor where the config leaves it open: 1, except for small
     tiles (at most 32 rows: decode's few rows) over a cache so long that one program per
-    multiprocessor would stream more than LONG_CHUNK keys: then up to 4, each a shorter chunk.
-    Small programs share a multiprocessor, so it keeps more key blocks in flight (a decode step's
-    attention at 1M keys, 8 KV heads of 64: 1.5x faster, at the bandwidth floor); at short
-    contexts one program per multiprocessor stays best (more parts cost their merge)."""
+    multiprocessor would stream more than LONG_CHUNK keys: then up to 4, each a shorter chunk
+    (small programs share a multiprocessor, so it keeps more key blocks in flight: a decode step's
+    attention at 1M keys, 8 KV heads of 64: 1.5x faster, at the bandwidth floor); and for
+    :data:`WIDE_HEAD_TILE`-row tiles of heads of at most 64 dimensions, 2 where one program per
+    multiprocessor would stream WIDE_CHUNK keys or more. At short contexts one program per
+    multiprocessor stays best (more parts cost their merge)."""
+    chunk = capacity / max(1, multiprocessors // max(units, 1))
+    if block_q == WIDE_HEAD_TILE and head_dim <= 64:
+        return 2 if chunk >= WIDE_CHUNK else 1
     if block_q > 32:
         return 1
-    chunk = capacity / max(1, multiprocessors // max(units, 1))
     return int(min(4, max(1, -(-chunk // LONG_CHUNK))))
 
 
