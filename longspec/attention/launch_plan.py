@@ -38,9 +38,9 @@ class KernelConfig:
 
 
 # rows of a tile for a tree's many rows where heads have at most 64 dimensions: 4 warps of 64-row
-# tiles, two programs per multiprocessor where the cache is long (:func:`programs_per_sm`), beat
-# 128-row tiles of 8 warps by 1.1-1.5x from 2k to 1M keys on an H100 (docs/benchmarks.md, "Hybrid
-# tree attention"); at 128 dimensions the 128-row tiles stay best
+# tiles, two programs per multiprocessor where the cache is long (:func:`programs_per_sm`), are
+# faster there than 128-row tiles of 8 warps, from short caches to 1M keys (docs/benchmarks.md,
+# "Hybrid tree attention"); at 128 dimensions the 128-row tiles stay best
 WIDE_HEAD_TILE = 64
 WIDE_CHUNK = 512  # keys a program of such tiles streams at one program per SM, from which two share each SM
 # shared memory one program may use: a Hopper GPU's 227 KB per block, less room for Triton's own
