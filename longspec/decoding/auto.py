@@ -29,7 +29,7 @@ import numpy as np
 from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance
 from ..spec.proposers import LongSpecProposer, PromptLookup
 from ..spec.tree import DEFAULT_TREE, HYBRID_TREE, TreeSpec
-from .step_costs import choose, cost_contexts, cost_key, read_costs
+from .step_costs import choose, cost_contexts, cost_key, fastest, read_costs
 
 # hybrid trees; the "1,1,1,1,1" tails are levels the lookup chain fills alone when it has a candidate
 # (else the draft's best path continues there): long verbatim repeats get accepted past depth 5
@@ -183,13 +183,9 @@ def _one_chain(candidates: dict, costs: dict, hits: Sequence[float]) -> dict:
     that repeats nothing, e.g. a short one, says nothing of it; and a controller weighing several
     on the few rounds of a call takes turns among them on the noise of those rounds)."""
     at = [max(h, p) for h, p in itertools.zip_longest(hits, PAYING_HITS, fillvalue=0.0)]
-
-    def rate(name):
-        tree = candidates[name][0]
-        return expected_tokens(tree, lookup=at) / (costs["draft_ms"][name] + costs["target_ms"][str(tree.num_nodes)])
-
-    chains = [name for name, (tree, _, _) in candidates.items() if tree.kind == "chain"]
-    best = max(chains, key=rate, default=None)
+    chains = {name: (tree, expected_tokens(tree, lookup=at)) for name, (tree, _, _) in candidates.items()
+              if tree.kind == "chain"}
+    best, _ = fastest(chains, costs, allow_plain=False)
     return {name: c for name, c in candidates.items() if name == best or name not in chains}
 
 
