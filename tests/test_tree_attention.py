@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from longspec.attention import reference  # noqa: E402
-from longspec.attention.launch_plan import LONG_CHUNK, programs_per_sm  # noqa: E402
+from longspec.attention.launch_plan import LONG_CHUNK, programs_per_sm, wide_head_tiles  # noqa: E402
 from test_attention_reference import random_parents_mask  # noqa: E402
 from longspec.attention.triton_kernels import (KernelConfig, masked_attention, merge_plan, plan,  # noqa: E402
                                                prefix_attention, tree_attention)
@@ -171,8 +171,10 @@ def test_programs_per_sm():
         assert cap / (n * 132 // 8) <= LONG_CHUNK or n == 4
     # a tree's 64-row tiles of heads of 64 dimensions: two programs where each of one would stream
     # WIDE_CHUNK keys or more (12 units: 11 programs per unit, 2048 keys -> 186 each: one)
-    assert programs_per_sm(8192, 12, 64, 132, 64) == 2 and programs_per_sm(2048, 12, 64, 132, 64) == 1
-    assert programs_per_sm(1 << 20, 40, 64, 132, 64) == 2 and programs_per_sm(1 << 20, 40, 64, 132, 128) == 1
+    assert programs_per_sm(8192, 12, 64, 132, wide=True) == 2 and programs_per_sm(2048, 12, 64, 132, wide=True) == 1
+    assert programs_per_sm(1 << 20, 40, 64, 132, wide=True) == 2 and programs_per_sm(1 << 20, 40, 64, 132) == 1
+    # (wide: more than 64 packed rows of heads of at most 64 dimensions in 64-row tiles; 64 rows are not)
+    assert wide_head_tiles(276, 64, 64) and not wide_head_tiles(64, 64, 64) and not wide_head_tiles(276, 128, 64)
 
 
 def test_wide_trees_of_small_heads_take_64_row_tiles():

@@ -43,6 +43,15 @@ class KernelConfig:
 # "Hybrid tree attention"); at 128 dimensions the 128-row tiles stay best
 WIDE_HEAD_TILE = 64
 WIDE_CHUNK = 512  # keys a program of such tiles streams at one program per SM, from which two share each SM
+
+
+def wide_head_tiles(rows: int, head_dim: int, block_q: int = WIDE_HEAD_TILE) -> bool:
+    """Whether a launch of ``rows`` packed rows per KV head in tiles of ``block_q`` runs a tree's
+    :data:`WIDE_HEAD_TILE`-row tiles of heads of at most 64 dimensions (their own programs per
+    multiprocessor and TMA loads)."""
+    return block_q == WIDE_HEAD_TILE and head_dim <= 64 and rows > WIDE_HEAD_TILE
+
+
 # shared memory one program may use: a Hopper GPU's 227 KB per block, less room for Triton's own
 # scratch (the estimate below counts the tiles only)
 SHARED_MEMORY_BUDGET = 200 * 1024
@@ -63,7 +72,7 @@ def tile_plan(c: KernelConfig, rows: int, head_dim: int, elem_size: int, budget:
     stages, then fewer rows). ``num_stages`` 0: Triton's default (3 on Hopper), counted as 3.
     ``block_q`` 0: the rows rounded up to a power of two, at most 128, but tiles of
     :data:`WIDE_HEAD_TILE` rows for heads of at most 64 dimensions (a tree's many rows: see there)."""
-    block_q = c.block_q or (WIDE_HEAD_TILE if head_dim <= 64 and rows > WIDE_HEAD_TILE
+    block_q = c.block_q or (WIDE_HEAD_TILE if wide_head_tiles(rows, head_dim)
                             else max(16, min(128, next_power_of_2(rows))))
     block_q = max(16, min(block_q, 8 * 32 * ACC_ELEMENTS_PER_THREAD // head_dim))
     block_n, stages = c.block_n, c.num_stages
@@ -106,17 +115,17 @@ def shared_memory_budget(block_limit: int) -> int:
 LONG_CHUNK = 16384  # keys a program of small tiles streams at most before more programs share each SM
 
 
-def programs_per_sm(capacity: int, units: int, block_q: int, multiprocessors: int = 132, head_dim: int = 128) -> int:
+def programs_per_sm(capacity: int, units: int, block_q: int, multiprocessors: int = 132, wide: bool = False) -> int:
     """Split-KV programs per multiprocessor where the config leaves it open: 1, except for small
     tiles (at most 32 rows: decode's few rows) over a cache so long that one program per
     multiprocessor would stream more than LONG_CHUNK keys: then up to 4, each a shorter chunk
     (small programs share a multiprocessor, so it keeps more key blocks in flight: a decode step's
-    attention at 1M keys, 8 KV heads of 64: 1.5x faster, at the bandwidth floor); and for
-    :data:`WIDE_HEAD_TILE`-row tiles of heads of at most 64 dimensions, 2 where one program per
-    multiprocessor would stream WIDE_CHUNK keys or more. At short contexts one program per
-    multiprocessor stays best (more parts cost their merge)."""
+    attention at 1M keys, 8 KV heads of 64: 1.5x faster, at the bandwidth floor); and for a tree's
+    wide-head tiles (``wide``: :func:`wide_head_tiles`), 2 where one program per multiprocessor
+    would stream WIDE_CHUNK keys or more. At short contexts one program per multiprocessor stays
+    best (more parts cost their merge)."""
     chunk = capacity / max(1, multiprocessors // max(units, 1))
-    if block_q == WIDE_HEAD_TILE and head_dim <= 64:
+    if wide:
         return 2 if chunk >= WIDE_CHUNK else 1
     if block_q > 32:
         return 1

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
-                          programs_per_sm, shared_memory_budget, WIDE_HEAD_TILE, shared_memory_bytes, tile_plan)
+                          programs_per_sm, shared_memory_budget, shared_memory_bytes, tile_plan, wide_head_tiles)
 
 LOG2E = 1.4426950408889634
 
@@ -134,7 +134,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     windowed = starts is not None and window > 0
     span = min(cap, window + m + block_n) if windowed else cap  # + block_n: the span starts block-aligned
     sms = _multiprocessors(q.device)
-    programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms, d))
+    wide = wide_head_tiles(rows, d, block_q)  # (a tree's 64-row tiles of small heads)
+    programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms, wide))
     n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits == 1
@@ -157,8 +158,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     start_strides = (0, 0) if starts is None else (starts.stride(0), starts.stride(1))
     op_strides = (0,) * 4 if direct else o_part.stride()[:4]
     lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
-    full = block_q >= 128 or block_q == WIDE_HEAD_TILE and d <= 64 and rows > WIDE_HEAD_TILE  # (a tree's tiles)
-    tma = full and _tma_hardware(q.device) if c.tma is None else c.tma
+    tma = (block_q >= 128 or wide) and _tma_hardware(q.device) if c.tma is None else c.tma
     tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
     kd, vd = ((_descriptors(t.view(-1, d), [block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
     if paged:  # the pool layer as a cache of one row of P slots, shared by every row (batch stride 0)
