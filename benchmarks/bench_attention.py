@@ -22,6 +22,10 @@ blocks below a tile's window; the floor counts the window's keys), e.g. Gemma 3
 1024,8192,32768``; its time should not grow with the context. Checked against the float64
 reference with the window in a dense mask.
 
+"triton (paged)" and "triton (shuffled)" read the rows as the engine does, from a pool through a
+block table of 64-slot blocks (a ``Generator``'s, with its prefix cache): consecutive ones (a
+prompt's blocks, allocated in order) and shuffled ones.
+
 ``--capacity N``: the cache holds N slots and the row only its S cached keys + M (a long-lived
 engine's cache, sized for its longest request, serving a shorter one); the Triton rows only, the
 floor counting the row's keys, e.g. ``--contexts 8192,32768,65536 --trees 1,32,64 --capacity
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 
@@ -52,6 +57,7 @@ from longspec.attention.fast import causal_attention
 from longspec.attention.launch_plan import next_power_of_2
 from longspec.attention.paged import rows_of
 from longspec.attention.triton_kernels import KernelConfig, tree_attention
+from longspec.kv.prefix_cache import PREFIX_BLOCK_SIZE
 
 PAGE_BLOCK = 256  # the server's KV block size (tokens)
 
@@ -261,6 +267,16 @@ def main(argv=None):
                 "matmul": lambda: matmul_attention(q, k, v, dense),
                 "flash (no mask)": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep)[0],
             }
+            if not args.window and (args.methods is None or "triton (" in args.methods):
+                # the engine's rows are paged: through a table of consecutive blocks (a prompt's, in
+                # order: each split's chunk is read at an offset) and of shuffled ones (a lookup a block)
+                n_blocks = -(-cap // PREFIX_BLOCK_SIZE)
+                for name, blocks in (("triton (paged)", torch.arange(n_blocks, device="cuda")),
+                                     ("triton (shuffled)", torch.randperm(n_blocks, device="cuda"))):
+                    pool_k, pool_v = (paged_store(x, blocks[None], PREFIX_BLOCK_SIZE) for x in (k, v))
+                    impls[name] = functools.partial(tree_attention, q, pool_k, pool_v, lengths, tree,
+                                                    causal=args.causal, table=blocks[None],
+                                                    block_size=PREFIX_BLOCK_SIZE)
             if triton_kernels._descriptors is None:  # Triton < 3.4: the TMA rows would time the plain loads
                 impls.pop("triton (tma)")
             if args.window:  # flash cannot slide a window over a tree

@@ -210,6 +210,20 @@ def test_rows_far_shorter_than_the_cache(causal, paged):
           causal=causal, pending=2, table=table, config=KernelConfig(block_n=16, programs=64, min_chunk=32))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_rows_in_runs_of_consecutive_blocks(causal):
+    """Paged rows whose key blocks lie partly in consecutive pool blocks (a split's chunk read at
+    an offset, no table load per key block) and partly not (through the table), chunk by chunk:
+    a row in order, one in order but for two blocks swapped, one in reverse; with TMA where the
+    device has it."""
+    runs = torch.arange(3 * 32).view(3, 32)
+    runs[1, [10, 11]] = runs[1, [11, 10]]
+    runs[2] = runs[2].flip(0)
+    for config in (KernelConfig(block_n=16, programs=64, min_chunk=32), None):
+        check([2030, 1500, 900], 9, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=2048,
+              causal=causal, pending=2, table=runs, config=config)
+
+
 def test_tree_masks_of_any_layout_and_dtype_give_the_same_output():
     """A bool mask is read in place (no copy per layer); a strided or int8 one is made contiguous."""
     gen = torch.Generator().manual_seed(4)

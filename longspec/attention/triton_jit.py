@@ -55,6 +55,37 @@ if triton is not None:
             return n
 
     @triton.jit
+    def _run_of(TBL, b, stbl_b, BS, first, n):
+        """Whether a row's slots ``first .. first + n - 1`` lie in consecutive pool blocks, and
+        the offset ``delta`` (storage slot = slot + delta) if so. Loads their table entries 128
+        at a time: one or two loads per program for a split's chunk."""
+        lo = first // BS
+        hi = (first + n - 1) // BS  # (n == 0: hi < lo, nothing checked or read)
+        base = tl.load(TBL + b * stbl_b + lo, mask=n > 0, other=0).to(tl.int64)
+        breaks = tl.zeros([], tl.int32)
+        for j0 in range(lo, hi + 1, 128):
+            j = j0 + tl.arange(0, 128)
+            inside = j <= hi
+            entry = tl.load(TBL + b * stbl_b + j, mask=inside, other=0).to(tl.int64)
+            breaks += tl.sum((inside & (entry != base + (j - lo))).to(tl.int32), 0)
+        return (base - lo) * BS, breaks == 0
+
+    @triton.jit
+    def _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, first, n_full, sk_s, sv_s, d, m_i, l_i,
+                     acc, qk_scale, LOOKUP: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        """The online softmax over ``n_full`` whole key blocks that every row sees, from slot
+        ``first`` on (no masks in the hot loop): at storage slots ``first + blk * BLOCK_N``, or
+        through the block table (LOOKUP)."""
+        for blk in range(0, n_full):
+            at = _slot(TBL, b, first + blk * BLOCK_N, stbl_b, BS, LOOKUP)
+            k = _block(KD, k_base, desc0 + at.to(tl.int32), at, sk_s, d, True, TMA, BLOCK_N)
+            v = _block(VD, v_base, desc0 + at.to(tl.int32), at, sv_s, d, False, TMA, BLOCK_N)
+            m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
+                                            False, PRECISION)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _rows(Q, LIM, START, b, h, first, sq_b, sq_h, sq_m, slim_b, slim_m, sst_b, sst_m, M, G, length,
               HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
         """Packed query rows ``first .. first + ROWS - 1`` of KV head h (row = g * M + i): the rows,
@@ -158,12 +189,20 @@ if triton is not None:
         n_full = tl.maximum(every_end - full, 0) // BLOCK_N
         # TMA: KD, VD describe the (contiguous) storage as [rows * HKV * S, HEAD_D], S slots a head
         desc0 = ((b * sk_b + h * sk_h) // HEAD_D).to(tl.int32)  # (paged: no batch stride)
-        for blk in range(0, n_full):  # whole blocks every row sees: no masks in the hot loop
-            first = _slot(TBL, b, full + blk * BLOCK_N, stbl_b, BS, PAGED)
-            k = _block(KD, k_base, desc0 + first.to(tl.int32), first, sk_s, d, True, TMA, BLOCK_N)
-            v = _block(VD, v_base, desc0 + first.to(tl.int32), first, sv_s, d, False, TMA, BLOCK_N)
-            m_i, l_i, acc = _softmax_update(tl.dot(q, k, input_precision=PRECISION), v, m_i, l_i, acc, qk_scale,
-                                            False, PRECISION)
+        if PAGED:
+            # whole blocks in consecutive pool blocks (a prompt's, allocated in order) are read at
+            # slot + delta, as dense rows are: no table load on the hot loop's critical path
+            delta, consecutive = _run_of(TBL, b, stbl_b, BS, full, n_full * BLOCK_N)
+            if consecutive:
+                m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, full + delta,
+                                             n_full, sk_s, sv_s, d, m_i, l_i, acc, qk_scale, False, TMA, BLOCK_N,
+                                             PRECISION)
+            else:
+                m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, full, n_full,
+                                             sk_s, sv_s, d, m_i, l_i, acc, qk_scale, True, TMA, BLOCK_N, PRECISION)
+        else:
+            m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, full, n_full, sk_s,
+                                         sv_s, d, m_i, l_i, acc, qk_scale, False, TMA, BLOCK_N, PRECISION)
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, full + n_full * BLOCK_N,
                                       any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
                                       PRECISION)  # the chunk's ragged end
