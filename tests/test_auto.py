@@ -1084,21 +1084,6 @@ def test_a_trees_shortfall_does_not_lower_an_untried_chain():
     assert c.candidates["4,4,1"].prior == 1.0
 
 
-def test_a_trees_shortfall_lowers_an_untried_chain_in_a_sampled_call():
-    """At temperature 1 a round fails where the target's distribution is flat, whoever drafted
-    it: a tree that made none of its predicted extra tokens lowers the untried chain too, and
-    the call goes on in plain rounds without running the chain."""
-    from longspec.decoding.controller import Controller
-
-    tree, chain, t1 = TreeSpec.parse("4,4,1"), TreeSpec.chain(5), (1.0, 0, 1.0)
-    c = timed_plain(Controller(), 1.0)
-    assert c.begin({tree: (2.0, 1.4), chain: (1.4, 1.1), None: (1.0, 1.0)}, t1) == tree
-    ran = [tree]
-    for _ in range(30):
-        ran.append(c.observe(1.0, (1.4e-3 if ran[-1] == tree else 1.1e-3 if ran[-1] == chain else 1e-3)))
-    assert c.candidates["chain:5"].prior == 1.0 and chain not in ran and set(ran[-20:]) == {None}
-
-
 def test_plain_rounds_take_over_from_a_candidate_a_little_slower():
     """A candidate that turns out a few percent slower than plain rounds (less than the margin
     another candidate needs to take over) gives way to them within a few rounds: a call must not

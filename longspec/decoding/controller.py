@@ -324,18 +324,14 @@ class Controller:
         call's first rounds say less: on a CPU a tree measured 3, 1 and 3 tokens where the cost
         model said 6.3, then made 6-7 a round); one that has not run, than those that ran made,
         pooled (once they ran SETTLED_ROUNDS): for a tree every candidate that ran (its
-        prediction reads the lookup's hits too), for a chain in a greedy call the chains (a
-        tree's shortfall there says the draft misses this text, not that the lookup does: on a
-        CPU one held the lookup's chain at half of its text's prediction for a whole call), in a
-        sampled call every candidate too (there a round fails where the target's distribution
-        is flat, whoever drafted it: at temperature 1 a chain ran rounds of no extra token after
-        a tree had made less than half of its prediction)."""
+        prediction reads the lookup's hits too), for a chain the chains (a tree's shortfall says
+        the draft misses this text, not that the lookup does: on a CPU one held the lookup's
+        chain at half of its text's prediction for a whole call)."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
             if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
                 c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
-        sampled = round_kind(self.sampling) in ("sampled", "truncated")
-        shares = {kind: self._share([c for c in ran if kind == "tree" or sampled or c.tree.kind == "chain"])
+        shares = {kind: self._share([c for c in ran if kind == "tree" or c.tree.kind == "chain"])
                   for kind in ("tree", "chain")}
         for c in self.candidates.values():  # (a retried one: its text's prediction)
             share = None if c.rounds or c.tree is None or c.retried else shares[kind_of(label(c.tree))]
