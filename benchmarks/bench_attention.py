@@ -22,9 +22,10 @@ blocks below a tile's window; the floor counts the window's keys), e.g. Gemma 3
 1024,8192,32768``; its time should not grow with the context. Checked against the float64
 reference with the window in a dense mask.
 
-"triton (paged)" and "triton (shuffled)" read the rows as the engine does, from a pool through a
-block table of 64-slot blocks (a ``Generator``'s, with its prefix cache): consecutive ones (a
-prompt's blocks, allocated in order) and shuffled ones.
+"triton (paged)", "triton (two runs)" and "triton (shuffled)" read the rows as the engine does,
+from a pool through a block table of 64-slot blocks (a ``Generator``'s, with its prefix cache):
+consecutive ones (a prompt's blocks, allocated in order), two runs of them (a cached prefix's
+blocks, then ones allocated elsewhere: one split's chunk holds the break) and shuffled ones.
 
 ``--capacity N``: the cache holds N slots and the row only its S cached keys + M (a long-lived
 engine's cache, sized for its longest request, serving a shorter one); the Triton rows only, the
@@ -269,9 +270,12 @@ def main(argv=None):
             }
             if not args.window and (args.methods is None or "triton (" in args.methods):
                 # the engine's rows are paged: through a table of consecutive blocks (a prompt's, in
-                # order: each split's chunk is read at an offset) and of shuffled ones (a lookup a block)
+                # order: each split's chunk is read at an offset), of two runs (a cached prefix, then
+                # the pool's first blocks: read run by run) and of shuffled ones (a lookup a block)
                 n_blocks = -(-cap // PREFIX_BLOCK_SIZE)
-                for name, blocks in (("triton (paged)", torch.arange(n_blocks, device="cuda")),
+                in_order = torch.arange(n_blocks, device="cuda")
+                for name, blocks in (("triton (paged)", in_order),
+                                     ("triton (two runs)", in_order.roll(-(n_blocks * 3 // 7))),
                                      ("triton (shuffled)", torch.randperm(n_blocks, device="cuda"))):
                     pool_k, pool_v = (paged_store(x, blocks[None], PREFIX_BLOCK_SIZE) for x in (k, v))
                     impls[name] = functools.partial(tree_attention, q, pool_k, pool_v, lengths, tree,

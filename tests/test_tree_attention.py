@@ -212,15 +212,19 @@ def test_rows_far_shorter_than_the_cache(causal, paged):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_rows_in_runs_of_consecutive_blocks(causal):
-    """Paged rows whose key blocks lie partly in consecutive pool blocks (a split's chunk read at
-    an offset, no table load per key block) and partly not (through the table), chunk by chunk:
-    a row in order, one in order but for two blocks swapped, one in reverse; with TMA where the
-    device has it."""
-    runs = torch.arange(3 * 32).view(3, 32)
+    """Paged rows whose key blocks lie in runs of consecutive pool blocks (a split's chunk read
+    run by run at an offset, no table load per key block) and partly not (through the table),
+    chunk by chunk: a row in order, one in order but for two blocks swapped, one in reverse, one
+    in two runs (a cached prefix, then blocks allocated elsewhere), one in four; small chunks
+    (their few blocks with a break go through the table) and the default plan's; with TMA where
+    the device has it."""
+    runs = torch.arange(5 * 32).view(5, 32)
     runs[1, [10, 11]] = runs[1, [11, 10]]
     runs[2] = runs[2].flip(0)
+    runs[3] = torch.cat([torch.arange(96, 112), torch.arange(170, 186)])
+    runs[4] = torch.cat([torch.arange(112, 120), torch.arange(186, 196), torch.arange(120, 128), torch.arange(160, 166)])
     for config in (KernelConfig(block_n=16, programs=64, min_chunk=32), None):
-        check([2030, 1500, 900], 9, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=2048,
+        check([2030, 1500, 900, 2020, 1990], 9, 4, 2, 16, torch.float32, "cuda" if ON_GPU else "cpu", capacity=2048,
               causal=causal, pending=2, table=runs, config=config)
 
 

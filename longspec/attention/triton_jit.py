@@ -55,20 +55,31 @@ if triton is not None:
             return n
 
     @triton.jit
-    def _run_of(TBL, b, stbl_b, BS, first, n):
-        """Whether a row's slots ``first .. first + n - 1`` lie in consecutive pool blocks, and
-        the offset ``delta`` (storage slot = slot + delta) if so. Loads their table entries 128
-        at a time: one or two loads per program for a split's chunk."""
-        lo = first // BS
-        hi = (first + n - 1) // BS  # (n == 0: hi < lo, nothing checked or read)
-        base = tl.load(TBL + b * stbl_b + lo, mask=n > 0, other=0).to(tl.int64)
+    def _breaks(TBL, b, stbl_b, lo, hi):
+        """How many of a row's pool blocks ``lo + 1 .. hi`` (table entries) do not follow the
+        block before them: 0 where blocks ``lo .. hi`` are consecutive in the pool, one run.
+        Loads the entries 128 at a time: one or two loads per program for a split's chunk."""
         breaks = tl.zeros([], tl.int32)
-        for j0 in range(lo, hi + 1, 128):
+        for j0 in range(lo + 1, hi + 1, 128):
+            j = j0 + tl.arange(0, 128)
+            inside = j <= hi
+            entry = tl.load(TBL + b * stbl_b + j, mask=inside, other=0)
+            before = tl.load(TBL + b * stbl_b + j - 1, mask=inside, other=0)
+            breaks += tl.sum((inside & (entry != before + 1)).to(tl.int32), 0)
+        return breaks
+
+    @triton.jit
+    def _run_end(TBL, b, stbl_b, lo, hi):
+        """The run of consecutive pool blocks that a row's block ``lo`` starts: (its first pool
+        block, the first of the row's blocks ``lo + 1 .. hi`` past it, else hi + 1)."""
+        base = tl.load(TBL + b * stbl_b + lo, mask=lo <= hi, other=0).to(tl.int64)
+        end = hi + 1
+        for j0 in range(lo + 1, hi + 1, 128):
             j = j0 + tl.arange(0, 128)
             inside = j <= hi
             entry = tl.load(TBL + b * stbl_b + j, mask=inside, other=0).to(tl.int64)
-            breaks += tl.sum((inside & (entry != base + (j - lo))).to(tl.int32), 0)
-        return (base - lo) * BS, breaks == 0
+            end = tl.minimum(end, tl.min(tl.where(inside & (entry != base + (j - lo)), j, hi + 1), 0))
+        return base, end
 
     @triton.jit
     def _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, first, n_full, sk_s, sv_s, d, m_i, l_i,
@@ -190,13 +201,22 @@ if triton is not None:
         # TMA: KD, VD describe the (contiguous) storage as [rows * HKV * S, HEAD_D], S slots a head
         desc0 = ((b * sk_b + h * sk_h) // HEAD_D).to(tl.int32)  # (paged: no batch stride)
         if PAGED:
-            # whole blocks in consecutive pool blocks (a prompt's, allocated in order) are read at
-            # slot + delta, as dense rows are: no table load on the hot loop's critical path
-            delta, consecutive = _run_of(TBL, b, stbl_b, BS, full, n_full * BLOCK_N)
-            if consecutive:
-                m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, full + delta,
-                                             n_full, sk_s, sv_s, d, m_i, l_i, acc, qk_scale, False, TMA, BLOCK_N,
-                                             PRECISION)
+            # whole blocks in runs of consecutive pool blocks (a prompt's, allocated in order; a
+            # cached prefix's, then the blocks allocated after it) are read run by run at slot +
+            # the run's offset, as dense rows are: no table load on the hot loop's critical path.
+            # Runs shorter than 4 key blocks on average: through the table, a load a block
+            stop = full + n_full * BLOCK_N
+            hi = (stop - 1) // BS  # (n_full == 0: hi < the first block, nothing read)
+            breaks = _breaks(TBL, b, stbl_b, full // BS, hi)
+            if (breaks == 0) | ((breaks + 1) * 4 <= n_full):
+                at = full
+                for _ in range(0, breaks + 1):
+                    base, end = _run_end(TBL, b, stbl_b, at // BS, hi)
+                    n_run = (tl.minimum(end * BS, stop) - at) // BLOCK_N
+                    m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS,
+                                                 at + (base - at // BS) * BS, n_run, sk_s, sv_s, d, m_i, l_i, acc,
+                                                 qk_scale, False, TMA, BLOCK_N, PRECISION)
+                    at += n_run * BLOCK_N
             else:
                 m_i, l_i, acc = _full_blocks(q, KD, VD, k_base, v_base, desc0, TBL, b, stbl_b, BS, full, n_full,
                                              sk_s, sv_s, d, m_i, l_i, acc, qk_scale, True, TMA, BLOCK_N, PRECISION)
