@@ -94,6 +94,35 @@ class HostProfile:
             print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:8000], flush=True)
 
 
+class Collections:
+    """Python's garbage collections while a call runs (``gc.callbacks``): their seconds and the
+    longest one (a full collection of a process that compiled its steps scans every object
+    alive; in the middle of a call it stalls the rounds)."""
+
+    def __init__(self):
+        self.seconds, self.longest, self._start = 0.0, 0.0, None
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            took = time.perf_counter() - self._start
+            self.seconds, self.longest, self._start = self.seconds + took, max(self.longest, took), None
+
+    def mark(self) -> float:
+        """A call starts: its longest collection so far none."""
+        self.longest = 0.0
+        return self.seconds
+
+    def since(self, mark: float) -> dict:
+        """{gc_s, gc_longest_s} since :meth:`mark` returned ``mark``."""
+        return {"gc_s": self.seconds - mark, "gc_longest_s": self.longest}
+
+
+COLLECTIONS = Collections()
+
+
 def ours(target, proposer, draft, config, profile=None):
     """A call of ours: (tokens, stats) with the wall time of the whole call; ``profile``: a
     :class:`HostProfile` that profiles the calls of pass 2 (``call(prompt, profiled=True)``).
@@ -104,12 +133,13 @@ def ours(target, proposer, draft, config, profile=None):
     def call(prompt, profiled=False, seed=None):
         cfg = config if seed is None else dataclasses.replace(config, seed=seed)
         sync()
+        mark = COLLECTIONS.mark()
         t = time.perf_counter()
         out = profile.run(gen, prompt, cfg) if profiled and profile is not None else gen.generate([prompt], cfg)
         sync()
-        stats = out.stats
+        wall, stats = time.perf_counter() - t, out.stats
         # (per round: draft_s / steps and verify_s / steps, device time: what auto's note predicted)
-        return out.sequences[0], {"wall_s": time.perf_counter() - t, "prefill_s": stats["prefill_s"],
+        return out.sequences[0], {"wall_s": wall, **COLLECTIONS.since(mark), "prefill_s": stats["prefill_s"],
                                   "capture_s": stats["capture_s"], "plan_s": stats.get("plan_s", 0.0),
                                   "setup_s": stats["setup_s"], "host_s": stats["host_s"], "rounds_s": stats["rounds_s"],
                                   "cached_tokens": stats["cached_tokens"],
@@ -123,13 +153,15 @@ def parts(res: dict) -> str:
     """Where a call of ours spent its time: auto's plan, the setup before the prefill, the
     prefill, the rounds (their number; the rest of the wall time over them: the time a round
     takes, the host's reading of it included), the loop's work between rounds (auto's controller,
-    switches, re-predictions) and auto's switches."""
+    switches, re-predictions), auto's switches and Python's garbage collections during the call
+    (their milliseconds, the longest one's)."""
     if "prefill_s" not in res:
         return ""
     switches = f" switches {len(res['trees']) - 1}" if res.get("trees") else ""
     return (f"  plan {1e3 * res['plan_s']:5.1f} ms  setup {1e3 * res['setup_s']:5.1f} ms  prefill {1e3 * res['prefill_s']:6.1f}"
             f" ms ({res['cached_tokens']} tokens cached)  rounds {res['steps']:3d} ({1e3 * res['rounds_s'] / max(res['steps'], 1):.2f}"
-            f" ms each)  between rounds {1e3 * res['host_s']:5.1f} ms{switches}")
+            f" ms each)  between rounds {1e3 * res['host_s']:5.1f} ms{switches}  gc {1e3 * res['gc_s']:.1f} ms"
+            f" (longest {1e3 * res['gc_longest_s']:.1f})")
 
 
 def sampling_config(name: str, max_new_tokens: int) -> GenerationConfig:

@@ -328,8 +328,12 @@ class Generator:
                      cuda_graphs=any(r.graphs is not None for r in engine.all_runners))
         if engine.capture_seconds() > collected_at:
             # this call compiled: the many objects that leaves are collected now, in the call
-            # that paid seconds for them, not by a full collection in the middle of a later call
+            # that paid seconds for them, and what lives on (the model, the compiled steps and
+            # graphs) moves out of the collector's reach (gc.freeze, as `longspec serve` does):
+            # a full collection that Python's thresholds start in a later call scans only what
+            # is new, not every object the compiled steps hold (gc.unfreeze() undoes it)
             gc.collect()
+            gc.freeze()
         if trees:
             stats["trees"] = trees  # (tokens generated, tree from then on: None = plain rounds)
         if plan.note:
