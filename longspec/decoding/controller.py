@@ -19,10 +19,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   less; a candidate none measured yet takes the pooled correction of its kind's: the draft's
   trees, or the lookup's chains), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
   Within a call, no candidate expects more of the cost model than its own rounds made of it
-  (once it ran a few), or, untried, than the ones of its kind that ran made of theirs (one failed
-  tree is not followed by its sibling; and one candidate's good rounds do not lift another's
-  back: no flapping); an untried chain no more than the trees that carry the lookup's chain
-  made a round (a greedy round of such a tree accepts all that the chain would).
+  (once it ran a few), or, untried, than those of its kind that ran made of theirs (a failed tree
+  is not followed by its sibling; no flapping), nor an untried chain more than the trees
+  carrying it made a round (a greedy round of one accepts all that the chain would).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN` after :data:`DWELL` rounds (each switch costs the host work
   of taking the rows in, which a near tie does not pay back; at temperature 1 the draft's tree,
@@ -325,12 +324,10 @@ class Controller:
         lowered, so it converges on what it measures, and no other candidate's rounds move it; a
         call's first rounds say less: on a CPU a tree measured 3, 1 and 3 tokens where the cost
         model said 6.3, then made 6-7 a round); one that has not run, than those of its kind that
-        ran made, pooled (once they ran SETTLED_ROUNDS): the draft's trees, or the lookup's
-        chains (a tree's shortfall says the draft misses this text, not that the lookup does: on
-        a CPU one held the lookup's chain at half of its text's prediction for a whole call; a
-        chain's, that the text does not repeat, not that the draft misses it: at temperature 1 a
-        chain's failed rounds held every tree at no extra token). And an untried chain expects no
-        more than the trees that carry the lookup's chain made (:meth:`_lookup_bound`)."""
+        ran made, pooled (once they ran SETTLED_ROUNDS): a tree's shortfall says the draft misses
+        this text (on a CPU one held the lookup's chain at half its text's prediction for a whole
+        call), a chain's that the text does not repeat (at temperature 1 one held every tree at no
+        extra token); and an untried chain no more than :meth:`_lookup_bound`."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
             if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
@@ -348,12 +345,11 @@ class Controller:
 
     @staticmethod
     def _lookup_bound(chain: TreeSpec, ran: list) -> float:
-        """The most tokens a round of the lookup's ``chain`` can be expected to emit, from the
-        trees that carry that chain (:func:`~longspec.spec.drafting.takes_lookup`: the last node
-        of each level is the lookup's) and ran SETTLED_ROUNDS rounds in this call: a greedy round
-        of such a tree accepts every token the chain alone would have (up to the tree's depth),
-        so the chain makes at most what they made a round, plus the levels it has beyond theirs
-        (sampled: about as much). Infinity where no such tree ran."""
+        """The most tokens a round of the lookup's ``chain`` may emit, by the trees that carry it
+        (:func:`~longspec.spec.drafting.takes_lookup`: each level's last node is the lookup's) and
+        ran SETTLED_ROUNDS rounds in this call: a greedy round of one accepts all the chain alone
+        would have, up to its depth, so the chain makes at most what they made a round plus its
+        levels beyond theirs (sampled: about as much). Infinity where none ran."""
         trees = [c for c in ran if takes_lookup(c.tree)]
         rounds = sum(c.rounds for c in trees)
         if rounds < SETTLED_ROUNDS:
