@@ -726,22 +726,21 @@ def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corre
     from longspec import GenerationConfig
     from longspec.decoding.generator import Generator
 
+    from longspec.decoding import controller
+
     monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(controller, "RETIME_MARGIN", float("inf"))  # (plain rounds timed first, whatever they cost)
     target, draft = tiny
     draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
     prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(8)).tolist() * 3
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
-    gen = Generator(target, proposer="auto", draft=draft)
-    out = gen.generate([prompt], config)
+    out = Generator(target, proposer="auto", draft=draft).generate([prompt], config)
     assert out.sequences == Generator(target).generate([prompt], config).sequences
     stats = out.stats
-    assert stats["host_s"] >= 0 and stats["plan_s"] > 0 and stats["trees"]
+    assert stats["vs_plain"] > 0 and stats["host_s"] >= 0 and stats["plan_s"] > 0 and stats["trees"]
+    assert stats["trees"][0][1] is None  # (the plain rounds first)
     assert 0 < stats["rounds_s"] <= stats["decode_s"] and stats["cached_tokens"] == 0
     assert all(tree is None or isinstance(tree, str) for _, tree in stats["trees"])
-    # a text nothing predicts: plain rounds take over, timed, and the call is weighed against them
-    other = torch.randint(0, 160, (120,), generator=torch.Generator().manual_seed(3)).tolist()
-    stats = gen.generate([other], config).stats
-    assert [tree for _, tree in stats["trees"]][-1] is None and stats["vs_plain"] > 0
     assert json.loads((tmp_path / "corrections.json").read_text())
 
 
