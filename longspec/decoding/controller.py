@@ -19,9 +19,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   less; a candidate none measured yet takes the pooled correction of its kind's: the draft's
   trees, or the lookup's chains), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
   Within a call, no candidate expects more of the cost model than its own rounds made of it
-  (once it ran a few), or, untried, than those of its kind that ran made of theirs (a failed tree
-  is not followed by its sibling; no flapping), nor an untried chain more than the trees
-  carrying it made a round (a greedy round of one accepts all that the chain would).
+  (once it ran a few), or, untried, than the ones that ran made of theirs (a text the draft and
+  the lookup hit less than predicted lowers every prediction: one failed tree is not followed by
+  its sibling; and one candidate's good rounds do not lift another's back: no flapping).
 * **The choice**: the candidate with the most expected tokens per second, where it beats the one
   running by :data:`SWITCH_MARGIN` after :data:`DWELL` rounds (each switch costs the host work
   of taking the rows in, which a near tie does not pay back; at temperature 1 the draft's tree,
@@ -44,7 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..spec.drafting import takes_lookup
 from ..spec.tree import TreeSpec
 from .corrections import MAX_CORRECTION, Corrections, kind_of
 
@@ -323,39 +322,21 @@ class Controller:
         one that ran 2 x SETTLED_ROUNDS rounds, than its own rounds made (its prior only ever
         lowered, so it converges on what it measures, and no other candidate's rounds move it; a
         call's first rounds say less: on a CPU a tree measured 3, 1 and 3 tokens where the cost
-        model said 6.3, then made 6-7 a round); one that has not run, than those of its kind that
-        ran made, pooled (once they ran SETTLED_ROUNDS): a tree's shortfall says the draft misses
-        this text (on a CPU one held the lookup's chain at half its text's prediction for a whole
-        call), a chain's that the text does not repeat (at temperature 1 one held every tree at no
-        extra token); and an untried chain no more than :meth:`_lookup_bound`."""
+        model said 6.3, then made 6-7 a round); one that has not run, than those that ran made,
+        pooled (once they ran SETTLED_ROUNDS): for a tree every candidate that ran (its
+        prediction reads the lookup's hits too), for a chain the chains (a tree's shortfall says
+        the draft misses this text, not that the lookup does: on a CPU one held the lookup's
+        chain at half of its text's prediction for a whole call)."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
             if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
                 c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
-        shares = {kind: self._share([c for c in ran if kind_of(label(c.tree)) == kind]) for kind in ("tree", "chain")}
+        shares = {kind: self._share([c for c in ran if kind == "tree" or c.tree.kind == "chain"])
+                  for kind in ("tree", "chain")}
         for c in self.candidates.values():  # (a retried one: its text's prediction)
-            if c.rounds or c.tree is None or c.retried:
-                continue
-            share = shares[kind_of(label(c.tree))]
+            share = None if c.rounds or c.tree is None or c.retried else shares[kind_of(label(c.tree))]
             if share is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
-            if c.tree.kind == "chain":  # (and what a probe of it hopes: this call's evidence, no correction)
-                bound = self._lookup_bound(c.tree, ran)
-                c.prior, c.hoped = min(c.prior, bound), min(c.hoped, bound)
-
-    @staticmethod
-    def _lookup_bound(chain: TreeSpec, ran: list) -> float:
-        """The most tokens a round of the lookup's ``chain`` may emit, by the trees that carry it
-        (:func:`~longspec.spec.drafting.takes_lookup`: each level's last node is the lookup's) and
-        ran SETTLED_ROUNDS rounds in this call: a greedy round of one accepts all the chain alone
-        would have, up to its depth, so the chain makes at most what they made a round plus its
-        levels beyond theirs (sampled: about as much). Infinity where none ran."""
-        trees = [c for c in ran if takes_lookup(c.tree)]
-        rounds = sum(c.rounds for c in trees)
-        if rounds < SETTLED_ROUNDS:
-            return float("inf")
-        extra = max(chain.depth - min(c.tree.depth for c in trees), 0)
-        return sum(c.tokens for c in trees) / rounds + extra
 
     @staticmethod
     def _share(ran: list) -> Optional[float]:
