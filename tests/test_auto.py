@@ -724,9 +724,8 @@ def test_an_auto_call_reports_its_speed_against_plain_rounds_and_keeps_its_corre
     time went, its decoding against plain rounds' (as its controller timed or predicted them) and
     its switches (null: plain rounds); what it learned is kept in the home for the next process."""
     from longspec import GenerationConfig
-    from longspec.decoding.generator import Generator
-
     from longspec.decoding import controller
+    from longspec.decoding.generator import Generator
 
     monkeypatch.setenv("LONGSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(controller, "RETIME_MARGIN", float("inf"))  # (plain rounds timed first, whatever they cost)
