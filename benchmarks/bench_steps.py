@@ -10,7 +10,8 @@ one JSON line last.
         --attention triton,matmul --hf
 
 ``--batch B`` times every step over B rows (a serving batch bucket); ``--proposals`` names the
-trees whose proposal and full round are timed (``hybrid:TREE`` adds the prompt-lookup chain), e.g.
+trees whose proposal and full round are timed (``hybrid:TREE`` adds the prompt-lookup chain) as a
+greedy call runs them (``--sampled-rounds``: also as a call at T=1 does), e.g.
 ``--batch 16 --proposals "4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1;hybrid:2,2,2"``.
 
 ``--shape llama-8b`` builds an 8B-Llama-shaped target (32 layers, hidden 4096, 32/8 heads,
@@ -185,6 +186,8 @@ def main(argv=None):
                    "rows' lengths set (a step's time does not depend on their values; a 1M-token prefill takes "
                    "minutes); no proposals (their engines prefill)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
+    p.add_argument("--sampled-rounds", action="store_true", help="also time each proposal's rounds as a sampled "
+                   "call runs them (T=1: the target's distributions, sampled acceptance); the default rows are greedy")
     p.add_argument("--proposals", default="4,16,16,16,16",
                    help="';'-separated trees whose proposal and full round are timed with the draft; prefix "
                         "'hybrid:' for the draft + prompt-lookup chain, 'pld:' for prompt lookup alone (default: "
@@ -279,13 +282,23 @@ def main(argv=None):
                         engine._verify_phase(rows_view)
 
                 what = f"{'hybrid ' if hybrid else 'pld ' if lookup else ''}{tree}"
-                for name, fn in ((f"propose {what} ({tree.depth} levels)", propose), (f"round {what}", full_round)):
-                    t = time_graph(fn, replays=40)
-                    rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
-                                     floor_ms=float("nan"), x_floor=float("nan")))
-                    if args.profile:
-                        n, table = kernel_profile(fn, order=args.profile_order)
-                        print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
+                for temperature in [0.0] + ([1.0] if args.sampled_rounds else []):
+                    # the kind of round a call at this temperature runs: greedy acceptance, or
+                    # sampled (every row at T=1: the target's distributions, sampled children)
+                    for i in range(b):
+                        engine.config.set_row(i, temperature, 0, 1.0)
+                    engine._use_round_kind(temperature == 0, False)
+                    if hasattr(rows_view.proposer, "sample_children"):
+                        rows_view.proposer.sample_children = temperature > 0 and tree.is_static
+                    kind = "" if temperature == 0 else " sampled T=1"
+                    for name, fn in ((f"propose {what} ({tree.depth} levels){kind}", propose),
+                                     (f"round {what}{kind}", full_round)):
+                        t = time_graph(fn, replays=40)
+                        rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
+                                         floor_ms=float("nan"), x_floor=float("nan")))
+                        if args.profile:
+                            n, table = kernel_profile(fn, order=args.profile_order)
+                            print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
                 engine.close()  # its caches go now, before the next proposal's engine is built
             if args.hf and label == args.attention.split(",")[0] and b == 1:
                 t = hf_decode_step(target, ids)
@@ -294,9 +307,9 @@ def main(argv=None):
             cache = engine = None  # free the memory before the next context
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
     print(f"batch {args.batch}")
-    print(f"{'attention':<16} {'context':>7} {'step':<50} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    print(f"{'attention':<16} {'context':>7} {'step':<62} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<50} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<62} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
               f"{r['x_floor']:8.2f}")
     print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch,
                       "copy_tb_s": bw / 1e12, "weight_mib": weight_bytes / 2**20, "results": rows}))

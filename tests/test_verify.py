@@ -331,12 +331,21 @@ def _wrong_sampled_residual(p, q):
     return p
 
 
-def _wrong_bonus_resampled(walk_sample, p, generator):
+def _wrong_bonus_resampled(p, children, generator):
     """Deliberately wrong: when every top-k child is rejected, resample the bonus from p, so a
     rejected child can come back (the rule needs p with the children removed)."""
     from longspec.spec.sampling import sample
 
     return sample(p, generator)
+
+
+_right_child_choices = verify_mod._child_choices
+
+
+def _wrong_child_choices(tree, target_probs, generator):
+    """Deliberately wrong: children taken with probabilities sharper than p's (p squared)."""
+    sharp = target_probs ** 2
+    return _right_child_choices(tree, sharp / sharp.sum(-1, keepdim=True), generator)
 
 
 def _wrong_keep_q(q, token):
@@ -353,6 +362,8 @@ def _wrong_keep_q(q, token):
         ("tree-noreplace", "_drop_token", _wrong_keep_q),
         ("tree-topk", "_bonus_after_rejection", _wrong_bonus_resampled),
         ("beam", "_bonus_after_rejection", _wrong_bonus_resampled),
+        ("tree-topk", "_child_choices", _wrong_child_choices),
+        ("beam", "_child_choices", _wrong_child_choices),
     ],
 )
 def test_frequency_test_detects_wrong_rule(monkeypatch, case, attr, wrong):

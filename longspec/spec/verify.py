@@ -129,15 +129,34 @@ def _sampled_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return _normalise((p - q).clamp(min=0), p)
 
 
-def _target_walk_tokens(target_probs: torch.Tensor, generator) -> torch.Tensor:
-    """One independent sample from the target distribution of every node: [B, N]."""
-    return sample(target_probs, generator)
+def _child_choices(tree: DraftTree, target_probs: torch.Tensor, generator) -> torch.Tensor:
+    """[B, N]: per node, the token of the child its target sample y ~ p lands on, -2 where it
+    lands on none (a leaf's always). Child x_j of a node (siblings in index order) takes y
+    with probability p(x_j): one uniform u per node falls in [p(x_1) + .. + p(x_{j-1}),
+    p(x_1) + .. + p(x_j)), past them: none. Only the children's probabilities are read, never a
+    node's whole distribution. Children whose token is -1 (a repeated sibling) are never taken."""
+    B, N = tree.tokens.shape
+    rows = torch.arange(B, device=tree.tokens.device)[:, None]
+    parents = tree.parents.clamp(min=0)
+    real = (tree.tokens >= 0) & (tree.parents >= 0)
+    p_child = torch.where(real, target_probs[rows, parents, torch.where(real, tree.tokens, 0)].float(), 0.0)  # [B, N]
+    earlier = torch.ones(N, N, dtype=torch.bool, device=tree.tokens.device).tril()  # sibling j <= i
+    siblings = (tree.parents[:, :, None] == tree.parents[:, None, :]) & earlier
+    upper = (siblings * p_child[:, None, :]).sum(-1)  # [B, N]: p of the siblings up to and with i
+    u = uniform((B, N), generator, tree.tokens.device).gather(1, parents)  # the parent's number
+    taken = real & (u >= upper - p_child) & (u < upper)
+    choice = torch.full((B, N + 1), -2, dtype=torch.long, device=tree.tokens.device)
+    return choice.scatter_(1, torch.where(taken, parents, N), tree.tokens)[:, :N]
 
 
-def _bonus_after_rejection(walk_sample: torch.Tensor, p: torch.Tensor, generator) -> torch.Tensor:
-    """Bonus token at the node where the walk stopped: the node's own sample, which matched none
-    of its children, so it is distributed as p with the children removed (the residual)."""
-    return walk_sample
+def _bonus_after_rejection(p: torch.Tensor, children: torch.Tensor, generator) -> torch.Tensor:
+    """Bonus token at the node where the walk stopped, whose sample landed on none of its
+    children: p [B, V] without the children's tokens (children [B, N]: tokens, -1 none),
+    renormalised (p itself where nothing is left: rounding)."""
+    V = p.shape[-1]
+    drop = torch.zeros(p.shape[0], V + 1, dtype=torch.bool, device=p.device)
+    drop.scatter_(1, torch.where(children >= 0, children, V), True)
+    return sample(_normalise(p.masked_fill(drop[:, :V], 0.0), p), generator)
 
 
 def _verify_deterministic_children(tree: DraftTree, target_probs: torch.Tensor, generator) -> VerifyResult:
@@ -146,20 +165,22 @@ def _verify_deterministic_children(tree: DraftTree, target_probs: torch.Tensor, 
     probability exactly p(x) and, when all are rejected, emits a token from p without the
     children. Drawing one token y ~ p per node and moving to the child whose token is y (or
     stopping with y as the bonus) is the same process, so the walk is the greedy walk over
-    sampled tokens: one sample per node, no loop."""
-    tokens = _target_walk_tokens(target_probs, generator)
+    each node's choice among its children (:func:`_child_choices`: no loop), and only the
+    node where it stops samples from a whole distribution (a tree's other nodes' full draws
+    were most of a sampled round's acceptance over a large vocabulary)."""
     # a child whose token an earlier sibling already has would be a second chance for the same
     # token (its rule sets p(x) = 0 after the first rejection): it never matches
     n = tree.num_nodes
-    earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tree.tokens.device).tril(-1)
     dup = ((tree.parents[:, :, None] == tree.parents[:, None, :]) & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
            & earlier).any(-1)
     tree = DraftTree(tree.tokens.masked_fill(dup, -1), tree.parents, tree.depths, tree.mask,
                      level_sizes=tree.level_sizes)
-    walk = verify_greedy(tree, tokens, tokens_given=True)
+    walk = verify_greedy(tree, _child_choices(tree, target_probs, generator), tokens_given=True)
     last = walk.accepted_nodes.gather(1, walk.num_accepted[:, None]).squeeze(1)
     rows = torch.arange(tree.batch_size, device=last.device)
-    bonus = _bonus_after_rejection(walk.bonus_token, target_probs[rows, last], generator)
+    children = torch.where(tree.parents == last[:, None], tree.tokens, -1)
+    bonus = _bonus_after_rejection(target_probs[rows, last].float(), children, generator)
     return VerifyResult(walk.accepted_nodes, walk.num_accepted, walk.accepted_tokens, bonus)
 
 
