@@ -619,6 +619,35 @@ def test_a_round_observed_late_counts_for_the_tree_that_ran_it():
     assert c.candidates["chain:5"].rounds == 1 and c.round_ms("chain:5") == pytest.approx(1.5) and c.dwell == 1
 
 
+def test_times_measured_in_a_slow_stretch_follow_the_device_back():
+    """A call in which the device runs every round 1.5x slow: its first candidate to settle
+    measures that, and every time measured before the call follows (plain rounds' too, which
+    did not run), so the tree still beats plain rounds as it does at full speed (unscaled,
+    its slow rounds would lose to plain rounds' old time). When the device is back, the next
+    call's rounds bring every time back down. A drift within DRIFT moves nothing."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree = TreeSpec.parse("2,2")
+    predicted = {tree: (1.9, 1.5), None: (1.0, 1.0)}
+    c = timed_plain(Controller(), 1.0)
+
+    def call(ms: float, rounds: int = 10) -> list:
+        assert c.begin(predicted, "t1") == tree
+        chosen = [c.observe(1.9, ms / 1e3, tree) for _ in range(rounds)]
+        c.end()
+        return chosen
+
+    call(1.5)
+    assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.5)
+    assert set(call(2.25)) == {tree}  # 1.9 tokens in 2.25 ms against plain rounds' 1 in 1.5
+    assert c.round_ms("plain") == pytest.approx(1.5) and c.round_ms(str(tree)) == pytest.approx(2.25)
+    call(1.5, controller.SETTLED_ROUNDS)
+    assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.5)
+    call(1.35)  # 10% faster: within DRIFT
+    assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.35)
+
+
 def test_plain_rounds_timed_long_ago_are_timed_again_where_the_choice_hangs_on_them():
     """Plain rounds timed slow (a process's first rounds, the device still idling) keep a tree
     that pays less than they do running; a call that begins long after (RETIME_AFTER rounds),

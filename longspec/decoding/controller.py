@@ -8,7 +8,13 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   candidate and kind of round (:func:`round_kind`: greedy, sampled, truncated): the median of its
   last :data:`TIME_WINDOW` rounds (a round's time depends on the model, the device, the context
   and the kind of round, not on the text; a median is not moved by a hiccup of the
-  host, which an average would carry for good into a candidate that then never runs again). Until
+  host, which an average would carry for good into a candidate that then never runs again). A
+  call whose first candidate to settle measures more than :data:`DRIFT` off what it measured
+  before (a device or host running slower or faster for a while, a much longer context) scales
+  every time measured before the call by as much: times measured in a slow stretch would
+  otherwise keep the candidates that did not run again out (a GPU's call ran every round 1.5x
+  slow; plain rounds and the trees then kept those times, and the later calls ran the chain).
+  Until
   a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (on a GPU the
   cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
@@ -47,6 +53,7 @@ from typing import Optional
 from ..spec.tree import TreeSpec
 from .corrections import MAX_CORRECTION, Corrections, kind_of
 
+DRIFT = 1.25  # a settled candidate's time this much off its earlier one: every earlier time follows
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
@@ -130,6 +137,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
+        self.carried: dict = {}  # label -> its settled round time when the call began (None: drift checked)
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
@@ -199,6 +207,8 @@ class Controller:
             # a process's first rounds, on a device still idling, measure slow: a time that stayed
             # too slow would keep plain rounds out for good where a tree pays less than they do)
             self.times["plain"], self.current = [], plain
+        # (plain rounds timed again: their old time alone may be off, not the device's speed)
+        self.carried = {name: self.round_ms(name) for name in self.candidates if self._settled(name)}
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -258,6 +268,8 @@ class Controller:
         c.tokens += tokens
         c.rounds += 1
         self.dwell += c is self.current
+        if self.carried is not None and c.rounds == SETTLED_ROUNDS and name in self.carried:
+            self._follow_drift(name)
         self._calibrate()
         if c.tree is not None:
             self._temper()
@@ -313,6 +325,20 @@ class Controller:
                 c.ms = min(measured[name], estimate)
             else:
                 c.ms = measured[name]
+
+    def _follow_drift(self, name: str) -> None:
+        """Candidate ``name`` settled in this call (its first to): where its time is more than
+        DRIFT off its time before the call, every time measured before the call (its own, the
+        others') scales by as much; the rounds of this call stay as measured."""
+        fresh = sorted(self.times[name][-SETTLED_ROUNDS:])
+        drift = fresh[len(fresh) // 2] / self.carried[name]
+        self.carried = None
+        if 1.0 / DRIFT <= drift <= DRIFT:
+            return
+        for other, times in self.times.items():
+            c = self.candidates.get(other)
+            now = min(c.rounds + c.earlier[1] if c is not None else 0, len(times))
+            times[:len(times) - now] = [t * drift for t in times[:len(times) - now]]
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)
