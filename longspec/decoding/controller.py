@@ -12,10 +12,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   call whose first candidate to settle measures more than :data:`DRIFT` off what it measured
   before (a device or host running slower or faster for a while, a much longer context) scales
   every time measured before the call by as much: times measured in a slow stretch would
-  otherwise keep the candidates that did not run again out (a GPU's call ran every round 1.5x
-  slow; plain rounds and the trees then kept those times, and the later calls ran the chain).
-  Until
-  a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
+  otherwise keep the candidates that did not run again out of every later call
+  (docs/benchmarks.md, "A slow stretch kept its times for later calls"). Until a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (on a GPU the
   cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
   rounds' extra time, their host work, is added instead).
@@ -327,9 +325,8 @@ class Controller:
                 c.ms = measured[name]
 
     def _follow_drift(self, name: str) -> None:
-        """Candidate ``name`` settled in this call (its first to): where its time is more than
-        DRIFT off its time before the call, every time measured before the call (its own, the
-        others') scales by as much; the rounds of this call stay as measured."""
+        """``name``, the call's first to settle, drifted more than DRIFT from its time before the
+        call: every time from before the call (its own, the others') follows it."""
         fresh = sorted(self.times[name][-SETTLED_ROUNDS:])
         drift = fresh[len(fresh) // 2] / self.carried[name]
         self.carried = None
