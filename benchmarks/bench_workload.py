@@ -13,7 +13,9 @@ model. Greedy outputs are compared with our plain decoding. ``--sampling`` runs 
 per setting: ``greedy`` on the source code, sampled settings (``t1``: temperature 1; ``t0.7p0.9``:
 temperature 0.7, top-p 0.9) on the same code as a chat request ("Explain this code"). Every call
 of ours is also given as a ratio to our plain decoding's call on the same prompt, stage and
-setting: the headline is what speculation buys (median and worst call). Then, with ``--fresh-process``, the
+setting: the headline is what speculation buys (median and worst call); ``--interleave`` runs each
+prompt's calls of every method side by side (after the warm-ups), so that a stretch of a slower
+device falls on both calls a ratio compares. Then, with ``--fresh-process``, the
 wall time of ``longspec generate`` on the longest prompt in a new process, with cold on-disk
 compile caches (a new folder) and with warm ones (the same folder again).
 
@@ -240,6 +242,10 @@ def main(argv=None):
                    help="sampled settings: every call of a pass with seeds 0..N-1 (each method samples its own text, "
                         "and whether it repeats its prompt decides what a lookup makes of it: one seed is a lottery)")
     p.add_argument("--out", help="also write the JSON results to this file")
+    p.add_argument("--interleave", action="store_true",
+                   help="after every method's warm-up, run each prompt's calls side by side (plain decoding's, then "
+                        "the others'), not each method's calls in a block: a stretch of a slower device or host then "
+                        "falls on the calls a ratio compares, not on one method's")
     p.add_argument("--profile-host", action="store_true",
                    help="profile our methods' pass-2 calls on the host outside their rounds (their times then include "
                         "the profiler's overhead)")
@@ -279,30 +285,34 @@ def main(argv=None):
                 profiles[name] = HostProfile() if args.profile_host else None
                 calls[name] = ours(target, None if name == "plain" else name, draft, config, profiles[name])
         reference, plain_wall, mine = {}, {}, []
-        for name in methods:  # ours first: transformers' compiled graphs come after
-            gc.collect()
-            call = calls[name]
-            seeds = [None] if greedy or args.seeds <= 1 else list(range(args.seeds))
-            runs = [("warm-up", first, None)] + [(stage, x, seed) for stage in ("pass 1", "pass 2") for x in tests
-                                                 for seed in seeds]
-            for stage, prompt, seed in runs:
-                kwargs = {} if seed is None else {"seed": seed}
-                profiled = stage == "pass 2" and profiles.get(name)
-                tokens, res = call(prompt, profiled=True, **kwargs) if profiled else call(prompt, **kwargs)
-                key = len(prompt), seed
-                if name == "plain":
-                    reference.setdefault(key, tokens)
-                    plain_wall[stage, key] = res["wall_s"]
-                res.update(method=name, setting=setting, stage=stage, prompt_tokens=len(prompt), seed=seed,
-                           ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
-                           same_as_plain=tokens == reference.get(key) if greedy and key in reference else None,
-                           vs_plain=plain_wall[stage, key] / res["wall_s"] if (stage, key) in plain_wall else None)
-                mine.append(res)
-                vs = f"{res['vs_plain']:5.2f}x plain" if res["vs_plain"] else ""
-                stage = stage if seed is None else f"{stage} s{seed}"
-                print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
-                      f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
-                      f"  same-as-plain {res['same_as_plain']}{parts(res)}  {(res.get('auto') or '')[-300:]}", flush=True)
+        seeds = [None] if greedy or args.seeds <= 1 else list(range(args.seeds))
+        runs = [("warm-up", first, None)] + [(stage, x, seed) for stage in ("pass 1", "pass 2") for x in tests
+                                             for seed in seeds]
+        # ours first (transformers' compiled graphs come after); --interleave: every method's
+        # warm-up, then each prompt's calls side by side, one method after another
+        order = ([(name, run) for name in methods for run in runs] if not args.interleave else
+                 [(name, runs[0]) for name in methods] + [(name, run) for run in runs[1:] for name in methods])
+        for name, (stage, prompt, seed) in order:
+            if stage == "warm-up":
+                gc.collect()
+            kwargs = {} if seed is None else {"seed": seed}
+            profiled = stage == "pass 2" and profiles.get(name)
+            tokens, res = calls[name](prompt, profiled=True, **kwargs) if profiled else calls[name](prompt, **kwargs)
+            key = len(prompt), seed
+            if name == "plain":
+                reference.setdefault(key, tokens)
+                plain_wall[stage, key] = res["wall_s"]
+            res.update(method=name, setting=setting, stage=stage, prompt_tokens=len(prompt), seed=seed,
+                       ms_per_token=1e3 * res["wall_s"] / args.max_new_tokens,
+                       same_as_plain=tokens == reference.get(key) if greedy and key in reference else None,
+                       vs_plain=plain_wall[stage, key] / res["wall_s"] if (stage, key) in plain_wall else None)
+            mine.append(res)
+            vs = f"{res['vs_plain']:5.2f}x plain" if res["vs_plain"] else ""
+            stage = stage if seed is None else f"{stage} s{seed}"
+            print(f"{setting:<9} {name:<10} {stage:<8} {len(prompt):>6} tokens  {res['wall_s']:8.3f} s  {vs}"
+                  f"  capture+compile {res.get('capture_s', float('nan')):7.3f} s  tau {res.get('tau') or 1:5.2f}"
+                  f"  same-as-plain {res['same_as_plain']}{parts(res)}  {(res.get('auto') or '')[-300:]}", flush=True)
+        for name in methods:
             if profiles.get(name):
                 profiles[name].report(f"{setting} {name}")
         rows += mine
