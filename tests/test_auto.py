@@ -646,6 +646,32 @@ def test_times_measured_in_a_slow_stretch_follow_the_device_back():
     assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.5)
     call(1.35)  # 10% faster: within DRIFT
     assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.35)
+    assert c.begin(predicted, "t1") == tree  # a transient in the call's first rounds alone: undone at its end
+    for ms in [2.0] * controller.SETTLED_ROUNDS + [1.35] * controller.TIME_WINDOW:
+        c.observe(1.9, ms / 1e3, tree)
+    assert c.round_ms("plain") == pytest.approx(2.0 / 1.35)
+    c.end()
+    assert c.round_ms("plain") == pytest.approx(1.0)
+
+
+def test_a_drift_moves_only_the_times_as_old_as_its_candidates():
+    """The call's first candidate to settle was last timed long ago: its drift says nothing of
+    a candidate timed since (the tree of the last call), whose time stays."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree, chain = TreeSpec.parse("2,2"), TreeSpec.chain(3)
+    c = timed_plain(Controller(), 1.0)
+    times, timed_at = c.records("t1")
+    times["chain:3"], timed_at["chain:3"] = [2.0] * controller.SETTLED_ROUNDS, c.rounds  # (a slow stretch, long ago)
+    c.rounds += 100
+    times[str(tree)], timed_at[str(tree)] = [1.5] * controller.SETTLED_ROUNDS, c.rounds
+    assert c.begin({chain: (3.0, 1.2), tree: (1.2, 1.5), None: (1.0, 1.0)}, "t1") == chain
+    for _ in range(controller.SETTLED_ROUNDS):
+        c.observe(2.0, 1.3e-3, chain)
+    assert c.round_ms(str(tree)) == pytest.approx(1.5) and c.round_ms("plain") == pytest.approx(0.65)
+    c.observe(2.0, 0.0, chain)  # (a zero time divides nothing)
+    c.end()
 
 
 def test_plain_rounds_timed_long_ago_are_timed_again_where_the_choice_hangs_on_them():

@@ -8,12 +8,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   candidate and kind of round (:func:`round_kind`: greedy, sampled, truncated): the median of its
   last :data:`TIME_WINDOW` rounds (a round's time depends on the model, the device, the context
   and the kind of round, not on the text; a median is not moved by a hiccup of the
-  host, which an average would carry for good into a candidate that then never runs again). A
-  call whose first candidate to settle measures more than :data:`DRIFT` off what it measured
-  before (a device or host running slower or faster for a while, a much longer context) scales
-  every time measured before the call by as much: times measured in a slow stretch would
-  otherwise keep the candidates that did not run again out of every later call
-  (docs/benchmarks.md, "A slow stretch kept its times for later calls"). Until a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
+  host, which an average would carry for good into a candidate that then never runs again); they
+  follow the device's speed from call to call (:mod:`~longspec.decoding.drift`). Until a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (on a GPU the
   cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
   rounds' extra time, their host work, is added instead).
@@ -50,8 +46,8 @@ from typing import Optional
 
 from ..spec.tree import TreeSpec
 from .corrections import MAX_CORRECTION, Corrections, kind_of
+from .drift import Drift
 
-DRIFT = 1.25  # a settled candidate's time this much off its earlier one: every earlier time follows
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
@@ -135,7 +131,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
-        self.carried: dict = {}  # label -> its settled round time when the call began (None: drift checked)
+        self.drift = Drift()
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
@@ -206,7 +202,7 @@ class Controller:
             # too slow would keep plain rounds out for good where a tree pays less than they do)
             self.times["plain"], self.current = [], plain
         # (plain rounds timed again: their old time alone may be off, not the device's speed)
-        self.carried = {name: self.round_ms(name) for name in self.candidates if self._settled(name)}
+        self.drift.begin(self.times, self.timed_at, [name for name in self.candidates if self._settled(name)])
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -266,8 +262,8 @@ class Controller:
         c.tokens += tokens
         c.rounds += 1
         self.dwell += c is self.current
-        if self.carried is not None and c.rounds == SETTLED_ROUNDS and name in self.carried:
-            self._follow_drift(name)
+        if c.rounds == SETTLED_ROUNDS:
+            self.drift.settled(name, SETTLED_ROUNDS, self.times, self._in_call())
         self._calibrate()
         if c.tree is not None:
             self._temper()
@@ -291,7 +287,10 @@ class Controller:
 
     def end(self) -> None:
         """Folds this call's measured tokens per round, against the predictions, into the
-        correction of later calls at the same sampling settings."""
+        correction of later calls at the same sampling settings; a drift followed on the call's
+        first rounds is corrected to what its candidate's rounds in the whole call say (a
+        transient in those rounds alone is undone)."""
+        self.drift.end(self.times, self._in_call(), TIME_WINDOW)
         for name, c in self.candidates.items():
             tokens, rounds = c.tokens + c.earlier[0], c.rounds + c.earlier[1]
             if rounds and c.tree is not None:
@@ -324,18 +323,9 @@ class Controller:
             else:
                 c.ms = measured[name]
 
-    def _follow_drift(self, name: str) -> None:
-        """``name``, the call's first to settle, drifted more than DRIFT from its time before the
-        call: every time from before the call (its own, the others') follows it."""
-        fresh = sorted(self.times[name][-SETTLED_ROUNDS:])
-        drift = fresh[len(fresh) // 2] / self.carried[name]
-        self.carried = None
-        if 1.0 / DRIFT <= drift <= DRIFT:
-            return
-        for other, times in self.times.items():
-            c = self.candidates.get(other)
-            now = min(c.rounds + c.earlier[1] if c is not None else 0, len(times))
-            times[:len(times) - now] = [t * drift for t in times[:len(times) - now]]
+    def _in_call(self) -> dict:
+        """label -> the rounds it ran in this call (before and since a re-prediction)."""
+        return {name: c.rounds + c.earlier[1] for name, c in self.candidates.items()}
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)

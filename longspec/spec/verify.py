@@ -132,20 +132,26 @@ def _sampled_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _child_choices(tree: DraftTree, target_probs: torch.Tensor, generator) -> torch.Tensor:
     """[B, N]: per node, the token of the child its target sample y ~ p lands on, -2 where it
     lands on none (a leaf's always). Child x_j of a node (siblings in index order) takes y
-    with probability p(x_j): one uniform u per node falls in [p(x_1) + .. + p(x_{j-1}),
-    p(x_1) + .. + p(x_j)), past them: none. Only the children's probabilities are read, never a
-    node's whole distribution. Children whose token is -1 (a repeated sibling) are never taken."""
+    with probability p(x_j): one uniform u per node, times p's total, falls in [p(x_1) + .. +
+    p(x_{j-1}), p(x_1) + .. + p(x_j)), past them: none. Only the children's probabilities and
+    each node's total are read, never a draw from a node's whole distribution. Children whose
+    token is -1 (a repeated sibling) are never taken."""
     B, N = tree.tokens.shape
-    rows = torch.arange(B, device=tree.tokens.device)[:, None]
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)[:, None]
     parents = tree.parents.clamp(min=0)
     real = (tree.tokens >= 0) & (tree.parents >= 0)
     p_child = torch.where(real, target_probs[rows, parents, torch.where(real, tree.tokens, 0)].float(), 0.0)  # [B, N]
-    earlier = torch.ones(N, N, dtype=torch.bool, device=tree.tokens.device).tril()  # sibling j <= i
-    siblings = (tree.parents[:, :, None] == tree.parents[:, None, :]) & earlier
-    upper = (siblings * p_child[:, None, :]).sum(-1)  # [B, N]: p of the siblings up to and with i
-    u = uniform((B, N), generator, tree.tokens.device).gather(1, parents)  # the parent's number
-    taken = real & (u >= upper - p_child) & (u < upper)
-    choice = torch.full((B, N + 1), -2, dtype=torch.long, device=tree.tokens.device)
+    same = tree.parents[:, :, None] == tree.parents[:, None, :]
+    # p of the siblings before i, and up to and with i: a sibling's lower bound is the same sum
+    # over the same numbers as the sibling before's upper one (bit for bit: no gap, no overlap)
+    below = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)
+    lower = ((same & below) * p_child[:, None, :]).sum(-1)
+    upper = ((same & (below | torch.eye(N, dtype=torch.bool, device=dev))) * p_child[:, None, :]).sum(-1)
+    total = target_probs.float().sum(-1).gather(1, parents)  # (1 up to rounding)
+    u = uniform((B, N), generator, dev).gather(1, parents) * total  # the parent's number
+    taken = real & (u >= lower) & (u < upper)
+    choice = torch.full((B, N + 1), -2, dtype=torch.long, device=dev)
     return choice.scatter_(1, torch.where(taken, parents, N), tree.tokens)[:, :N]
 
 
