@@ -9,7 +9,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   last :data:`TIME_WINDOW` rounds (a round's time depends on the model, the device, the context
   and the kind of round, not on the text; a median is not moved by a hiccup of the
   host, which an average would carry for good into a candidate that then never runs again); they
-  follow the device's speed from call to call (:mod:`~longspec.decoding.drift`). Until a candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
+  follow the device's speed from call to call (:mod:`~longspec.decoding.drift`). Until a
+  candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (on a GPU the
   cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
   rounds' extra time, their host work, is added instead).
@@ -46,7 +47,7 @@ from typing import Optional
 
 from ..spec.tree import TreeSpec
 from .corrections import MAX_CORRECTION, Corrections, kind_of
-from .drift import Drift
+from .drift import Drift, median
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
@@ -146,7 +147,7 @@ class Controller:
     def round_ms(self, name: str) -> Optional[float]:
         """The measured round time of candidate ``name`` (the median of its last rounds), or None."""
         times = self.times.get(name)
-        return sorted(times)[len(times) // 2] if times else None
+        return median(times) if times else None
 
     def correction(self, name: str) -> float:
         """How much of the cost model's extra tokens per round candidate ``name`` made in earlier
@@ -392,7 +393,7 @@ class Controller:
     def _gap(self, names: list, measured: dict) -> float:
         """How candidates ``names``' ``measured`` round times compare with their predictions: the
         median ratio (with ``offset``, the median of measured less predicted; none: no change)."""
-        gaps = sorted(measured[n] - self.candidates[n].predicted_ms if self.offset else
-                      measured[n] / self.candidates[n].predicted_ms
-                      for n in names if self.candidates[n].predicted_ms > 0)
-        return gaps[len(gaps) // 2] if gaps else 0.0 if self.offset else 1.0
+        gaps = [measured[n] - self.candidates[n].predicted_ms if self.offset else
+                measured[n] / self.candidates[n].predicted_ms
+                for n in names if self.candidates[n].predicted_ms > 0]
+        return median(gaps) if gaps else 0.0 if self.offset else 1.0

@@ -26,14 +26,14 @@ class Drift:
     candidate timed since says nothing of the old times, and keeps its own."""
 
     def __init__(self):
-        self.carried: Optional[dict] = {}  # label -> (round time, timed_at) at the call's start; None: checked
+        self.carried: Optional[dict] = {}  # label -> its round time at the call's start; None: checked
         self.timed_before: dict = {}  # timed_at at the call's start
-        self.followed: Optional[tuple] = None  # (label, its (time, timed_at) before, the factor applied)
+        self.followed: Optional[tuple] = None  # (label, its time before, the factor applied)
 
     def begin(self, times: dict, timed_at: dict, settled: list) -> None:
         """A call begins; ``settled``: the labels whose times stand alone (enough rounds)."""
         self.timed_before = dict(timed_at)
-        self.carried = {name: (median(times[name]), timed_at.get(name, 0)) for name in settled}
+        self.carried = {name: median(times[name]) for name in settled}
         self.followed = None
 
     def settled(self, name: str, rounds: int, times: dict, in_call: dict) -> None:
@@ -41,18 +41,17 @@ class Drift:
         label's rounds in this call."""
         if self.carried is None or name not in self.carried:
             return
-        before, self.carried = self.carried[name], None
-        factor = self._factor(times[name][-rounds:], before[0])
-        self.followed = (name, before, factor) if factor != 1.0 else None
-        self._rescale(factor, before[1], times, in_call)
+        ms, self.carried = self.carried[name], None
+        factor = self._factor(times[name][-rounds:], ms)
+        self.followed = (name, ms, factor) if factor != 1.0 else None
+        self._rescale(factor, name, times, in_call)
 
     def end(self, times: dict, in_call: dict, window: int) -> None:
         """The call ends: the factor applied becomes what the drifted candidate's last ``window``
         rounds of the call say."""
         if self.followed is not None:
-            name, (ms, at), factor = self.followed
-            recent = times[name][-min(in_call.get(name, 0), window):] if in_call.get(name) else []
-            self._rescale(self._factor(recent, ms) / factor, at, times, in_call)
+            name, ms, factor = self.followed
+            self._rescale(self._factor(times[name][-min(in_call[name], window):], ms) / factor, name, times, in_call)
             self.followed = None
 
     @staticmethod
@@ -62,9 +61,12 @@ class Drift:
         factor = now / ms if ms > 0 and now > 0 else 1.0
         return 1.0 if 1.0 / DRIFT <= factor <= DRIFT else factor
 
-    def _rescale(self, factor: float, before: int, times: dict, in_call: dict) -> None:
+    def _rescale(self, factor: float, drifted: str, times: dict, in_call: dict) -> None:
+        """The times from before the call of every candidate timed no later than ``drifted`` was,
+        times ``factor``; the call's own rounds (``in_call``) stay as measured."""
         if factor == 1.0:
             return
+        before = self.timed_before.get(drifted, 0)
         for name, kept in times.items():
             if self.timed_before.get(name, 0) <= before:
                 old = len(kept) - min(in_call.get(name, 0), len(kept))
