@@ -6,10 +6,9 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
 * **Round times** are measured on every round (the engine's round: drafting, verifying, the
   host's reading of it; not the controller's own work or a switch's) and kept across calls per
   candidate and kind of round (:func:`round_kind`: greedy, sampled, truncated): the median of its
-  last :data:`TIME_WINDOW` rounds (a round's time depends on the model, the device, the context
-  and the kind of round, not on the text; a median is not moved by a hiccup of the
-  host, which an average would carry for good into a candidate that then never runs again); they
-  follow the device's speed from call to call (:mod:`~longspec.decoding.drift`). Until a
+  last :data:`TIME_WINDOW` rounds (not the text's doing; a median is not moved by a hiccup of the
+  host, which an average would carry for good into a candidate that then never runs again),
+  following the device's speed from call to call (:mod:`~longspec.decoding.drift`). Until a
   candidate has run, the cost model's prediction stands in (:mod:`~longspec.decoding.auto`),
   scaled by how the measured rounds of the others compare with their predictions (on a GPU the
   cost model times uncompiled steps; on a CPU it times the engine's own steps, and the measured
@@ -29,11 +28,10 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   the lookup's chain and plain rounds often lie within a few percent of each other, and a
   smaller margin had them take turns on the noise of their estimates); plain rounds take over
   at :data:`RETREAT_MARGIN` (a call must not be slower than plain decoding: at 1.1 a tree 8%
-  slower than plain rounds kept running for a whole call). Plain decoding (one
-  token a round, its time measured: its first :data:`SETTLED_ROUNDS` rounds run first in a
-  process where the candidate predicted fastest is within :data:`RETIME_MARGIN` of the cost
-  model's time for them) is always a candidate, so rounds that do not pay lose their place
-  within a few rounds.
+  slower than plain rounds kept running for a whole call). Plain decoding (one token a round)
+  is always a candidate, so rounds that do not pay lose their place within a few rounds; its
+  time is measured first in a process, again after long (:data:`RETIME_AFTER`) and after a
+  drift, where the choice hangs on it (:data:`RETIME_MARGIN`).
 * **Probes**: a correction learned from fewer than
   :data:`~longspec.decoding.corrections.PROBE_CALLS` calls may be a prompt's accident (a lookup
   hits little on one prompt, much on the next): a candidate whose rounds were measured (or
@@ -57,7 +55,7 @@ RETREAT_MARGIN = 1.03  # ... and plain rounds when this much faster (a call must
 DWELL = 4  # rounds a candidate runs before another may take over (each switch costs host work) ...
 CLEAR_MARGIN = 1.3  # ... unless that one is predicted this much faster (long rounds, e.g. a CPU's: leave at once)
 RETIME_AFTER = 64  # plain rounds last timed this many rounds ago are timed again at a call's start ...
-RETIME_MARGIN = 1.25  # ... (and first in a process) where the candidate predicted fastest is predicted less than this much faster
+RETIME_MARGIN = 1.25  # ... (first in a process; in a call after a drift) where the fastest is expected less than this much faster
 RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new prediction may bring it back
 # a candidate whose correction is uncertain (corrections.PROBE_CALLS) may be probed where its round costs at
 # most this many plain rounds (a GPU's small trees at temperature 1)
@@ -121,11 +119,11 @@ class Controller:
         alike to each), not scaled by it (a GPU: the model times uncompiled steps, the engine
         replays compiled graphs, faster in proportion)."""
         self.offset = offset
-        # per kind of round (:func:`round_kind`): label -> its last round times (ms), across calls,
-        # and label -> self.rounds at its last round; ``times`` / ``timed_at``: the call's kind's
+        # per kind of round (:func:`round_kind`): label -> its last round times (ms), across calls;
+        # label -> self.rounds at its last round; label -> the call (self.calls) of its last round
         self.kinds_timed: dict = {}
-        self.times, self.timed_at = self.records(None)
-        self.rounds = 0  # rounds observed, across calls
+        self.times, self.timed_at, self.called = self.records(None)
+        self.rounds = self.calls = 0  # rounds observed, calls begun
         self.learned = Corrections(store, key)  # what earlier calls (and processes) measured
         self.candidates: dict = {}
         self.current: Optional[Candidate] = None
@@ -137,8 +135,8 @@ class Controller:
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
     def records(self, kind) -> tuple:
-        """(round times, last rounds) of the candidates at kind of round ``kind``."""
-        return self.kinds_timed.setdefault(kind, ({}, {}))
+        """(round times, last rounds, last calls) of the candidates at kind of round ``kind``."""
+        return self.kinds_timed.setdefault(kind, ({}, {}, {}))
 
     def _settled(self, name: str) -> bool:
         """Whether candidate ``name``'s round time is measured over enough rounds to stand alone."""
@@ -177,7 +175,8 @@ class Controller:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
-        self.times, self.timed_at = self.records(round_kind(sampling))
+        self.times, self.timed_at, self.called = self.records(round_kind(sampling))
+        self.calls += 1
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
             self._prior(c, c.predicted)
@@ -188,22 +187,18 @@ class Controller:
         plain = self.candidates.get("plain")
         if plain is not None and self.current.rate < SWITCH_MARGIN * plain.rate:
             self.current = plain
-        if plain is not None and not self._settled("plain") and self.planned.rate < RETIME_MARGIN * plain.rate:
-            # plain rounds first until their time is measured (once per process) where the choice
-            # hangs on it: every other candidate is weighed against them, and the cost model's
-            # time for them scales least like the others' (docs/benchmarks.md, "Generation on a
-            # CPU"). One predicted clearly faster runs at once (each `longspec generate` is a new
-            # process: on a CPU its plain rounds were a real share of the call); plain rounds are
-            # timed when they run
+        if plain is not None and self.planned.rate < RETIME_MARGIN * plain.rate and (
+                not self._settled("plain") or self.rounds - self.timed_at.get("plain", self.rounds) > RETIME_AFTER):
+            # plain rounds first where the choice hangs on their time: until it is measured (once a
+            # process: every candidate is weighed against it, and the cost model's time for them
+            # scales least like the others': docs/benchmarks.md, "Generation on a CPU"), and again
+            # when old (another context; a process's first rounds, on a device still idling, measure
+            # slow), its old times dropped (the drift leaves them out). One predicted clearly faster
+            # runs at once (a new process per `longspec generate`: on a CPU, a real share of a call)
+            if self._settled("plain"):
+                self.times["plain"] = []
             self.current = plain
-        elif plain is not None and self.rounds - self.timed_at.get("plain", self.rounds) > RETIME_AFTER and \
-                self.planned.rate < RETIME_MARGIN * plain.rate:
-            # and again where the choice hangs on it and it was timed long ago (at another context;
-            # a process's first rounds, on a device still idling, measure slow: a time that stayed
-            # too slow would keep plain rounds out for good where a tree pays less than they do)
-            self.times["plain"], self.current = [], plain
-        # (plain rounds timed again: their old time alone may be off, not the device's speed)
-        self.drift.begin(self.times, self.timed_at, [name for name in self.candidates if self._settled(name)])
+        self.drift.begin(self.times, self.called, [name for name in self.candidates if self._settled(name)])
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -259,7 +254,7 @@ class Controller:
         times.append(1e3 * seconds)
         del times[:-TIME_WINDOW]
         self.rounds += 1
-        self.timed_at[name] = self.rounds
+        self.timed_at[name], self.called[name] = self.rounds, self.calls
         c.tokens += tokens
         c.rounds += 1
         self.dwell += c is self.current
@@ -268,8 +263,8 @@ class Controller:
         self._calibrate()
         if c.tree is not None:
             self._temper()
-        if c.tree is None and len(times) < SETTLED_ROUNDS:
-            return self.current.tree  # (plain rounds being timed)
+        if self._retime_plain(c) or self.current.tree is None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
+            return None  # (plain rounds being timed)
         best = self._best()
         probe = self._probe(best)
         if probe is not None:
@@ -281,6 +276,19 @@ class Controller:
                               and (self.dwell >= DWELL or probed)):
             self.current, self.dwell = best, 0
         return self.current.tree
+
+    def _retime_plain(self, ran: Candidate) -> bool:
+        """Plain rounds timed again now (old times dropped) where a drift moved the times carried
+        into this call, plain rounds have not run in it, and ``ran``, running and settled, is
+        expected within RETIME_MARGIN of them: a drift's one factor does not fit every candidate
+        (after a stretch that slowed plain rounds 1.5x and the chain 1.3x, the chain ran a whole
+        call 7% slower than plain rounds)."""
+        plain = self.candidates.get("plain")
+        if plain is None or plain.rounds or ran is not self.current or ran is plain or ran.rounds < SETTLED_ROUNDS \
+                or self.drift.followed is None and "plain" not in self.drift.shaky or ran.rate >= RETIME_MARGIN * plain.rate:
+            return False
+        self.times["plain"], self.current, self.dwell = [], plain, 0
+        return True
 
     def vs_plain(self, tokens_per_ms: float) -> Optional[float]:
         """``tokens_per_ms`` against plain rounds' rate, where their time is measured (else None)."""

@@ -3,8 +3,8 @@
 last rounds, kept across calls, so a time measured while the device or the host ran slow (or at a
 much shorter context) would stay with a candidate that does not run again, and keep it out of
 every later call (docs/benchmarks.md, "A slow stretch kept its times for later calls"). Plain
-Python over the controller's records: ``times`` {label: round times, ms}, ``timed_at`` {label:
-the controller's round count at its last round}."""
+Python over the controller's records: ``times`` {label: round times, ms}, ``called`` {label: the
+call of its last round}."""
 from __future__ import annotations
 
 from typing import Optional
@@ -20,19 +20,27 @@ def median(times: list) -> float:
 class Drift:
     """Per call: :meth:`begin` notes every settled candidate's time; the call's first of them
     to settle again (:meth:`settled`, after its first ``rounds`` rounds) that runs more than DRIFT
-    off it scales the times from before the call of every candidate timed no later than it was
-    (its own, the others': one device, one context) by as much; :meth:`end` corrects that to what
-    its rounds in the whole call say (a transient in its first rounds alone is undone). A
-    candidate timed since says nothing of the old times, and keeps its own."""
+    off it scales the times from before the call of every candidate last timed in the same call
+    as it was, or earlier (its own, the others': one device, one context) by as much, for the
+    rest of the call (a candidate timed in a later call says nothing of the old times, and keeps
+    its own). :meth:`end` takes a slower call back to the usual speed (its rounds divided by what
+    its drifted candidate's rounds in the whole call say, the old times as they were: the slow
+    stretches seen were one call long, and slowed candidates unequally, plain rounds 1.5x and the
+    chain 1.3x: kept, such times left a call running the chain 7% slower than plain rounds), and
+    a faster one's speed kept (the old times scaled by what its rounds say: a process's first
+    rounds, the device still idling, measure slow); a transient in the first rounds alone is
+    undone. :attr:`shaky`: the labels whose times were so scaled, until a call without a drift
+    measures every time they keep."""
 
     def __init__(self):
         self.carried: Optional[dict] = {}  # label -> its round time at the call's start; None: checked
-        self.timed_before: dict = {}  # timed_at at the call's start
+        self.called_before: dict = {}  # called at the call's start
         self.followed: Optional[tuple] = None  # (label, its time before, the factor applied)
+        self.shaky: set = set()
 
-    def begin(self, times: dict, timed_at: dict, settled: list) -> None:
+    def begin(self, times: dict, called: dict, settled: list) -> None:
         """A call begins; ``settled``: the labels whose times stand alone (enough rounds)."""
-        self.timed_before = dict(timed_at)
+        self.called_before = dict(called)
         self.carried = {name: median(times[name]) for name in settled}
         self.followed = None
 
@@ -47,12 +55,22 @@ class Drift:
         self._rescale(factor, name, times, in_call)
 
     def end(self, times: dict, in_call: dict, window: int) -> None:
-        """The call ends: the factor applied becomes what the drifted candidate's last ``window``
-        rounds of the call say."""
+        """The call ends (``window``: the rounds a time is the median of): a slower call's times
+        back to the usual speed, a faster one's kept (see the class docstring)."""
+        final = 1.0
         if self.followed is not None:
             name, ms, factor = self.followed
-            self._rescale(self._factor(times[name][-min(in_call[name], window):], ms) / factor, name, times, in_call)
-            self.followed = None
+            final = self._factor(times[name][-min(in_call[name], window):], ms)
+            self._rescale(1.0 / factor if final > 1.0 else final / factor, name, times, in_call,
+                          own=1.0 / final if final > 1.0 else 1.0)
+            before, self.followed = self.called_before.get(name, 0), None
+            if final > 1.0:
+                self.shaky |= {label for label, kept in times.items() if kept and in_call.get(label)}
+            else:
+                self.shaky |= {label for label, kept in times.items() if len(kept) > in_call.get(label, 0)
+                               and self.called_before.get(label, 0) <= before}
+        if final == 1.0:
+            self.shaky -= {label for label, kept in times.items() if in_call.get(label, 0) >= len(kept)}
 
     @staticmethod
     def _factor(recent: list, ms: float) -> float:
@@ -61,13 +79,13 @@ class Drift:
         factor = now / ms if ms > 0 and now > 0 else 1.0
         return 1.0 if 1.0 / DRIFT <= factor <= DRIFT else factor
 
-    def _rescale(self, factor: float, drifted: str, times: dict, in_call: dict) -> None:
-        """The times from before the call of every candidate timed no later than ``drifted`` was,
-        times ``factor``; the call's own rounds (``in_call``) stay as measured."""
-        if factor == 1.0:
-            return
-        before = self.timed_before.get(drifted, 0)
+    def _rescale(self, factor: float, drifted: str, times: dict, in_call: dict, own: float = 1.0) -> None:
+        """The times from before the call of every candidate last timed in ``drifted``'s last call
+        or earlier, times ``factor``; the call's own rounds (``in_call``) times ``own``."""
+        before = self.called_before.get(drifted, 0)
         for name, kept in times.items():
-            if self.timed_before.get(name, 0) <= before:
-                old = len(kept) - min(in_call.get(name, 0), len(kept))
+            old = len(kept) - min(in_call.get(name, 0), len(kept))
+            if self.called_before.get(name, 0) <= before and factor != 1.0:
                 kept[:old] = [t * factor for t in kept[:old]]
+            if own != 1.0:
+                kept[old:] = [t * own for t in kept[old:]]
