@@ -472,8 +472,13 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     scripted = Scripted(None, script)
     gen = Generator(target, proposer, biggest, controller=scripted)
     gen.launch_ahead = ahead
-    out = gen.generate([prompt], config)
-    assert out.sequences[0] == plain
+    from longspec.engine.engine import Engine
+
+    real, in_flight = Engine.use_tree, []
+    with pytest.MonkeyPatch.context() as patch:  # (a switch that takes no row in waits for no round)
+        patch.setattr(Engine, "use_tree", lambda engine, tree: (in_flight.append(engine.in_flight), real(engine, tree)))
+        out = gen.generate([prompt], config)
+    assert out.sequences[0] == plain and any(in_flight) == ahead
     assert len(scripted.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
     assert switched[0] is None and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
@@ -498,6 +503,19 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     assert len(two.stats["trees"]) >= 3
     with pytest.raises(ValueError, match="does not fit"):
         gen._engine.use_tree(TreeSpec.chain(12) if family == "pld" else TreeSpec.parse("8,8"))
+    from longspec.engine.engine import Sequence
+
+    engine, tree = gen._engine, TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")
+    with torch.inference_mode():  # a tree that takes the rows in waits for the rounds in flight
+        engine.add([Sequence(prompt, 8)])
+        engine.use_tree(None)
+        engine.launch()
+        with pytest.raises(RuntimeError, match="takes the rows in"):
+            engine.use_tree(tree)
+        engine.finish()
+        engine.use_tree(tree)
+        while engine.has_active:
+            engine.step()
 
 
 def test_switching_needs_a_proposer(tiny):

@@ -402,7 +402,9 @@ def test_collector_paused_collects_first_and_pauses():
 
 def test_a_launched_round_is_finished_before_anything_else(targets):
     """Engine.launch starts a round and returns, Engine.finish takes its tokens: a second launch,
-    a switch of tree or a finish with nothing running is refused; launch + finish is a step."""
+    a switch to a tree that takes the rows in (the proposer reads their text) or a finish with
+    nothing running is refused (a switch to plain rounds is not: the next rounds run them);
+    launch + finish is a step."""
     from longspec.engine.engine import Engine, Sequence
 
     target = targets["qwen3"]
@@ -416,9 +418,13 @@ def test_a_launched_round_is_finished_before_anything_else(targets):
     engine.launch()
     with pytest.raises(RuntimeError, match="finish"):
         engine.launch()
-    with pytest.raises(RuntimeError, match="between rounds"):
-        engine.use_tree(None)
+    engine.use_tree(None)
     engine.finish()
+    engine.launch()
+    with pytest.raises(RuntimeError, match="takes the rows in"):
+        engine.use_tree(TreeSpec.chain(3))
+    engine.finish()
+    engine.use_tree(TreeSpec.chain(3))
     while engine.has_active:
         engine.launch()
         engine.finish()

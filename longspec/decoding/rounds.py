@@ -29,21 +29,29 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
     read (:meth:`Engine.launch` ahead, where every row has room for both): the device runs
     rounds back to back, and the host's work on a round (its tokens, the controller's
     weighing, a re-prediction) costs no time while it is shorter than a round; a choice of
-    tree takes effect a round later, after the round in flight (``launch_ahead``: whether rounds
-    are launched ahead; None: on a GPU). Returns the number of rounds
-    and the seconds they took (not the loop's other work: switches, and on a CPU the
-    controller's)."""
+    tree takes effect a round later, after the round in flight, and, unless the proposer takes
+    the rows in for it (it reads their text), is made while that round runs: the device does not
+    wait for the switch either (``launch_ahead``: whether rounds are launched ahead; None: on a
+    GPU). ``trees`` gets (tokens generated when it took over, its text) for each switch. Returns
+    the number of rounds and the seconds they took (not the loop's other work: switches, and on
+    a CPU the controller's)."""
     rounds, stepping, seq = 0, 0.0, seqs[0]
     on_cpu = engine.target.device.type == "cpu"
     check, chosen = 8 if on_cpu else 16, _KEEP
     ahead = not on_cpu if launch_ahead is None else launch_ahead
     launched, last = deque(), 0.0  # (tree, when) of the rounds in flight; when the last one's tokens came
+    switched = None  # [tree text, rounds of the old tree in flight] of a switch made while they ran
 
     def finish() -> None:
-        nonlocal rounds, stepping, last, check, chosen
+        nonlocal rounds, stepping, last, check, chosen, switched
         tree, start = launched.popleft()
         tokens = engine.finish(streamer)
         now = time.perf_counter()
+        if switched is not None:
+            switched[1] -= 1
+            if not switched[1]:  # (the new tree's first round is next)
+                trees.append((len(seq.tokens), switched[0]))
+                switched = None
         seconds, last = now - max(start, last), now
         rounds, stepping = rounds + 1, stepping + seconds
         if controller is None or tokens is None or not engine.has_active:
@@ -62,11 +70,14 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
                 launched.append((tree, start))
             finish()
             if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
-                while launched:  # (the round in flight ran the old tree: finished, and weighed, first)
-                    finish()
+                while launched and (engine.takes_rows_in(chosen) or switched is not None):
+                    finish()  # (the round in flight: finished, and weighed, first)
                 if engine.has_active and chosen != engine.tree_of(engine.bucket()):
                     engine.use_tree(chosen)
-                    trees.append((len(seq.tokens), tree_text(chosen)))
+                    if launched:
+                        switched = [tree_text(chosen), len(launched)]
+                    else:
+                        trees.append((len(seq.tokens), tree_text(chosen)))
             chosen = _KEEP
     finally:  # (an error or Ctrl-C, even while waiting for a round, leaves none running in the shared engine)
         while engine.in_flight:

@@ -26,13 +26,13 @@ class TreeSwitching:
         after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
-        if self._in_flight:
-            raise RuntimeError("use_tree between rounds: a round is running")
+        if self._in_flight and self.takes_rows_in(tree):
+            raise RuntimeError("use_tree to a tree that takes the rows in: a round is running")
         if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
             raise ValueError("a row holds room for plain rounds only: no tree while it is active")
         if tree is not None and tree != self.tree:
             self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
-        if tree is not None and self.behind and tree != self.tree_of(self.buckets[0]):
+        if self.takes_rows_in(tree):
             for s in self.rows:
                 if s is not None:
                     self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
@@ -52,6 +52,13 @@ class TreeSwitching:
             else:
                 self.bucket_trees[b] = tree
         self.behind = self.behind or tree is None or not self.proposer.keeps_up(tree)
+
+    def takes_rows_in(self, tree: Optional[TreeSpec]) -> bool:
+        """Whether :meth:`use_tree` to ``tree`` has the proposer take every active row in (it reads
+        their text: no round may be running then). Any other switch may come while rounds run
+        (launched ahead): the rounds launched after it run the new tree, in the device's order,
+        and those in flight finish with what they ran."""
+        return tree is not None and self.behind and tree != self.tree_of(self.buckets[0])
 
     def take_in(self, row: int, text, last, tree: Optional[TreeSpec]) -> None:
         """The proposer takes row ``row`` in (its ``text`` up to its ``last`` token, whose K/V
