@@ -18,6 +18,7 @@ device at hand, from a measured cost model.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections import OrderedDict
@@ -82,17 +83,23 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     candidates = {}
     chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
     for n in chains:
-        tree = TreeSpec.chain(n)
+        tree = _tree(f"chain:{n}")
         if draft is not None:
             candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                             expected_tokens(tree, lookup=hits))
         else:
             candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
     for shape in trees if draft is not None else ():
-        tree = TreeSpec.parse(shape)
+        tree = _tree(shape)
         candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
                                         expected_tokens(tree, draft.config.acceptance, hits))
     return candidates
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(shape: str) -> TreeSpec:
+    """The candidates' trees, parsed once (a call's plan builds its candidates several times)."""
+    return TreeSpec.parse(shape)
 
 
 def candidate_trees(draft, on_cuda: bool = True) -> list:

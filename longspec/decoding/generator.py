@@ -138,6 +138,7 @@ class Generator:
     # whether a round is launched before the last one's tokens are read (None: where rounds run
     # asynchronously to the host, on a GPU; see run_rounds)
     launch_ahead: Optional[bool] = None
+    _outlined: Optional[tuple] = None  # (draft, auto's trees) once its costs are measured (:meth:`_outline`)
 
     @staticmethod
     def _need(prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> int:
@@ -171,11 +172,11 @@ class Generator:
         tree it may choose; else None (the plan is made first)."""
         if self.proposer != "auto" or (self.draft is not None and not self.draft.config.acceptance):
             return None
-
-        if not costs_measured(self.target, self.draft):
-            return None
-        trees = candidate_trees(self.draft, self.target.device.type == "cuda")
-        name = "pld" if self.draft is None else "hybrid"
+        if self._outlined is None or self._outlined[0] is not self.draft:  # (once: its costs stay measured)
+            if not costs_measured(self.target, self.draft):
+                return None
+            self._outlined = self.draft, candidate_trees(self.draft, self.target.device.type == "cuda")
+        trees, name = self._outlined[1], "pld" if self.draft is None else "hybrid"
         return Plan(name, trees[0], None, proposer=Engines.of(self.target).proposer(name, self.draft),
                     choices=(*trees, None))
 
