@@ -474,11 +474,20 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     gen.launch_ahead = ahead
     from longspec.engine.engine import Engine
 
-    real, in_flight = Engine.use_tree, []
+    real, in_flight, finish, ran = Engine.use_tree, [], Engine.finish, []
+
+    def finished(engine, streamer=None):  # (each round's tree, and the tokens before it)
+        ran.append((engine._in_flight[0][0].tree, len(next(s for s in engine.rows if s is not None).tokens)))
+        return finish(engine, streamer)
+
     with pytest.MonkeyPatch.context() as patch:  # (a switch that takes no row in waits for no round)
         patch.setattr(Engine, "use_tree", lambda engine, tree: (in_flight.append(engine.in_flight), real(engine, tree)))
+        patch.setattr(Engine, "finish", finished)
         out = gen.generate([prompt], config)
     assert out.sequences[0] == plain and any(in_flight) == ahead
+    # each switch is given at the tokens generated before its tree's first round
+    assert [(at, None if tree is None else str(tree)) for (tree, at), (before, _) in zip(ran[1:], ran)
+            if tree != before] == out.stats["trees"][1:]
     assert len(scripted.calls) >= 3
     switched = [tree for _, tree in out.stats["trees"]]
     assert switched[0] is None and len(switched) >= 3 and all(a != b for a, b in zip(switched, switched[1:]))
@@ -490,6 +499,9 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
                 if tree is not None and (before is None or before.startswith("chain") and family == "hybrid")]
     assert added == expected and added
     assert gen._engine.parked and out.stats["verify_s"] > 0  # the replaced rounds' times still count
+    with pytest.MonkeyPatch.context() as patch:  # a tree used before is not checked again (a copy to the device: a wait)
+        patch.setattr(type(proposer), "with_tree", lambda self, tree: pytest.fail(f"{tree} checked again"))
+        gen._engine.use_tree(script[0])
     # the next calls start again from the controller's start; a tree that returns takes its parked
     # rounds back (nothing piles up)
     for _ in range(3):
@@ -644,7 +656,7 @@ def test_a_slow_stretch_moves_every_time_for_its_call_then_back():
     its slow rounds would lose to plain rounds' old time). At its end every time is back at the
     usual speed (its rounds divided by 1.5), so the next call, the device back, starts right; a
     call that runs faster keeps its speed. A drift within DRIFT moves nothing; a transient in a
-    call's first rounds alone is undone at its end."""
+    call's first rounds alone is undone at its end, and so is a drift no later rounds confirm."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
@@ -669,14 +681,16 @@ def test_a_slow_stretch_moves_every_time_for_its_call_then_back():
     call(1.35)  # 10% faster: within DRIFT
     assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.35)
     assert not c.drift.shaky
-    call(0.9, controller.SETTLED_ROUNDS)  # faster: kept
+    call(0.9)  # faster: kept (confirmed by the rounds after those that found it)
     assert c.round_ms("plain") == pytest.approx(1.0 * 0.9 / 1.35) and c.round_ms(str(tree)) == pytest.approx(0.9)
     assert c.begin(predicted, "t1") == tree  # a transient in the call's first rounds alone: undone at its end
     for ms in [1.35] * controller.SETTLED_ROUNDS + [0.9] * controller.TIME_WINDOW:
         c.observe(1.9, ms / 1e3, tree)
     assert c.round_ms("plain") == pytest.approx(1.0)
     c.end()
-    assert c.round_ms("plain") == pytest.approx(1.0 * 0.9 / 1.35)
+    assert c.round_ms("plain") == pytest.approx(1.0 * 0.9 / 1.35) and c.drift.shaky == {"plain"}  # (scaled, not measured)
+    call(1.35, controller.SETTLED_ROUNDS)  # 1.5x slow in its first rounds, then nothing: unconfirmed
+    assert c.round_ms("plain") == pytest.approx(1.0 * 0.9 / 1.35) and c.round_ms(str(tree)) == pytest.approx(0.9)
 
 
 def test_a_drift_moves_only_the_times_as_old_as_its_candidates():
@@ -697,6 +711,31 @@ def test_a_drift_moves_only_the_times_as_old_as_its_candidates():
     assert c.round_ms(str(tree)) == pytest.approx(1.5) and c.round_ms("plain") == pytest.approx(0.65)
     c.observe(2.0, 0.0, chain)  # (a zero time divides nothing)
     c.end()
+
+
+def test_a_transient_in_a_calls_first_rounds_leaves_every_time_as_it_was():
+    """The tree's first rounds in a call ran 2x slow, then plain rounds took over at their usual
+    time (timed again: the drift moved theirs): nothing after those first rounds confirms the
+    drift, so every time stays as it was and the tree, 20% faster, runs the next calls (divided
+    by the first rounds' factor, plain rounds' true times had kept them out for good)."""
+    from longspec.decoding.controller import Controller
+
+    tree = TreeSpec.parse("2,2")
+    c = timed_plain(Controller(), 1.0)
+
+    def call(slow_rounds: int) -> list:
+        ran = [c.begin({tree: (1.9, 1.5), None: (1.0, 1.0)}, "t1")]
+        for i in range(30):
+            ran.append(c.observe(1.0 if ran[-1] is None else 1.2, (2.0 if ran[-1] is not None and i < slow_rounds
+                                                                   else 1.0) / 1e3, ran[-1]))
+        c.end()
+        return ran
+
+    assert set(call(0)) == {tree}
+    assert None in call(3)  # (the transient: plain rounds timed again, and run)
+    assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.0)
+    assert not c.drift.shaky
+    assert set(call(0)) == {tree}
 
 
 def test_a_drift_moves_the_times_of_the_call_its_candidate_was_timed_in():
@@ -745,28 +784,31 @@ def test_plain_rounds_are_timed_again_where_a_drift_leaves_the_choice_hanging_on
 
 
 def test_plain_rounds_timed_in_a_slow_stretch_are_timed_again_where_the_choice_hangs_on_them():
-    """A slow call (the chain 1.3x, plain rounds 1.53x: unequal) is taken back to the usual
-    speed by the chain's factor, which leaves plain rounds' time 18% slow; in the next call the
-    chain, on a text it misses, is 5% slower than plain rounds but looked faster: plain rounds'
-    time, scaled, is timed again where the choice hangs on it, and plain rounds keep the call."""
+    """A slow call slows the chain 1.3x, the tree 1.5x and plain rounds 1.6x: taken back to the
+    usual speed by the median factor (1.5), plain rounds' time stays 7% slow. In the next call the
+    chain, on a text it misses, is 5% slower than plain rounds but looked faster (and a drift
+    of another kind of round, in between, says nothing of these): plain rounds' time, scaled, is
+    timed again where the choice hangs on it, and plain rounds keep the call."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
-    chain = TreeSpec.chain(5)
-    predicted = {chain: (1.6, 1.82), None: (1.0, 1.55)}
+    chain, tree = TreeSpec.chain(5), TreeSpec.parse("2,2")
+    predicted = {chain: (1.6, 1.82), tree: (1.8, 2.36), None: (1.0, 1.55)}
     c = timed_plain(Controller(), 1.16)
-    for ms, plain_ms, tokens in ((1.27, None, 1.5), (1.65, 1.78, 1.5)):
-        assert c.begin(predicted, "t1") == chain
-        for _ in range(controller.TIME_WINDOW):
-            c.observe(tokens, ms / 1e3, chain)
-        for _ in range(controller.TIME_WINDOW if plain_ms else 0):
-            c.observe(1.0, plain_ms / 1e3, None)
+    for kind, slow in (("t1", False), ("t1", True), ("greedy", False)):  # then greedy plain rounds alone
+        c.begin(predicted, kind)
+        for name, ms, tokens, factor in ((chain, 1.27, 1.5, 1.3), (tree, 1.53, 1.6, 1.5), (None, 1.16, 1.0, 1.6)):
+            for _ in range(controller.TIME_WINDOW if kind == "t1" or name is None else 0):
+                c.observe(tokens, ms * (factor if slow else 1.0) / 1e3, name)
         c.end()
-    assert c.round_ms("chain:5") == pytest.approx(1.27) and c.round_ms("plain") == pytest.approx(1.78 / 1.3, rel=1e-2)
-    assert c.begin(predicted, "t1") == chain
-    ran = [chain]
+    times = c.records("t1")[0]
+    assert controller.median(times["plain"]) == pytest.approx(1.16 * 1.6 / 1.5)
+    assert controller.median(times["chain:5"]) == pytest.approx(1.27 * 1.3 / 1.5)
+    c.begin(predicted, "t1")
+    ran = [c.current.tree]
     for _ in range(40):
-        ran.append(c.observe(1.04 if ran[-1] is not None else 1.0, (1.27 if ran[-1] is not None else 1.16) / 1e3))
+        tokens = {None: 1.0, chain: 1.04}.get(ran[-1], 1.1)
+        ran.append(c.observe(tokens, {None: 1.16, chain: 1.27}.get(ran[-1], 1.53) / 1e3))
     assert c.round_ms("plain") == pytest.approx(1.16) and set(ran[-20:]) == {None}
     c.end()
     assert "plain" not in c.drift.shaky

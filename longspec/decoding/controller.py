@@ -130,6 +130,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
+        self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
@@ -176,7 +177,7 @@ class Controller:
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
         self.times, self.timed_at, self.called = self.records(round_kind(sampling))
-        self.calls += 1
+        self.drift, self.calls = self.drifts.setdefault(round_kind(sampling), Drift()), self.calls + 1
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
             self._prior(c, c.predicted)

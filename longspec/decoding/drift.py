@@ -23,26 +23,29 @@ class Drift:
     off it scales the times from before the call of every candidate last timed in the same call
     as it was, or earlier (its own, the others': one device, one context) by as much, for the
     rest of the call (a candidate timed in a later call says nothing of the old times, and keeps
-    its own). :meth:`end` takes a slower call back to the usual speed (its rounds divided by what
-    its drifted candidate's rounds in the whole call say, the old times as they were: the slow
-    stretches seen were one call long, and slowed candidates unequally, plain rounds 1.5x and the
-    chain 1.3x: kept, such times left a call running the chain 7% slower than plain rounds), and
-    a faster one's speed kept (the old times scaled by what its rounds say: a process's first
-    rounds, the device still idling, measure slow); a transient in the first rounds alone is
-    undone. :attr:`shaky`: the labels whose times were so scaled, until a call without a drift
-    measures every time they keep."""
+    its own). :meth:`end` confirms the drift on the rounds after those that found it (of every
+    candidate with a time from before the call that ran ``rounds`` of them: the median of their
+    medians over those times; fewer: unconfirmed) and takes a slower call back to the usual
+    speed (its rounds divided by that factor, the old times as they were: the slow stretches
+    seen were one call long, and slowed candidates unequally, plain rounds 1.5x and the chain
+    1.3x: kept, such times left a call running the chain 7% slower than plain rounds), keeps a
+    faster one's speed (the old times scaled by it: a process's first rounds, the device still
+    idling, measure slow), and undoes one it does not confirm (a transient in the first rounds).
+    :attr:`shaky`: the labels whose times were so scaled, until a call without a drift measures
+    every time they keep."""
 
     def __init__(self):
-        self.carried: Optional[dict] = {}  # label -> its round time at the call's start; None: checked
+        self.before: dict = {}  # label -> its round time at the call's start (settled ones)
+        self.carried: Optional[dict] = {}  # those not checked yet; None: one checked
         self.called_before: dict = {}  # called at the call's start
-        self.followed: Optional[tuple] = None  # (label, its time before, the factor applied)
+        self.followed: Optional[tuple] = None  # (label, the factor applied, its rounds, in_call then)
         self.shaky: set = set()
 
     def begin(self, times: dict, called: dict, settled: list) -> None:
         """A call begins; ``settled``: the labels whose times stand alone (enough rounds)."""
         self.called_before = dict(called)
-        self.carried = {name: median(times[name]) for name in settled}
-        self.followed = None
+        self.before = {name: median(times[name]) for name in settled}
+        self.carried, self.followed = dict(self.before), None
 
     def settled(self, name: str, rounds: int, times: dict, in_call: dict) -> None:
         """Candidate ``name`` has run its first ``rounds`` rounds of the call; ``in_call``: every
@@ -51,22 +54,28 @@ class Drift:
             return
         ms, self.carried = self.carried[name], None
         factor = self._factor(times[name][-rounds:], ms)
-        self.followed = (name, ms, factor) if factor != 1.0 else None
+        self.followed = (name, factor, rounds, dict(in_call)) if factor != 1.0 else None
         self._rescale(factor, name, times, in_call)
 
     def end(self, times: dict, in_call: dict, window: int) -> None:
         """The call ends (``window``: the rounds a time is the median of): a slower call's times
-        back to the usual speed, a faster one's kept (see the class docstring)."""
+        back to the usual speed, a faster one's kept, an unconfirmed drift undone (see the class
+        docstring)."""
         final = 1.0
         if self.followed is not None:
-            name, ms, factor = self.followed
-            final = self._factor(times[name][-min(in_call[name], window):], ms)
+            name, factor, rounds, then = self.followed
+            ratios = []
+            for label, ms in self.before.items():
+                later = min(in_call.get(label, 0) - then.get(label, 0), window, len(times.get(label, ())))
+                if later >= rounds:
+                    ratios.append(median(times[label][-later:]) / ms)
+            final = self._factor([median(ratios)], 1.0) if ratios else 1.0
             self._rescale(1.0 / factor if final > 1.0 else final / factor, name, times, in_call,
                           own=1.0 / final if final > 1.0 else 1.0)
             before, self.followed = self.called_before.get(name, 0), None
             if final > 1.0:
                 self.shaky |= {label for label, kept in times.items() if kept and in_call.get(label)}
-            else:
+            elif final < 1.0:
                 self.shaky |= {label for label, kept in times.items() if len(kept) > in_call.get(label, 0)
                                and self.called_before.get(label, 0) <= before}
         if final == 1.0:

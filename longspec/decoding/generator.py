@@ -29,6 +29,7 @@ from ..spec.tree import TreeSpec
 from .auto import Plan, candidate_trees, costs_measured, resolve
 from .rounds import run_rounds, tree_text
 from .shared import Engines, new_controller
+from .step_costs import device_key
 
 # on CUDA a prompt is prefilled in captured chunks of this many tokens (ChunkedPrefill; its rest in
 # 256- and 64-token chunks): the size that prefilled 2k-8k-token prompts fastest (docs/benchmarks.md,
@@ -138,7 +139,7 @@ class Generator:
     # whether a round is launched before the last one's tokens are read (None: where rounds run
     # asynchronously to the host, on a GPU; see run_rounds)
     launch_ahead: Optional[bool] = None
-    _outlined: Optional[tuple] = None  # (draft, auto's trees) once its costs are measured (:meth:`_outline`)
+    _outlined: Optional[tuple] = None  # ((draft, device key), auto's trees) once its costs are measured
 
     @staticmethod
     def _need(prompts: list, config: GenerationConfig, tree: Optional[TreeSpec]) -> int:
@@ -172,10 +173,11 @@ class Generator:
         tree it may choose; else None (the plan is made first)."""
         if self.proposer != "auto" or (self.draft is not None and not self.draft.config.acceptance):
             return None
-        if self._outlined is None or self._outlined[0] is not self.draft:  # (once: its costs stay measured)
+        key = self.draft, device_key(self.target)  # (threads, attention, dtype: the costs' key)
+        if self._outlined is None or self._outlined[0] != key:  # (once: the costs stay measured)
             if not costs_measured(self.target, self.draft):
                 return None
-            self._outlined = self.draft, candidate_trees(self.draft, self.target.device.type == "cuda")
+            self._outlined = key, candidate_trees(self.draft, self.target.device.type == "cuda")
         trees, name = self._outlined[1], "pld" if self.draft is None else "hybrid"
         return Plan(name, trees[0], None, proposer=Engines.of(self.target).proposer(name, self.draft),
                     choices=(*trees, None))

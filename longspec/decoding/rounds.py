@@ -49,8 +49,9 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
         now = time.perf_counter()
         if switched is not None:
             switched[1] -= 1
-            if not switched[1]:  # (the new tree's first round is next)
-                trees.append((len(seq.tokens), switched[0]))
+            if not switched[1]:  # (the new tree's first round is next, where a row is left for it)
+                if engine.has_active:
+                    trees.append((len(seq.tokens), switched[0]))
                 switched = None
         seconds, last = now - max(start, last), now
         rounds, stepping = rounds + 1, stepping + seconds
@@ -70,7 +71,7 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
                 launched.append((tree, start))
             finish()
             if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
-                while launched and (engine.takes_rows_in(chosen) or switched is not None):
+                while launched and engine.takes_rows_in(chosen):
                     finish()  # (the round in flight: finished, and weighed, first)
                 if engine.has_active and chosen != engine.tree_of(engine.bucket()):
                     engine.use_tree(chosen)

@@ -171,6 +171,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
         # taken back when that tree returns (their times still count)
         self.runners: dict = {}
         self.parked: dict = {}
+        self.fitting: set = set()  # trees :meth:`use_tree` found the proposer drafts (checked once)
         # the proposer is behind the rows' text: :meth:`use_tree` switched to rounds that do not
         # keep it up (plain rounds, which then cost what a plain engine's do; or rounds that use
         # part of it, see Proposer.keeps_up); it catches up when the next tree takes over

@@ -11,8 +11,8 @@ from ..spec.tree import TreeSpec
 class TreeSwitching:
     """The part of :class:`~longspec.engine.engine.Engine` that changes the tree its buckets
     draft. It works on the engine's state (``proposer``, ``tree``, ``rows``, ``buckets``,
-    ``bucket_trees``, ``runners``, ``parked``, ``_views``, ``behind``, ``_in_flight``) through its
-    ``tree_of``."""
+    ``bucket_trees``, ``runners``, ``parked``, ``_views``, ``behind``, ``_in_flight``, ``fitting``)
+    through its ``tree_of``."""
 
     def use_tree(self, tree: Optional[TreeSpec]) -> None:
         """From the next round on every bucket drafts ``tree`` (one that fits the engine's tree),
@@ -30,8 +30,11 @@ class TreeSwitching:
             raise RuntimeError("use_tree to a tree that takes the rows in: a round is running")
         if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
             raise ValueError("a row holds room for plain rounds only: no tree while it is active")
-        if tree is not None and tree != self.tree:
-            self.proposer.with_tree(tree)  # raises for a tree that does not fit or suit the proposer
+        if tree is not None and tree != self.tree and tree not in self.fitting:
+            # raises for a tree that does not fit or suit the proposer; once: it copies the tree's
+            # indices to the device, which waits for the rounds in flight (from pageable memory)
+            self.proposer.with_tree(tree)
+            self.fitting.add(tree)
         if self.takes_rows_in(tree):
             for s in self.rows:
                 if s is not None:
