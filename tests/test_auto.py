@@ -783,6 +783,27 @@ def test_plain_rounds_are_timed_again_where_a_drift_leaves_the_choice_hanging_on
     assert c.round_ms("plain") == pytest.approx(1.16) and set(ran[-20:]) == {None}
 
 
+def test_plain_rounds_are_timed_again_once_a_call():
+    """After a drift plain rounds are timed again where the choice hangs on them, once a call:
+    found slower than the chain (3 rounds), they leave it to the chain for the rest of the call
+    (timed again at every close round, they would cost the call a plain round in three)."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(5)
+    c = timed_plain(Controller(), 1.3)
+    times, timed_at, called = c.records("t1")
+    c.calls, c.rounds = 3, 300
+    for name, ms in (("plain", 1.78), ("chain:5", 1.65)):
+        times[name], timed_at[name], called[name] = [ms] * controller.TIME_WINDOW, c.rounds, c.calls
+    assert c.begin({chain: (1.6, 1.82), None: (1.0, 1.55)}, "t1") == chain
+    ran = [chain]
+    for _ in range(60):
+        ran.append(c.observe(1.1 if ran[-1] is not None else 1.0, (1.27 if ran[-1] is not None else 1.3) / 1e3))
+    assert ran.count(None) == controller.SETTLED_ROUNDS and set(ran[-20:]) == {chain}
+    assert c.round_ms("plain") == pytest.approx(1.3)
+
+
 def test_plain_rounds_timed_in_a_slow_stretch_are_timed_again_where_the_choice_hangs_on_them():
     """A slow call slows the chain 1.3x, the tree 1.5x and plain rounds 1.6x: taken back to the
     usual speed by the median factor (1.5), plain rounds' time stays 7% slow. In the next call the
