@@ -13,7 +13,7 @@ tokens per round on a text it predicts (``--good``) and on one it misses (``--po
 ``--slow-call``-th (from 1; 0: none) running every candidate's rounds ``--slow`` times slower
 (per kind: plain, chain, tree); the first call is the warm-up. ``--switch-ms`` is added to a round after a switch and
 ``--begin-ms`` to each call (the host's work that plain decoding does not do). Prints each call
-after the slow one, the median and worst call over seeds, one JSON line last."""
+after the slow one, the median and worst call over seeds (and per kind of text), one JSON line last."""
 from __future__ import annotations
 
 import argparse
@@ -69,7 +69,7 @@ def main() -> None:
     predicted = {t: tuple(map(float, p.split(":"))) for t, p in zip(trees, args.predicted.split(","))}
     predicted[None] = (1.0, args.plain_predicted_ms)
     slow = {k: float(v) for k, v in (item.split("=") for item in args.slow.split(","))}
-    ratios = []
+    ratios, per_text = [], {}
     for seed in range(args.seeds):
         rng, controller = random.Random(seed), Controller()
         for i, text in enumerate(args.workload, 1):
@@ -86,9 +86,13 @@ def main() -> None:
             plain = args.max_new_tokens * ms[None] * factor(None)
             if i > max(args.slow_call, 1):
                 ratios.append(plain / spent)
+                per_text.setdefault(text, []).append(plain / spent)
                 print(f"seed {seed} call {i:2d} ({text}) {plain / spent:.3f}x plain  {dict(ran)}")
-    print(f"after the slow call: median {statistics.median(ratios):.3f}x, worst {min(ratios):.3f}x plain decoding")
-    print(json.dumps({"median": statistics.median(ratios), "worst": min(ratios), "calls": len(ratios)}))
+    summary = {text: (statistics.median(r), min(r)) for text, r in sorted(per_text.items())}
+    print(f"after the slow call: median {statistics.median(ratios):.3f}x, worst {min(ratios):.3f}x plain decoding; "
+          + ", ".join(f"on {'good' if t == 'g' else 'poor'} texts {m:.3f}x / {w:.3f}x" for t, (m, w) in summary.items()))
+    print(json.dumps({"median": statistics.median(ratios), "worst": min(ratios), "calls": len(ratios),
+                      "per_text": {t: {"median": m, "worst": w} for t, (m, w) in summary.items()}}))
 
 
 if __name__ == "__main__":

@@ -738,6 +738,29 @@ def test_a_transient_in_a_calls_first_rounds_leaves_every_time_as_it_was():
     assert set(call(0)) == {tree}
 
 
+def test_a_slow_call_of_plain_rounds_timed_again_is_taken_back_too():
+    """A slow call begins with plain rounds timed again (their time old), then the tree finds the
+    drift in its three rounds and gives way to plain rounds for the rest of the call: the drift is
+    confirmed on plain rounds against their time before the call (dropped, not forgotten), and
+    their slow rounds go back to the usual speed (kept, they made plain rounds look 1.5x dearer to
+    every later call)."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    tree = TreeSpec.parse("2,2")
+    c = timed_plain(Controller(), 1.0)
+    c.rounds += controller.RETIME_AFTER + 1
+    times, timed_at, called = c.records("t1")
+    times[str(tree)], timed_at[str(tree)], called[str(tree)] = [1.5] * controller.TIME_WINDOW, c.rounds, 1
+    assert c.begin({tree: (1.8, 1.5), None: (1.0, 1.0)}, "t1") is None  # (plain rounds timed again first)
+    ran = [None]
+    for _ in range(30):
+        ran.append(c.observe(1.0, (1.5 if ran[-1] is None else 2.25) / 1e3, ran[-1]))
+    assert ran.count(tree) >= controller.SETTLED_ROUNDS and c.drift.followed is not None
+    c.end()
+    assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.5)
+
+
 def test_a_drift_moves_the_times_of_the_call_its_candidate_was_timed_in():
     """A process's first call ran slow (the device idling) and timed the tree, then plain
     rounds: in the next call, at full speed, the tree's drift brings plain rounds' time down too
@@ -1287,7 +1310,9 @@ def test_every_chain_length_learns_one_correction(tmp_path):
 def test_a_trees_shortfall_does_not_lower_an_untried_chain():
     """A tree that made few of its predicted extra tokens lowers the untried trees' priors (the
     draft misses this text), not the lookup chain's, which reads the text's repeats; a chain's
-    shortfall lowers the trees' too (their predictions count the lookup's hits)."""
+    shortfall lowers the trees' too (their predictions count the lookup's hits). But a hybrid
+    tree at least as deep as the chain holds it as one of its paths: the chain expects no more
+    than that tree made, and plain rounds, not the chain, take over from it."""
     from longspec.decoding.controller import Controller
 
     tree, other, chain = TreeSpec.parse("4,4,1"), TreeSpec.parse("2,2"), TreeSpec.chain(5)
@@ -1301,6 +1326,14 @@ def test_a_trees_shortfall_does_not_lower_an_untried_chain():
     for _ in range(4):
         c.observe(1.0, 1.3e-3, chain)
     assert c.candidates["4,4,1"].prior == 1.0
+    deep = TreeSpec.parse("4,4,1,1,1")
+    c = timed_plain(Controller(), 1.0)
+    assert c.begin({deep: (4.0, 1.5), chain: (2.0, 1.1), None: (1.0, 1.0)}, "greedy") == deep
+    ran = [deep]
+    for _ in range(20):
+        ran.append(c.observe(1.1 if ran[-1] is not None else 1.0, (1.5 if ran[-1] is not None else 1.0) / 1e3))
+    assert chain not in ran and set(ran[-10:]) == {None}
+    assert c.candidates["chain:5"].prior == pytest.approx(1.1) and c.candidates["chain:5"].hoped == pytest.approx(1.1)
 
 
 def test_plain_rounds_take_over_from_a_candidate_a_little_slower():

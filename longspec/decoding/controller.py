@@ -17,7 +17,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   corrected by what earlier calls measured against their predictions at the same sampling
   settings (the cost model knows greedy acceptance only: a sampled call's draft and lookup hit
   less; a candidate none measured yet takes the pooled correction of its kind's: the draft's
-  trees, or the lookup's chains), worth :data:`PRIOR_ROUNDS` rounds, then the call's own rounds.
+  trees, or the lookup's chains), worth :data:`~longspec.decoding.candidates.PRIOR_ROUNDS` rounds, then
+  the call's own rounds.
   Within a call, no candidate expects more of the cost model than its own rounds made of it
   (once it ran a few), or, untried, than the ones that ran made of theirs (a text the draft and
   the lookup hit less than predicted lowers every prediction: one failed tree is not followed by
@@ -40,14 +41,14 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   its own rounds decide."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
+from ..spec.drafting import takes_lookup
 from ..spec.tree import TreeSpec
+from .candidates import Candidate, label, round_kind
 from .corrections import MAX_CORRECTION, Corrections, kind_of
 from .drift import Drift, median
 
-PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
 SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
 TIME_WINDOW = 9  # a candidate's round time: the median of its last rounds this many
 SWITCH_MARGIN = 1.1  # a candidate takes over when predicted this much faster (from plain rounds at a call's start too) ...
@@ -63,47 +64,6 @@ PROBE_COST = 1.5
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
-
-
-def label(tree: Optional[TreeSpec]) -> str:
-    return "plain" if tree is None else str(tree)
-
-
-def round_kind(sampling):
-    """What a round's time depends on in a call's sampling settings ((temperature, top_k, top_p);
-    another key as it is): "greedy", "sampled", or "truncated" (top-k or top-p: their work on
-    every node's distribution made a tree's round a third dearer)."""
-    if isinstance(sampling, tuple) and len(sampling) == 3:
-        temperature, top_k, top_p = sampling
-        return "greedy" if not temperature else "truncated" if top_k or top_p < 1.0 else "sampled"
-    return sampling
-
-
-@dataclass
-class Candidate:
-    """One kind of round: ``tree`` (None: plain rounds), its round time ``ms`` (estimated), the
-    tokens per round predicted for this call (``prior``) and the rounds it ran in it."""
-
-    tree: Optional[TreeSpec]
-    ms: float
-    prior: float
-    predicted: float = 1.0  # the cost model's tokens per round on the prompt (before the correction)
-    tokens: float = 0.0
-    rounds: int = 0
-    predicted_ms: float = 0.0  # the cost model's
-    base: float = 1.0  # the prior from the prediction, before this call's measured shares lower it
-    hoped: float = 1.0  # tokens per round predicted without a correction below 1 (a probe's hope)
-    retried: bool = False  # re-predicted from the generated text after it ran (its rounds start again)
-    earlier: tuple = (0.0, 0)  # (tokens, rounds) it ran before that
-
-    @property
-    def tokens_per_round(self) -> float:
-        return (PRIOR_ROUNDS * self.prior + self.tokens) / (PRIOR_ROUNDS + self.rounds)
-
-    @property
-    def rate(self) -> float:
-        """Expected tokens per millisecond."""
-        return self.tokens_per_round / max(self.ms, 1e-6)
 
 
 class Controller:
@@ -185,7 +145,7 @@ class Controller:
         self._calibrate()
         self.current, self.dwell = self._best(), 0
         self.planned = self.current  # (the candidate predicted fastest, whatever runs first)
-        plain = self.candidates.get("plain")
+        plain, dropped = self.candidates.get("plain"), {}
         if plain is not None and self.current.rate < SWITCH_MARGIN * plain.rate:
             self.current = plain
         if plain is not None and self.planned.rate < RETIME_MARGIN * plain.rate and (
@@ -194,12 +154,13 @@ class Controller:
             # process: every candidate is weighed against it, and the cost model's time for them
             # scales least like the others': docs/benchmarks.md, "Generation on a CPU"), and again
             # when old (another context; a process's first rounds, on a device still idling, measure
-            # slow), its old times dropped (the drift leaves them out). One predicted clearly faster
-            # runs at once (a new process per `longspec generate`: on a CPU, a real share of a call)
+            # slow), its old times dropped (a drift is not found on them, only confirmed). One
+            # predicted clearly faster runs at once (a new process per `longspec generate`: on a
+            # CPU, a real share of a call)
             if self._settled("plain"):
-                self.times["plain"] = []
+                dropped, self.times["plain"] = {"plain": median(self.times["plain"])}, []
             self.current = plain
-        self.drift.begin(self.times, self.called, [name for name in self.candidates if self._settled(name)])
+        self.drift.begin(self.times, self.called, [name for name in self.candidates if self._settled(name)], dropped)
         return self.current.tree
 
     def gain(self) -> Optional[float]:
@@ -349,17 +310,27 @@ class Controller:
         pooled (once they ran SETTLED_ROUNDS): for a tree every candidate that ran (its
         prediction reads the lookup's hits too), for a chain the chains (a tree's shortfall says
         the draft misses this text, not that the lookup does: on a CPU one held the lookup's
-        chain at half of its text's prediction for a whole call)."""
+        chain at half of its text's prediction for a whole call). But an untried chain expects no
+        more tokens a round than a hybrid tree at least as deep made, run in the last 2 x
+        RETRY_AFTER rounds (SETTLED_ROUNDS rounds at least): the tree holds the lookup's chain as
+        one of its paths (:func:`~longspec.spec.drafting.takes_lookup`), so on that text it accepts
+        at least as much (at T=1 trees that made 1.0 tokens a round were followed by 5-13 rounds of
+        the chain)."""
         ran = [c for c in self.candidates.values() if c.rounds and c.tree is not None]
         for c in ran:
             if c.rounds >= 2 * SETTLED_ROUNDS and c.base > 1.0:
                 c.prior = 1.0 + (c.base - 1.0) * min(max((c.tokens / c.rounds - 1.0) / (c.base - 1.0), 0.0), 1.0)
         shares = {kind: self._share([c for c in ran if kind == "tree" or c.tree.kind == "chain"])
                   for kind in ("tree", "chain")}
+        made = [(c.tree.depth, c.tokens / c.rounds) for c in ran if takes_lookup(c.tree) and c.rounds >= SETTLED_ROUNDS
+                and self.rounds - self.timed_at.get(label(c.tree), 0) <= 2 * RETRY_AFTER]
         for c in self.candidates.values():  # (a retried one: its text's prediction)
             share = None if c.rounds or c.tree is None or c.retried else shares[kind_of(label(c.tree))]
             if share is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
+            most = max((tokens for depth, tokens in made if c.tree is not None and depth >= c.tree.depth), default=None)
+            if most is not None and not c.rounds and c.tree.kind == "chain":
+                c.prior, c.hoped = min(c.prior, most), min(c.hoped, most)
 
     @staticmethod
     def _share(ran: list) -> Optional[float]:

@@ -41,11 +41,13 @@ class Drift:
         self.followed: Optional[tuple] = None  # (label, the factor applied, its rounds, in_call then)
         self.shaky: set = set()
 
-    def begin(self, times: dict, called: dict, settled: list) -> None:
-        """A call begins; ``settled``: the labels whose times stand alone (enough rounds)."""
+    def begin(self, times: dict, called: dict, settled: list, dropped: Optional[dict] = None) -> None:
+        """A call begins; ``settled``: the labels whose times stand alone (enough rounds);
+        ``dropped``: {label: its time} of those whose times were dropped (timed again in the
+        call): a drift is confirmed on their rounds too, not found."""
         self.called_before = dict(called)
-        self.before = {name: median(times[name]) for name in settled}
-        self.carried, self.followed = dict(self.before), None
+        self.carried = {name: median(times[name]) for name in settled}
+        self.before, self.followed = {**(dropped or {}), **self.carried}, None
 
     def settled(self, name: str, rounds: int, times: dict, in_call: dict) -> None:
         """Candidate ``name`` has run its first ``rounds`` rounds of the call; ``in_call``: every
