@@ -759,6 +759,15 @@ def test_a_slow_call_of_plain_rounds_timed_again_is_taken_back_too():
     assert ran.count(tree) >= controller.SETTLED_ROUNDS and c.drift.followed is not None
     c.end()
     assert c.round_ms("plain") == pytest.approx(1.0) and c.round_ms(str(tree)) == pytest.approx(1.5)
+    # but a time dropped as stale does not confirm alone what the drifted candidate's later rounds
+    # deny: plain rounds 1.3x dearer than their old time (another context), the tree's first
+    # rounds slow, its next ones as before: every time stays as measured
+    c.rounds += controller.RETIME_AFTER + 1
+    assert c.begin({tree: (1.8, 1.5), None: (1.0, 1.0)}, "t1") is None
+    for ms, ran in [(1.3, None)] * 3 + [(2.0, tree)] * 3 + [(1.5, tree)] * 6 + [(1.3, None)] * 6:
+        c.observe(1.0, ms / 1e3, ran)
+    c.end()
+    assert c.round_ms("plain") == pytest.approx(1.3) and c.round_ms(str(tree)) == pytest.approx(1.5)
 
 
 def test_a_drift_moves_the_times_of_the_call_its_candidate_was_timed_in():

@@ -383,3 +383,56 @@ def test_frequent_tokens_of_data(tmp_path):
     (tmp_path / "a.txt").write_text("bbbbb aaaa c")
     top = frequent_tokens([tmp_path / "a.txt"], Chars(), 3, vocab_size=50).tolist()
     assert top == [ord("b") % 50, ord("a") % 50, ord(" ") % 50]
+
+
+def test_the_merged_lookup_chain_follows_the_beams_own_pick_of_its_token():
+    """Where the draft's beam picks the lookup chain's next token under the chain's node, the
+    chain goes on from that node rather than taking the level's last slot for a second node with
+    the same token and parent (sampled verification never reaches such a duplicate, nor its
+    subtree: at T=1 the hybrid trees accepted 0.85-1.6 tokens a round where the chain alone
+    accepted 3.2). The tree then holds the chain as one path, and a sampled round accepts as much
+    as the chain alone does."""
+    from types import SimpleNamespace
+
+    from longspec import PromptLookup
+    from longspec.spec.drafting import TreeDrafter
+    from longspec.spec.verify import verify_sampling
+
+    vocab, rows, text = 16, 2000, [3, 4, 5, 6, 7, 8]  # the text after token 2, which the draft predicts too
+    history = [9, 2] + text + [10, 11, 2]  # (the lookup: 3 4 5 6 7 after the last 2)
+
+    class Agrees(TreeDrafter):
+        def _root_logits(self, root):
+            logits = torch.zeros(root.shape[0], vocab)
+            logits[:, text[0]], logits[:, 13] = 5.0, 4.0
+            return logits
+
+        def _level_logits(self, tokens, positions, mask, tree_tokens):
+            logits = torch.zeros(*tokens.shape, vocab)
+            logits[..., text[self.spec.node_depth(mask.shape[-1] - 1)]], logits[..., 14] = 5.0, 4.0
+            return logits
+
+    def accepted(proposer, tree):
+        cache = SimpleNamespace(lengths=torch.full((rows,), len(history)), batch_size=rows, max_len=64)
+        proposer.begin(SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)), cache, tree,
+                       GenerationConfig(temperature=1.0), torch.Generator().manual_seed(0))
+        for r in range(rows):
+            (proposer.lookup or proposer).add(r, history[:-1], history[-1])
+        drafted = proposer.propose(torch.full((rows,), history[-1]))
+        paths = {}
+        for i in range(drafted.tokens.shape[1]):  # (each node's path from the root)
+            paths[i] = (paths[int(drafted.parents[0, i])] if i else ()) + (int(drafted.tokens[0, i]),)
+        probs = torch.full((rows, len(paths), vocab), 1.0 / vocab)  # the target: 0.85 on the text's next token
+        for i, path in paths.items():
+            if list(path[1:]) == text[:len(path) - 1] and len(path) <= len(text):
+                probs[:, i] = 0.15 / (vocab - 1)
+                probs[:, i, text[len(path) - 1]] = 0.85
+        assert len(set(paths.values())) == len(paths)  # (no two nodes with the same path)
+        assert tuple([2] + text[:tree.depth]) in paths.values()  # (the chain, one path)
+        return verify_sampling(drafted, probs, torch.Generator().manual_seed(1)).num_accepted.float().mean().item()
+
+    chain = accepted(PromptLookup(), TreeSpec.chain(5))
+    for tree in ("2,2,1,1,1", "4,4,1,1,1"):
+        hybrid = Agrees()
+        hybrid.lookup = PromptLookup()
+        assert accepted(hybrid, TreeSpec.parse(tree)) == pytest.approx(chain, abs=0.15)

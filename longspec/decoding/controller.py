@@ -329,7 +329,7 @@ class Controller:
             if share is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
             most = max((tokens for depth, tokens in made if c.tree is not None and depth >= c.tree.depth), default=None)
-            if most is not None and not c.rounds and c.tree.kind == "chain":
+            if most is not None and not c.rounds and not c.retried and c.tree.kind == "chain":
                 c.prior, c.hoped = min(c.prior, most), min(c.hoped, most)
 
     @staticmethod

@@ -7,6 +7,7 @@ Python over the controller's records: ``times`` {label: round times, ms}, ``call
 call of its last round}."""
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 DRIFT = 1.25  # a settled candidate's time this much off its earlier one: every earlier time follows
@@ -25,7 +26,8 @@ class Drift:
     rest of the call (a candidate timed in a later call says nothing of the old times, and keeps
     its own). :meth:`end` confirms the drift on the rounds after those that found it (of every
     candidate with a time from before the call that ran ``rounds`` of them: the median of their
-    medians over those times; fewer: unconfirmed) and takes a slower call back to the usual
+    medians over those times, the middle two's mean, so a time dropped as stale does not confirm
+    alone what the drifted candidate's own rounds deny; fewer: unconfirmed) and takes a slower call back to the usual
     speed (its rounds divided by that factor, the old times as they were: the slow stretches
     seen were one call long, and slowed candidates unequally, plain rounds 1.5x and the chain
     1.3x: kept, such times left a call running the chain 7% slower than plain rounds), keeps a
@@ -71,7 +73,7 @@ class Drift:
                 later = min(in_call.get(label, 0) - then.get(label, 0), window, len(times.get(label, ())))
                 if later >= rounds:
                     ratios.append(median(times[label][-later:]) / ms)
-            final = self._factor([median(ratios)], 1.0) if ratios else 1.0
+            final = self._factor([statistics.median(ratios)], 1.0) if ratios else 1.0
             self._rescale(1.0 / factor if final > 1.0 else final / factor, name, times, in_call,
                           own=1.0 / final if final > 1.0 else 1.0)
             before, self.followed = self.called_before.get(name, 0), None

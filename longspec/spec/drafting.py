@@ -290,8 +290,10 @@ class _LookupChain:
     """The prompt-lookup chain of one round inside a beam tree (see ``TreeDrafter.lookup``): its
     tokens are the lookup's :meth:`~longspec.spec.prompt_lookup.PromptLookup.continuation`
     (one search a round); at each drafted level its token takes the level's last slot (the beam's
-    weakest pair) under the chain's last node, and the tree's lookup tail (``TreeSpec.lookup_tail``)
-    holds the chain alone."""
+    weakest pair) under the chain's last node, unless the beam picked it there already (the chain
+    then goes on from that node: a second node with the same token under the same parent would be
+    a duplicate, which sampled verification never reaches, nor its subtree), and the tree's lookup
+    tail (``TreeSpec.lookup_tail``) holds the chain alone."""
 
     def __init__(self, lookup, depth: int):
         self.found, self.tokens = lookup.continuation(depth)  # [B], [B, D]
@@ -299,9 +301,9 @@ class _LookupChain:
         self.cum = torch.zeros(self.found.shape, device=self.found.device)  # its cumulative draft log-probability
 
     def extend(self, depth: int, local_parent, new_tokens, cum, logprobs, columns=None) -> None:
-        """Overwrites the last pair of level ``depth`` (in place) where the chain has a candidate.
-        ``columns`` [V]: the column of each token id in ``logprobs`` (-1: not scored), when
-        ``logprobs`` covers only part of the vocabulary."""
+        """Overwrites the last pair of level ``depth`` (in place) where the chain has a candidate
+        the beam did not pick under the chain's node. ``columns`` [V]: the column of each token id
+        in ``logprobs`` (-1: not scored), when ``logprobs`` covers only part of the vocabulary."""
         token = self.tokens[:, depth - 1]
         rows = torch.arange(token.shape[0], device=token.device)
         if columns is None:
@@ -311,10 +313,13 @@ class _LookupChain:
             token_logprob = torch.where(column >= 0, logprobs[rows, self.node, column.clamp(min=0)], float("-inf"))
         chain_cum = self.cum + token_logprob
         last = new_tokens.shape[1] - 1
-        new_tokens[:, last] = torch.where(self.found, token, new_tokens[:, last])
-        local_parent[:, last] = torch.where(self.found, self.node, local_parent[:, last])
-        cum[:, last] = torch.where(self.found, chain_cum, cum[:, last])
-        self.cum, self.node = chain_cum, torch.full_like(self.node, last)
+        picked = (new_tokens == token[:, None]) & (local_parent == self.node[:, None])  # [B, n]
+        write = self.found & ~picked.any(1)
+        new_tokens[:, last] = torch.where(write, token, new_tokens[:, last])
+        local_parent[:, last] = torch.where(write, self.node, local_parent[:, last])
+        cum[:, last] = torch.where(write, chain_cum, cum[:, last])
+        at = torch.where(write | ~self.found, last, picked.int().argmax(1))  # (the first such pick)
+        self.cum, self.node = chain_cum, at
 
     def tail(self, depth: int) -> tuple:
         """(local parent [B, 1], token [B, 1]) of the one node of tail level ``depth``: the
