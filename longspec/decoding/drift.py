@@ -19,22 +19,22 @@ def median(times: list) -> float:
 
 
 class Drift:
-    """Per call: :meth:`begin` notes every settled candidate's time; the call's first of them
-    to settle again (:meth:`settled`, after its first ``rounds`` rounds) that runs more than DRIFT
+    """Per call: :meth:`begin` notes every settled candidate's time; the call's first of them to
+    settle again (:meth:`settled`, after its first ``rounds`` rounds) that runs more than DRIFT
     off it scales the times from before the call of every candidate last timed in the same call
     as it was, or earlier (its own, the others': one device, one context) by as much, for the
     rest of the call (a candidate timed in a later call says nothing of the old times, and keeps
     its own). :meth:`end` confirms the drift on the rounds after those that found it (of every
     candidate with a time from before the call that ran ``rounds`` of them: the median of their
     medians over those times, the middle two's mean, so a time dropped as stale does not confirm
-    alone what the drifted candidate's own rounds deny; fewer: unconfirmed) and takes a slower call back to the usual
-    speed (its rounds divided by that factor, the old times as they were: the slow stretches
-    seen were one call long, and slowed candidates unequally, plain rounds 1.5x and the chain
-    1.3x: kept, such times left a call running the chain 7% slower than plain rounds), keeps a
-    faster one's speed (the old times scaled by it: a process's first rounds, the device still
-    idling, measure slow), and undoes one it does not confirm (a transient in the first rounds).
-    :attr:`shaky`: the labels whose times were so scaled, until a call without a drift measures
-    every time they keep."""
+    alone what the drifted candidate's own rounds deny; fewer: unconfirmed) and takes a slower
+    call back to the usual speed (its rounds divided by that factor, the old times as they were:
+    the slow stretches seen were one call long, and slowed candidates unequally, plain rounds
+    1.5x and the chain 1.3x: kept, such times left a call running the chain 7% slower than plain
+    rounds), keeps a faster one's speed (the old times scaled by it: a process's first rounds,
+    the device still idling, measure slow), and undoes one it does not confirm (a transient in
+    the first rounds). :attr:`shaky`: the labels whose times were so scaled, until a call
+    without a drift measures every time they keep."""
 
     def __init__(self):
         self.before: dict = {}  # label -> its round time at the call's start (settled ones)
@@ -71,7 +71,7 @@ class Drift:
             ratios = []
             for label, ms in self.before.items():
                 later = min(in_call.get(label, 0) - then.get(label, 0), window, len(times.get(label, ())))
-                if later >= rounds:
+                if later >= rounds and ms > 0:
                     ratios.append(median(times[label][-later:]) / ms)
             final = self._factor([statistics.median(ratios)], 1.0) if ratios else 1.0
             self._rescale(1.0 / factor if final > 1.0 else final / factor, name, times, in_call,
