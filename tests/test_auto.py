@@ -794,24 +794,32 @@ def test_a_drift_moves_the_times_of_the_call_its_candidate_was_timed_in():
     assert c.round_ms("plain") == pytest.approx(1.0)
 
 
-def test_plain_rounds_are_timed_again_where_a_drift_leaves_the_choice_hanging_on_them():
-    """A slow stretch slowed plain rounds more than the chain (1.53x against 1.3x): after it,
-    the chain's drift brings plain rounds' time only part of the way back, and the chain, 7%
-    slower than plain rounds, looked faster. Expected within RETIME_MARGIN of them once its own
-    rounds count, it hands over to plain rounds, timed again, which keep the call."""
+def chain_after_a_slow_stretch(plain_ms: float, tokens: float, rounds: int) -> tuple:
+    """(controller, trees run) of a call after a slow stretch left plain rounds at 1.78 ms and
+    the chain at 1.65 (now 1.27): the chain makes ``tokens`` a round, plain rounds take
+    ``plain_ms``."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
     chain = TreeSpec.chain(5)
-    c = timed_plain(Controller(), 1.16)
+    c = timed_plain(Controller(), plain_ms)
     times, timed_at, called = c.records("t1")
     c.calls, c.rounds = 3, 300
     for name, ms in (("plain", 1.78), ("chain:5", 1.65)):
         times[name], timed_at[name], called[name] = [ms] * controller.TIME_WINDOW, c.rounds, c.calls
     assert c.begin({chain: (1.6, 1.82), None: (1.0, 1.55)}, "t1") == chain
     ran = [chain]
-    for _ in range(40):
-        ran.append(c.observe(1.04 if ran[-1] is not None else 1.0, (1.27 if ran[-1] is not None else 1.16) / 1e3))
+    for _ in range(rounds):
+        ran.append(c.observe(tokens if ran[-1] is not None else 1.0, (1.27 if ran[-1] is not None else plain_ms) / 1e3))
+    return c, ran
+
+
+def test_plain_rounds_are_timed_again_where_a_drift_leaves_the_choice_hanging_on_them():
+    """A slow stretch slowed plain rounds more than the chain (1.53x against 1.3x): after it,
+    the chain's drift brings plain rounds' time only part of the way back, and the chain, 7%
+    slower than plain rounds, looked faster. Expected within RETIME_MARGIN of them once its own
+    rounds count, it hands over to plain rounds, timed again, which keep the call."""
+    c, ran = chain_after_a_slow_stretch(1.16, 1.04, 40)
     assert c.round_ms("plain") == pytest.approx(1.16) and set(ran[-20:]) == {None}
 
 
@@ -820,19 +828,9 @@ def test_plain_rounds_are_timed_again_once_a_call():
     found slower than the chain (3 rounds), they leave it to the chain for the rest of the call
     (timed again at every close round, they would cost the call a plain round in three)."""
     from longspec.decoding import controller
-    from longspec.decoding.controller import Controller
 
-    chain = TreeSpec.chain(5)
-    c = timed_plain(Controller(), 1.3)
-    times, timed_at, called = c.records("t1")
-    c.calls, c.rounds = 3, 300
-    for name, ms in (("plain", 1.78), ("chain:5", 1.65)):
-        times[name], timed_at[name], called[name] = [ms] * controller.TIME_WINDOW, c.rounds, c.calls
-    assert c.begin({chain: (1.6, 1.82), None: (1.0, 1.55)}, "t1") == chain
-    ran = [chain]
-    for _ in range(60):
-        ran.append(c.observe(1.1 if ran[-1] is not None else 1.0, (1.27 if ran[-1] is not None else 1.3) / 1e3))
-    assert ran.count(None) == controller.SETTLED_ROUNDS and set(ran[-20:]) == {chain}
+    c, ran = chain_after_a_slow_stretch(1.3, 1.1, 60)
+    assert ran.count(None) == controller.SETTLED_ROUNDS and set(ran[-20:]) == {TreeSpec.chain(5)}
     assert c.round_ms("plain") == pytest.approx(1.3)
 
 
