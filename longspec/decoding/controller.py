@@ -136,8 +136,9 @@ class Controller:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
-        self.times, self.timed_at, self.called = self.records(round_kind(sampling))
-        self.drift, self.calls = self.drifts.setdefault(round_kind(sampling), Drift()), self.calls + 1
+        kind = round_kind(sampling)
+        self.times, self.timed_at, self.called = self.records(kind)
+        self.drift, self.calls = self.drifts.setdefault(kind, Drift()), self.calls + 1
         for tree, (tokens, ms) in predicted.items():
             c = Candidate(tree, ms, 1.0, predicted=1.0 if tree is None else tokens, predicted_ms=ms)
             self._prior(c, c.predicted)
@@ -258,9 +259,8 @@ class Controller:
 
     def end(self) -> None:
         """Folds this call's measured tokens per round, against the predictions, into the
-        correction of later calls at the same sampling settings; a drift followed on the call's
-        first rounds is corrected to what its candidate's rounds in the whole call say (a
-        transient in those rounds alone is undone)."""
+        correction of later calls at the same sampling settings; a drift followed in the call is
+        confirmed or undone on its later rounds (:meth:`Drift.end`)."""
         self.drift.end(self.times, self._in_call(), TIME_WINDOW)
         for name, c in self.candidates.items():
             tokens, rounds = c.tokens + c.earlier[0], c.rounds + c.earlier[1]
@@ -328,9 +328,10 @@ class Controller:
             share = None if c.rounds or c.tree is None or c.retried else shares[kind_of(label(c.tree))]
             if share is not None:
                 c.prior = 1.0 + (c.base - 1.0) * share
-            most = max((tokens for depth, tokens in made if c.tree is not None and depth >= c.tree.depth), default=None)
-            if most is not None and not c.rounds and not c.retried and c.tree.kind == "chain":
-                c.prior, c.hoped = min(c.prior, most), min(c.hoped, most)
+            if c.tree is not None and c.tree.kind == "chain" and not c.rounds and not c.retried:
+                most = max((tokens for depth, tokens in made if depth >= c.tree.depth), default=None)
+                if most is not None:
+                    c.prior, c.hoped = min(c.prior, most), min(c.hoped, most)
 
     @staticmethod
     def _share(ran: list) -> Optional[float]:
