@@ -480,11 +480,14 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
         ran.append((engine._in_flight[0][0].tree, len(next(s for s in engine.rows if s is not None).tokens)))
         return finish(engine, streamer)
 
-    with pytest.MonkeyPatch.context() as patch:  # (a switch that takes no row in waits for no round)
-        patch.setattr(Engine, "use_tree", lambda engine, tree: (in_flight.append(engine.in_flight), real(engine, tree)))
+    with pytest.MonkeyPatch.context() as patch:  # (a switch waits for no round, but a tree's that adds to the text it takes in)
+        patch.setattr(Engine, "use_tree", lambda engine, tree: (
+            in_flight.append((engine.tree_of(engine.buckets[0]), tree, engine.in_flight)), real(engine, tree)))
         patch.setattr(Engine, "finish", finished)
         out = gen.generate([prompt], config)
-    assert out.sequences[0] == plain and any(in_flight) == ahead
+    assert out.sequences[0] == plain and any(n for *_, n in in_flight) == ahead
+    # from plain rounds to a tree: taken in behind the plain round in flight
+    assert any(n for before, tree, n in in_flight if before is None and tree is not None) == ahead
     # each switch is given at the tokens generated before its tree's first round
     assert [(at, None if tree is None else str(tree)) for (tree, at), (before, _) in zip(ran[1:], ran)
             if tree != before] == out.stats["trees"][1:]
@@ -518,16 +521,26 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     from longspec.engine.engine import Sequence
 
     engine, tree = gen._engine, TreeSpec.chain(3) if family == "pld" else TreeSpec.parse("2,2")
-    with torch.inference_mode():  # a tree that takes the rows in waits for the rounds in flight
-        engine.add([Sequence(prompt, 8)])
+    with torch.inference_mode():  # a tree that takes the rows in waits for rounds in flight but one plain round
+        seq = Sequence(prompt, 8)
+        engine.add([seq])
         engine.use_tree(None)
         engine.launch()
+        engine.launch(ahead=True)
+        assert engine.waits_for_rounds(tree)
         with pytest.raises(RuntimeError, match="takes the rows in"):
             engine.use_tree(tree)
         engine.finish()
         engine.use_tree(tree)
+        engine.launch(ahead=True)
+        engine.use_tree(None)
+        assert not engine.waits_for_rounds(None)
+        assert engine.waits_for_rounds(tree)  # (behind a tree's round)
+        while engine.in_flight:
+            engine.finish()
         while engine.has_active:
             engine.step()
+    assert seq.tokens == plain[:8]
 
 
 def test_switching_needs_a_proposer(tiny):
@@ -1435,7 +1448,8 @@ def test_auto_on_a_cpu_offsets_its_predictions(tiny):
 def test_a_tree_that_gave_way_returns_only_on_a_prediction_above_the_one_it_ran_with():
     """A tree's prediction is mostly the draft's acceptance, the same as when its rounds failed
     (at temperature 1 on an answer the draft does not predict): the same expectation again does
-    not bring it back (it would repeat the failed rounds and two switches); a higher one does."""
+    not bring it back (it would repeat the failed rounds and two switches); a higher one expects
+    what its rounds made plus the rise (the lookup's part of it), and comes back where that pays."""
     from longspec.decoding import controller
     from longspec.decoding.controller import Controller
 
@@ -1449,5 +1463,9 @@ def test_a_tree_that_gave_way_returns_only_on_a_prediction_above_the_one_it_ran_
     assert set(ran[-controller.RETRY_AFTER:]) == {None}
     c.repredict({tree: 2.0})  # (what it ran with)
     assert c.observe(1.0, 1e-3) is None and not c.candidates["4,4,1"].retried
+    # a little higher: what its rounds made (1.0) and the rise (0.3 tokens) are slower than plain rounds
+    c.repredict({tree: 2.3})
+    assert c.observe(1.0, 1e-3) is None and not c.candidates["4,4,1"].retried
     c.repredict({tree: 4.0})
     assert c.observe(1.0, 1e-3) == tree and c.candidates["4,4,1"].retried
+    assert c.candidates["4,4,1"].prior == pytest.approx(3.0)  # (1.0 made, 2.0 more predicted)

@@ -402,16 +402,17 @@ def test_collector_paused_collects_first_and_pauses():
 
 def test_a_launched_round_is_finished_before_anything_else(targets):
     """Engine.launch starts a round and returns, Engine.finish takes its tokens: a second launch,
-    a switch to a tree that takes the rows in (the proposer reads their text) or a finish with
-    nothing running is refused (a switch to plain rounds is not: the next rounds run them);
-    launch + finish is a step."""
+    a switch to a tree that takes the rows in (the proposer reads their text) behind more than one
+    plain round or a finish with nothing running is refused (a switch to plain rounds is not: the
+    next rounds run them; nor one that takes the rows in behind one plain round: their text is
+    the host's, their next token on the device); launch + finish is a step."""
     from longspec.engine.engine import Engine, Sequence
 
     target = targets["qwen3"]
     prompt = prompts_for(1, seed=25)[0]
-    alone = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=6, ignore_eos=True)).sequences[0]
+    alone = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True)).sequences[0]
     engine = Engine(target, PromptLookup(), TreeSpec.chain(3), max_len=96)
-    seq = Sequence(prompt, 6)
+    seq = Sequence(prompt, 16)
     engine.add([seq])
     with pytest.raises(RuntimeError, match="no round is running"):
         engine.finish()
@@ -421,10 +422,12 @@ def test_a_launched_round_is_finished_before_anything_else(targets):
     engine.use_tree(None)
     engine.finish()
     engine.launch()
+    engine.launch(ahead=True)
     with pytest.raises(RuntimeError, match="takes the rows in"):
         engine.use_tree(TreeSpec.chain(3))
     engine.finish()
     engine.use_tree(TreeSpec.chain(3))
+    engine.finish()
     while engine.has_active:
         engine.launch()
         engine.finish()

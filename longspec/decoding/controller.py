@@ -180,10 +180,11 @@ class Controller:
         """New predictions of tokens per round ({tree: tokens}; e.g. from the lookup's hit rate on
         the text generated so far) for candidates that have not run in this call, and once a call
         for one that gave way (:data:`RETRY_AFTER` rounds ago at least) where the new prediction's
-        extra tokens exceed what its rounds made by CLEAR_MARGIN and it would take over, and for a
-        tree only on a prediction above the one it ran with (a tree's prediction is mostly the
-        draft's acceptance, the same as when it failed, e.g. at temperature 1 on an answer the
-        draft does not predict; a chain's reads the repeats of the text since): the text
+        extra tokens exceed what its rounds made by CLEAR_MARGIN and it would take over; a tree
+        expects what its rounds made plus the rise of its prediction over the one it ran with (a
+        tree's prediction is mostly the draft's acceptance, the same as when it failed, e.g. at
+        temperature 1 on an answer the draft does not predict; what rose is the lookup's part; a
+        chain's prediction is the lookup's, from the repeats of the text since): the text
         generated since repeats more than when it ran (a chat answer begins in prose and quotes
         the code later), and its rounds then say less of the next ones than the text does. A
         correction below 1 applies to them too (sampling's lower acceptance, a draft's optimism),
@@ -197,10 +198,14 @@ class Controller:
                 self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
-                if (tree.kind == "chain" or base > c.base) and \
-                        base - 1.0 > CLEAR_MARGIN * max(c.tokens / c.rounds - 1.0, 0.0) and \
+                made, tree_made = c.tokens / c.rounds, tree.kind != "chain"
+                if tree_made:  # (its rounds measured the draft on this text: only the rise is new)
+                    base = min(base, made + base - c.base)
+                if base - 1.0 > CLEAR_MARGIN * max(made - 1.0, 0.0) and \
                         base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
                     self._prior(c, value, most=1.0)
+                    if tree_made:
+                        c.base = c.prior = c.hoped = base
                     c.retried, c.earlier = True, (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
                     c.tokens, c.rounds = 0.0, 0
         self._temper()

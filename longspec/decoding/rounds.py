@@ -30,8 +30,9 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
     rounds back to back, and the host's work on a round (its tokens, the controller's
     weighing, a re-prediction) costs no time while it is shorter than a round; a choice of
     tree takes effect a round later, after the round in flight, and, unless the proposer takes
-    the rows in for it (it reads their text), is made while that round runs: the device does not
-    wait for the switch either (``launch_ahead``: whether rounds are launched ahead; None: on a
+    the rows in for it behind a tree's round (it reads their text, to which that round adds
+    tokens the host does not know yet: :meth:`Engine.waits_for_rounds`), is made while that
+    round runs: the device does not wait for the switch either (``launch_ahead``: whether rounds are launched ahead; None: on a
     GPU). ``trees`` gets (tokens generated when it took over, its text) for each switch. Returns
     the number of rounds and the seconds they took (not the loop's other work: switches, and on
     a CPU the controller's)."""
@@ -71,7 +72,7 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
                 launched.append((tree, start))
             finish()
             if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):
-                while launched and engine.takes_rows_in(chosen):
+                while launched and engine.waits_for_rounds(chosen):
                     finish()  # (the round in flight: finished, and weighed, first)
                 if engine.has_active and chosen != engine.tree_of(engine.bucket()):
                     engine.use_tree(chosen)

@@ -26,8 +26,8 @@ class TreeSwitching:
         after the row's prefill."""
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
-        if self._in_flight and self.takes_rows_in(tree):
-            raise RuntimeError("use_tree to a tree that takes the rows in: a round is running")
+        if self.waits_for_rounds(tree):
+            raise RuntimeError("use_tree to a tree that takes the rows in: a round other than one plain round is running")
         if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
             raise ValueError("a row holds room for plain rounds only: no tree while it is active")
         if tree is not None and tree != self.tree and tree not in self.fitting:
@@ -36,8 +36,10 @@ class TreeSwitching:
             self.proposer.with_tree(tree)
             self.fitting.add(tree)
         if self.takes_rows_in(tree):
-            for s in self.rows:
-                if s is not None:
+            for s in self.rows:  # (a plain round in flight: the text up to its root, then the token it makes)
+                if s is not None and self._in_flight:
+                    self.take_in(s.row, s.text(len(s.tokens)), self.root[s.row], tree)
+                elif s is not None:
                     self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
             self.behind = False
         for b in self.buckets:
@@ -58,10 +60,20 @@ class TreeSwitching:
 
     def takes_rows_in(self, tree: Optional[TreeSpec]) -> bool:
         """Whether :meth:`use_tree` to ``tree`` has the proposer take every active row in (it reads
-        their text: no round may be running then). Any other switch may come while rounds run
-        (launched ahead): the rounds launched after it run the new tree, in the device's order,
-        and those in flight finish with what they ran."""
+        their text). Any other switch may come while rounds run (launched ahead): the rounds
+        launched after it run the new tree, in the device's order, and those in flight finish
+        with what they ran."""
         return tree is not None and self.behind and tree != self.tree_of(self.buckets[0])
+
+    def waits_for_rounds(self, tree: Optional[TreeSpec]) -> bool:
+        """Whether :meth:`use_tree` to ``tree`` must wait until the rounds in flight are finished:
+        it takes the rows in, and they are not one plain round. Behind one plain round the rows'
+        text is the host's and their next token the round's own on the device: the proposer takes
+        them in behind it, in the device's order, and the device does not wait for the switch
+        (the draft's window is rebuilt while the round runs; tokens of a tree's round in flight
+        are not known until it ends)."""
+        return self.takes_rows_in(tree) and bool(self._in_flight) and not (
+            len(self._in_flight) == 1 and self._in_flight[0][0].tree is None)
 
     def take_in(self, row: int, text, last, tree: Optional[TreeSpec]) -> None:
         """The proposer takes row ``row`` in (its ``text`` up to its ``last`` token, whose K/V

@@ -14,4 +14,7 @@ def token_tensor(tokens: Seq[int], device) -> torch.Tensor:
     ``device`` already is returned as it is (no copy, no wait)."""
     if torch.is_tensor(tokens):
         return tokens.to(device=device, dtype=torch.long).reshape(-1)
-    return torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1)).to(device)
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1))
+    if torch.device(device).type == "cuda":  # (from pinned memory: queued behind the device's work, no wait for it)
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
