@@ -327,7 +327,7 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
     (the hybrid's, its lookup's chain, plain rounds), so later calls, whichever they start with
     (each candidate in turn predicted fastest), capture nothing, and each gives plain decoding's
     tokens."""
-    from longspec.decoding import auto
+    from longspec.decoding import auto, generator
 
     _, path = model
     target = cuda_target(path, torch.bfloat16)
@@ -341,7 +341,7 @@ def test_auto_captures_every_choice_on_its_first_call(model, monkeypatch):
         predicted = {t: (1.0, 1.0) for t in [*trees, None]} | {first: (10.0, 1.0)}
         return auto.Plan("hybrid", trees[0], first, draft, "scripted", predicted)
 
-    monkeypatch.setattr(auto, "resolve", resolve)
+    monkeypatch.setattr(generator, "resolve", resolve)
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     rng = torch.Generator().manual_seed(3)
@@ -366,7 +366,7 @@ def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
     and later calls go plain too (at once, or after a few rounds of the tree while its measured
     rounds still look faster); float32 greedy tokens equal plain decoding's,
     and a greedy call after the first captures nothing."""
-    from longspec.decoding import auto
+    from longspec.decoding import auto, generator
 
     _, path = model
     target = cuda_target(path, torch.float32)
@@ -374,7 +374,7 @@ def test_auto_goes_plain_mid_call_on_cuda(model, monkeypatch):
     draft.config.acceptance = [[0.3, 0.4, 0.45, 0.5, 0.6, 0.7]] * 6
     tree = auto.candidate_trees(draft)[0]
     predicted = {tree: (3.0, 0.5), None: (1.0, 0.3)}
-    monkeypatch.setattr(auto, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, tree, draft, "scripted", predicted))
+    monkeypatch.setattr(generator, "resolve", lambda *a, **k: auto.Plan("hybrid", tree, tree, draft, "scripted", predicted))
     gen, plain = Generator(target, "auto", draft=draft), Generator(target)
     rng = torch.Generator().manual_seed(6)
     for i, temperature in enumerate((0.0, 1.0, 0.0)):
