@@ -1469,3 +1469,5 @@ def test_a_tree_that_gave_way_returns_only_on_a_prediction_above_the_one_it_ran_
     c.repredict({tree: 4.0})
     assert c.observe(1.0, 1e-3) == tree and c.candidates["4,4,1"].retried
     assert c.candidates["4,4,1"].prior == pytest.approx(3.0)  # (1.0 made, 2.0 more predicted)
+    c.repredict({tree: 4.0})  # (again before it runs: what it made still counts)
+    assert c.candidates["4,4,1"].prior == pytest.approx(3.0)

@@ -195,7 +195,8 @@ class Controller:
             if c is None or tree is None:
                 continue
             if c.rounds == 0:
-                self._prior(c, value, most=1.0)
+                if not c.retried or tree.kind == "chain":  # (a retried tree keeps what it made plus the rise)
+                    self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
                 made, tree_made = c.tokens / c.rounds, tree.kind != "chain"

@@ -84,7 +84,7 @@ class Admission:
         n, rows = len(seqs), range(row0, row0 + len(seqs))
         try:
             self.blocks.allocate(row0, seqs, hits)
-            # (uploaded before the prefill is launched: a copy from host memory waits for the device)
+            # (uploaded before the prefill is launched, queued ahead of it)
             texts = [token_tensor(s.text(0), self.target.device) for s in seqs] if self.proposer is not None else []
             logits = self._prefill_rows(seqs, row0)
             self.uniforms.buffer = None  # fresh draws: a captured round's static numbers are its own

@@ -36,8 +36,9 @@ class TreeSwitching:
             self.proposer.with_tree(tree)
             self.fitting.add(tree)
         if self.takes_rows_in(tree):
-            for s in self.rows:  # (a plain round in flight: the text up to its root, then the token it makes)
-                if s is not None and self._in_flight:
+            behind = self._in_flight[0][2] if self._in_flight else ()  # (the plain round in flight's rows)
+            for s in self.rows:  # (behind it: the text up to its root, then the token it makes)
+                if s is not None and any(s is r for r in behind):
                     self.take_in(s.row, s.text(len(s.tokens)), self.root[s.row], tree)
                 elif s is not None:
                     self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
