@@ -194,18 +194,19 @@ class Controller:
             c = self.candidates.get(label(tree))
             if c is None or tree is None:
                 continue
+            is_tree = tree.kind != "chain"
             if c.rounds == 0:
-                if not c.retried or tree.kind == "chain":  # (a retried tree keeps what it made plus the rise)
+                if not (c.retried and is_tree):  # (a retried tree keeps what it made plus the rise)
                     self._prior(c, value, most=1.0)
             elif c is not self.current and not c.retried and self.rounds - self.timed_at.get(label(tree), 0) >= RETRY_AFTER:
                 base, _ = self._expect(c, value, most=1.0)
-                made, tree_made = c.tokens / c.rounds, tree.kind != "chain"
-                if tree_made:  # (its rounds measured the draft on this text: only the rise is new)
+                made = c.tokens / c.rounds
+                if is_tree:  # (its rounds measured the draft on this text: only the rise is new)
                     base = min(base, made + base - c.base)
                 if base - 1.0 > CLEAR_MARGIN * max(made - 1.0, 0.0) and \
                         base / max(c.ms, 1e-6) > SWITCH_MARGIN * self.current.rate:
                     self._prior(c, value, most=1.0)
-                    if tree_made:
+                    if is_tree:
                         c.base = c.prior = c.hoped = base
                     c.retried, c.earlier = True, (c.earlier[0] + c.tokens, c.earlier[1] + c.rounds)
                     c.tokens, c.rounds = 0.0, 0

@@ -32,10 +32,10 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
     tree takes effect a round later, after the round in flight, and, unless the proposer takes
     the rows in for it behind a tree's round (it reads their text, to which that round adds
     tokens the host does not know yet: :meth:`Engine.waits_for_rounds`), is made while that
-    round runs: the device does not wait for the switch either (``launch_ahead``: whether rounds are launched ahead; None: on a
-    GPU). ``trees`` gets (tokens generated when it took over, its text) for each switch. Returns
-    the number of rounds and the seconds they took (not the loop's other work: switches, and on
-    a CPU the controller's)."""
+    round runs: the device does not wait for the switch either (``launch_ahead``: whether
+    rounds are launched ahead; None: on a GPU). ``trees`` gets (tokens generated when it took
+    over, its text) for each switch. Returns the number of rounds and the seconds they took (not
+    the loop's other work: switches, and on a CPU the controller's)."""
     rounds, stepping, seq = 0, 0.0, seqs[0]
     on_cpu = engine.target.device.type == "cpu"
     check, chosen = 8 if on_cpu else 16, _KEEP

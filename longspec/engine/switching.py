@@ -27,7 +27,8 @@ class TreeSwitching:
         if self.proposer is None:
             raise ValueError("use_tree needs an engine with a proposer")
         if self.waits_for_rounds(tree):
-            raise RuntimeError("use_tree to a tree that takes the rows in: a round other than one plain round is running")
+            raise RuntimeError("use_tree to a tree that takes the rows in: a round other than one plain round "
+                               "is running")
         if tree is not None and any(s is not None and s.plain_rounds for s in self.rows):
             raise ValueError("a row holds room for plain rounds only: no tree while it is active")
         if tree is not None and tree != self.tree and tree not in self.fitting:
@@ -36,11 +37,11 @@ class TreeSwitching:
             self.proposer.with_tree(tree)
             self.fitting.add(tree)
         if self.takes_rows_in(tree):
-            behind = self._in_flight[0][2] if self._in_flight else ()  # (the plain round in flight's rows)
-            for s in self.rows:  # (behind it: the text up to its root, then the token it makes)
-                if s is not None and any(s is r for r in behind):
+            behind = {id(r) for r in self._in_flight[0][2]} if self._in_flight else set()  # (a plain round's rows)
+            for s in filter(None, self.rows):
+                if id(s) in behind:  # (behind that round: the text up to its root, then the token it makes)
                     self.take_in(s.row, s.text(len(s.tokens)), self.root[s.row], tree)
-                elif s is not None:
+                else:
                     self.take_in(s.row, s.text(len(s.tokens) - 1), s.tokens[-1], tree)
             self.behind = False
         for b in self.buckets:
