@@ -61,6 +61,9 @@ RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new predictio
 # a candidate whose correction is uncertain (corrections.PROBE_CALLS) may be probed where its round costs at
 # most this many plain rounds (a GPU's small trees at temperature 1)
 PROBE_COST = 1.5
+# on a GPU a kind of candidate (the draft's trees, the lookup's chains) with no round timed at a kind of round runs
+# a few rounds once a process where expected within this share of the fastest (its time only predicted)
+TIME_PROBE_SHARE = 0.9
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -90,6 +93,8 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
+        self.time_probed: set = set()  # (kind of round, kind of candidate) probed for its time
+        self.kind = None  # the call's kind of round
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
         self.sampling = None
@@ -136,7 +141,7 @@ class Controller:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
-        kind = round_kind(sampling)
+        self.kind = kind = round_kind(sampling)
         self.times, self.timed_at, self.called = self.records(kind)
         self.drift, self.calls = self.drifts.setdefault(kind, Drift()), self.calls + 1
         for tree, (tokens, ms) in predicted.items():
@@ -286,9 +291,15 @@ class Controller:
         the lookup's chains: the cost model scales alike within a kind, not across; none of its
         kind: those of any kind); candidates measured in fewer than
         :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not keep a
-        candidate out for good: nothing would measure it again)."""
+        candidate out for good: nothing would measure it again). Plain rounds cost no more than
+        the cheapest settled speculative round: theirs is the same step verifying one token,
+        without a draft (a process's first plain rounds, the device still idling after the
+        captures, measured 1.94 ms where they take 1.19, the chain's 1.29: the chain then ran
+        every later call, 0.95x plain decoding where it missed, and plain rounds never again)."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         settled = [name for name in self.candidates if self._settled(name)]
+        if measured.get("plain") is not None:  # (a plain round does less than any other round)
+            measured["plain"] = min([measured["plain"]] + [measured[n] for n in settled if n != "plain"])
         gaps = {kind: self._gap([n for n in settled if kind_of(n) == kind] or settled, measured)
                 for kind in set(map(kind_of, self.candidates))}
         for name, c in self.candidates.items():
@@ -363,7 +374,31 @@ class Controller:
                   if not (c.rounds or c.retried or c.tree is None or self.learned.certain(name, self.sampling))
                   and (ms := self._known_ms(name)) is not None and ms <= PROBE_COST * plain.ms
                   and c.hoped / c.ms >= CLEAR_MARGIN * best.rate]
-        return max(probes, key=lambda c: c.hoped / c.ms, default=None)
+        return max(probes, key=lambda c: c.hoped / c.ms, default=None) or self._time_probe(best)
+
+    def _time_probe(self, best: Candidate) -> Optional[Candidate]:
+        """On a GPU, a candidate to run a few rounds for its time, or None: once a process per
+        kind of round, of a kind (the draft's trees, the lookup's chains) none of which has a
+        settled time at it, untried in the call, expected within TIME_PROBE_SHARE of ``best``
+        and faster than plain rounds by RETREAT_MARGIN, once the running candidate ran
+        SETTLED_ROUNDS rounds of the call; of several, the one expected fastest. Its time is the cost model's scaled by other
+        kinds' measured rounds, and the cost model's uncompiled steps scale unlike the engine's
+        graphs across kinds: on an H200 at temperature 1 the trees, scaled by plain rounds' and
+        the chain's rounds (0.78 of their predictions), were expected at 1.99 ms and 0.80
+        tokens a ms, below the chain, and never ran in a process where they made 1.1 tokens a
+        ms, at 1.5 ms. A CPU's cost model times the engine's own steps (``offset``)."""
+        plain = self.candidates["plain"]
+        if self.offset or self.current.rounds < SETTLED_ROUNDS:  # (the call's first rounds temper the others)
+            return None
+        timed = {kind_of(name) for name in self.candidates if self._settled(name)}
+        probes = [c for name, c in self.candidates.items()
+                  if c.tree is not None and not (c.rounds or c.retried) and kind_of(name) not in timed
+                  and (self.kind, kind_of(name)) not in self.time_probed
+                  and c.rate >= max(TIME_PROBE_SHARE * best.rate, RETREAT_MARGIN * plain.rate)]
+        probe = max(probes, key=lambda c: c.rate, default=None)
+        if probe is not None:
+            self.time_probed.add((self.kind, kind_of(label(probe.tree))))
+        return probe
 
     def _known_ms(self, name: str) -> Optional[float]:
         """Candidate ``name``'s round time where a measurement at this kind of round vouches for
