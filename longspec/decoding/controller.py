@@ -61,9 +61,10 @@ RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new predictio
 # a candidate whose correction is uncertain (corrections.PROBE_CALLS) may be probed where its round costs at
 # most this many plain rounds (a GPU's small trees at temperature 1)
 PROBE_COST = 1.5
-# on a GPU a kind of candidate (the draft's trees, the lookup's chains) with no round timed at a kind of round runs
-# a few rounds once a process where expected within this share of the fastest (its time only predicted)
-TIME_PROBE_SHARE = 0.9
+# on a GPU the draft's trees, none timed at a kind of round, run a few rounds once a process where they would be
+# the fastest at this share of their time as scaled by other kinds' rounds (the cost model's proposals are uncompiled:
+# on an H100 and an H200 trees ran at 0.63-0.64 of their predicted time, plain rounds 0.76-0.78, the chain 0.73)
+UNTIMED_TREE_SHARE = 0.8
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -93,7 +94,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
-        self.time_probed: set = set()  # (kind of round, kind of candidate) probed for its time
+        self.time_probed: set = set()  # (kind of round, "tree"): the trees were probed for their time
         self.kind = None  # the call's kind of round
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
@@ -377,27 +378,24 @@ class Controller:
         return max(probes, key=lambda c: c.hoped / c.ms, default=None) or self._time_probe(best)
 
     def _time_probe(self, best: Candidate) -> Optional[Candidate]:
-        """On a GPU, a candidate to run a few rounds for its time, or None: once a process per
-        kind of round, of a kind (the draft's trees, the lookup's chains) none of which has a
-        settled time at it, untried in the call, expected within TIME_PROBE_SHARE of ``best``
-        and faster than plain rounds by RETREAT_MARGIN, once the running candidate ran
-        SETTLED_ROUNDS rounds of the call; of several, the one expected fastest. Its time is the cost model's scaled by other
-        kinds' measured rounds, and the cost model's uncompiled steps scale unlike the engine's
-        graphs across kinds: on an H200 at temperature 1 the trees, scaled by plain rounds' and
-        the chain's rounds (0.78 of their predictions), were expected at 1.99 ms and 0.80
-        tokens a ms, below the chain, and never ran in a process where they made 1.1 tokens a
-        ms, at 1.5 ms. A CPU's cost model times the engine's own steps (``offset``)."""
-        plain = self.candidates["plain"]
-        if self.offset or self.current.rounds < SETTLED_ROUNDS:  # (the call's first rounds temper the others)
+        """On a GPU, one of the draft's trees to run a few rounds for its time, or None: once a
+        process per kind of round, where no tree has a settled time at it, untried in the call,
+        once the running candidate ran SETTLED_ROUNDS rounds of it (they temper the others), where
+        at UNTIMED_TREE_SHARE of its time it would beat ``best`` (the fastest expected) by
+        RETREAT_MARGIN; of several, the one expected fastest. Its time is the cost model's scaled
+        by other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 on an
+        H100 trees expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain rounds 0.87) never ran
+        in a process's first nine calls, where they ran at 1.5 ms and made 1.1-1.3x plain
+        rounds' speed in the next nine (a call 0.89x plain decoding, its tree only from token
+        65). A CPU's cost model times the engine's own steps (``offset``)."""
+        if self.offset or self.current.rounds < SETTLED_ROUNDS or (self.kind, "tree") in self.time_probed or any(
+                kind_of(name) == "tree" and self._settled(name) for name in self.candidates):
             return None
-        timed = {kind_of(name) for name in self.candidates if self._settled(name)}
-        probes = [c for name, c in self.candidates.items()
-                  if c.tree is not None and not (c.rounds or c.retried) and kind_of(name) not in timed
-                  and (self.kind, kind_of(name)) not in self.time_probed
-                  and c.rate >= max(TIME_PROBE_SHARE * best.rate, RETREAT_MARGIN * plain.rate)]
+        probes = [c for name, c in self.candidates.items() if kind_of(name) == "tree" and not (c.rounds or c.retried)
+                  and c.rate >= UNTIMED_TREE_SHARE * RETREAT_MARGIN * best.rate]
         probe = max(probes, key=lambda c: c.rate, default=None)
         if probe is not None:
-            self.time_probed.add((self.kind, kind_of(label(probe.tree))))
+            self.time_probed.add((self.kind, "tree"))
         return probe
 
     def _known_ms(self, name: str) -> Optional[float]:
