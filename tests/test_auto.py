@@ -141,6 +141,28 @@ def test_one_chain_by_the_step_costs(tiny, tmp_path):
         assert all(f"hybrid chain:{n}: " in plan.note for n in auto.LOOKUP_CHAINS)
 
 
+def test_a_chain_the_prompts_own_hits_rate_best_gives_way_to_the_one_kept(tiny, tmp_path, monkeypatch):
+    """The cost model may rate a chain best at the prompt's own hit rates (a prompt that repeats
+    three tokens at a time) while the chain kept for the controller is rated where a chain pays
+    (PAYING_HITS): the plan starts with the kept one, not with a chain it no longer has (a
+    KeyError on a CPU's own step costs)."""
+    target, draft = tiny
+    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    costs = tmp_path / "costs.json"
+    labels = [f"hybrid chain:{n}" for n in auto.LOOKUP_CHAINS] + [f"hybrid {t}" for t in auto.AUTO_TREES]
+    sizes = {str(TreeSpec.parse(label.split()[1]).num_nodes) for label in labels} | {"1"}
+    draft_ms = {label: 0.01 if "chain" in label else 100.0 for label in labels}  # (the trees out of the race)
+    fake_costs(target, costs, 40, {m: 1.0 + 0.05 * int(m) for m in sizes}, draft_ms)
+    hits = (0.95, 0.95, 0.95) + (0.05,) * 7
+    monkeypatch.setattr(auto, "_lookup_of", lambda recent: (None, hits))
+    candidates = auto._candidates(list(range(40)), draft, hits)
+    label, _, table = step_costs.choose(target, candidates, 40, str(costs))
+    kept = auto._one_chain(candidates, table, hits)
+    assert label == "hybrid chain:3" and label not in kept  # (the case: rated best, not kept)
+    plan = resolve(target, list(range(40)), draft, costs_file=str(costs))
+    assert plan.start in plan.predicted and plan.start.kind == "chain" and plan.start != TreeSpec.chain(3)
+
+
 def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, monkeypatch):
     """On CUDA with a draft, auto weighs the hybrid's tree and its lookup's chain (run by the same
     hybrid proposer, so one engine serves both), the chain rated on the lookup's hits alone; the

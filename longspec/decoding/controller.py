@@ -62,8 +62,8 @@ RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new predictio
 # most this many plain rounds (a GPU's small trees at temperature 1)
 PROBE_COST = 1.5
 # on a GPU the draft's trees, none timed at a kind of round, run a few rounds once a process where they would be
-# the fastest at this share of their time as scaled by other kinds' rounds (the cost model's proposals are uncompiled:
-# on an H100 and an H200 trees ran at 0.63-0.64 of their predicted time, plain rounds 0.76-0.78, the chain 0.73)
+# the fastest at this share of their time as scaled by other kinds' rounds (the cost model drafts uncompiled:
+# trees ran at 0.63-0.64 of their predicted time, plain rounds at 0.76-0.78, the chain at 0.73)
 UNTIMED_TREE_SHARE = 0.8
 
 
@@ -383,11 +383,11 @@ class Controller:
         once the running candidate ran SETTLED_ROUNDS rounds of it (they temper the others), where
         at UNTIMED_TREE_SHARE of its time it would beat ``best`` (the fastest expected) by
         RETREAT_MARGIN; of several, the one expected fastest. Its time is the cost model's scaled
-        by other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 on an
-        H100 trees expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain rounds 0.87) never ran
-        in a process's first nine calls, where they ran at 1.5 ms and made 1.1-1.3x plain
-        rounds' speed in the next nine (a call 0.89x plain decoding, its tree only from token
-        65). A CPU's cost model times the engine's own steps (``offset``)."""
+        by other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 trees
+        expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain rounds 0.87) never ran in a
+        process's first nine calls, where they ran at 1.5 ms and made 1.1-1.3x plain rounds'
+        speed in the next nine (a call 0.89x plain decoding, its tree only from token 65). A
+        CPU's cost model times the engine's own steps (``offset``)."""
         if self.offset or self.current.rounds < SETTLED_ROUNDS or (self.kind, "tree") in self.time_probed or any(
                 kind_of(name) == "tree" and self._settled(name) for name in self.candidates):
             return None
