@@ -210,7 +210,7 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     steps = costs["target_ms"]
     note = predictions(candidates, costs)
     candidates = _one_chain(candidates, costs, hits)
-    if label is not None and label not in candidates:  # (a chain the prompt's own hits rate best: the one kept)
+    if label is not None and label not in candidates:  # (a chain dropped by _one_chain: the fastest of those kept)
         label, gain = fastest({name: (tree, tokens) for name, (tree, _, tokens) in candidates.items()}, costs)
     predicted = {tree: (tokens, costs["draft_ms"][name] + steps[str(tree.num_nodes)])
                  for name, (tree, _, tokens) in candidates.items()}

@@ -38,7 +38,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   hits little on one prompt, much on the next): a candidate whose rounds were measured (or
   calibrated by those of its kind) to cost little more than plain ones (:data:`PROBE_COST`) and
   whose uncorrected prediction is clearly the fastest runs a few rounds once in such a call, and
-  its own rounds decide."""
+  its own rounds decide. On a GPU the draft's trees, none timed yet, are probed alike once a
+  process for their time (:meth:`Controller._time_probe`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -94,7 +95,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
-        self.time_probed: set = set()  # (kind of round, "tree"): the trees were probed for their time
+        self.time_probed: set = set()  # kinds of round at which the trees were probed for their time
         self.kind = None  # the call's kind of round
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
@@ -292,15 +293,18 @@ class Controller:
         the lookup's chains: the cost model scales alike within a kind, not across; none of its
         kind: those of any kind); candidates measured in fewer than
         :data:`SETTLED_ROUNDS` rounds: no slower than that (one slow round must not keep a
-        candidate out for good: nothing would measure it again). Plain rounds cost no more than
-        the cheapest settled speculative round: theirs is the same step verifying one token,
-        without a draft (a process's first plain rounds, the device still idling after the
-        captures, measured 1.94 ms where they take 1.19, the chain's 1.29: the chain then ran
-        every later call, 0.95x plain decoding where it missed, and plain rounds never again)."""
+        candidate out for good: nothing would measure it again). Plain rounds timed before a
+        settled speculative round cost no more than it: theirs is the same step verifying one
+        token, without a draft (a process's first plain rounds, the device still idling after
+        the captures, measured 1.94 ms where they take 1.19, the chain's 1.29: the chain then ran
+        every later call, 0.95x plain decoding where it missed, and plain rounds never again); a
+        later time of theirs stands."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         settled = [name for name in self.candidates if self._settled(name)]
         if measured.get("plain") is not None:  # (a plain round does less than any other round)
-            measured["plain"] = min([measured["plain"]] + [measured[n] for n in settled if n != "plain"])
+            at = self.timed_at.get("plain", 0)
+            measured["plain"] = min([measured["plain"]] + [measured[n] for n in settled
+                                                           if n != "plain" and self.timed_at.get(n, 0) > at])
         gaps = {kind: self._gap([n for n in settled if kind_of(n) == kind] or settled, measured)
                 for kind in set(map(kind_of, self.candidates))}
         for name, c in self.candidates.items():
@@ -379,23 +383,26 @@ class Controller:
 
     def _time_probe(self, best: Candidate) -> Optional[Candidate]:
         """On a GPU, one of the draft's trees to run a few rounds for its time, or None: once a
-        process per kind of round, where no tree has a settled time at it, untried in the call,
-        once the running candidate ran SETTLED_ROUNDS rounds of it (they temper the others), where
-        at UNTIMED_TREE_SHARE of its time it would beat ``best`` (the fastest expected) by
-        RETREAT_MARGIN; of several, the one expected fastest. Its time is the cost model's scaled
-        by other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 trees
+        process per kind of round, where no tree has a settled time at it, from the process's
+        second call (its first rounds measure slow: the device idles after the captures),
+        untried in the call, once the running candidate ran SETTLED_ROUNDS rounds of it (a
+        speculative one's rounds temper the others' expectations), where at UNTIMED_TREE_SHARE
+        of its time it would beat ``best`` (the fastest expected) by RETREAT_MARGIN; of several,
+        the one expected fastest. Like :meth:`_probe`'s (which calls it: plain rounds timed,
+        one probe a call) its own rounds then decide. Its time is the cost model's scaled by
+        other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 trees
         expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain rounds 0.87) never ran in a
         process's first nine calls, where they ran at 1.5 ms and made 1.1-1.3x plain rounds'
         speed in the next nine (a call 0.89x plain decoding, its tree only from token 65). A
         CPU's cost model times the engine's own steps (``offset``)."""
-        if self.offset or self.current.rounds < SETTLED_ROUNDS or (self.kind, "tree") in self.time_probed or any(
-                kind_of(name) == "tree" and self._settled(name) for name in self.candidates):
+        if self.offset or self.calls < 2 or self.current.rounds < SETTLED_ROUNDS or self.kind in self.time_probed \
+                or any(kind_of(name) == "tree" and self._settled(name) for name in self.candidates):
             return None
         probes = [c for name, c in self.candidates.items() if kind_of(name) == "tree" and not (c.rounds or c.retried)
                   and c.rate >= UNTIMED_TREE_SHARE * RETREAT_MARGIN * best.rate]
         probe = max(probes, key=lambda c: c.rate, default=None)
         if probe is not None:
-            self.time_probed.add((self.kind, "tree"))
+            self.time_probed.add(self.kind)
         return probe
 
     def _known_ms(self, name: str) -> Optional[float]:
