@@ -1527,7 +1527,7 @@ def test_plain_rounds_timed_slow_do_not_keep_a_chain_that_costs_less_running():
 def test_on_a_gpu_trees_never_timed_run_a_few_rounds_once_where_they_could_be_the_fastest():
     """On a GPU the cost model's proposals are uncompiled: trees never timed, their time scaled by
     other kinds' rounds, were expected just below plain rounds and did not run for nine calls of a
-    process where they paid 1.1-1.3x plain rounds. Where at UNTIMED_TREE_SHARE of its time a tree
+    process where they paid 1.1-1.3x plain rounds. Where at UNTIMED_SHARE of its time a tree
     would be the fastest, one runs a few rounds once a process (from its second call, after the
     running candidate's first rounds), and its own time decides: it stays where it pays, leaves
     where it does not. Not where it could not be the fastest even so, not twice (a probe cut
@@ -1566,3 +1566,36 @@ def test_on_a_gpu_trees_never_timed_run_a_few_rounds_once_where_they_could_be_th
     assert tree not in call(process(), 1.5, tokens=1.2)  # (0.66 a ms: 0.82 at 0.8 its time)
     assert tree not in call(timed_plain(Controller(), 1.19), 1.5)  # (a process's first call)
     assert set(call(process(offset=True), 1.5)) == {None}
+
+def test_on_a_cpu_a_chain_never_timed_runs_a_few_rounds_once_where_it_could_be_the_fastest():
+    """A CPU's cost model times a short prompt's chain at its first measured context (1,024
+    tokens): on a 2-core CPU continuing ``def fibonacci(n):`` the chain, expected at 2.27 tokens
+    in 120 ms against plain rounds' 58, never ran, where prompt lookup alone was 1.3x plain
+    decoding (its rounds about 85 ms). Where at UNTIMED_SHARE of its time a chain would be the
+    fastest, it runs a few rounds once a process, from the first call (every `longspec
+    generate` is a new process), and stays where it pays; the trees, 3x plain rounds there, are
+    not probed, nor chains on a GPU."""
+    from longspec.decoding import controller
+    from longspec.decoding.controller import Controller
+
+    chain, tree = TreeSpec.chain(7), TreeSpec.parse("2,2,2")
+    predicted = {chain: (2.2, 121.8), tree: (2.3, 144.8), None: (1.0, 60.6)}  # (estimates: chain 1.07x plain)
+
+    def call(c, chain_ms, predicted=predicted):
+        ran = [c.begin(predicted, "greedy")]
+        for _ in range(30):
+            tokens, ms = {chain: (2.2, chain_ms), tree: (2.3, 140.0), None: (1.0, 58.1)}[ran[-1]]
+            ran.append(c.observe(tokens, ms / 1e3))
+        c.end()
+        return ran
+
+    settled = controller.SETTLED_ROUNDS
+    ran = call(timed_plain(Controller(offset=True), 58.1), 85.0)
+    assert ran[:settled] == [None] * settled and ran[settled] == chain and set(ran[-20:]) == {chain}, ran
+    c = timed_plain(Controller(offset=True), 58.1)
+    ran = call(c, 150.0)  # (a chain that does not pay: back to plain rounds)
+    assert 0 < ran.count(chain) <= controller.DWELL and set(ran[-15:]) == {None}, ran
+    assert tree not in ran
+    gpu = timed_plain(Controller(), 58.1)
+    gpu.calls = 1
+    assert set(call(gpu, 85.0, {chain: predicted[chain], None: predicted[None]})) == {None}

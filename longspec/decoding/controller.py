@@ -38,8 +38,8 @@ tokens per second. A policy above the engine: it chooses, the engine runs what i
   hits little on one prompt, much on the next): a candidate whose rounds were measured (or
   calibrated by those of its kind) to cost little more than plain ones (:data:`PROBE_COST`) and
   whose uncorrected prediction is clearly the fastest runs a few rounds once in such a call, and
-  its own rounds decide. On a GPU the draft's trees, none timed yet, are probed alike once a
-  process for their time (:meth:`Controller._time_probe`)."""
+  its own rounds decide. A kind never timed (on a GPU the draft's trees, on a CPU the lookup's
+  chains) is probed alike once a process for its time (:meth:`Controller._time_probe`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -62,10 +62,11 @@ RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new predictio
 # a candidate whose correction is uncertain (corrections.PROBE_CALLS) may be probed where its round costs at
 # most this many plain rounds (a GPU's small trees at temperature 1)
 PROBE_COST = 1.5
-# on a GPU the draft's trees, none timed at a kind of round, run a few rounds once a process where they would be
-# the fastest at this share of their time as scaled by other kinds' rounds (the cost model drafts uncompiled:
-# trees ran at 0.63-0.64 of their predicted time, plain rounds at 0.76-0.78, the chain at 0.73)
-UNTIMED_TREE_SHARE = 0.8
+# a kind of candidate never timed at a kind of round (on a GPU the draft's trees, on a CPU the lookup's chains) runs a
+# few rounds once a process where it would be the fastest at this share of its estimated time (a GPU's cost model
+# drafts uncompiled: trees ran at 0.63-0.64 of their predicted time, plain rounds at 0.76-0.78, the chain at 0.73;
+# a CPU's times a short prompt's chain at the first measured context, 1,024 tokens: 120 ms estimated, about 85 run)
+UNTIMED_SHARE = 0.8
 
 
 _CURRENT = object()  # observe's default: the round ran the current candidate
@@ -95,7 +96,7 @@ class Controller:
         self.planned: Optional[Candidate] = None
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
-        self.time_probed: set = set()  # kinds of round at which the trees were probed for their time
+        self.time_probed: set = set()  # kinds of round at which a kind of candidate was probed for its time
         self.kind = None  # the call's kind of round
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
@@ -382,24 +383,28 @@ class Controller:
         return max(probes, key=lambda c: c.hoped / c.ms, default=None) or self._time_probe(best)
 
     def _time_probe(self, best: Candidate) -> Optional[Candidate]:
-        """On a GPU, one of the draft's trees to run a few rounds for its time, or None: once a
-        process per kind of round, where no tree has a settled time at it, from the process's
-        second call (its first rounds measure slow: the device idles after the captures),
-        untried in the call, once the running candidate ran SETTLED_ROUNDS rounds of it (a
-        speculative one's rounds temper the others' expectations), where at UNTIMED_TREE_SHARE
-        of its time it would beat ``best`` (the fastest expected) by RETREAT_MARGIN; of several,
-        the one expected fastest. Like :meth:`_probe`'s (which calls it: plain rounds timed,
-        one probe a call) its own rounds then decide. Its time is the cost model's scaled by
-        other kinds' rounds, and the cost model drafts uncompiled: at temperature 1 trees
-        expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain rounds 0.87) never ran in a
-        process's first nine calls, where they ran at 1.5 ms and made 1.1-1.3x plain rounds'
-        speed in the next nine (a call 0.89x plain decoding, its tree only from token 65). A
-        CPU's cost model times the engine's own steps (``offset``)."""
-        if self.offset or self.calls < 2 or self.current.rounds < SETTLED_ROUNDS or self.kind in self.time_probed \
-                or any(kind_of(name) == "tree" and self._settled(name) for name in self.candidates):
+        """A candidate to run a few rounds for its time, or None: on a GPU one of the draft's
+        trees, from a process's second call (its first rounds measure slow: the device idles
+        after the captures); on a CPU (``offset``) a lookup chain (its rounds cost 1.5x plain
+        ones there, the trees' 3x). Once a process per kind of round, where no candidate of that
+        kind has a settled time at it, untried in the call, once the running candidate ran
+        SETTLED_ROUNDS rounds of it (a speculative one's rounds temper the others'
+        expectations), where at UNTIMED_SHARE of its time it would beat ``best`` (the fastest
+        expected) by RETREAT_MARGIN; of several, the one expected fastest. Like :meth:`_probe`'s
+        (which calls it: plain rounds timed, one probe a call) its own rounds then decide. Its
+        time is the cost model's scaled by (on a CPU: offset by) other kinds' rounds: at
+        temperature 1 on a GPU trees expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain
+        rounds 0.87) never ran in a process's first nine calls, where they ran at 1.5 ms and
+        made 1.1-1.3x plain rounds' speed in the next nine (a call 0.89x plain decoding, its
+        tree only from token 65); on a 2-core CPU continuing ``def fibonacci(n):`` the chain,
+        expected at 2.27 tokens in 120 ms (1.09x plain rounds), never ran, where prompt lookup
+        alone was 1.3x plain decoding."""
+        kind = "chain" if self.offset else "tree"
+        if not self.offset and self.calls < 2 or self.current.rounds < SETTLED_ROUNDS or self.kind in self.time_probed \
+                or any(kind_of(name) == kind and self._settled(name) for name in self.candidates):
             return None
-        probes = [c for name, c in self.candidates.items() if kind_of(name) == "tree" and not (c.rounds or c.retried)
-                  and c.rate >= UNTIMED_TREE_SHARE * RETREAT_MARGIN * best.rate]
+        probes = [c for name, c in self.candidates.items() if kind_of(name) == kind and not (c.rounds or c.retried)
+                  and c.rate >= UNTIMED_SHARE * RETREAT_MARGIN * best.rate]
         probe = max(probes, key=lambda c: c.rate, default=None)
         if probe is not None:
             self.time_probed.add(self.kind)
