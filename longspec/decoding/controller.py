@@ -64,8 +64,8 @@ RETRY_AFTER = 8  # rounds a candidate that gave way waits before a new predictio
 PROBE_COST = 1.5
 # a kind of candidate never timed at a kind of round (on a GPU the draft's trees, on a CPU the lookup's chains) runs a
 # few rounds once a process where it would be the fastest at this share of its estimated time (a GPU's cost model
-# drafts uncompiled: trees ran at 0.63-0.64 of their predicted time, plain rounds at 0.76-0.78, the chain at 0.73;
-# a CPU's times a short prompt's chain at the first measured context, 1,024 tokens: 120 ms estimated, about 85 run)
+# drafts uncompiled, so trees run well under their scaled estimate; a CPU's times a short prompt's steps at its first
+# measured context: docs/benchmarks.md, "That code in workloads" and "Chains never timed on a CPU")
 UNTIMED_SHARE = 0.8
 
 
@@ -97,7 +97,6 @@ class Controller:
         self.dwell = 0  # rounds the current candidate has run since it took over
         self.probed = False  # a candidate was probed in this call
         self.time_probed: set = set()  # kinds of round at which a kind of candidate was probed for its time
-        self.kind = None  # the call's kind of round
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
         self.sampling = None
@@ -144,7 +143,7 @@ class Controller:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
         self.sampling, self.candidates, self.probed = sampling, {}, False
-        self.kind = kind = round_kind(sampling)
+        kind = round_kind(sampling)
         self.times, self.timed_at, self.called = self.records(kind)
         self.drift, self.calls = self.drifts.setdefault(kind, Drift()), self.calls + 1
         for tree, (tokens, ms) in predicted.items():
@@ -297,9 +296,8 @@ class Controller:
         candidate out for good: nothing would measure it again). Plain rounds timed before a
         settled speculative round cost no more than it: theirs is the same step verifying one
         token, without a draft (a process's first plain rounds, the device still idling after
-        the captures, measured 1.94 ms where they take 1.19, the chain's 1.29: the chain then ran
-        every later call, 0.95x plain decoding where it missed, and plain rounds never again); a
-        later time of theirs stands."""
+        the captures, measured slower than the chain's, which then ran every later call where
+        it missed, plain rounds never timed again); a later time of theirs stands."""
         measured = {name: self.round_ms(name) for name in self.candidates}
         settled = [name for name in self.candidates if self._settled(name)]
         if measured.get("plain") is not None:  # (a plain round does less than any other round)
@@ -392,22 +390,21 @@ class Controller:
         expectations), where at UNTIMED_SHARE of its time it would beat ``best`` (the fastest
         expected) by RETREAT_MARGIN; of several, the one expected fastest. Like :meth:`_probe`'s
         (which calls it: plain rounds timed, one probe a call) its own rounds then decide. Its
-        time is the cost model's scaled by (on a CPU: offset by) other kinds' rounds: at
-        temperature 1 on a GPU trees expected at 1.75 ms and 1.48 tokens (0.85 a ms, plain
-        rounds 0.87) never ran in a process's first nine calls, where they ran at 1.5 ms and
-        made 1.1-1.3x plain rounds' speed in the next nine (a call 0.89x plain decoding, its
-        tree only from token 65); on a 2-core CPU continuing ``def fibonacci(n):`` the chain,
-        expected at 2.27 tokens in 120 ms (1.09x plain rounds), never ran, where prompt lookup
-        alone was 1.3x plain decoding."""
-        kind = "chain" if self.offset else "tree"
-        if not self.offset and self.calls < 2 or self.current.rounds < SETTLED_ROUNDS or self.kind in self.time_probed \
+        time is the cost model's scaled by (on a CPU: offset by) other kinds' rounds, which
+        misjudges a kind never timed: at temperature 1 on a GPU trees expected just below plain
+        rounds never ran in a process where they paid, and on a CPU continuing a short prompt
+        the chain, expected just under the switch margin, never ran where prompt lookup alone
+        beat plain decoding (docs/benchmarks.md)."""
+        kind, round_kind_now = "chain" if self.offset else "tree", round_kind(self.sampling)
+        if not self.offset and self.calls < 2 or self.current.rounds < SETTLED_ROUNDS \
+                or round_kind_now in self.time_probed \
                 or any(kind_of(name) == kind and self._settled(name) for name in self.candidates):
             return None
         probes = [c for name, c in self.candidates.items() if kind_of(name) == kind and not (c.rounds or c.retried)
                   and c.rate >= UNTIMED_SHARE * RETREAT_MARGIN * best.rate]
         probe = max(probes, key=lambda c: c.rate, default=None)
         if probe is not None:
-            self.time_probed.add(self.kind)
+            self.time_probed.add(round_kind_now)
         return probe
 
     def _known_ms(self, name: str) -> Optional[float]:
