@@ -565,6 +565,43 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     assert seq.tokens == plain[:8]
 
 
+def test_the_warm_up_takes_a_row_in_once_and_changes_nothing(tiny):
+    """The warm-up runs the proposer's take-in once (row 0, as long a text as a row holds), so
+    that ``auto``'s first switch to a tree that takes the rows in loads nothing mid-request;
+    admission takes the row in again, so the output is plain decoding's, also where the first
+    rounds leave the proposer behind."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+    from longspec.engine.engine import Engine, Sequence
+    from longspec.spec.proposers import LongSpecProposer, PromptLookup
+
+    target, draft = tiny
+    prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 2
+    plain = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=12, ignore_eos=True)).sequences[0]
+    for first in [TreeSpec.parse("2,2"), None]:
+        proposer = LongSpecProposer(draft, PromptLookup())
+        engine = Engine(target, proposer, TreeSpec.parse("4,4,4,1,1"), max_batch=1, max_len=192)
+        added, add = [], proposer.add
+        proposer.add = lambda row, text, last, tree=None: (added.append((row, len(text), tree)),
+                                                            add(row, text, last, tree))
+        engine.warm_up()
+        assert added == [(0, engine.max_len - 1, None)] and "the proposer's take-in" in engine.warm_up_seconds
+        engine.use_tree(first)
+        seq = Sequence(prompt, 12)
+        with torch.inference_mode():
+            engine.add([seq])
+            for _ in range(2):
+                engine.step()
+            engine.use_tree(TreeSpec.parse("3,3,3,1,1"))
+            while engine.has_active:
+                engine.step()
+        # taken in once more: at admission before a tree's rounds, at the switch after plain ones
+        assert seq.tokens == plain and len(added) == 2 and added[1][:2] == (0, len(prompt) + 2 * (first is None))
+    with pytest.raises(RuntimeError, match="row 0 free"):
+        engine.add([Sequence(prompt, 4)])
+        engine.prepare_take_in()
+
+
 def test_switching_needs_a_proposer(tiny):
     from longspec.engine.engine import Engine
 

@@ -237,7 +237,7 @@ def test_warm_up_says_what_it_prepares_for_a_status_line(targets, monkeypatch):
     assert seen == ["bucket 1's greedy rounds", "bucket 2's greedy rounds", "bucket 1's sampled rounds",
                     "bucket 2's sampled rounds", "bucket 1's sampled (top-k / top-p) rounds",
                     "bucket 2's sampled (top-k / top-p) rounds"]
-    assert list(engine.warm_up_seconds) == ["the prefill", *seen, "garbage collection"]
+    assert list(engine.warm_up_seconds) == ["the prefill", *seen, "the proposer's take-in", "garbage collection"]
     assert min(engine.warm_up_seconds.values()) >= 0
     lines = []
     monkeypatch.setattr("longspec.status.status", lines.append)

@@ -76,6 +76,8 @@ class WarmUp:
                         which = "" if tree is _OWN_TREES else f" (tree {tree or 'none'})"
                         what = "greedy" if greedy else "sampled (top-k / top-p)" if truncating else "sampled"
                         part(f"bucket {n}'s {what} rounds{which}", self._round(n)[1].prepare)
+            if self.proposer is not None:
+                part("the proposer's take-in", self.prepare_take_in)
             part("garbage collection", gc.collect)
         finally:
             self.warming = None
@@ -102,6 +104,16 @@ class WarmUp:
                 if self.rows[0] is not None:
                     raise RuntimeError("preparing the prefill by layer needs row 0 free (an empty engine)")
                 chunked.prepare_by_layer(row=0)
+
+    def prepare_take_in(self) -> None:
+        """Takes row 0 in once (a text of zeros as long as the row can hold): the first take-in
+        of a process loads its kernels, which would otherwise stall the first switch of ``auto``
+        to a tree that takes the rows in, mid-request. Admission takes the row in again before
+        any round reads it. Call with no sequences in the engine."""
+        if self.rows[0] is not None:
+            raise RuntimeError("preparing the take-in needs row 0 free (an empty engine)")
+        text = torch.zeros(self.max_len - 1, dtype=torch.long, device=self.target.device)
+        self.proposer.add(0, text, 0)
 
     def capture_seconds(self) -> float:
         """Seconds spent so far preparing rounds and prefill chunks: compilation (on their eager
