@@ -291,6 +291,30 @@ def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
     assert medians == {"1": 1.0, "7": 1.0, "chain": 1.0}
 
 
+def test_step_costs_on_a_cpu_are_ratios_to_the_one_token_step_of_each_pass(monkeypatch):
+    """On a CPU each shape's time is its median ratio to the one-token step's call in the same
+    pass, times that step's median: a machine slowing down pass by pass, with one call slowed
+    alone and one run in a quiet moment, keeps the shapes' order (their own medians put 8 tokens
+    at less than half of 6 tokens' time)."""
+    cost = {"1": 10.0, "6": 14.0, "8": 15.0}
+    speed, odd = [1.0, 2.0, 3.0], {(0, "6"): 2.5, (2, "8"): 1.0}  # (the pass's speed, but for these calls)
+    now, calls = [0.0], []
+
+    def step(name):
+        p = len(calls) // len(cost) - 1  # (the first call of each: a warm-up)
+        calls.append(name)
+        now[0] += cost[name] * (1.0 if p < 0 else odd.get((p, name), speed[p]))
+
+    monkeypatch.setattr(step_costs.time, "perf_counter", lambda: now[0])
+    fns = {name: (lambda name=name: step(name)) for name in cost}
+    plain = step_costs._time(fns, torch.device("cpu"), repeats=3)
+    calls.clear()
+    timed = step_costs._time(fns, torch.device("cpu"), repeats=3, reference="1")
+    monkeypatch.undo()
+    assert plain["8"] < 0.5 * plain["6"]
+    assert timed == pytest.approx({"1": 20.0, "6": 28.0, "8": 30.0})
+
+
 def timed_plain(c, ms: float):
     """``c`` as if it had timed plain rounds at ``ms`` in every kind of round these tests call
     (a process's first call of a kind runs them first)."""

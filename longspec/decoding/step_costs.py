@@ -1,9 +1,10 @@
 """The cost model's step costs (see :mod:`~longspec.decoding.auto`): the target's step time for M
 tokens verified at once, ``target_ms[M]``, and each candidate's time to draft its tree,
 ``draft_ms[label]``, measured at two contexts (:data:`COST_CONTEXTS`) and interpolated in the
-prompt's length; on CUDA CUDA-graph replays (as the engine runs them), on a CPU medians of eager
-calls taken in turn. Cached in ``<longspec home>/costs.json`` under the device, threads, model,
-dtype, attention and :data:`COSTS_VERSION`, so only the first run on a machine measures. From
+prompt's length; on CUDA CUDA-graph replays (as the engine runs them), on a CPU eager
+calls taken in turn, as ratios to the one-token step's. Cached in ``<longspec home>/costs.json``
+under the device, threads, model, dtype, attention and :data:`COSTS_VERSION` (a CPU's also
+:data:`CPU_COSTS_VERSION`), so only the first run on a machine measures. From
 them :func:`choose` / :func:`fastest` pick the candidate with the most tokens per second."""
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ COST_CONTEXTS = (1024, 4096)
 
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 
-def _time(fns: dict, device: torch.device, repeats: int) -> dict:
+def _time(fns: dict, device: torch.device, repeats: int, reference: Optional[str] = None) -> dict:
     """Median seconds of each of ``fns`` ({name: fn}): CUDA-graph replays on CUDA (as the engine
-    runs steps), eager calls elsewhere, the functions taken in turn (one call of each a pass): a
-    CPU whose speed drifts between seconds (a shared machine) then moves them alike, and the
-    choice rests on their ratios."""
+    runs steps), eager calls elsewhere, the functions taken in turn (one call of each a pass). On
+    a CPU with a ``reference`` (one of ``fns``): each function's median ratio to the reference's
+    call in the same pass, times the reference's median. A CPU whose speed drifts between seconds
+    (a shared machine, other processes) moves a pass's calls alike, and the choice rests on their
+    ratios: a ratio within a pass is not moved by a slow pass, as a median of each function's own
+    calls is when the passes it lands in differ between functions (on a 2-core machine with
+    other work running, 8 tokens measured 83 ms, below 6 tokens' 97)."""
     if device.type == "cuda":
         return {name: time_graph(fn, repeats, device) for name, fn in fns.items()}
     times = {name: [] for name in fns}
@@ -47,7 +52,11 @@ def _time(fns: dict, device: torch.device, repeats: int) -> dict:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(t) for name, t in times.items()}
+    if reference is None:
+        return {name: statistics.median(t) for name, t in times.items()}
+    ref = times[reference]
+    scale = statistics.median(ref)
+    return {name: scale * statistics.median(a / max(b, 1e-9) for a, b in zip(t, ref)) for name, t in times.items()}
 
 
 @torch.inference_mode()
@@ -105,8 +114,8 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
             drafting._end_round()
 
         proposals[label] = propose
-    return {"target_ms": {m: 1e3 * t for m, t in _time(steps, device, repeats).items()},
-            "draft_ms": {label: 1e3 * t for label, t in _time(proposals, device, repeats).items()}}
+    timed = _time({**steps, **proposals}, device, repeats, reference="1")  # (steps by token count, proposals by label)
+    return {"target_ms": {m: 1e3 * timed[m] for m in steps}, "draft_ms": {label: 1e3 * timed[label] for label in proposals}}
 
 
 # bumped when the steps' code changes what they cost, so measurements of older code are not reused
@@ -114,6 +123,9 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 # 3: one lookup search a round, the hybrid's lookup tail without draft forwards;
 # 4: the draft's selections in Triton kernels, a step's inputs compiled; a CPU's shapes timed in turn)
 COSTS_VERSION = 4
+# bumped when only a CPU's timing changes what its steps measure (a CPU's tables are measured again, a
+# GPU's kept): 2: ratios to the one-token step within a pass
+CPU_COSTS_VERSION = 2
 
 def device_key(target) -> str:
     """What step costs depend on: the device (and CPU threads), the model and its dtype, and the
@@ -122,7 +134,8 @@ def device_key(target) -> str:
     where = (_cuda_name(device.index if device.index is not None else torch.cuda.current_device())
              if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads")
     model = os.path.basename(str(target.path or "model").rstrip("/"))
-    return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl} | v{COSTS_VERSION}"
+    version = f"v{COSTS_VERSION}" + ("" if device.type == "cuda" else f".{CPU_COSTS_VERSION}")
+    return f"{where} | {model} | {str(target.dtype).replace('torch.', '')} | {target.attention_impl} | {version}"
 
 
 @functools.lru_cache(maxsize=None)
