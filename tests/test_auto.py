@@ -291,11 +291,12 @@ def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
     assert medians == {"1": 1.0, "7": 1.0, "chain": 1.0}
 
 
-def test_step_costs_on_a_cpu_are_ratios_to_the_one_token_step_of_each_pass(monkeypatch):
+def test_step_costs_on_a_cpu_are_ratios_to_the_one_token_step_of_each_pass(monkeypatch, tiny):
     """On a CPU each shape's time is its median ratio to the one-token step's call in the same
     pass, times that step's median: a machine slowing down pass by pass, with one call slowed
     alone and one run in a quiet moment, keeps the shapes' order (their own medians put 8 tokens
-    at less than half of 6 tokens' time)."""
+    at less than half of 6 tokens' time). A CPU's tables of the earlier timing are not read."""
+    assert device_key(tiny[0]).endswith(f" | v{step_costs.COSTS_VERSION}.{step_costs.CPU_COSTS_VERSION}")
     cost = {"1": 10.0, "6": 14.0, "8": 15.0}
     speed, odd = [1.0, 2.0, 3.0], {(0, "6"): 2.5, (2, "8"): 1.0}  # (the pass's speed, but for these calls)
     now, calls = [0.0], []
@@ -591,38 +592,54 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
 
 def test_the_warm_up_takes_a_row_in_once_and_changes_nothing(tiny):
     """The warm-up runs the proposer's take-in once (row 0, as long a text as a row holds), so
-    that ``auto``'s first switch to a tree that takes the rows in loads nothing mid-request;
-    admission takes the row in again, so the output is plain decoding's, also where the first
-    rounds leave the proposer behind."""
-    from longspec import GenerationConfig
-    from longspec.decoding.generator import Generator
+    that ``auto``'s first switch to a tree that takes the rows in loads nothing mid-request. The
+    row is taken in again before a round drafts from it (at admission, or at the switch after
+    plain rounds that left the proposer behind): the rounds, and the proposer's state after them,
+    are an engine's without the warm-up."""
     from longspec.engine.engine import Engine, Sequence
     from longspec.spec.proposers import LongSpecProposer, PromptLookup
 
     target, draft = tiny
     prompt = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(5)).tolist() * 2
-    plain = Generator(target).generate([prompt], GenerationConfig(max_new_tokens=12, ignore_eos=True)).sequences[0]
-    for first in [TreeSpec.parse("2,2"), None]:
+
+    def run(first, warm: bool):
         proposer = LongSpecProposer(draft, PromptLookup())
         engine = Engine(target, proposer, TreeSpec.parse("4,4,4,1,1"), max_batch=1, max_len=192)
         added, add = [], proposer.add
         proposer.add = lambda row, text, last, tree=None: (added.append((row, len(text), tree)),
                                                             add(row, text, last, tree))
-        engine.warm_up()
-        assert added == [(0, engine.max_len - 1, None)] and "the proposer's take-in" in engine.warm_up_seconds
+        if warm:
+            engine.warm_up()
+            assert added == [(0, engine.max_len - 1, None)] and "the proposer's take-in" in engine.warm_up_seconds
+        def row_state():  # (row 0's, where it holds something)
+            ring, lookup = proposer.ring, proposer.lookup
+            valid = ring.slot_index[0] >= 0
+            return [ring.slot_index[0].clone(), ring.slot_node[0].clone(), ring.k[0][:, valid], ring.v[0][:, valid],
+                    proposer.reread_count[0].clone(), lookup.hist[0].clone(), lookup.hist_len[0].clone()]
+
         engine.use_tree(first)
-        seq = Sequence(prompt, 12)
+        seq, states = Sequence(prompt, 12), []
         with torch.inference_mode():
             engine.add([seq])
+            states += row_state() if first is not None else []  # (taken in: before the first round drafts)
             for _ in range(2):
                 engine.step()
             engine.use_tree(TreeSpec.parse("3,3,3,1,1"))
+            states += row_state() if first is None else []  # (taken in at the switch)
             while engine.has_active:
                 engine.step()
+        return seq.tokens, engine.rounds, added[warm:], states + row_state()
+
+    for first in [TreeSpec.parse("2,2"), None]:
+        tokens, rounds, added, states = run(first, warm=True)
+        cold = run(first, warm=False)
+        assert (tokens, rounds, added) == cold[:3]
+        assert all(torch.equal(a, b) for a, b in zip(states, cold[3], strict=True))
         # taken in once more: at admission before a tree's rounds, at the switch after plain ones
-        assert seq.tokens == plain and len(added) == 2 and added[1][:2] == (0, len(prompt) + 2 * (first is None))
+        assert [n for _, n, _ in added] == [len(prompt) + 2 * (first is None)]
+    engine = Engine(target, LongSpecProposer(draft, PromptLookup()), TreeSpec.parse("2,2"), max_batch=1, max_len=64)
+    engine.add([Sequence(prompt[:20], 4)])
     with pytest.raises(RuntimeError, match="row 0 free"):
-        engine.add([Sequence(prompt, 4)])
         engine.prepare_take_in()
 
 

@@ -114,6 +114,8 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
             drafting._end_round()
 
         proposals[label] = propose
+    if steps.keys() & proposals.keys():
+        raise ValueError(f"a candidate's label is a token count: {sorted(steps.keys() & proposals.keys())}")
     timed = _time({**steps, **proposals}, device, repeats, reference="1")  # (steps by token count, proposals by label)
     return {"target_ms": {m: 1e3 * timed[m] for m in steps}, "draft_ms": {label: 1e3 * timed[label] for label in proposals}}
 

@@ -42,7 +42,8 @@ class WarmUp:
         compilation and CUDA-graph capture, which otherwise happen on a bucket's first round;
         ``trees``: the rounds of each of these trees (None: plain rounds; see :meth:`use_tree`),
         default the buckets' own; ``prefill_by_layer``: the long prompts' attention too (see
-        :meth:`prepare_prefill`). Call with no sequences in the engine. Returns the seconds it
+        :meth:`prepare_prefill`); and the proposer's take-in of a row (:meth:`prepare_take_in`).
+        Call with no sequences in the engine. Returns the seconds it
         took; :attr:`warm_up_seconds` has them per part ({what: seconds}), :attr:`warm_up_graphs` the
         graphs compiled ({what: :func:`compile_counts`' counts}). Ends with a full garbage
         collection: compiling leaves hundreds of thousands of new Python objects, whose first full
@@ -108,10 +109,14 @@ class WarmUp:
     def prepare_take_in(self) -> None:
         """Takes row 0 in once (a text of zeros as long as the row can hold): the first take-in
         of a process loads its kernels, which would otherwise stall the first switch of ``auto``
-        to a tree that takes the rows in, mid-request. Admission takes the row in again before
-        any round reads it. Call with no sequences in the engine."""
+        to a tree that takes the rows in, mid-request. The row is taken in again before a round
+        drafts from it: at admission, or at that switch where plain rounds left the proposer
+        behind (an idle row's state is never read into a sequence's). Call with no sequences in
+        the engine."""
         if self.rows[0] is not None:
             raise RuntimeError("preparing the take-in needs row 0 free (an empty engine)")
+        if self.max_len < 2:
+            return
         text = torch.zeros(self.max_len - 1, dtype=torch.long, device=self.target.device)
         self.proposer.add(0, text, 0)
 
