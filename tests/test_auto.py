@@ -670,15 +670,14 @@ def test_costs_measured_at_two_contexts_serve_every_prompt_length(tiny, tmp_path
         assert used["draft_ms"] == pytest.approx({"pld chain:5": draft})
 
 
-def test_step_costs_made_monotone():
-    """Times per token count made non-decreasing by pooling the counts that disagree (their mean),
-    not by lifting every larger count to the slow one's time."""
-    assert step_costs.monotone({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == pytest.approx(
-        {"1": 55.3, "2": 55.3, "3": 61.25, "11": 61.25})
-    assert step_costs.monotone({"1": 42.0, "7": 76.7, "9": 68.3, "26": 95.3}) == pytest.approx(
-        {"1": 42.0, "7": 72.5, "9": 72.5, "26": 95.3})
-    assert step_costs.monotone({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 2.0, "5": 2.0, "9": 2.0})
-    assert step_costs.monotone({"1": 1.0, "5": 2.0}) == {"1": 1.0, "5": 2.0}
+def test_step_costs_are_floored_at_the_one_token_step():
+    """No token count costs less than the one-token step; each keeps its own time otherwise, also
+    below a smaller count's (a CPU's matrix kernels take rows in blocks)."""
+    assert step_costs.floored({"1": 57.5, "2": 53.1, "3": 62.5, "11": 60.0}) == pytest.approx(
+        {"1": 57.5, "2": 57.5, "3": 62.5, "11": 60.0})
+    assert step_costs.floored({"1": 64.8, "4": 100.2, "6": 145.9, "7": 181.7, "8": 128.2}) == pytest.approx(
+        {"1": 64.8, "4": 100.2, "6": 145.9, "7": 181.7, "8": 128.2})
+    assert step_costs.floored({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 3.0, "5": 3.0, "9": 3.0})
 
 
 def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0) -> list:

@@ -173,7 +173,7 @@ def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] 
     costs = {kind: {key: max((1 - weight) * at[lo][kind][key] + weight * value, value if weight > 1 else 0.0)
                     for key, value in at[hi][kind].items() if key in at[lo][kind]}
              for kind in ("target_ms", "draft_ms")}
-    costs["target_ms"] = monotone(costs["target_ms"])
+    costs["target_ms"] = floored(costs["target_ms"])
     best, gain = fastest({label: (tree, tokens) for label, (tree, _, tokens) in candidates.items()}, costs,
                          allow_plain)
     return best, gain, costs
@@ -220,22 +220,17 @@ def fastest(rated: dict, costs: dict, allow_plain: bool = True) -> tuple:
     return best, best_rate / plain
 
 
-def monotone(target_ms: dict) -> dict:
-    """Step times per token count made non-decreasing in it, as the closest such times (pooling
-    adjacent counts that disagree, by their mean): verifying more tokens never costs less, but a
-    measurement can say so (a busy CPU; a matrix shape a CPU library runs slowly), and the choice
-    then favours verifying more for free. Pooled, not lifted to the larger: one slow count must
-    not price every larger one above what it measured (on a 2-core CPU 7 tokens measured above 9,
-    and the chain of 9 was then predicted not to pay where it did)."""
-    blocks = []  # [sum, count, token counts] of pooled runs
-    for m in sorted(target_ms, key=int):
-        blocks.append([target_ms[m], 1, [m]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count, ms = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-            blocks[-1][2] += ms
-    return {m: total / count for total, count, ms in blocks for m in ms}
+def floored(target_ms: dict) -> dict:
+    """Step times per token count, none below the one-token step's (a round verifies its root at
+    least, and plain rounds are weighed against that step). Otherwise each count keeps its own
+    time, also below a smaller count's: a CPU's matrix kernels take rows in blocks, so more tokens
+    can cost less (on 2-core CPUs, 8 tokens 103-145 ms against 7 tokens' 136-195, and 9 below 7 on
+    another), and the chain priced at the pooled time of its neighbours lost to a shorter one that
+    made fewer tokens a round for the same time (docs/benchmarks.md, "Generation on a CPU"). A
+    CPU's tables are timed as ratios within a pass (:func:`_time`), which a busy machine moves
+    less than the shapes' own medians."""
+    one = target_ms["1"]
+    return {m: max(t, one) for m, t in target_ms.items()}
 
 
 def _costs_path(costs_file: Optional[str]) -> str:
