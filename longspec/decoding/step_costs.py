@@ -33,15 +33,15 @@ COST_CONTEXTS = (1024, 4096)
 
 COST_MARGIN = 128  # positions left after a measured context (for the verified tokens; the biggest tree has 74)
 
-def _time(fns: dict, device: torch.device, repeats: int, reference: Optional[str] = None) -> dict:
+def _time(fns: dict, device: torch.device, repeats: int, reference) -> dict:
     """Median seconds of each of ``fns`` ({name: fn}): CUDA-graph replays on CUDA (as the engine
-    runs steps), eager calls elsewhere, the functions taken in turn (one call of each a pass). On
-    a CPU with a ``reference`` (one of ``fns``): each function's median ratio to the reference's
-    call in the same pass, times the reference's median. A CPU whose speed drifts between seconds
-    (a shared machine, other processes) moves a pass's calls alike, and the choice rests on their
-    ratios: a ratio within a pass is not moved by a slow pass, as a median of each function's own
-    calls is when the passes it lands in differ between functions (on a 2-core machine with
-    other work running, 8 tokens measured 83 ms, below 6 tokens' 97)."""
+    runs steps), eager calls elsewhere, the functions taken in turn (one call of each a pass), each
+    function's median ratio to the ``reference``'s call (one of ``fns``) in the same pass, times
+    the reference's median. A CPU whose speed drifts between seconds (a shared machine, other
+    processes) moves a pass's calls alike, and the choice rests on their ratios: a ratio within a
+    pass is not moved by a slow pass, as a median of each function's own calls is when the passes
+    it lands in differ between functions (on a 2-core machine with other work running, 8 tokens
+    measured 83 ms, below 6 tokens' 97)."""
     if device.type == "cuda":
         return {name: time_graph(fn, repeats, device) for name, fn in fns.items()}
     times = {name: [] for name in fns}
@@ -52,8 +52,6 @@ def _time(fns: dict, device: torch.device, repeats: int, reference: Optional[str
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    if reference is None:
-        return {name: statistics.median(t) for name, t in times.items()}
     ref = times[reference]
     scale = statistics.median(ref)
     return {name: scale * statistics.median(a / max(b, 1e-9) for a, b in zip(t, ref)) for name, t in times.items()}
@@ -114,10 +112,11 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
             drafting._end_round()
 
         proposals[label] = propose
-    if steps.keys() & proposals.keys():
-        raise ValueError(f"a candidate's label is a token count: {sorted(steps.keys() & proposals.keys())}")
-    timed = _time({**steps, **proposals}, device, repeats, reference="1")  # (steps by token count, proposals by label)
-    return {"target_ms": {m: 1e3 * timed[m] for m in steps}, "draft_ms": {label: 1e3 * timed[label] for label in proposals}}
+    fns = {**{("target_ms", m): fn for m, fn in steps.items()}, **{("draft_ms", label): fn for label, fn in proposals.items()}}
+    costs = {"target_ms": {}, "draft_ms": {}}
+    for (kind, key), seconds in _time(fns, device, repeats, reference=("target_ms", "1")).items():
+        costs[kind][key] = 1e3 * seconds
+    return costs
 
 
 # bumped when the steps' code changes what they cost, so measurements of older code are not reused
