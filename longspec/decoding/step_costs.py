@@ -40,8 +40,8 @@ def _time(fns: dict, device: torch.device, repeats: int, reference) -> dict:
     the reference's median. A CPU whose speed drifts between seconds (a shared machine, other
     processes) moves a pass's calls alike, and the choice rests on their ratios: a ratio within a
     pass is not moved by a slow pass, as a median of each function's own calls is when the passes
-    it lands in differ between functions (on a 2-core machine with other work running, 8 tokens
-    measured 83 ms, below 6 tokens' 97)."""
+    it lands in differ between functions (a larger shape then measured below a smaller one:
+    docs/benchmarks.md, "Generation on a CPU")."""
     if device.type == "cuda":
         return {name: time_graph(fn, repeats, device) for name, fn in fns.items()}
     times = {name: [] for name in fns}
@@ -223,9 +223,9 @@ def floored(target_ms: dict) -> dict:
     """Step times per token count, none below the one-token step's (a round verifies its root at
     least, and plain rounds are weighed against that step). Otherwise each count keeps its own
     time, also below a smaller count's: a CPU's matrix kernels take rows in blocks, so more tokens
-    can cost less (on 2-core CPUs, 8 tokens 103-145 ms against 7 tokens' 136-195, and 9 below 7 on
-    another), and the chain priced at the pooled time of its neighbours lost to a shorter one that
-    made fewer tokens a round for the same time (docs/benchmarks.md, "Generation on a CPU"). A
+    can cost less (8 tokens below 7 on one CPU, 9 below 7 on another), and a chain priced at the
+    pooled time of its neighbours lost to a shorter one that made fewer tokens a round for the
+    same time (docs/benchmarks.md, "Generation on a CPU"). A
     CPU's tables are timed as ratios within a pass (:func:`_time`), which a busy machine moves
     less than the shapes' own medians."""
     one = target_ms["1"]
