@@ -493,6 +493,29 @@ class Scripted:
         pass
 
 
+def test_a_chains_rounds_that_drafted_nothing_are_observed_as_plain_rounds(tiny):
+    """On a CPU a lookup chain's round without a 2-token match is a decode step: the controller
+    observes it as a plain round (one token, a plain round's time), not as one of the chain's
+    (whose rounds then say what it makes where it drafts); the output is plain decoding's."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+    from longspec.spec.proposers import PromptLookup
+
+    class Recorded(Scripted):
+        def observe(self, tokens, seconds, tree):
+            seen.append((tree, tokens))
+            return super().observe(tokens, seconds, tree)
+
+    target, _ = tiny
+    seen, chain = [], TreeSpec.chain(4)
+    prompt, config = list(range(20, 60)), GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = Generator(target).generate([prompt], config).sequences[0]
+    out = Generator(target, PromptLookup(), chain, controller=Recorded(chain, [])).generate([prompt], config)
+    assert out.sequences[0] == plain
+    assert {tree for tree, _ in seen} == {None, chain} and seen[0][0] is None  # (no match at first)
+    assert all(tokens == 1 for tree, tokens in seen if tree is None)
+
+
 @pytest.mark.parametrize("family", ["pld", "hybrid"])
 @pytest.mark.parametrize("ahead", [False, True])
 def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):

@@ -220,18 +220,19 @@ def reference_candidates(context: list, max_ngram: int, min_ngram: int, candidat
     return found
 
 
-def reference_continuation(context: list, max_ngram: int, min_ngram: int, depth: int) -> Optional[list]:
-    """Prompt lookup decoding's chain by hand: the tokens after the best earlier occurrence of the
-    context's tail (longest, then most recent), copied on one at a time (a copy that reaches the
-    end copies what it has just copied); None where nothing matches."""
+def reference_continuation(context: list, max_ngram: int, min_ngram: int, depth: int) -> tuple:
+    """Prompt lookup decoding's chain by hand: (the tokens matched, the tokens after the best
+    earlier occurrence of the context's tail (longest, then most recent), copied on one at a time
+    (a copy that reaches the end copies what it has just copied)); (0, None) where nothing
+    matches."""
     for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == context[-n:]:
                 text = list(context)
                 for i in range(depth):
                     text.append(text[start + n + i])
-                return text[len(context):]
-    return None
+                return n, text[len(context):]
+    return 0, None
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
@@ -239,8 +240,10 @@ def reference_continuation(context: list, max_ngram: int, min_ngram: int, depth:
 def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, max_ngram, min_ngram, depth):
     """A prompt-lookup chain (alone or in the hybrid's tree) is one search: the follower of the
     best match of the history's tail and the tokens after it, wrapping past the history's end
-    (a repeating motif, a match just before the end), as the by-hand copy gives; found is False
-    exactly where nothing matches."""
+    (a repeating motif, a match just before the end), as the by-hand copy gives, with the number
+    of tokens matched (0 exactly where nothing matches). On a CPU a chain round drafts only where
+    some row matched 2 tokens or more, else its tree is the root alone (a decode step): both
+    happen here (no 2-token match with ``max_ngram`` 1)."""
     from longspec.kv.cache import KVCache
 
     target = targets["llama"]
@@ -252,14 +255,17 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
                  [5, 6, 5, 6, 5], [3, 1, 2, 3]]
     for row, h in enumerate(histories):
         lookup.add(row, h[:-1], h[-1])
-    found, tokens = lookup.continuation(depth)
+    matched, tokens = lookup.continuation(depth)
     for row, h in enumerate(histories):
-        expected = reference_continuation(h, max_ngram, min_ngram, depth)
-        assert bool(found[row]) == (expected is not None), (h, expected)
+        n, expected = reference_continuation(h, max_ngram, min_ngram, depth)
+        assert int(matched[row]) == n, (h, expected)
         if expected is not None:
             assert tokens[row].tolist() == expected, (h, tokens[row].tolist(), expected)
     tree = lookup.propose(torch.tensor([h[-1] for h in histories]))
-    assert torch.equal(tree.tokens[:, 1:], tokens) and tree.parents[0].tolist() == list(range(-1, depth))
+    drafts = max_ngram >= 2  # (the motif's row matches its last 2-4 tokens)
+    nodes = depth + 1 if drafts else 1
+    assert tree.num_nodes == nodes and tree.depth == nodes - 1
+    assert torch.equal(tree.tokens[:, 1:], tokens[:, :nodes - 1]) and tree.parents[0].tolist() == list(range(-1, nodes - 1))
     assert tree.draft_probs is None and not tree.children_sampled
 
 

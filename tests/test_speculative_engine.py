@@ -495,3 +495,28 @@ def test_an_engine_takes_sampling_settings_per_row_only(targets):
 
     with pytest.raises(TypeError, match="RowSampling.*each Sequence carries"):
         Engine(targets["llama"], None, None, max_len=64, config=GenerationConfig(temperature=0.7))
+
+
+def test_on_a_cpu_a_lookup_chain_drafts_only_where_two_tokens_match(targets, monkeypatch):
+    """On a CPU (rounds run eagerly) a prompt-lookup chain round in which no row matched 2 tokens
+    of its tail or more verifies the root alone, a decode step (the engine says it decoded), and
+    one where a row did verifies the whole chain; the tokens are plain decoding's either way.
+    Here a prompt of distinct tokens starts with decode steps and its text's repeats bring
+    whole chains."""
+    from longspec.engine.engine import Engine, Sequence
+
+    target = targets["llama"]
+    prompt = list(range(20, 60))
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = Generator(target).generate([prompt], config).sequences[0]
+    widths, verify = [], target.verify
+    monkeypatch.setattr(target, "verify", lambda tokens, *a, **k: widths.append(tokens.shape[1]) or verify(tokens, *a, **k))
+    engine = Engine(target, PromptLookup(), TreeSpec.chain(4), max_batch=1, max_len=96)
+    seq = Sequence(prompt, 40)
+    engine.add([seq])
+    decoded = []
+    while engine.has_active:
+        engine.step()
+        decoded.append(engine.decoded)
+    assert seq.tokens == plain
+    assert decoded == [w == 1 for w in widths] and set(widths) == {1, 5} and widths[0] == 1, widths

@@ -223,7 +223,13 @@ class Controller:
         """A round of ``tree`` (default: the current candidate's) emitted ``tokens`` per row in
         ``seconds``: returns the tree for the next rounds (the current one, or the candidate that
         now looks faster). A caller may observe a round late (a GPU's round runs while the
-        controller weighs the one before): ``tree`` says which candidate ran it."""
+        controller weighs the one before): ``tree`` says which candidate ran it. A plain round
+        (None) observed while the current candidate drafts (one in flight when it took over, or
+        on a CPU a lookup chain's round that found no match and drafted nothing: a decode step,
+        :data:`~longspec.spec.prompt_lookup.DECODE_BELOW`) times plain rounds, and the choice
+        waits for the current candidate's own rounds (a chain's say what it makes where it
+        drafts; where it does not, it costs what plain rounds do)."""
+        decoded = tree is None and self.current.tree is not None
         name = label(self.current.tree if tree is _CURRENT else tree)
         c = self.candidates.get(name, self.current)
         name = label(c.tree)
@@ -240,6 +246,8 @@ class Controller:
         self._calibrate()
         if c.tree is not None:
             self._temper()
+        if decoded:
+            return self.current.tree
         if self._retime_plain(c) or self.current.tree is None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
             return None  # (plain rounds being timed)
         best = self._best()

@@ -62,7 +62,7 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
             check = check + 8 if on_cpu else 2 * check
             if controller.wants_predictions():
                 controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-        chosen = controller.observe(tokens, seconds, tree)
+        chosen = controller.observe(tokens, seconds, None if engine.decoded else tree)  # (a chain that drafted nothing)
 
     try:
         while engine.has_active:

@@ -179,8 +179,10 @@ class Engine(Admission, TreeSwitching, WarmUp):
         self.greedy_round = self.config.greedy
         self.rounds = 0
         # rounds launch() started and finish() has not taken, oldest first: (view, runner, the rows' sequences,
-        # the round's tokens and counts [n, width + 1] on their way to the host, the event of their arrival)
+        # the round's tokens and counts [n, width + 1] on their way to the host, the event of their arrival,
+        # whether it drafted nothing)
         self._in_flight: deque = deque()
+        self.decoded = False  # the round finish() took last drafted nothing: a tree's round was a decode step
         self.warming: Optional[str] = None  # what :meth:`warm_up` prepares now (a status line reads it)
         self.warm_up_seconds: dict = {}  # the last warm-up's seconds per part
         self.warm_up_graphs: dict = {}  # and its compiled graphs per part (see compile_counts)
@@ -245,7 +247,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
         v.cache.commit(result.accepted_nodes.clamp(min=0), (result.num_accepted + 1) * v.active)
         emitted, counts = result.emitted()
         v.proposer.accepted(emitted, counts)
-        v.out_tokens.copy_(emitted)
+        v.out_tokens[:, :emitted.shape[1]].copy_(emitted)  # (a lookup chain that drafted nothing: one column)
         v.out_counts.copy_(counts)
         v.root.copy_(result.bonus_token)
 
@@ -359,7 +361,9 @@ class Engine(Admission, TreeSwitching, WarmUp):
         if out.is_cuda:  # (to pinned memory, in stream order: the next round may overwrite the outputs)
             out, arrived = out.to("cpu", non_blocking=True), torch.cuda.Event()
             arrived.record()
-        self._in_flight.append((v, runner, seqs, out, arrived))
+        # (eagerly, a lookup chain with no match drafts the root alone: PromptLookup.decode_below)
+        decoded = v.tree is not None and not runner.graphs and v.draft_tree.num_nodes == 1 < v.tree.num_nodes
+        self._in_flight.append((v, runner, seqs, out, arrived, decoded))
 
     @torch.inference_mode()
     def finish(self, streamer: Optional[Streamer] = None) -> Optional[float]:
@@ -368,7 +372,7 @@ class Engine(Admission, TreeSwitching, WarmUp):
         drop theirs). Returns its tokens per row (None: no row took any)."""
         if not self._in_flight:
             raise RuntimeError("no round is running: launch() one first")
-        v, runner, seqs, out, arrived = self._in_flight.popleft()
+        v, runner, seqs, out, arrived, self.decoded = self._in_flight.popleft()
         if arrived is not None:
             arrived.synchronize()
         out = out.tolist()  # (on a CPU: the round's one sync)

@@ -296,7 +296,8 @@ class _LookupChain:
     tail (``TreeSpec.lookup_tail``) holds the chain alone."""
 
     def __init__(self, lookup, depth: int):
-        self.found, self.tokens = lookup.continuation(depth)  # [B], [B, D]
+        matched, self.tokens = lookup.continuation(depth)  # [B], [B, D]
+        self.found = matched > 0
         self.node = torch.zeros_like(self.found, dtype=torch.long)  # its node's index within the last level
         self.cum = torch.zeros(self.found.shape, device=self.found.device)  # its cumulative draft log-probability
 

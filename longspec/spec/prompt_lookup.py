@@ -8,6 +8,11 @@ from .draft_tree import DraftTree
 from .drafting import TreeDrafter
 from .tokens import token_tensor
 
+# on a device without CUDA graphs a chain round in which no row's lookup matched at least this many
+# tokens verifies its root alone, a decode step (docs/benchmarks.md, "Chains only where the lookup
+# matches")
+DECODE_BELOW = 2
+
 
 class PromptLookup(TreeDrafter):
     """Prompt lookup decoding: the next token after a node is what followed the most recent
@@ -17,15 +22,19 @@ class PromptLookup(TreeDrafter):
     match the proposal is arbitrary (and will simply be rejected).
 
     The history lives on the device ([B, capacity] tokens) and the search is a few tensor ops over
-    it, with fixed shapes: rounds can be captured in a CUDA graph."""
+    it, with fixed shapes: rounds can be captured in a CUDA graph. Where rounds run eagerly (a
+    CPU), a chain round whose rows all matched fewer than ``decode_below`` tokens drafts nothing
+    (its tree is the root alone: a decode step); its arbitrary or 1-token-match guesses would cost
+    the verification of the whole chain, up to twice a decode step there, and rarely hold."""
 
     graphable = True
     follows_plain_rounds = True  # its history takes every emitted token through ``accepted``
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 8):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 8, decode_below: int = DECODE_BELOW):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
+        self.decode_below = decode_below
 
     def begin(self, target, cache, tree, config, rng):
         super().begin(target, cache, tree, config, rng)
@@ -70,26 +79,30 @@ class PromptLookup(TreeDrafter):
     def propose(self, root: torch.Tensor) -> DraftTree:
         """A chain is the :meth:`continuation` of the history (one search a round, whatever its
         depth), its children chosen deterministically under sampling too (verified by the
-        target's probability of each, which needs no draft distribution). Other trees:
+        target's probability of each, which needs no draft distribution); eagerly, the root alone
+        where no row matched ``decode_below`` tokens (see the class). Other trees:
         :meth:`TreeDrafter.propose` over the ranked candidates' pseudo-logits."""
         spec = self.spec
         if spec.kind != "chain":
             return super().propose(root)
         b, n = root.shape[0], spec.num_nodes
-        _, path = self.continuation(spec.depth)
+        matched, path = self.continuation(spec.depth)
+        if not root.is_cuda and not bool((matched >= self.decode_below).any()):  # (a CPU: no graphs, no wait)
+            n, path = 1, path[:, :0]
         tokens = torch.cat([root[:, None], path], 1)
         parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
         mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
-        return DraftTree(tokens, parents, self.depths.expand(b, -1), mask, level_sizes=spec.level_sizes)
+        return DraftTree(tokens, parents, self.depths[:n].expand(b, -1), mask, level_sizes=spec.level_sizes[:n - 1])
 
     def continuation(self, depth: int) -> tuple:
-        """(found [B] bool, tokens [B, depth]): the chain prompt lookup drafts after each row's
-        history: the tokens that followed the best match of its tail (the longest, then most
-        recent, earlier occurrence; the top candidate of :meth:`_lookup`), copied on from there,
-        as prompt lookup decoding does. One search whatever ``depth`` (a search per level
-        launched dozens of small kernels each). Where the copy reaches the history's end it
-        repeats the period it found (the chain continues its own text: what searching again
-        after each drafted token would find). Where nothing matches the tokens are arbitrary."""
+        """(matched [B]: how many tokens of each row's tail matched, 0 where none did; tokens [B,
+        depth]): the chain prompt lookup drafts after each row's history: the tokens that
+        followed the best match of its tail (the longest, then most recent, earlier occurrence;
+        the top candidate of :meth:`_lookup`), copied on from there, as prompt lookup decoding
+        does. One search whatever ``depth`` (a search per level launched dozens of small kernels
+        each). Where the copy reaches the history's end it repeats the period it found (the chain
+        continues its own text: what searching again after each drafted token would find). Where
+        nothing matches the tokens are arbitrary."""
         empty = torch.zeros(self.hist.shape[0], 1, 0, dtype=torch.long, device=self.hist.device)
         ctx, score = self._scores(empty)
         # a match's score is unique to its position, so the best score names the best follower;
@@ -99,7 +112,8 @@ class PromptLookup(TreeDrafter):
         period = (self.hist_len - follower).clamp(min=1)
         steps = torch.arange(depth, device=follower.device)[None, :]
         source = follower[:, None] + steps % period[:, None]
-        return best >= 0, self.hist.gather(1, source.clamp(max=self.capacity)).clamp(min=0)
+        matched = torch.where(best >= 0, best // (ctx.shape[-1] + 1), 0)
+        return matched, self.hist.gather(1, source.clamp(max=self.capacity)).clamp(min=0)
 
     def _root_logits(self, root):
         # the root was emitted last round and is already in the history
