@@ -100,7 +100,7 @@ def fake_costs(target, path, prompt_len, target_ms, draft_ms):
 
 def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     target, draft = tiny
-    draft.config.acceptance = [[0.5, 0.6, 0.7, 0.8, 0.9, 0.99]]
+    draft.config.acceptance = [[0.6, 0.7, 0.8, 0.9, 0.95, 0.99]]
     ids = list(range(40))  # no repeats: prompt lookup never hits
     monkeypatch.setattr(step_costs, "measure_costs", lambda *a, **k: pytest.fail("costs were cached"))
     costs = tmp_path / "costs.json"
@@ -113,7 +113,9 @@ def test_choice_follows_the_costs(tiny, tmp_path, monkeypatch):
     assert (name, str(tree), chosen) == ("hybrid", "4,4,4,4,4,1,1,1,1,1", draft) and why.startswith("cost model")
     # the note says what was predicted for every candidate (a call's stats["auto"])
     assert all(f"{label}: " in why for label in labels) and "plain: 1 token in 1.00 ms" in why
-    assert f"hybrid chain:{auto.LOOKUP_CHAINS[0]}: 1.00 tokens in 1.01 ms" in why  # (no repeats: the chain never hits)
+    # (no repeats: on a CPU no round of the chain drafts, those that would are rated as a paying chain's)
+    paying = expected_tokens(TreeSpec.chain(auto.LOOKUP_CHAINS[0]), lookup=auto.PAYING_HITS)
+    assert f"hybrid chain:{auto.LOOKUP_CHAINS[0]}: {paying:.2f} tokens in 1.01 ms" in why
     # verifying costs grow with the tokens: plain decoding wins, in the hybrid's engine
     fake_costs(target, costs, len(ids), {m: float(m) for m in sizes}, {label: 0.5 for label in labels})
     assert pick(target, ids, draft, costs_file=str(costs))[:3] == ("hybrid", None, draft)
@@ -187,7 +189,7 @@ def test_on_cuda_the_hybrids_engine_also_runs_its_lookup_alone(tiny, tmp_path, m
     assert set(costs["draft_ms"]) == set(on_cuda) and min(costs["draft_ms"].values()) > 0
     # as pick runs on CUDA: drafting costly, verifying cheap, a repeating text -> the hybrid's chain
     candidates = auto._candidates
-    monkeypatch.setattr(auto, "_candidates", lambda ids, d, h, on_cuda=False: candidates(ids, d, h, True))
+    monkeypatch.setattr(auto, "_candidates", lambda ids, d, h, on_cuda=False, chain_hits=None: candidates(ids, d, h, True))
     costs = tmp_path / "costs.json"
     fake_costs(target, costs, len(repeating), {str(m): 1.0 for m in range(1, 80)},
                {f"hybrid {t}": 5.0 for t in auto.GPU_CANDIDATE_TREES} | {f"hybrid {chain}": 0.05})
@@ -259,10 +261,12 @@ def test_bucket_trees_follow_the_costs_at_each_batch(tiny, tmp_path, monkeypatch
 
 
 def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_path):
-    """A prompt that never repeats itself: the cost model starts with plain rounds; the lookup's
-    hit rate on the generated text then predicts its chains again: many tokens a round once the
-    generated text repeats the prompt, few where it does not, and few generated positions stay
-    near the prompt's rates (one hit is not enough)."""
+    """A prompt that never repeats itself: on a CPU a chain's round drafts only where the lookup
+    matched 2 tokens (else it is a decode step), and those rounds are rated as a paying chain's
+    where the text has none, so the chain runs first; the lookup's hit rate on the generated text
+    then predicts them again: many tokens a round once the generated text repeats the prompt,
+    few where its 2-token matches miss, and where it drafts no round (or a few) near the
+    prompt's rates."""
     target, _ = tiny
     ids = list(range(100))
     costs = tmp_path / "costs.json"
@@ -271,11 +275,14 @@ def test_plan_repredicts_the_lookup_from_the_generated_texts_repeats(tiny, tmp_p
     fake_costs(target, costs, len(ids), {str(m): 1.0 + m / 5 for m in range(1, 12)}, {k: 0.01 for k in labels})
     plan = resolve(target, ids, None, costs_file=str(costs))
     chain = plan.tree  # (the one chain the costs pick: see test_one_chain_by_the_step_costs)
-    assert (plan.name, plan.start, chain.kind) == ("pld", None, "chain") and set(plan.predicted) == {None, chain}
-    assert plan.predicted[chain][0] == pytest.approx(1.0, abs=0.05)
+    assert (plan.name, plan.start, chain.kind) == ("pld", chain, "chain") and set(plan.predicted) == {None, chain}
+    paying = expected_tokens(chain, lookup=auto.PAYING_HITS)
+    assert plan.predicted[chain][0] == pytest.approx(paying, abs=0.01) and plan.min_match == 2
     assert plan.repredict(ids + ids[10:50], len(ids))[chain] > 3.0  # (of at most 9)
-    assert plan.repredict(ids + list(range(200, 240)), len(ids))[chain] < 1.1
-    assert plan.repredict(ids + [3, 4], len(ids))[chain] < 2.0
+    missing = [t for k in range(10) for t in (10 * k, 10 * k + 1, 200 + k)]  # (each 2-token match's guess wrong)
+    assert plan.repredict(ids + missing, len(ids))[chain] < 1.6
+    assert plan.repredict(ids + list(range(200, 240)), len(ids))[chain] == pytest.approx(paying, abs=0.01)
+    assert plan.repredict(ids + [3, 4], len(ids))[chain] == pytest.approx(paying, abs=0.01)
 
 
 def test_step_costs_on_a_cpu_are_timed_in_turn(monkeypatch):
@@ -703,23 +710,26 @@ def test_step_costs_are_floored_at_the_one_token_step():
     assert step_costs.floored({"1": 3.0, "5": 2.0, "9": 1.0}) == pytest.approx({"1": 3.0, "5": 3.0, "9": 3.0})
 
 
-def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0) -> list:
-    """The definition, one position at a time: PromptLookup's first guess from dicts of n-grams."""
+def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, prior=(), prior_weight=0.0,
+                                min_match=1) -> list:
+    """The definition, one position at a time: PromptLookup's first guess from dicts of n-grams
+    (rounds start where its match is ``min_match`` tokens long or longer; 1: everywhere)."""
     ids = list(token_ids)
     last = [dict() for _ in range(max_ngram + 1)]  # n -> {n-gram: position that followed it}
-    hit = []
+    hit, starts = [], []
     for s in range(len(ids)):
-        guess = None
+        guess, matched = None, 0
         for n in range(min(max_ngram, s), 0, -1):
             follower = last[n].get(tuple(ids[s - n:s]))
             if follower is not None:
-                guess = ids[follower]
+                guess, matched = ids[follower], n
                 break
         if s >= len(ids) - tail:
             hit.append(guess == ids[s])
+            starts.append(min_match <= 1 or matched >= min_match)  # (1: a position without a match is a miss)
         for n in range(1, min(max_ngram, s) + 1):
             last[n][tuple(ids[s - n:s])] = s
-    q, runs = [], list(range(len(hit)))
+    q, runs = [], [t for t in range(len(hit)) if starts[t]]
     for d in range(depths):
         ok = [t for t in runs if t + d < len(hit) and hit[t + d]]
         valid = [t for t in runs if t + d < len(hit)]
@@ -732,7 +742,8 @@ def lookup_acceptance_reference(token_ids, depths=10, max_ngram=3, tail=1024, pr
 
 def test_lookup_acceptance_equals_its_definition():
     """The sorting implementation gives the position-by-position definition's rates: empty and
-    tiny texts, 2-token to 300k-token vocabularies, repeated halves, every n-gram cap, priors."""
+    tiny texts, 2-token to 300k-token vocabularies, repeated halves, every n-gram cap, priors,
+    rounds from matches of 2 or 3 tokens only (a CPU's chains)."""
     rng = random.Random(0)
     for _ in range(300):
         n, vocab = rng.choice([0, 1, 2, 3, 4, 5, 10, 50, 300, 2000]), rng.choice([2, 3, 5, 50, 300000])
@@ -742,6 +753,8 @@ def test_lookup_acceptance_equals_its_definition():
         kw = dict(depths=rng.choice([1, 3, 10]), max_ngram=rng.choice([1, 2, 3, 4]), tail=rng.choice([1, 5, 1024]))
         if rng.random() < 0.3:
             kw.update(prior=[0.5, 0.3], prior_weight=8.0)
+        if rng.random() < 0.5:
+            kw.update(min_match=rng.choice([2, 3]))
         assert lookup_acceptance(ids, **kw) == lookup_acceptance_reference(ids, **kw), (n, vocab, kw)
 
 
@@ -1058,8 +1071,9 @@ def test_corrections_are_kept_for_the_next_process(tmp_path, monkeypatch):
 
 def test_lookup_index_predicts_as_the_whole_texts_sort():
     """The prompt's index predicts what lookup_predictions does on the whole text, on the prompt
-    and on what follows it (texts that repeat much or not at all, continuations that copy the
-    prompt, vocabularies of 2 to 50,000, prompts shorter than an n-gram)."""
+    and on what follows it, with the lengths of the matches (texts that repeat much or not at all,
+    continuations that copy the prompt, vocabularies of 2 to 50,000, prompts shorter than an
+    n-gram)."""
     import numpy as np
 
     from longspec.spec.acceptance import LookupIndex, lookup_predictions
@@ -1071,12 +1085,15 @@ def test_lookup_index_predicts_as_the_whole_texts_sort():
         if rng.random() < 0.3:
             start = rng.randrange(p)
             ids = ids[:p] + (ids[start:p] * 80)[:t]
-        index, whole = LookupIndex(ids[:p]), lookup_predictions(np.asarray(ids), 3)
-        assert (index.predictions(ids) == whole[p:]).all() and (index.prompt_guess == lookup_predictions(
-            np.asarray(ids[:p]), 3)).all(), (trial, vocab, p, t)
-        tail = rng.randint(1, max(t, 1))
-        assert lookup_acceptance(ids, tail=tail, index=index if t else LookupIndex(ids)) == lookup_acceptance(
-            ids, tail=tail)
+        index, whole = LookupIndex(ids[:p]), lookup_predictions(np.asarray(ids), 3, lengths=True)
+        guess, matched = index.predictions(ids, lengths=True)
+        assert (guess == whole[0][p:]).all() and (matched == whole[1][p:]).all(), (trial, vocab, p, t)
+        assert (index.predictions(ids) == guess).all()
+        prompt = lookup_predictions(np.asarray(ids[:p]), 3, lengths=True)
+        assert (index.prompt_guess == prompt[0]).all() and (index.prompt_matched == prompt[1]).all()
+        tail, min_match = rng.randint(1, max(t, 1)), rng.choice([1, 2])
+        assert lookup_acceptance(ids, tail=tail, index=index if t else LookupIndex(ids), min_match=min_match) == \
+            lookup_acceptance(ids, tail=tail, min_match=min_match)
     # a long generation (its gained part sorted, not compared pairwise: that grew with its square)
     ids = [rng.randrange(50) for _ in range(3000)]
     assert (LookupIndex(ids[:1000]).predictions(ids) == lookup_predictions(np.asarray(ids), 3)[1000:]).all()

@@ -265,7 +265,8 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
     drafts = max_ngram >= 2  # (the motif's row matches its last 2-4 tokens)
     nodes = depth + 1 if drafts else 1
     assert tree.num_nodes == nodes and tree.depth == nodes - 1
-    assert torch.equal(tree.tokens[:, 1:], tokens[:, :nodes - 1]) and tree.parents[0].tolist() == list(range(-1, nodes - 1))
+    assert torch.equal(tree.tokens[:, 1:], tokens[:, :nodes - 1])
+    assert tree.parents[0].tolist() == list(range(-1, nodes - 1))
     assert tree.draft_probs is None and not tree.children_sampled
 
 

@@ -510,7 +510,8 @@ def test_on_a_cpu_a_lookup_chain_drafts_only_where_two_tokens_match(targets, mon
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = Generator(target).generate([prompt], config).sequences[0]
     widths, verify = [], target.verify
-    monkeypatch.setattr(target, "verify", lambda tokens, *a, **k: widths.append(tokens.shape[1]) or verify(tokens, *a, **k))
+    monkeypatch.setattr(target, "verify",
+                        lambda tokens, *a, **k: widths.append(tokens.shape[1]) or verify(tokens, *a, **k))
     engine = Engine(target, PromptLookup(), TreeSpec.chain(4), max_batch=1, max_len=96)
     seq = Sequence(prompt, 40)
     engine.add([seq])

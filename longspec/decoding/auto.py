@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..spec.acceptance import LookupIndex, expected_tokens, lookup_acceptance
+from ..spec.prompt_lookup import DECODE_BELOW
 from ..spec.proposers import LongSpecProposer, PromptLookup
 from ..spec.tree import DEFAULT_TREE, HYBRID_TREE, TreeSpec
 from .step_costs import choose, cost_contexts, cost_key, fastest, read_costs
@@ -48,6 +49,10 @@ LOOKUP_CHAINS = (3, 5, 7)
 # the lookup's hit rates at which the chains' lengths are compared where the prompt's are lower (a
 # chain that pays: its first token right half of the time, each next one four times in five)
 PAYING_HITS = (0.5,) + (0.8,) * 9
+# on a CPU a chain's rounds draft only where the lookup matched DECODE_BELOW tokens or more (elsewhere
+# they are decode steps): their hit rates are measured there, each depth counting this many positions
+# at PAYING_HITS' rate too (a prompt with few such matches, e.g. a short one, says little of them)
+CHAIN_PRIOR_POSITIONS = 8.0
 AUTO_TREES = ("2,2,2", "4,4,4,4,4,1,1,1,1,1")
 # on CUDA: the default hybrid tree and two narrower, shallower beams with a lookup tail (cheaper
 # rounds, for where the draft's deep levels are rarely right, e.g. sampled calls: at temperature 1
@@ -72,23 +77,25 @@ def costs_measured(target, draft, costs_file: Optional[str] = None) -> bool:
                for c in cost_contexts(target))
 
 
-def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool = False) -> dict:
-    """``--proposer auto``'s candidates for a text with lookup hit rates ``hits``: {label: (tree,
-    make_proposer, expected tokens per round)}: prompt-lookup chains of ``LOOKUP_CHAINS`` tokens
-    and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
+def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool = False,
+                chain_hits: Optional[Sequence[float]] = None) -> dict:
+    """``--proposer auto``'s candidates for a text with lookup hit rates ``hits`` (``chain_hits``:
+    those of the rounds the chains draft in, where not every round: a CPU's; default ``hits``):
+    {label: (tree, make_proposer, expected tokens per round)}: prompt-lookup chains of
+    ``LOOKUP_CHAINS`` tokens and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
     fewer, those of :func:`candidate_trees`: each tree an engine drafts is captured once per process
     and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
-    candidates = {}
+    candidates, chain_hits = {}, hits if chain_hits is None else chain_hits
     chains, trees = (LOOKUP_CHAINS, AUTO_TREES) if not on_cuda else (GPU_LOOKUP_CHAINS, GPU_CANDIDATE_TREES)
     for n in chains:
         tree = _tree(f"chain:{n}")
         if draft is not None:
             candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
-                                            expected_tokens(tree, lookup=hits))
+                                            expected_tokens(tree, lookup=chain_hits))
         else:
-            candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=hits))
+            candidates[f"pld {tree}"] = (tree, PromptLookup, expected_tokens(tree, lookup=chain_hits))
     for shape in trees if draft is not None else ():
         tree = _tree(shape)
         candidates[f"hybrid {tree}"] = (tree, lambda: LongSpecProposer(draft, PromptLookup()),
@@ -130,7 +137,9 @@ class Plan:
     ``start``: the first rounds' tree (auto: the cost model's pick; None: plain rounds); ``draft``:
     the hybrid's; ``note``: why (auto); ``predicted``: {tree or None: (tokens per round, round
     ms)} of every candidate, the :class:`~longspec.decoding.controller.Controller`'s start (None:
-    no cost model, ``start`` runs throughout). ``hits``: the lookup's hit rates on the prompt,
+    no cost model, ``start`` runs throughout; a CPU's chains: the rounds they draft in, as its
+    rounds are measured). ``hits``: the lookup's hit rates on the prompt (``chain_hits``: where
+    the chains draft, from matches of ``min_match`` tokens),
     ``acceptance`` the draft's table and ``index`` the prompt's
     :class:`~longspec.spec.acceptance.LookupIndex`, for :meth:`repredict`. ``proposer``: the
     proposer object the engine runs (None: plain decoding; :func:`resolve` leaves it to the
@@ -144,6 +153,8 @@ class Plan:
     note: str = ""
     predicted: Optional[dict] = None
     hits: tuple = ()
+    chain_hits: tuple = ()
+    min_match: int = 1
     acceptance: tuple = ()
     index: Optional[LookupIndex] = None
     proposer: object = None
@@ -156,10 +167,11 @@ class Plan:
         continuing code repeats the prompt far more than the prompt repeats itself
         (docs/benchmarks.md, "Generation on a CPU")."""
         start = max(0, n_prompt - PLAN_WINDOW)  # (the index holds the prompt's last PLAN_WINDOW tokens)
-        hits = lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=self.hits, prior_weight=8.0,
-                                 index=self.index)
-        return {tree: expected_tokens(tree, () if tree.kind == "chain" else self.acceptance, hits)
-                for tree in self.predicted or {} if tree is not None}
+        hits, chain_hits = (lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=prior, prior_weight=8.0,
+                                              index=self.index, min_match=min_match)
+                            for prior, min_match in ((self.hits, 1), (self.chain_hits or self.hits, self.min_match)))
+        return {tree: expected_tokens(tree, lookup=chain_hits) if tree.kind == "chain" else
+                expected_tokens(tree, self.acceptance, hits) for tree in self.predicted or {} if tree is not None}
 
 
 _LOOKUPS: "OrderedDict[bytes, tuple]" = OrderedDict()  # the last texts' (LookupIndex, hit rates), by content
@@ -205,11 +217,15 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
         return Plan("hybrid", tree, tree, draft, "the draft has no acceptance table: default tree")
     recent = np.asarray(ids[-PLAN_WINDOW:], dtype=np.int64)
     index, hits = _lookup_of(recent)
-    candidates = _candidates(recent, draft, hits, target.device.type == "cuda")
+    on_cuda = target.device.type == "cuda"
+    min_match = 1 if on_cuda else DECODE_BELOW  # (PromptLookup: a CPU's chain rounds draft only from such matches)
+    chain_hits = hits if on_cuda else lookup_acceptance(recent, index=index, min_match=min_match, prior=PAYING_HITS,
+                                                        prior_weight=CHAIN_PRIOR_POSITIONS)
+    candidates = _candidates(recent, draft, hits, on_cuda, chain_hits)
     _, _, costs = choose(target, candidates, len(ids), costs_file)
     steps = costs["target_ms"]
     note = predictions(candidates, costs)
-    candidates = _one_chain(candidates, costs, hits)  # (the first tree: the fastest of those kept)
+    candidates = _one_chain(candidates, costs, chain_hits)  # (the first tree: the fastest of those kept)
     label, gain = fastest({name: (tree, tokens) for name, (tree, _, tokens) in candidates.items()}, costs)
     predicted = {tree: (tokens, costs["draft_ms"][name] + steps[str(tree.num_nodes)])
                  for name, (tree, _, tokens) in candidates.items()}
@@ -221,5 +237,5 @@ def resolve(target, ids: Sequence[int], draft, costs_file: Optional[str] = None)
     why = ("cost model: plain decoding is fastest here" if label is None else
            f"cost model: {gain:.2f}x plain decoding predicted")
     return Plan("hybrid" if draft is not None else "pld", biggest, start, draft,
-                f"{why} ({note}); measured while generating", predicted, tuple(hits),
+                f"{why} ({note}); measured while generating", predicted, tuple(hits), tuple(chain_hits), min_match,
                 tuple(map(tuple, draft.config.acceptance)) if draft is not None else (), index)

@@ -23,6 +23,7 @@ from ..config import GenerationConfig
 from ..convert import home_dir
 from ..engine.runner import time_graph
 from ..models.checkpoint import write_atomic
+from ..spec.prompt_lookup import DECODE_BELOW
 from ..spec.proposers import LongSpecProposer
 from ..spec.sampling import Uniforms
 from ..spec.tree import HYBRID_TREE, TreeSpec
@@ -147,10 +148,12 @@ def _cuda_name(index: int) -> str:
 
 def corrections_key(target, draft) -> str:
     """What auto's corrections of its predictions depend on: the model, the draft (its acceptance
-    table) and the prediction's code (:data:`COSTS_VERSION`)."""
+    table), the prediction's code (:data:`COSTS_VERSION`) and, on a CPU, where its chains draft
+    (:data:`~longspec.spec.prompt_lookup.DECODE_BELOW`: their predictions are of those rounds)."""
     model = os.path.basename(str(target.path or "model").rstrip("/"))
     table = json.dumps(draft.config.acceptance if draft is not None else None)
-    return f"{model} | draft {hashlib.sha1(table.encode()).hexdigest()[:12]} | v{COSTS_VERSION}"
+    chains = "" if target.device.type == "cuda" else f" | cpu chains from {DECODE_BELOW}-token matches"
+    return f"{model} | draft {hashlib.sha1(table.encode()).hexdigest()[:12]} | v{COSTS_VERSION}{chains}"
 
 
 def choose(target, candidates: dict, prompt_len: int, costs_file: Optional[str] = None, batch: int = 1,

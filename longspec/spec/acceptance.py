@@ -46,21 +46,27 @@ def expected_tokens(tree: TreeSpec, acceptance: Sequence[Sequence[float]] = (),
 
 
 def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int = 3, tail: int = 1024,
-                      prior: Sequence[float] = (), prior_weight: float = 0.0, index: "LookupIndex" = None) -> list:
+                      prior: Sequence[float] = (), prior_weight: float = 0.0, index: "LookupIndex" = None,
+                      min_match: int = 1) -> list:
     """Prompt lookup's conditional hit rates on a text (the prompt itself): ``q[d-1]`` = how often
     the lookup predicts the next token right at chain depth d, given it was right up to d - 1. The
     prediction for position s is what followed the most recent earlier occurrence of the longest
     (up to ``max_ngram``) suffix of ``token_ids[:s]``, as :class:`PromptLookup` ranks first;
-    measured over the last ``tail`` positions. With a ``prior`` (rates per depth), each depth's
-    rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near it).
-    ``index``: a :class:`LookupIndex` of ``token_ids`` or of a prompt they continue (its
+    measured over the last ``tail`` positions (a position where nothing matched is a miss); with
+    ``min_match`` above 1, over those where that suffix is ``min_match`` tokens long or longer (a
+    CPU's chain rounds draft only there, the others are decode steps:
+    :data:`~longspec.spec.prompt_lookup.DECODE_BELOW`). With a ``prior`` (rates per depth), each
+    depth's rate counts ``prior_weight`` extra positions at the prior's rate (few positions: near
+    it). ``index``: a :class:`LookupIndex` of ``token_ids`` or of a prompt they continue (its
     predictions on the continuation cost little)."""
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    guess = index.last_predictions(ids, tail) if index is not None and index.max_ngram == max_ngram else None
-    if guess is None:
-        guess = lookup_predictions(ids, max_ngram)[max(0, len(ids) - tail):]
+    found = index.last_predictions(ids, tail) if index is not None and index.max_ngram == max_ngram else None
+    if found is None:
+        found = [a[max(0, len(ids) - tail):] for a in lookup_predictions(ids, max_ngram, lengths=True)]
+    guess, matched = found
     hit = guess == ids[len(ids) - len(guess):]
-    q, runs = [], np.arange(len(hit))  # starts whose chain is right so far
+    # starts whose chain is right so far
+    q, runs = [], np.arange(len(hit)) if min_match <= 1 else np.flatnonzero(matched >= min_match)
     weight = prior_weight if prior else 0.0
     for d in range(depths):
         valid = runs[runs + d < len(hit)]
@@ -71,13 +77,14 @@ def lookup_acceptance(token_ids: Sequence[int], depths: int = 10, max_ngram: int
     return q
 
 
-def lookup_predictions(ids: np.ndarray, max_ngram: int = 3) -> np.ndarray:
+def lookup_predictions(ids: np.ndarray, max_ngram: int = 3, lengths: bool = False):
     """ids [N] int64 -> [N]: the token prompt lookup predicts at each position s (what followed
     the most recent earlier occurrence of the longest suffix of ``ids[:s]`` of at most
-    ``max_ngram`` tokens), -1 where none occurred. Sorting (N log N), not a scan.
+    ``max_ngram`` tokens), -1 where none occurred; with ``lengths``, (that, and [N] the length of
+    that suffix, 0 where none occurred). Sorting (N log N), not a scan.
     The n-grams of each length are ranked from the ranks of the one shorter and their last token,
     so equal n-grams get equal keys whatever the vocabulary."""
-    guess = np.full(len(ids), -1, dtype=np.int64)
+    guess, matched = np.full(len(ids), -1, dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
     base = int(ids.max()) + 1 if len(ids) else 1
     rank = np.zeros(len(ids), dtype=np.int64)  # of the n-gram starting at each position (n = 0: all equal)
     for n in range(1, min(max_ngram, len(ids) - 1) + 1):
@@ -86,9 +93,10 @@ def lookup_predictions(ids: np.ndarray, max_ngram: int = 3) -> np.ndarray:
         order = np.argsort(key, kind="stable")  # equal n-grams together, in text order
         same = key[order[1:]] == key[order[:-1]]
         guess[order[1:][same] + n] = ids[order[:-1][same] + n]  # a longer n-gram overrides a shorter
+        matched[order[1:][same] + n] = n
         rank = np.empty(m, dtype=np.int64)
         rank[order] = np.concatenate(([0], np.cumsum(~same)))
-    return guess
+    return (guess, matched) if lengths else guess
 
 
 class LookupIndex:
@@ -107,8 +115,11 @@ class LookupIndex:
         self.exact = (max_ngram * self.BITS < 64 and len(ids) > max_ngram
                       and 0 <= int(ids.min()) and int(ids.max()) < 1 << self.BITS)
         self.last = []  # per n: (sorted keys of the prompt's n-grams, the start of each one's last occurrence)
-        # the predictions on the prompt itself, from the same sorts (as lookup_predictions)
-        self.prompt_guess = np.full(len(ids), -1, dtype=np.int64) if self.exact else lookup_predictions(ids, max_ngram)
+        # the predictions on the prompt itself and their matches' lengths, from the same sorts (as
+        # lookup_predictions)
+        self.prompt_guess, self.prompt_matched = (
+            (np.full(len(ids), -1, dtype=np.int64), np.zeros(len(ids), dtype=np.int64)) if self.exact
+            else lookup_predictions(ids, max_ngram, lengths=True))
         for n in range(1, max_ngram + 1) if self.exact else ():
             keys = self._keys(ids, n)[:len(ids) - n]  # (the n-grams a prompt token follows)
             # equal n-grams together, in text order: sorted by (n-gram's rank, position), two
@@ -117,15 +128,20 @@ class LookupIndex:
             order = np.argsort(rank.reshape(-1) * len(keys) + np.arange(len(keys)))
             same = rank[order[1:]] == rank[order[:-1]]
             self.prompt_guess[order[1:][same] + n] = ids[order[:-1][same] + n]
+            self.prompt_matched[order[1:][same] + n] = n
             self.last.append((distinct, order[np.append(~same, True)]))
 
-    def last_predictions(self, token_ids: np.ndarray, tail: int) -> Optional[np.ndarray]:
-        """Predictions on the last ``tail`` positions of ``token_ids`` (the prompt, or the prompt
-        and more), or None where they reach back into a longer text's prompt."""
+    def last_predictions(self, token_ids: np.ndarray, tail: int) -> Optional[tuple]:
+        """(predictions, their matches' lengths) on the last ``tail`` positions of ``token_ids``
+        (the prompt, or the prompt and more), or None where they reach back into a longer text's
+        prompt."""
         gained = len(token_ids) - self.prompt_len
         if gained == 0:
-            return self.prompt_guess[max(0, self.prompt_len - tail):]
-        return self.predictions(token_ids)[gained - tail:] if 0 < tail <= gained else None
+            start = max(0, self.prompt_len - tail)
+            return self.prompt_guess[start:], self.prompt_matched[start:]
+        if not 0 < tail <= gained:
+            return None
+        return tuple(a[gained - tail:] for a in self.predictions(token_ids, lengths=True))
 
     @classmethod
     def _keys(cls, ids: np.ndarray, n: int) -> np.ndarray:
@@ -135,14 +151,16 @@ class LookupIndex:
             key = (key << cls.BITS) | ids[i:len(ids) - n + 1 + i]
         return key
 
-    def predictions(self, token_ids: Sequence[int]) -> np.ndarray:
+    def predictions(self, token_ids: Sequence[int], lengths: bool = False):
         """``token_ids`` [N] (the prompt, then more) -> [N - prompt length]: the token prompt
-        lookup predicts at each position after the prompt (-1 where nothing matches)."""
+        lookup predicts at each position after the prompt (-1 where nothing matches); with
+        ``lengths``, (that, the lengths of the matches: as :func:`lookup_predictions`)."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         p, total = self.prompt_len, len(ids)
         if not self.exact or total == p or int(ids[p:].min()) < 0 or int(ids[p:].max()) >= 1 << self.BITS:
-            return lookup_predictions(ids, self.max_ngram)[p:]
-        guess = np.full(total - p, -1, dtype=np.int64)
+            found = lookup_predictions(ids, self.max_ngram, lengths=True)
+            return tuple(a[p:] for a in found) if lengths else found[0][p:]
+        guess, matched = np.full(total - p, -1, dtype=np.int64), np.zeros(total - p, dtype=np.int64)
         for n, (keys, starts) in enumerate(self.last, start=1):  # (a longer n-gram overrides a shorter)
             region = p - n  # n-grams starting here or later have their follower after the prompt
             gained = self._keys(ids[region:], n)  # [total - p + 1]: keys of those starting at region..
@@ -155,7 +173,8 @@ class LookupIndex:
             at = np.searchsorted(keys, query).clip(max=len(keys) - 1)  # ... else the prompt's last
             j = np.where((j < 0) & (keys[at] == query), starts[at], j)
             guess = np.where(j >= 0, ids[(j + n).clip(min=0)], guess)
-        return guess
+            matched = np.where(j >= 0, n, matched)
+        return (guess, matched) if lengths else guess
 
 
 def _at_width(row: Sequence[float], width: int) -> float:
