@@ -1512,6 +1512,21 @@ def test_plain_rounds_take_over_from_a_candidate_a_little_slower():
     assert ran.count(tree) <= 2 * controller.SETTLED_ROUNDS + controller.DWELL and set(ran[-20:]) == {None}
 
 
+def test_a_tree_may_take_over_from_a_chain_whose_rounds_draft_nothing():
+    """A CPU's lookup chain that finds no match runs decode steps, observed as plain rounds: they
+    do not hand the call to plain rounds (the chain's own rounds decide that), but a tree now
+    expected clearly faster takes over as it would after the chain's own round."""
+    from longspec.decoding.controller import Controller
+
+    chain, tree = TreeSpec.chain(7), TreeSpec.parse("4,4,4,4,4,1,1,1,1,1")
+    c = timed_plain(Controller(offset=True), 60.0)
+    assert c.begin({chain: (2.5, 100.0), tree: (2.0, 150.0), None: (1.0, 60.0)}, "greedy") == chain
+    assert c.observe(1.0, 0.055, None) == chain  # (plain rounds a little faster than before: kept)
+    assert c.candidates["plain"].rounds == 1 and c.candidates["chain:7"].rounds == 0
+    c.repredict({tree: 6.0})  # (the generated text now suits the tree: 1.6x the chain's rate)
+    assert c.observe(1.0, 0.06, None) == tree
+
+
 def test_a_candidate_that_gave_way_runs_again_once_where_the_generated_text_repeats():
     """A chain that hit nothing in a call's first rounds gives way to plain rounds; when the
     lookup's prediction on the text generated since says far more (a chat answer quoting the

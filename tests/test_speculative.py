@@ -242,14 +242,14 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
     best match of the history's tail and the tokens after it, wrapping past the history's end
     (a repeating motif, a match just before the end), as the by-hand copy gives, with the number
     of tokens matched (0 exactly where nothing matches). On a CPU a chain round drafts only where
-    some row matched 2 tokens or more, else its tree is the root alone (a decode step): both
-    happen here (no 2-token match with ``max_ngram`` 1)."""
+    some row in use matched 2 tokens or more (``max_ngram`` at most), else its tree is the root
+    alone (a decode step)."""
     from longspec.kv.cache import KVCache
 
     target = targets["llama"]
     gen = torch.Generator().manual_seed(depth * 100 + max_ngram * 10 + min_ngram)
-    lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-    lookup.begin(target, KVCache(target.config, 5, 64), TreeSpec.chain(depth), GenerationConfig(), None)
+    lookup, cache = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram), KVCache(target.config, 5, 64)
+    lookup.begin(target, cache, TreeSpec.chain(depth), GenerationConfig(), None)
     motif = torch.randint(0, 160, (6,), generator=gen).tolist()
     histories = [motif * 4 + motif[:2], torch.randint(0, 4, (40,), generator=gen).tolist(), [7, 8, 9],
                  [5, 6, 5, 6, 5], [3, 1, 2, 3]]
@@ -261,13 +261,15 @@ def test_a_lookup_chain_is_the_copied_continuation_of_the_best_match(targets, ma
         assert int(matched[row]) == n, (h, expected)
         if expected is not None:
             assert tokens[row].tolist() == expected, (h, tokens[row].tolist(), expected)
-    tree = lookup.propose(torch.tensor([h[-1] for h in histories]))
-    drafts = max_ngram >= 2  # (the motif's row matches its last 2-4 tokens)
-    nodes = depth + 1 if drafts else 1
-    assert tree.num_nodes == nodes and tree.depth == nodes - 1
-    assert torch.equal(tree.tokens[:, 1:], tokens[:, :nodes - 1])
-    assert tree.parents[0].tolist() == list(range(-1, nodes - 1))
+    root = torch.tensor([h[-1] for h in histories])
+    cache.lengths.copy_(torch.tensor([len(h) - 1 for h in histories]))  # (rows in use: their text cached)
+    tree = lookup.propose(root)  # (a row matches min(2, max_ngram) tokens: the motif's)
+    assert tree.num_nodes == depth + 1 and tree.depth == depth
+    assert torch.equal(tree.tokens[:, 1:], tokens) and tree.parents[0].tolist() == list(range(-1, depth))
     assert tree.draft_probs is None and not tree.children_sampled
+    cache.lengths.zero_()  # (free rows, riding along in a bucket's rounds, draft nothing)
+    alone = lookup.propose(root)
+    assert alone.num_nodes == 1 and alone.depth == 0 and torch.equal(alone.tokens[:, 0], root)
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])

@@ -69,6 +69,17 @@ def test_sampling_matches_target_distribution(small_vocab_target, proposer, tree
     assert_two_token_distribution(target, prompt, config, out.sequences)
 
 
+@pytest.mark.parametrize("prompt", [[1, 5, 2, 7, 3, 0, 6], [1, 5, 2, 1, 5, 2, 1, 5]])
+def test_sampling_with_lookup_chains_matches_target_distribution(small_vocab_target, prompt):
+    """Prompt lookup's chains, sampled on a CPU: after a prompt of distinct tokens no row matches
+    2 tokens, so the rounds draft nothing (decode steps); after a repeating one they draft the
+    chain. Either way the first two tokens follow the exact warped target distribution."""
+    target, n = small_vocab_target, 20000
+    config = GenerationConfig(max_new_tokens=2, temperature=0.8, top_p=0.9, seed=321, ignore_eos=True)
+    out = Generator(target, proposer=PromptLookup(), tree="chain:3").generate([prompt] * n, config)
+    assert_two_token_distribution(target, prompt, config, out.sequences)
+
+
 def test_sampling_with_a_lookup_tail_matches_target_distribution(small_vocab_target):
     """The hybrid with levels of one node (filled by the lookup chain on a repetitive prompt)
     under sampling: the same chi-square test against the exact warped target."""

@@ -82,9 +82,9 @@ def _candidates(ids: Sequence[int], draft, hits: Sequence[float], on_cuda: bool 
     """``--proposer auto``'s candidates for a text with lookup hit rates ``hits`` (``chain_hits``:
     those of the rounds the chains draft in, where not every round: a CPU's; default ``hits``):
     {label: (tree, make_proposer, expected tokens per round)}: prompt-lookup chains of
-    ``LOOKUP_CHAINS`` tokens and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``. On CUDA (``on_cuda``)
-    fewer, those of :func:`candidate_trees`: each tree an engine drafts is captured once per process
-    and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
+    ``LOOKUP_CHAINS`` tokens and, with a ``draft``, the hybrid with each of ``CANDIDATE_TREES``.
+    On CUDA (``on_cuda``) fewer, those of :func:`candidate_trees`: each tree an engine drafts is
+    captured once per process and kind of round. With a draft the lookup chains are the hybrid's (labelled "hybrid
     chain:N"): its lookup drafts them alone in the hybrid's engine
     (:meth:`LongSpecProposer.propose`), so one engine, one KV pool, serves every choice."""
     candidates, chain_hits = {}, hits if chain_hits is None else chain_hits
@@ -167,9 +167,12 @@ class Plan:
         continuing code repeats the prompt far more than the prompt repeats itself
         (docs/benchmarks.md, "Generation on a CPU")."""
         start = max(0, n_prompt - PLAN_WINDOW)  # (the index holds the prompt's last PLAN_WINDOW tokens)
-        hits, chain_hits = (lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=prior, prior_weight=8.0,
-                                              index=self.index, min_match=min_match)
-                            for prior, min_match in ((self.hits, 1), (self.chain_hits or self.hits, self.min_match)))
+        def rates(prior, min_match):
+            return lookup_acceptance(ids[start:], tail=len(ids) - n_prompt, prior=prior, prior_weight=8.0,
+                                     index=self.index, min_match=min_match)
+
+        hits = rates(self.hits, 1)
+        chain_hits = hits if self.min_match <= 1 else rates(self.chain_hits, self.min_match)
         return {tree: expected_tokens(tree, lookup=chain_hits) if tree.kind == "chain" else
                 expected_tokens(tree, self.acceptance, hits) for tree in self.predicted or {} if tree is not None}
 

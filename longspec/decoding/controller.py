@@ -230,6 +230,8 @@ class Controller:
         waits for the current candidate's own rounds (a chain's say what it makes where it
         drafts; where it does not, it costs what plain rounds do)."""
         decoded = tree is None and self.current.tree is not None
+        if decoded and "plain" not in self.candidates:
+            return self.current.tree  # (nothing to time it for)
         name = label(self.current.tree if tree is _CURRENT else tree)
         c = self.candidates.get(name, self.current)
         name = label(c.tree)
@@ -247,7 +249,7 @@ class Controller:
         if c.tree is not None:
             self._temper()
         if decoded:
-            return self.current.tree
+            return self._after_plain_round()
         if self._retime_plain(c) or self.current.tree is None and len(self.times.get("plain", ())) < SETTLED_ROUNDS:
             return None  # (plain rounds being timed)
         best = self._best()
@@ -259,6 +261,18 @@ class Controller:
         margin = RETREAT_MARGIN if best.tree is None else SWITCH_MARGIN
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > margin * c.rate
                               and (self.dwell >= DWELL or probed)):
+            self.current, self.dwell = best, 0
+        return self.current.tree
+
+    def _after_plain_round(self) -> Optional[TreeSpec]:
+        """The tree for the next rounds after a plain round observed while the current candidate
+        drafts (see :meth:`observe`): another speculative candidate may take over as after the
+        current one's own round (its dwell counts its own rounds only: a GPU's late round ran
+        before it took over); plain rounds do not (the current candidate's own rounds decide that:
+        a CPU's lookup chain that drafted nothing cost what a plain round does)."""
+        best = max((c for c in self.candidates.values() if c.tree is not None), key=lambda c: c.rate)
+        if best is not self.current and (best.rate > CLEAR_MARGIN * self.current.rate or
+                                         best.rate > SWITCH_MARGIN * self.current.rate and self.dwell >= DWELL):
             self.current, self.dwell = best, 0
         return self.current.tree
 

@@ -21,8 +21,8 @@ def tree_text(tree: Optional[TreeSpec]) -> Optional[str]:
 def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, repredict=None,
                launch_ahead: Optional[bool] = None) -> tuple:
     """Rounds until every row is done; with a ``controller`` (see
-    :class:`~longspec.decoding.controller.Controller`), every round's measurements (its tree,
-    tokens per row, wall time) go to it, and the engine runs the tree it names next;
+    :class:`~longspec.decoding.controller.Controller`), every round's measurements (its tree, None
+    for a round that drafted nothing, tokens per row, wall time) go to it, and the engine runs the tree it names next;
     ``repredict(tokens, n_prompt)``: new predictions of tokens per round from the text so far,
     given to it at 16, 32, 64, ... generated tokens (on a CPU, whose rounds take tens of
     milliseconds, every 8). On a GPU the next round is launched before this one's tokens are
@@ -62,7 +62,8 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
             check = check + 8 if on_cpu else 2 * check
             if controller.wants_predictions():
                 controller.repredict(repredict(seq.prompt + seq.tokens, len(seq.prompt)))
-        chosen = controller.observe(tokens, seconds, None if engine.decoded else tree)  # (a chain that drafted nothing)
+        # (a round that drafted nothing, a CPU's lookup chain without a match, is a plain round)
+        chosen = controller.observe(tokens, seconds, None if engine.decoded else tree)
 
     try:
         while engine.has_active:

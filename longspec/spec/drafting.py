@@ -86,7 +86,8 @@ class Proposer:
 
     def accepted(self, emitted: torch.Tensor, counts: torch.Tensor) -> None:
         """emitted [B, D+1]: per row, the tokens the last round emitted (accepted drafts + bonus),
-        the first ``counts[b]`` valid."""
+        the first ``counts[b]`` valid (fewer columns after a round that drafted less: a bucket's
+        smaller tree, a CPU's lookup chain that drafted nothing)."""
 
     def decoded(self, root: torch.Tensor) -> None:
         """A round decodes ``root`` [B] plainly, drafting nothing (a batch bucket where speculation

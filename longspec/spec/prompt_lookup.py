@@ -23,9 +23,10 @@ class PromptLookup(TreeDrafter):
 
     The history lives on the device ([B, capacity] tokens) and the search is a few tensor ops over
     it, with fixed shapes: rounds can be captured in a CUDA graph. Where rounds run eagerly (a
-    CPU), a chain round whose rows all matched fewer than ``decode_below`` tokens drafts nothing
-    (its tree is the root alone: a decode step); its arbitrary or 1-token-match guesses would cost
-    the verification of the whole chain, up to twice a decode step there, and rarely hold."""
+    CPU), a chain round whose rows all matched fewer than ``decode_below`` tokens (at most
+    ``max_ngram``) drafts nothing (its tree is the root alone: a decode step); its arbitrary or
+    1-token-match guesses would cost the verification of the whole chain, up to twice a decode step
+    there, and rarely hold."""
 
     graphable = True
     follows_plain_rounds = True  # its history takes every emitted token through ``accepted``
@@ -87,7 +88,9 @@ class PromptLookup(TreeDrafter):
             return super().propose(root)
         b, n = root.shape[0], spec.num_nodes
         matched, path = self.continuation(spec.depth)
-        if not root.is_cuda and not bool((matched >= self.decode_below).any()):  # (a CPU: no graphs, no wait)
+        # (a CPU: no graphs, no wait; rows with nothing cached are free rows riding along in the bucket)
+        below = min(self.decode_below, self.max_ngram)
+        if not root.is_cuda and not bool(((matched >= below) & (self.cache.lengths > 0)).any()):
             n, path = 1, path[:, :0]
         tokens = torch.cat([root[:, None], path], 1)
         parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
