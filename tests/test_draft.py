@@ -354,10 +354,11 @@ def test_the_hybrids_chain_rounds_draft_as_the_engine_says(targets, monkeypatch)
 
     target = targets["llama"]
     proposer = LongSpecProposer(noisy_draft(target, window=6), lookup=PromptLookup())
-    proposer.begin(target, KVCache(target.config, 1, 96), TreeSpec.parse("2,2,2"), RowSampling.zeros(1, "cpu"),
-                   Uniforms(None, "cpu"))
+    cache = KVCache(target.config, 1, 96)
+    proposer.begin(target, cache, TreeSpec.parse("2,2,2"), RowSampling.zeros(1, "cpu"), Uniforms(None, "cpu"))
     prompt = repetitive_prompts(1, seed=4)[0]
     proposer.add(0, prompt[:-1], prompt[-1])
+    cache.lengths[0] = len(prompt) - 1  # (the row in use, its prompt cached: its chain drafts where it matches)
     generic = []
     grow = TreeDrafter.propose
     monkeypatch.setattr(TreeDrafter, "propose", lambda self, root: generic.append(type(self).__name__)
@@ -431,7 +432,7 @@ def test_the_merged_lookup_chain_follows_the_beams_own_pick_of_its_token():
         assert tuple([2] + text[:tree.depth]) in paths.values()  # (the chain, one path)
         return verify_sampling(drafted, probs, torch.Generator().manual_seed(1)).num_accepted.float().mean().item()
 
-    chain = accepted(PromptLookup(), TreeSpec.chain(5))
+    chain = accepted(PromptLookup(decode_below=1), TreeSpec.chain(5))  # (a 1-token match: drafted on a CPU too)
     for tree in ("2,2,1,1,1", "4,4,1,1,1"):
         hybrid = Agrees()
         hybrid.lookup = PromptLookup()
