@@ -4,8 +4,7 @@ lookup matched at least g tokens of the text's tail (elsewhere a decode step), e
 at ``ratio`` decode steps (a CPU's verification of depth + 1 tokens against one). Prints tokens
 per decode step's time against plain decoding's, per gate and ratio, and the tokens a drafting
 round accepted by the length of its match. The greedy text is the model's (the tokens every
-method emits); the rounds follow ``PromptLookup.continuation``: the longest, then most recent,
-match of the last 1-3 tokens, copied on from its follower.
+method emits); each round's chain is ``PromptLookup.continuation`` on the text so far.
 
     python benchmarks/sim_lookup_gate.py --prompt-file A.py --prompt "def fibonacci(n):" \\
         --chat-prompt "What is speculative decoding?" --max-new-tokens 128 --threads 2
@@ -16,45 +15,39 @@ import argparse
 
 import torch
 
-from longspec import GenerationConfig, load_target
+from types import SimpleNamespace
+
+from longspec import GenerationConfig, PromptLookup, load_target
 from longspec.cli.commands import _tokenize
 from longspec.convert import default_model_dir
 from longspec.decoding.generator import Generator
+from longspec.spec.tree import TreeSpec
 
 
-def best_match(history: list, max_ngram: int = 3) -> tuple:
-    """(tokens matched, the follower's position; -1: none) of the history's tail: the longest
-    match of its last 1..max_ngram tokens, then the most recent."""
-    n_hist, best = len(history), (0, -1)
-    for f in range(1, n_hist):
-        m = 0
-        while m < max_ngram and f - 1 - m >= 0 and history[f - 1 - m] == history[n_hist - 1 - m] \
-                and f - 1 - m != n_hist - 1 - m:
-            m += 1
-        if m and (m, f) > best:
-            best = (m, f)
-    return best
-
-
-def replay(prompt: list, new: list, depth: int, gate: int, ratio: float) -> tuple:
-    """(decode steps' time of the rounds, {match length: tokens each drafting round accepted})."""
-    history, i, cost, accepted = list(prompt), 0, 0.0, {}
+def replay(prompt: list, new: list, depth: int, gate: int) -> tuple:
+    """(drafting rounds, decode steps, {match length: tokens each drafting round accepted}) of
+    ``PromptLookup``'s chain of ``depth`` on the text ``prompt`` + ``new``, a round drafting only
+    where the lookup matched ``gate`` tokens or more (0: every round)."""
+    lookup = PromptLookup()
+    cache = SimpleNamespace(lengths=torch.zeros(1, dtype=torch.long), batch_size=1, max_len=len(prompt) + len(new))
+    lookup.begin(SimpleNamespace(config=SimpleNamespace(vocab_size=1)), cache, TreeSpec.chain(depth),
+                 GenerationConfig(), None)
+    history, i, drafting, decoded, accepted = list(prompt), 0, 0, 0, {}
     while i < len(new):
-        matched, follower = best_match(history)
-        if matched < gate:  # (gate 0: every round drafts)
+        lookup.add(0, history[:-1], history[-1])
+        matched, chain = (int(a[0]) if a.dim() == 1 else a[0].tolist() for a in lookup.continuation(depth))
+        if matched < gate:
             history.append(new[i])
-            i, cost = i + 1, cost + 1.0
+            i, decoded = i + 1, decoded + 1
             continue
-        period = max(len(history) - follower, 1)
-        chain = [history[follower + s % period] for s in range(depth)] if follower >= 0 else [-1] * depth
         a = 0
         while a < depth and i + a < len(new) and chain[a] == new[i + a]:
             a += 1
         emitted = min(a + 1, len(new) - i)
         accepted.setdefault(matched, []).append(a)
         history += new[i:i + emitted]
-        i, cost = i + emitted, cost + ratio
-    return cost, accepted
+        i, drafting = i + emitted, drafting + 1
+    return drafting, decoded, accepted
 
 
 def main(argv=None):
@@ -80,11 +73,13 @@ def main(argv=None):
     for name, text, chat in prompts:
         ids = _tokenize(target_dir, text, chat)
         new = Generator(target).generate([ids], config).sequences[0]
-        _, accepted = replay(ids, new, args.depth, 1, 1.0)
+        rounds = {g: replay(ids, new, args.depth, g) for g in gates}
+        accepted = replay(ids, new, args.depth, 1)[2]
         by_match = "  ".join(f"{m}: {len(a)} rounds, {sum(a) / len(a):.2f} accepted" for m, a in sorted(accepted.items()))
         print(f"{name[:40]:<40}  {len(ids)} prompt tokens, {len(new)} new; drafting rounds by match length: {by_match}")
         for ratio in ratios:
-            speeds = "  ".join(f"gate {g}: {len(new) / replay(ids, new, args.depth, g, ratio)[0]:.2f}x" for g in gates)
+            speeds = "  ".join(f"gate {g}: {len(new) / (decoded + ratio * drafting):.2f}x"
+                               for g, (drafting, decoded, _) in rounds.items())
             print(f"    chain:{args.depth} round = {ratio} decode steps: tokens per step's time against plain  {speeds}")
 
 
