@@ -620,6 +620,50 @@ def test_switching_trees_while_generating_keeps_the_output(tiny, family, ahead):
     assert seq.tokens == plain[:8]
 
 
+def test_rounds_launched_ahead_give_the_controller_their_own_times_only(tiny):
+    """A GPU's rounds are launched ahead: a round's time is the device's from the last round's
+    end to its own. The call's first round (launched from idle: its launch, and the prefill's
+    tail, in its time), the rounds in flight while the host switched trees and the first round
+    after a switch (the rows taken in before it) give the controller no time (None), every other
+    round one; on a CPU (rounds one after another) every round gives its time."""
+    from longspec import GenerationConfig
+    from longspec.decoding.generator import Generator
+    from longspec.spec.proposers import PromptLookup
+
+    target, _ = tiny
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(5)).tolist() * 2
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+
+    class Timed(Scripted):
+        every = 6
+
+        def observe(self, tokens, seconds, tree):
+            self.seen.append((seconds, self.current))
+            return super().observe(tokens, seconds, tree)
+
+    for ahead in (True, False):
+        timed = Timed(None, [TreeSpec.chain(3), None, TreeSpec.chain(3)])
+        timed.seen = []
+        gen = Generator(target, PromptLookup(), TreeSpec.chain(4), controller=timed)
+        gen.launch_ahead = ahead
+        out = gen.generate([prompt], config)
+        assert out.sequences[0] == Generator(target).generate([prompt], config).sequences[0]
+        untimed = [i for i, (seconds, _) in enumerate(timed.seen) if seconds is None]
+        if not ahead:
+            assert untimed == [] and len(timed.seen) > 12
+            continue
+        switches = [i for i, ((_, a), (_, b)) in enumerate(zip(timed.seen, timed.seen[1:]), 1) if a != b]
+        assert len(switches) == 3
+        # the first round; at each switch (chosen at round i - 1's observation, round i in flight),
+        # round i and the new tree's first, i + 1; the last rounds (no room to launch one ahead)
+        assert all({i, i + 1} <= set(untimed) for i in switches)
+        rest = sorted(set(untimed) - {0} - {j for i in switches for j in (i, i + 1)})
+        assert untimed[0] == 0 and rest == list(range(len(timed.seen) - len(rest), len(timed.seen)))
+        assert len(rest) <= 4
+        assert all(seconds > 0 for seconds, _ in timed.seen if seconds is not None)
+        assert len(timed.seen) - len(untimed) >= 6
+
+
 def test_the_warm_up_takes_a_row_in_once_and_changes_nothing(tiny):
     """The warm-up runs the proposer's take-in once (row 0, as long a text as a row holds), so
     that ``auto``'s first switch to a tree that takes the rows in loads nothing mid-request. The
@@ -795,6 +839,39 @@ def test_a_round_observed_late_counts_for_the_tree_that_ran_it():
     assert c.candidates["chain:5"].rounds == 0 and c.dwell == 0
     c.observe(4.0, 1.5e-3, chain)
     assert c.candidates["chain:5"].rounds == 1 and c.round_ms("chain:5") == pytest.approx(1.5) and c.dwell == 1
+
+
+def test_a_round_without_its_own_time_counts_its_tokens_only():
+    """A round whose time is not its own (None: on a GPU a call's first round, or one that waited
+    for a switch) adds its tokens and rounds, not a time: plain rounds timed at a call's start
+    take one round more; the time of the candidate stays that of its own rounds, and a drift is
+    found on timed rounds only."""
+    from longspec.decoding.controller import Controller
+
+    chain = TreeSpec.chain(5)
+    c = Controller()
+    assert c.begin({chain: (1.4, 1.4), None: (1.0, 1.2)}, "greedy") is None  # (plain timed first)
+    assert c.observe(1.0, None) is None  # (the call's first round: launched from idle)
+    assert c.round_ms("plain") is None and c.candidates["plain"].rounds == 1
+    assert c.observe(1.0, 1.2e-3) is None and c.observe(1.0, 1.2e-3) is None  # two times: still timing
+    assert c.observe(1.0, 1.2e-3) == chain  # three: the chain's 1.4 tokens in 1.4 ms win
+    c.observe(1.0, None, None)  # the plain round in flight while the host switched
+    assert c.round_ms("plain") == pytest.approx(1.2) and len(c.times["plain"]) == 3
+    c.observe(4.0, None, chain)  # the chain's first round, after the rows were taken in
+    assert c.candidates["chain:5"].rounds == 1 and c.round_ms("chain:5") is None
+    for _ in range(3):
+        c.observe(4.0, 1.4e-3, chain)
+    assert c.round_ms("chain:5") == pytest.approx(1.4) and c.timed_in_call == {"plain": 3, "chain:5": 3}
+    c.end()
+    # the next call: the chain's first timed rounds, 1.5x slower, are a drift (untimed ones are not counted)
+    c.begin({chain: (4.0, 1.4), None: (1.0, 1.2)}, "greedy")
+    assert c.current.tree == chain
+    c.observe(4.0, None)
+    c.observe(4.0, 2.1e-3)
+    c.observe(4.0, 2.1e-3)
+    assert c.drift.followed is None  # (two timed rounds: not settled yet)
+    c.observe(4.0, 2.1e-3)
+    assert c.drift.followed is not None and c.round_ms("plain") == pytest.approx(1.8)
 
 
 def test_a_slow_stretch_moves_every_time_for_its_call_then_back():

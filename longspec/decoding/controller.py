@@ -99,6 +99,7 @@ class Controller:
         self.time_probed: set = set()  # kinds of round at which a kind of candidate was probed for its time
         self.drifts: dict = {}  # kind of round -> its times' :class:`Drift`; ``drift``: the call's kind's
         self.drift = Drift()
+        self.timed_in_call: dict = {}  # label -> its rounds in the current call that were timed
         self.sampling = None
         self.captured_kinds: set = set()  # kinds of round (greedy, truncating) whose every candidate is captured
 
@@ -142,7 +143,7 @@ class Controller:
         if not predicted:
             raise ValueError("the controller starts from the cost model's predictions ({tree: (tokens, ms)}); "
                              "Generator(proposer='auto') gives them")
-        self.sampling, self.candidates, self.probed = sampling, {}, False
+        self.sampling, self.candidates, self.probed, self.timed_in_call = sampling, {}, False, {}
         kind = round_kind(sampling)
         self.times, self.timed_at, self.called = self.records(kind)
         self.drift, self.calls = self.drifts.setdefault(kind, Drift()), self.calls + 1
@@ -219,10 +220,11 @@ class Controller:
                     c.tokens, c.rounds = 0.0, 0
         self._temper()
 
-    def observe(self, tokens: float, seconds: float, tree=_CURRENT) -> Optional[TreeSpec]:
+    def observe(self, tokens: float, seconds: Optional[float], tree=_CURRENT) -> Optional[TreeSpec]:
         """A round of ``tree`` (default: the current candidate's) emitted ``tokens`` per row in
-        ``seconds``: returns the tree for the next rounds (the current one, or the candidate that
-        now looks faster). A caller may observe a round late (a GPU's round runs while the
+        ``seconds`` (None: a time that is not the round's own, e.g. a GPU's round that waited for
+        a switch: :func:`~longspec.decoding.rounds.run_rounds`; its tokens count): returns the
+        tree for the next rounds (the current one, or the candidate that now looks faster). A caller may observe a round late (a GPU's round runs while the
         controller weighs the one before): ``tree`` says which candidate ran it. A plain round
         (None) observed while the current candidate drafts (one in flight when it took over, or
         on a CPU a lookup chain's round that found no match and drafted nothing: a decode step,
@@ -236,14 +238,16 @@ class Controller:
         c = self.candidates.get(name, self.current)
         name = label(c.tree)
         times = self.times.setdefault(name, [])
-        times.append(1e3 * seconds)
-        del times[:-TIME_WINDOW]
+        if seconds is not None:
+            times.append(1e3 * seconds)
+            del times[:-TIME_WINDOW]
+            self.timed_in_call[name] = self.timed_in_call.get(name, 0) + 1
         self.rounds += 1
         self.timed_at[name], self.called[name] = self.rounds, self.calls
         c.tokens += tokens
         c.rounds += 1
         self.dwell += c is self.current
-        if c.rounds == SETTLED_ROUNDS:
+        if seconds is not None and self.timed_in_call[name] == SETTLED_ROUNDS:
             self.drift.settled(name, SETTLED_ROUNDS, self.times, self._in_call())
         self._calibrate()
         if c.tree is not None:
@@ -257,7 +261,7 @@ class Controller:
         if probe is not None:
             self.current, self.dwell, self.probed = probe, 0, True
             return probe.tree
-        probed = c.tree is None and len(times) == SETTLED_ROUNDS  # (true once a process: just timed)
+        probed = c.tree is None and seconds is not None and len(times) == SETTLED_ROUNDS  # (once a process: just timed)
         margin = RETREAT_MARGIN if best.tree is None else SWITCH_MARGIN
         if best is not c and (best.rate > CLEAR_MARGIN * c.rate or best.rate > margin * c.rate
                               and (self.dwell >= DWELL or probed)):
@@ -339,8 +343,8 @@ class Controller:
                 c.ms = measured[name]
 
     def _in_call(self) -> dict:
-        """label -> the rounds it ran in this call (before and since a re-prediction)."""
-        return {name: c.rounds + c.earlier[1] for name, c in self.candidates.items()}
+        """label -> the rounds it ran in this call with a time (:meth:`observe`): its last times'."""
+        return dict(self.timed_in_call)
 
     def _best(self) -> Candidate:
         return max(self.candidates.values(), key=lambda c: c.rate)
