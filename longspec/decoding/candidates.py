@@ -9,6 +9,9 @@ from typing import Optional
 from ..spec.tree import TreeSpec
 
 PRIOR_ROUNDS = 3.0  # rounds the prediction of tokens per round is worth against measured ones
+SETTLED_ROUNDS = 3  # a candidate measured fewer rounds than this is not predicted slower than the cost model says
+RETREAT_MARGIN = 1.03  # plain rounds take over when this much faster (a call must never be slower than plain decoding)
+CLEAR_MARGIN = 1.3  # a candidate predicted this much faster takes over at once (long rounds, e.g. a CPU's)
 
 
 def label(tree: Optional[TreeSpec]) -> str:
