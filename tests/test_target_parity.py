@@ -419,3 +419,34 @@ def test_verify_tree_level_by_level(case, lengths):
         seq = p + tokens[b, [0, 1, 3, 6]].tolist() + [nxt[b]]
         ref = hf_reference_logits(hf, seq, len(p), is_dynamic(name))
         assert_close(out[b], ref[-1], ATOL, f"row {b} decode after commit")
+
+
+def test_a_cpus_products_over_few_rows_equal_the_linear_layers():
+    """On a CPU, inference over at most CPU_FEW_ROWS rows runs weight @ x^T (one row doubled):
+    the same values as ``F.linear`` (float32 rounding), with and without a bias, for every shape
+    of rows; more rows, and products under autograd, are ``F.linear`` itself."""
+    import torch.nn.functional as F
+    from longspec.models import layers
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    for shape in [(40,), (1, 40), (1, 1, 40), (2, 1, 40), (1, 3, 40), (4, 40), (1, 5, 40), (2, 4, 40)]:
+        x = torch.randn(*shape, generator=g)
+        for b in (None, bias):
+            with torch.inference_mode():
+                out = layers.linear(x, weight, b)
+            ref = F.linear(x, weight, b)
+            assert out.shape == ref.shape and out.is_contiguous()
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 40, generator=g, requires_grad=True)
+    out = layers.linear(x, weight.requires_grad_(), bias)
+    out.sum().backward()  # (autograd: F.linear's own)
+    assert x.grad is not None and weight.grad is not None
+    x1 = torch.randn(1, 40, generator=g)
+    with torch.inference_mode():
+        rows = {}
+        real = torch.mm
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "mm", lambda a, c: (rows.setdefault("n", c.shape[1]), real(a, c))[1])
+            layers.linear(x1, weight.detach())
+        assert rows == {"n": 2}  # (one row runs as two)

@@ -126,8 +126,8 @@ def _measure_costs(target, candidates: dict, context: int, repeats: int, batch: 
 # 4: the draft's selections in Triton kernels, a step's inputs compiled; a CPU's shapes timed in turn)
 COSTS_VERSION = 4
 # bumped when only a CPU's timing changes what its steps measure (a CPU's tables are measured again, a
-# GPU's kept): 2: ratios to the one-token step within a pass
-CPU_COSTS_VERSION = 2
+# GPU's kept): 2: ratios to the one-token step within a pass; 3: products over few rows as weight @ x^T
+CPU_COSTS_VERSION = 3
 
 def device_key(target) -> str:
     """What step costs depend on: the device (and CPU threads), the model and its dtype, and the

@@ -37,6 +37,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
+# on a CPU, products over at most this many rows run as weight @ x^T (see :func:`linear`)
+CPU_FEW_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] -> x @ weight [N, K]^T + bias: ``F.linear``, except for inference on a CPU over
+    at most :data:`CPU_FEW_ROWS` rows (a decode step, a short verify), where it runs as
+    ``weight @ x^T`` (one row: two, the second a copy). MKL's product of a weight with one row
+    (its matrix-vector path) and with 2-4 rows read the weight at 8-11 GB/s where this form reads
+    it at 15-21 GB/s, for rows of 576 (a 2-core AVX-512 host, float32; rows of 1,536: the same
+    speed): plain decoding's step of the default model 46-52 ms against 89-92
+    (docs/benchmarks.md, "Generation on a CPU")."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type != "cpu" or not 0 < rows <= CPU_FEW_ROWS or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = torch.mm(weight, (flat if rows > 1 else torch.cat([flat, flat])).t()).t()[:rows].contiguous()
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` of a linear layer, through :func:`linear` where it is a plain ``nn.Linear``."""
+    return linear(x, module.weight, module.bias) if type(module) is nn.Linear else module(x)
+
+
 def fuse_linears(linears: list) -> tuple:
     """Concatenates the weights (and biases) of linear layers that share their input into one
     tensor and makes each layer's parameters views of it, so one matrix product serves all of them
@@ -60,7 +88,7 @@ def fused_linear(x: torch.Tensor, linears: list, fused: Optional[tuple]):
     is returned, else a list."""
     if not fusion_intact(linears, fused) or (torch.is_grad_enabled() and linears[0].weight.requires_grad):
         return [m(x) for m in linears]
-    return F.linear(x, fused[0], fused[1])
+    return linear(x, fused[0], fused[1])
 
 
 def fusion_intact(linears: list, fused: Optional[tuple]) -> bool:
@@ -100,7 +128,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._fused)
         gate, up = gate_up.chunk(2, dim=-1) if torch.is_tensor(gate_up) else gate_up
-        return self.down_proj(self.act(gate) * up)
+        return project(self.down_proj, self.act(gate) * up)
 
 
 class Projections(nn.Module):
@@ -164,7 +192,7 @@ class Attention(Projections):
         store_kv(k_layer, v_layer, k, v, meta.slots)
         o = attend(q, k_layer, v_layer, meta)
         b, _, t, _ = o.shape
-        return self.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
+        return project(self.o_proj, o.to(x.dtype).transpose(1, 2).reshape(b, t, -1))
 
 
 class DecoderLayer(nn.Module):

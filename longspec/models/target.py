@@ -32,7 +32,7 @@ from ..kv.cache import KVCache
 from ..parallel.sharding import VocabParallelHead
 from . import progress
 from .compiled import compiled_inputs, compiled_layer, step_inputs
-from .layers import DecoderStack, fusion_intact, run_layer
+from .layers import DecoderStack, fusion_intact, project, run_layer
 from .rope import RotaryEmbedding
 
 
@@ -127,7 +127,7 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (after the final norm) -> float32 logits [..., V] (soft-capped to
         ``cap * tanh(logits / cap)`` when the config says so)."""
-        logits = self.lm_head(hidden).float()
+        logits = project(self.lm_head, hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
