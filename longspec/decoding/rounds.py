@@ -37,9 +37,8 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
     over, its text) for each switch. A round launched ahead measures the device's time of a
     round; one launched with none in flight (a call's first, the rounds after a switch that
     waited for the rounds in flight, a call's last), or one in flight while the host switched or
-    re-predicted, also measures the host's work or a launch from idle (0.1-0.4 ms on a GPU whose
-    round takes 1.2, 1.2 ms after a switch): its time goes to the controller as None (its
-    tokens count), so a candidate's time is its rounds' own (docs/benchmarks.md, "Round times
+    re-predicted, also measures the host's work or a launch from idle: its time goes to the
+    controller as None (its tokens count), so a candidate's time is its rounds' own (docs/benchmarks.md, "Round times
     without the host's extra work"). Returns the number of rounds and the seconds they took (not
     the loop's other work: switches, and on a CPU the controller's)."""
     rounds, stepping, seq = 0, 0.0, seqs[0]
@@ -53,7 +52,6 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
     def finish() -> None:
         nonlocal rounds, stepping, last, check, chosen, switched
         tree, start, timed = launched.popleft()
-        timed = timed or not ahead
         tokens = engine.finish(streamer)
         now = time.perf_counter()
         if switched is not None:
@@ -87,7 +85,7 @@ def run_rounds(engine: Engine, seqs: list, streamer, controller, trees: list, re
             while engine.has_active and (not launched or ahead and len(launched) < 2 and engine.can_launch_ahead()):
                 tree, start = engine.tree_of(engine.bucket()), time.perf_counter()
                 engine.launch(ahead=bool(launched))
-                launched.append([tree, start, bool(launched) and not extra_work])
+                launched.append([tree, start, not ahead or bool(launched) and not extra_work])
                 extra_work = False
             finish()
             if chosen is not _KEEP and engine.has_active and chosen != engine.tree_of(engine.bucket()):

@@ -44,11 +44,10 @@ CPU_FEW_ROWS = 4
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] -> x @ weight [N, K]^T + bias: ``F.linear``, except for inference on a CPU over
     at most :data:`CPU_FEW_ROWS` rows (a decode step, a short verify), where it runs as
-    ``weight @ x^T`` (one row: two, the second a copy). MKL's product of a weight with one row
-    (its matrix-vector path) and with 2-4 rows read the weight at 8-11 GB/s where this form reads
-    it at 15-21 GB/s, for rows of 576 (a 2-core AVX-512 host, float32; rows of 1,536: the same
-    speed): plain decoding's step of the default model 46-52 ms against 89-92
-    (docs/benchmarks.md, "Generation on a CPU")."""
+    ``weight @ x^T`` (one row: two, the second a copy): MKL's product with one row (its
+    matrix-vector path) and with 2-4 rows reads the weight from memory well below the rate this
+    form reaches, and a decode step is mostly such products (docs/benchmarks.md, "Products over
+    few rows")."""
     rows = x.numel() // max(x.shape[-1], 1)
     if (x.device.type != "cpu" or not 0 < rows <= CPU_FEW_ROWS or torch.is_grad_enabled()
             or torch.compiler.is_compiling()):
