@@ -20,7 +20,7 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 
 def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False, seed=0, pending=0, config=None,
-          causal=False, window=None, table=None, plan_window=True):
+          causal=False, window=None, table=None, plan_window=True, block=64):
     gen = torch.Generator().manual_seed(seed)
     b = len(lengths)
     n_tree = pending + m
@@ -47,13 +47,11 @@ def check(lengths, m, hq, hkv, d, dtype, device, capacity=None, broadcast=False,
     v_tree = v.transpose(1, 2)[rows, slots].transpose(1, 2)
     ref = reference.hybrid_attention(q.double(), k.double(), v.double(), lens, k_tree.double(), v_tree.double(),
                                      masks, starts)
-    block = None
-    if table is not None:  # the rows' slots through a block table of 64-slot blocks (shuffled) of one pool
-        block = 64
+    if table is not None:  # the rows' slots through a block table of `block`-slot blocks (shuffled) of one pool
         k, v = (paged_pool(x, table, block) for x in (k, v))
         table = table.to(device)
     ours = tree_attention(q.to(device), k.to(device), v.to(device), lens.to(device), masks.to(device), config,
-                          causal=causal, table=table, block_size=block or 0,
+                          causal=causal, table=table, block_size=block if table is not None else 0,
                           starts=None if starts is None else starts.to(device),
                           window=window if window is not None and plan_window else 0)
     assert ours.shape == (b, hq, m, d) and ours.dtype == dtype
@@ -309,6 +307,33 @@ def test_kernel_options_bfloat16_on_gpu(config):
     rows)."""
     check([4096, 17, 1], 69, 32, 8, 128, torch.bfloat16, "cuda", config=config)
     check([5000], 16, 32, 8, 128, torch.bfloat16, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16)])
+@pytest.mark.parametrize("block", [0, 64, 256])
+def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, block):
+    """A tree of 69 nodes x 4 query heads a KV head (276 rows: the warp-specialized Hopper kernel
+    takes the prefix's whole 128-key blocks, the Triton kernel the rest) against the reference:
+    rows with a ragged end, one shorter than a key block, an empty one, one of whole blocks, dense
+    or through a shuffled table of 64- or 256-slot blocks (TMA pieces of 64 or 128 rows)."""
+    from longspec.attention import hopper_prefix
+
+    q = torch.empty(1, 32, 69, d, dtype=dtype, device="cuda")
+    if not hopper_prefix.applies(q, q, 4 * 69, block):
+        pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
+    calls, real = [], hopper_prefix.prefix_parts
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lengths, cap = [5000, 127, 0, 1280], 5120 + 256
+    table = None
+    if block:
+        table = torch.randperm(4 * cap // block, generator=torch.Generator().manual_seed(1)).view(4, cap // block)
+    check(lengths, 69, 32, 8, d, dtype, "cuda", capacity=cap, table=table, block=block or 64,
+          config=KernelConfig(hopper=True))
+    assert calls, "the Hopper kernel was not used"
+    check([3000], 69, 32, 8, d, dtype, "cuda", config=KernelConfig(hopper=True))
+    assert len(calls) == 2
 
 
 @pytest.mark.gpu

@@ -159,7 +159,7 @@ if triton is not None:
                         HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
@@ -188,6 +188,9 @@ if triton is not None:
         if WINDOWED:
             chunk = CHUNK
             lo = first_block + split * chunk
+        elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's), one split
+            chunk = CAP
+            lo = length // TAIL * TAIL
         else:
             chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(last_end, N_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK), CHUNK)
             lo = split * chunk

@@ -11,6 +11,11 @@ read the chunk's keys from L2 once it is there, and the split plan fills whole w
 device's multiprocessors. A second kernel merges the chunks' partial outputs by their LSE and
 writes the result in the layout the output projection reads (one chunk: written directly).
 
+On Hopper GPUs a tree's prefix (more than 128 packed rows a KV head: compute-bound at long
+contexts) goes to the warp-specialized kernel of :mod:`~longspec.attention.hopper_prefix` for its
+whole key blocks; the Triton kernel then takes only the keys after them and the tree part, as one
+more part for the merge.
+
 The same kernel serves decode (M = 1), the draft's cross-attention into the target cache (:func:`prefix_attention`:
 per-query limits, no tree part) and its ring buffer's self-attention (:func:`masked_attention`: no prefix).
 
@@ -39,6 +44,7 @@ try:
 except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
+from . import hopper_prefix
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
                           programs_per_sm, shared_memory_budget, shared_memory_bytes, tile_plan, wide_head_tiles)
 
@@ -137,13 +143,20 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     wide = wide_head_tiles(rows, d, block_q)  # (a tree's 64-row tiles of small heads)
     programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms, wide))
     n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
+    # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
+    # n_hopper - 1, one program per multiprocessor), the rest (the keys after them, the tree) here
+    n_hopper = 0
+    if (mask is not None and with_prefix and limits is None and not windowed and c.hopper
+            and hopper_prefix.applies(q, k_cache, rows, block_size if paged else 0)):
+        n_hopper, n_last = hopper_prefix.split_plan(rows, b * hkv, sms, cap)
+        n_splits, chunk = 1, cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
-    direct = n_splits == 1
+    direct = n_splits + n_hopper == 1
     if direct:  # no partials: the kernel writes `out`
         o_part = lse_part = out
     else:
-        o_part = torch.empty(b, hkv, n_splits, rows, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hkv, n_splits, rows, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(b, hkv, n_hopper + n_splits, rows, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hkv, n_hopper + n_splits, rows, dtype=torch.float32, device=q.device)
     n_tree = 0 if mask is None else mask.shape[2]
     if mask is None:
         mask = lengths.view(torch.int8)  # never read (int8 as a real mask: the dead tree loop compiled for an
@@ -169,9 +182,19 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
+        if n_hopper:
+            try:
+                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper, n_last,
+                                           LOG2E / math.sqrt(d), table, block_size)
+            except (triton.CompilationError, RuntimeError, ValueError, TypeError, AttributeError) as err:
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                hopper_prefix.give_up(err)
+                return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
+                               starts, window)
         _partial_kernel[grid](
             q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
-            lengths if starts is None else starts, mask, tbl, o_part, lse_part, out,
+            lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:], lse_part[:, :, n_hopper:], out,
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *start_strides, *tm_strides,
             tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
@@ -179,13 +202,14 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             block_size, LOG2E / math.sqrt(d),
             HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
             PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
             num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
-            parts, block_r = merge_plan(n_splits, rows, d, c.merge_elements, b * hkv, programs)
+            n_parts = n_hopper + n_splits
+            parts, block_r = merge_plan(n_parts, rows, d, c.merge_elements, b * hkv, programs)
             _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](
-                o_part, lse_part, out, *op_strides, *lp_strides, *out.stride()[:3], hkv, m, g, n_splits,
-                PARTS_P2=triton.next_power_of_2(n_splits), PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
+                o_part, lse_part, out, *op_strides, *lp_strides, *out.stride()[:3], hkv, m, g, n_parts,
+                PARTS_P2=triton.next_power_of_2(n_parts), PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
     return out.transpose(1, 2)
 
 

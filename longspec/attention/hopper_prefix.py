@@ -1,0 +1,330 @@
+"""The prefix part of tree attention on Hopper GPUs, warp-specialized (Gluon): the whole key blocks
+of each split-KV chunk, for every packed query row of a KV head, as partial outputs and LSEs that
+the Triton merge kernel combines with the rest (:mod:`~longspec.attention.triton_kernels`).
+
+Why a second kernel: a tree's many rows (69 queries x 4 query heads a KV head: 276) make the
+prefix part compute-bound at long contexts, and the Triton kernel runs each key block's two
+products and its softmax one after another in all its warps (about half the tensor cores' rate).
+Here one program holds 128 rows in two consumer warpgroups of 64 and one producer warp: the
+producer streams K/V blocks through a ring of shared-memory stages by TMA (through the block
+table where the rows are paged), each consumer runs q.k, the online softmax and p.v on its 64
+rows, and the two consumers' softmax and products overlap on the multiprocessor (one's softmax
+while the other's products run), as FlashAttention-3 does.
+
+Device code in Gluon (``triton.experimental.gluon``, Triton 3.4+): it runs on CUDA devices of
+compute capability 9.x only, never under the interpreter; :func:`applies` says where."""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # the TMA load's name: async_load from Triton 3.7 on, async_copy_global_to_shared before
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # pragma: no cover - triton without gluon
+    gluon = None
+
+ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
+CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
+MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
+SHARED_MEMORY = 200 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less Triton's scratch
+BLOCK_N = 128  # keys of a block (the TMA loads and the products' N / K)
+CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the producer's: 24)
+PINGPONG = True  # the consumers' products alternate
+OVERLAP = True  # a block's softmax runs while the previous block's p.v does
+HALF_TILE_COST = 0.6  # a program of one live consumer's time a key block, against two's
+
+if gluon is not None:
+
+    @gluon.jit
+    def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks,
+                 PAGED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp: K and V of key blocks ``first .. first + n_blocks - 1`` into the ring,
+        in pieces of the descriptors' rows (a pool block's or a whole key block's), each piece's
+        pool slot through the block table where PAGED (a piece never crosses a pool block)."""
+        PIECE: gl.constexpr = KD.block_type.shape[0]
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), (j // STAGES & 1) ^ 1)  # the consumers freed the stage
+            mbarrier.expect(ready.index(s), (KD.block_type.nbytes + VD.block_type.nbytes) * (BLOCK_N // PIECE))
+            for piece in gl.static_range(BLOCK_N // PIECE):
+                n = (first + j) * BLOCK_N + piece * PIECE
+                if PAGED:
+                    slot = gl.load(TBL + b * stbl_b + n // BS).to(gl.int32) * BS + n % BS
+                else:
+                    slot = n
+                _tma_load(KD, [desc0 + slot, 0], ready.index(s), k_bufs.index(s).slice(piece * PIECE, PIECE))
+                _tma_load(VD, [desc0 + slot, 0], ready.index(s), v_bufs.index(s).slice(piece * PIECE, PIECE))
+
+    @gluon.jit
+    def _probs(sc, m_i, l_i, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """One key block of the online softmax (log2 units): raw scores sc [ROWS, BLOCK_N] -> the
+        probabilities in ``dtype`` as the p.v product's register operand, the new running max
+        and sum, and the factor alpha [ROWS] that rescales the output to the new max (no masks:
+        every row sees every key of a whole block, so the max is finite from the first on)."""
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return (gl.convert_layout(p.to(dtype), p_layout), m_new, l_i * alpha + gl.sum(p, 1),
+                gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))
+
+    @gluon.jit
+    def _turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Waits for this warpgroup's turn ``t`` to issue its products (PINGPONG: the two
+        consumers' products alternate, so one's softmax runs under the other's products)."""
+        if PINGPONG:
+            mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
+                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """A consumer warpgroup: packed rows ``row0 + WG * ROWS ..`` (row = g * M + i) over the
+        ring's key blocks, then its partial output and LSE; one without rows (a tree's last
+        tile) only keeps the turns and frees the stages."""
+        first = row0 + WG * ROWS
+        if first < G * M:
+            _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks,
+                    sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N,
+                    HEAD_D, STAGES, PINGPONG, OVERLAP)
+        else:  # the waits and arrivals of _attend, in its order
+            if n_blocks > 0:
+                mbarrier.wait(ready.index(0), 0)
+                _turn(turns, 0, WG, PINGPONG)
+                _pass(turns, WG, PINGPONG)
+            for j in range(n_blocks - 1):
+                mbarrier.wait(ready.index((j + 1) % STAGES), (j + 1) // STAGES & 1)
+                _turn(turns, j + 1, WG, PINGPONG)
+                _pass(turns, WG, PINGPONG)
+                mbarrier.arrive(empty.index(j % STAGES), count=1)
+            if n_blocks > 0:
+                _turn(turns, n_blocks, WG, PINGPONG)
+                _pass(turns, WG, PINGPONG)
+                mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
+
+    @gluon.jit
+    def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks, sq_b, sq_h,
+                sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """Rows ``first .. first + ROWS - 1``: block j's softmax runs while q.k of block j + 1 and
+        p.v of block j - 1 are not yet issued... in order: q.k(j + 1) and p.v(j) are issued
+        together after softmax(j), so the tensor cores work on them while the other consumer
+        runs its softmax."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_D, HEAD_D // 8], [4, 1], [1, 0])
+        dtype: gl.constexpr = Q.dtype.element_ty
+        rows = first + gl.arange(0, ROWS, gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, HEAD_D, gl.SliceLayout(0, ld_layout))
+        g, i = rows // M, rows % M
+        q = gl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_m + d[None, :],
+                    mask=(rows < G * M)[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+        sc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        alpha = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
+        if n_blocks > 0:  # q.k of the first block
+            mbarrier.wait(ready.index(0), 0)
+            _turn(turns, 0, WG, PINGPONG)
+            sc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
+            _pass(turns, WG, PINGPONG)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
+        for j in range(n_blocks - 1):
+            s, s1 = j % STAGES, (j + 1) % STAGES
+            acc = acc * alpha[:, None]
+            mbarrier.wait(ready.index(s1), (j + 1) // STAGES & 1)
+            _turn(turns, j + 1, WG, PINGPONG)
+            sc = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), sc, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+            _pass(turns, WG, PINGPONG)
+            if OVERLAP:  # block j + 1's softmax while p.v of block j runs
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+            else:
+                sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
+            p_in_flight = p
+            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
+            if OVERLAP:
+                acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_in_flight))
+            mbarrier.arrive(empty.index(s), count=1)
+        if n_blocks > 0:  # the last block's p.v
+            s = (n_blocks - 1) % STAGES
+            acc = acc * alpha[:, None]
+            _turn(turns, n_blocks, WG, PINGPONG)
+            acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+            _pass(turns, WG, PINGPONG)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(s), count=1)
+        rows = first + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
+        d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+        ok = rows < G * M
+        gl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o, mask=ok[:, None])
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        lse = gl.where(l_o > 0, m_o + gl.log2(gl.where(l_o > 0, l_o, 1.0)), float("-inf"))
+        gl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
+
+    @gluon.jit
+    def _consume_second(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, ROWS: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
+                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N, HEAD_D, STAGES,
+                 PINGPONG, OVERLAP)
+
+    @gluon.jit
+    def _prefix_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
+                       sl_s, HKV, M, G, N_SPLITS, N_LAST, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
+                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+        b, h = pid // HKV, pid % HKV
+        length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
+        # the row's whole key blocks, split evenly among the N_SPLITS programs of its tile (a last
+        # tile of at most ROWS rows: N_LAST, fewer, longer chunks: one warpgroup's work a block)
+        n_all = length // BLOCK_N
+        per = gl.cdiv(n_all, gl.where(tile == gl.num_programs(0) - 1, N_LAST, N_SPLITS))
+        first = split * per
+        n_blocks = gl.maximum(gl.minimum(per, n_all - first), 0)
+        # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
+        desc0 = ((b * HKV + h) * S_ROWS).to(gl.int32) if not PAGED else (h * S_ROWS).to(gl.int32)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty)
+        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, ROWS, HEAD_D], q_layout)
+        k_bufs = gl.allocate_shared_memory(KD.dtype, [STAGES, BLOCK_N, HEAD_D], KD.layout)
+        v_bufs = gl.allocate_shared_memory(VD.dtype, [STAGES, BLOCK_N, HEAD_D], VD.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        for w in gl.static_range(2):
+            mbarrier.init(turns.index(w), count=1)
+        row0 = tile * 2 * ROWS
+        gl.warp_specialize([
+            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
+                        STAGES, PINGPONG, OVERLAP)),
+            (_consume_second, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks,
+                               sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, ROWS,
+                               BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+            (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
+                        BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def stages(head_dim: int) -> int:
+    """K/V blocks in flight: as many as fit beside the two consumers' query tiles (heads of 128
+    dimensions: 2, of 64: 4)."""
+    tiles = CONSUMERS * ROWS * head_dim * 2
+    return max(2, min(MAX_STAGES, (SHARED_MEMORY - tiles) // (2 * BLOCK_N * head_dim * 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+_failed: list = []  # why the kernel could not be built on this Triton (then never tried again)
+
+
+def give_up(err: Exception) -> None:
+    """The kernel failed to build (Gluon's API moves between Triton releases): warns once; the
+    Triton kernel serves every launch from now on."""
+    if not _failed:
+        warnings.warn(f"the warp-specialized Hopper attention kernel failed on Triton {triton_version()}, "
+                      f"using the Triton kernel alone: {type(err).__name__}: {str(err)[:300]}")
+    _failed.append(err)
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, rows: int, block_size: int) -> bool:
+    """Whether :func:`prefix_parts` serves a launch: a Hopper GPU, 16-bit K/V stored contiguously,
+    heads of 64 or 128 dimensions, more than 128 packed rows a KV head (a tree: fewer rows are
+    memory-bound, where the Triton kernel is at its floor) and pool blocks of a multiple of 64 slots."""
+    return (gluon is not None and not _failed and _hopper(q.device) and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in (64, 128) and rows > ROWS * CONSUMERS and k_cache.is_contiguous()
+            and block_size % 64 == 0)
+
+
+def _piece(block_size: int) -> int:
+    """Rows of one TMA load: a whole key block, or a pool block where those are smaller."""
+    return BLOCK_N if block_size == 0 or block_size % BLOCK_N == 0 else 64
+
+
+def split_plan(rows: int, heads: int, programs: int, capacity: int) -> tuple:
+    """(n_splits, n_last): programs per row tile of ``rows`` packed rows for ``heads`` (row, KV
+    head) pairs, at most ``programs`` in all (one wave): the key blocks of a row split among
+    n_splits programs, or n_last for a last tile with at most ROWS rows (one live consumer: its
+    programs take longer chunks, HALF_TILE_COST of a full tile's time a block, so that every
+    program ends together; a 69-node tree x 4 heads: 2 full tiles + 20 rows). Chunks of at
+    least one key block."""
+    full, rest = divmod(rows, ROWS * CONSUMERS)
+    most = max(1, capacity // BLOCK_N)
+    if full == 0 or rest == 0 or rest > ROWS:
+        n = max(1, min(most, programs // (heads * -(-rows // (ROWS * CONSUMERS)))))
+        return n, n
+    best = (1, 1)
+    for n in range(1, most + 1):
+        last = max(1, math.ceil(HALF_TILE_COST * n))
+        if heads * (full * n + last) > programs:
+            break
+        best = (n, last)
+    return best
+
+
+def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, n_last: int, qk_scale: float,
+                 table=None, block_size: int = 0) -> None:
+    """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
+    parts, rows]: the rows' attention over the whole ``BLOCK_N``-key blocks of their prefix (keys
+    below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly among ``n_splits`` programs per row
+    tile (``n_last`` for a last tile of at most ROWS rows: :func:`split_plan`; its parts past
+    ``n_last`` are written empty). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer [Hkv, P, D] read
+    through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after the whole blocks
+    and the tree part are the caller's (another part)."""
+    b, hq, m, d = q.shape
+    paged = table is not None
+    hkv = k_cache.shape[0 if paged else 1]
+    s_rows = k_cache.shape[1 if paged else 2]
+    cap = table.shape[1] * block_size if paged else s_rows
+    g = hq // hkv
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    piece = _piece(block_size if paged else 0)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], element)
+    kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
+    tiles = -(-g * m // (ROWS * CONSUMERS))
+    tbl = table if paged else lengths
+    _prefix_kernel[(tiles, b * hkv, n_splits)](
+        q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
+        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, n_last, cap,
+        block_size or 1, s_rows, qk_scale, PAGED=paged, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=stages(d),
+        CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, OVERLAP=OVERLAP, num_warps=4, maxnreg=168)

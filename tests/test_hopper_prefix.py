@@ -1,0 +1,91 @@
+"""The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``). Gluon kernels do
+not run in Triton's interpreter, so on a CPU each form of the kernel is compiled for a Hopper
+target (sm_90a, Triton's own ptxas): its layouts, barriers and partitions must type-check and
+fit a Hopper block's shared memory. Its outputs are tested on a GPU
+(``test_tree_attention.py::test_hopper_prefix_kernel_on_gpu``)."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+from longspec.attention import hopper_prefix  # noqa: E402
+
+HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100 / H200
+
+
+def compile_for_hopper(paged: bool, d: int, block_size: int):
+    """The kernel's launch as ``prefix_parts`` makes it (a 69-node tree x 4 query heads of 8 KV
+    heads), compiled for sm_90a without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    hkv, g, m, s = 8, 4, 69, 4096
+    q = torch.empty(1, hkv * g, m, d, dtype=torch.bfloat16)
+    k = torch.empty(hkv, s, d, dtype=torch.bfloat16) if paged else torch.empty(1, hkv, s, d, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([hopper_prefix.BLOCK_N, d], gl.bfloat16)
+    kd = TensorDescriptor.from_tensor(k.view(-1, d), [hopper_prefix._piece(block_size), d], layout)
+    op, lp = torch.empty(1, hkv, 4, g * m, d), torch.empty(1, hkv, 4, g * m)
+    args = dict(Q=q, KD=kd, VD=kd, LEN=torch.zeros(1, dtype=torch.int64), TBL=torch.zeros(1, 64, dtype=torch.int32),
+                OP=op, LP=lp, sq_b=q.stride(0), sq_h=q.stride(1), sq_m=q.stride(2), stbl_b=64, so_b=op.stride(0),
+                so_h=op.stride(1), so_s=op.stride(2), so_r=op.stride(3), sl_b=lp.stride(0), sl_h=lp.stride(1),
+                sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, N_LAST=3, CAP=s, BS=block_size or 1, S_ROWS=s,
+                qk_scale=0.1)
+    constexprs = dict(PAGED=paged, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
+                      STAGES=hopper_prefix.stages(d), CONSUMER_REGS=hopper_prefix.CONSUMER_REGS,
+                      PINGPONG=hopper_prefix.PINGPONG, OVERLAP=hopper_prefix.OVERLAP)
+    fn = hopper_prefix._prefix_kernel
+    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in fn.arg_names}
+    source = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+
+
+@pytest.mark.parametrize("paged,d,block_size", [(False, 128, 0), (True, 128, 64), (True, 128, 256),
+                                                (False, 64, 0), (True, 64, 64)])
+def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size):
+    """Compiled in a process of its own: the test session runs Triton's interpreter on a CPU,
+    under which Gluon functions cannot be compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["wgmma"] >= 4  # q.k and p.v in both consumers' loops
+    assert report["shared"] <= HOPPER_SHARED_MEMORY and report["cubin"] > 0
+
+
+def test_where_the_kernel_applies():
+    """Hopper only (never a CPU, where the Triton kernel runs in the interpreter), 16-bit heads of
+    64 or 128 dimensions, more than 128 rows a KV head, pools of 64-slot multiples."""
+    q = torch.empty(1, 32, 69, 128, dtype=torch.bfloat16)
+    assert not hopper_prefix.applies(q, q, 276, 0)  # a CPU tensor
+    assert hopper_prefix._piece(0) == hopper_prefix._piece(256) == hopper_prefix.BLOCK_N
+    assert hopper_prefix._piece(64) == 64 and hopper_prefix._piece(192) == 64
+
+
+if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report
+    paged, d, block_size = (int(x) for x in sys.argv[1:4])
+    kernel = compile_for_hopper(bool(paged), d, block_size)
+    print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
+                          cubin=len(kernel.asm["cubin"]))))
+
+
+def test_split_plan_ends_every_program_together():
+    """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows) on 132 multiprocessors:
+    the last tile's programs take longer chunks, one wave in all; whole tiles split evenly."""
+    n, last = hopper_prefix.split_plan(276, 8, 132, 1 << 17)
+    assert 8 * (2 * n + last) <= 132 and last < n and last >= hopper_prefix.HALF_TILE_COST * n
+    assert 8 * (2 * (n + 1) + math.ceil(hopper_prefix.HALF_TILE_COST * (n + 1))) > 132
+    assert hopper_prefix.split_plan(256, 8, 132, 1 << 17) == (8, 8)  # two full tiles
+    assert hopper_prefix.split_plan(276, 8, 132, 256) == (2, 2)  # a short cache: chunks of a key block or more
