@@ -1,0 +1,72 @@
+"""The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton
+kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
+sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
+softmax under this block's p.v on or off, the last tile's share of the splits
+(``HALF_TILE_COST``; 1.0: even splits), K/V stages. Every form is checked against the Triton
+kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays, median).
+Prints one line per form, and one JSON line last.
+
+    python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
+
+A form that deadlocks hangs the process: run it under ``timeout``."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench_attention import timed
+from longspec.attention import hopper_prefix
+from longspec.attention.triton_kernels import KernelConfig, tree_attention
+
+FORMS = {  # name: module constants of hopper_prefix
+    "default": {},
+    "no ping-pong": {"PINGPONG": False},
+    "no overlap": {"OVERLAP": False},
+    "even splits": {"HALF_TILE_COST": 1.0},
+    "3 stages": {"stages": lambda d: 3},
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="32x8x128@32768,32x8x128@131072,32x8x64@1048576",
+                   help="query heads x KV heads x head dim @ cached keys, comma-separated")
+    p.add_argument("--trees", default="69", help="tree sizes M, comma-separated")
+    p.add_argument("--forms", default=",".join(FORMS), help=f"of {', '.join(FORMS)}")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    defaults = {name: getattr(hopper_prefix, name) for form in FORMS.values() for name in form}
+    rows = []
+    for shape in args.shapes.split(","):
+        heads, s = shape.split("@")
+        h, hkv, d = map(int, heads.split("x"))
+        s = int(s)
+        for m in map(int, args.trees.split(",")):
+            q = torch.randn(1, h, m, d, dtype=torch.bfloat16, device="cuda")
+            k, v = (torch.randn(1, hkv, s + m, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            lengths = torch.tensor([s], device="cuda")
+            tree = torch.tril(torch.ones(m, m, dtype=torch.bool, device="cuda"))[None]
+            ref = tree_attention(q, k, v, lengths, tree).float()
+            base = timed(lambda: tree_attention(q, k, v, lengths, tree), args.repeats)
+            print(f"{shape} M={m:>3} Triton kernel alone {base * 1e6:9.1f} us", flush=True)
+            rows.append(dict(shape=shape, m=m, form="triton", us=base * 1e6))
+            on = KernelConfig(hopper=True)
+            for form in args.forms.split(","):
+                for name, value in {**defaults, **FORMS[form]}.items():
+                    setattr(hopper_prefix, name, value)
+                out = tree_attention(q, k, v, lengths, tree, on).float()
+                err = float((out - ref).norm() / ref.norm())
+                t = timed(lambda: tree_attention(q, k, v, lengths, tree, on), args.repeats)
+                print(f"{shape} M={m:>3} {form:<14} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
+                      f"rel err {err:.1e}", flush=True)
+                rows.append(dict(shape=shape, m=m, form=form, us=t * 1e6, rel_err=err))
+            for name, value in defaults.items():
+                setattr(hopper_prefix, name, value)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
