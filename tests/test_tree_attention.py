@@ -596,3 +596,24 @@ def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
             assert block_q >= 16 and block_n >= 16 and not block_n & (block_n - 1)
             if d <= 128 and elem == 2 and config is DEFAULT_CONFIG:  # unchanged where it always fitted
                 assert (block_n, stages) == (64, 0)
+
+
+def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatch):
+    """Gluon's API moves between Triton releases: where the Hopper kernel fails to build, one
+    warning says so and the Triton kernel alone computes the launch, and every later one."""
+    from longspec.attention import hopper_prefix
+
+    monkeypatch.setattr(hopper_prefix, "_failed", [])
+    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: not hopper_prefix._failed)
+    tries = []
+
+    def broken(*args, **kwargs):
+        tries.append(1)
+        raise triton.CompilationError("kernel.py", None, "no such builtin")
+
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", broken)
+    device = "cuda" if ON_GPU else "cpu"
+    with pytest.warns(UserWarning, match="Hopper attention kernel failed"):
+        check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
+    check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
+    assert len(tries) == 1
