@@ -297,3 +297,15 @@ def test_device_prompt_lookup_matches_the_reference(targets, max_ngram, min_ngra
             ranked = [int(t) for t in logits.argsort(descending=True)[:len(expected)]]
             assert ranked == expected, (context, ranked, expected)
             assert int((logits > -1e4).sum()) == len(expected)
+
+
+def test_prompt_lookups_default_chain_is_shorter_on_a_cpu(targets):
+    """A CPU's step over more than 4 tokens costs about 3x a decode step (its few-row products
+    stop at 4 rows), where its chain of 5 ran slower than plain decoding: a Generator (and the
+    CLI) on a CPU drafts a chain of 3 by default, a GPU one of 5; a tree given is kept."""
+    from longspec.spec.proposers import default_tree
+
+    assert default_tree("pld", "cpu") == "chain:3" and default_tree("pld", "cuda") == default_tree("pld") == "chain:5"
+    assert default_tree("hybrid", "cpu") == default_tree("hybrid")
+    assert Generator(targets["llama"], "pld").tree == TreeSpec.parse("chain:3")
+    assert Generator(targets["llama"], "pld", "chain:5").tree == TreeSpec.parse("chain:5")

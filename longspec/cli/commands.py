@@ -121,7 +121,7 @@ def cmd_generate(args) -> int:
     except ValueError as err:
         raise UsageError(f"{err} (see --max-new-tokens, --temperature, --top-k, --top-p)") from None
     text = _prompt_text(args)
-    name, tree = proposer_choice(args)
+    name, tree = proposer_choice(args, device)
     chosen = name  # (what --json reports: "auto" stays "auto", whatever it runs first)
     parallel = _tensor_parallel(args, device)
     if parallel and name == "auto":  # (auto's cost model times steps per device: not across ranks)
@@ -129,7 +129,7 @@ def cmd_generate(args) -> int:
         from ..spec.tree import TreeSpec
 
         name = "hybrid" if args.draft or not args.target else "pld"
-        tree = TreeSpec.coerce(default_tree(name))
+        tree = TreeSpec.coerce(default_tree(name, device.partition(":")[0]))
 
     if args.draft:
         read_config(args.draft)  # (a wrong --draft said now, not after loading the model)
@@ -322,9 +322,9 @@ def describe_tree(tree) -> str:
     return f"tree {text}"
 
 
-def proposer_choice(args):
+def proposer_choice(args, device):
     """(proposer name, TreeSpec or None) from --proposer / --tree / --draft, checked without loading
-    anything."""
+    anything; the default tree is ``device``'s ("cpu", "cuda" or "cuda:N")."""
     from ..spec.proposers import default_tree
     from ..spec.tree import TreeSpec
 
@@ -346,6 +346,6 @@ def proposer_choice(args):
     if args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
     try:
-        return name, TreeSpec.parse(args.tree or default_tree(name))
+        return name, TreeSpec.parse(args.tree or default_tree(name, device.partition(":")[0]))
     except ValueError as err:
         raise UsageError(str(err)) from None

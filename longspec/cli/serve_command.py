@@ -21,7 +21,7 @@ def cmd_serve(args) -> int:
 def _cmd_serve(args, held) -> int:
     _set_threads(args)
     device, dtype = _device_and_dtype(args)
-    name, tree = proposer_choice(args)
+    name, tree = proposer_choice(args, device)
     if (args.max_batch < 1 or args.max_len < 2 or args.max_queue < 0 or (args.prefill_chunk or 0) < 0
             or args.max_body < 1 or not 0 <= args.shutdown_timeout < float("inf")):
         raise UsageError("--max-batch must be >= 1, --max-len >= 2, --max-queue >= 0, --prefill-chunk >= 0, "

@@ -98,7 +98,8 @@ class Generator:
             else:  # one proposer per name and draft in the process: Generators of it share its engine
                 proposer = Engines.of(target).proposer(proposer, draft, window)
         if proposer is not None and proposer != "auto":
-            tree = TreeSpec.coerce(default_tree(proposer_family(proposer)) if tree is None else tree)
+            tree = TreeSpec.coerce(default_tree(proposer_family(proposer), target.device.type) if tree is None
+                                   else tree)
             tree.validate(target.config.vocab_size)
         self.target, self.proposer, self.tree, self.controller, self.draft = target, proposer, tree, controller, draft
         self.max_len = max_len or target.config.max_position_embeddings

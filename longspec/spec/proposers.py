@@ -40,12 +40,17 @@ __all__ = ["LongSpecProposer", "PromptLookup", "Proposer", "TreeDrafter", "beam_
 
 PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
 PLD_TREE = "chain:5"
+PLD_CPU_TREE = "chain:3"  # a CPU's step over 4 rows costs about 1.6-1.9x a decode step, over 6 about 3x
 
 
-def default_tree(proposer: str) -> str:
-    """pld: a 5-token chain; longspec and streaming: the paper's beam tree; hybrid: that tree plus
-    five levels of one node, which the lookup chain fills when the text repeats."""
-    return {"pld": PLD_TREE, "hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
+def default_tree(proposer: str, device_type: str = "cuda") -> str:
+    """pld: a 5-token chain (on a CPU 3: its few-row products are cheap up to 4 rows, its chain
+    of 5 was slower than plain decoding, docs/benchmarks.md); longspec and streaming: the
+    paper's beam tree; hybrid: that tree plus five levels of one node, which the lookup chain
+    fills when the text repeats."""
+    if proposer == "pld":
+        return PLD_CPU_TREE if device_type == "cpu" else PLD_TREE
+    return {"hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
 
 
 def default_draft(target: TargetModel):
