@@ -142,7 +142,7 @@ def test_help_is_plain_and_names_defaults(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for fragment in ("(default: 128)", "(default: 1, off)", "(default: 0, off)", "(default: none)",
-                     "default: chain:5 for pld, 4,16,16,16,16,1,1,1,1,1 for hybrid, 4,16,16,16,16 otherwise", "shipped for the default model"):
+                     "default: chain:5 for pld, chain:3 on a CPU; 4,16,16,16,16,1,1,1,1,1 for hybrid; 4,16,16,16,16 otherwise", "shipped for the default model"):
         assert fragment in text, fragment
 
 

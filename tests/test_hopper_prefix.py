@@ -69,7 +69,7 @@ def test_where_the_kernel_applies():
     """Hopper only (never a CPU, where the Triton kernel runs in the interpreter), 16-bit heads of
     64 or 128 dimensions, more than 128 rows a KV head, pools of 64-slot multiples."""
     q = torch.empty(1, 32, 69, 128, dtype=torch.bfloat16)
-    assert not hopper_prefix.applies(q, q, 276, 0)  # a CPU tensor
+    assert not hopper_prefix.applies(q, q, q, 276, 0)  # a CPU tensor
     assert hopper_prefix._piece(0) == hopper_prefix._piece(256) == hopper_prefix.BLOCK_N
     assert hopper_prefix._piece(64) == 64 and hopper_prefix._piece(192) == 64
 

@@ -321,7 +321,7 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, block):
     from longspec.attention import hopper_prefix
 
     q = torch.empty(1, 32, 69, d, dtype=dtype, device="cuda")
-    if not hopper_prefix.applies(q, q, 4 * 69, block):
+    if not hopper_prefix.applies(q, q, q, 4 * 69, block):
         pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
     calls, real = [], hopper_prefix.prefix_parts
     monkeypatch.setattr(hopper_prefix, "prefix_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -617,3 +617,16 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
         check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
     check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
     assert len(tries) == 1
+
+
+def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):
+    """The Hopper kernel reads every whole block from slot 0: rows whose queries start later (a
+    sliding window's starts, with or without a planned window) stay with the Triton kernel."""
+    from longspec.attention import hopper_prefix
+
+    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", lambda *args, **kwargs: pytest.fail("the Hopper kernel ran"))
+    device = "cuda" if ON_GPU else "cpu"
+    for plan_window in (True, False):
+        check([300, 40], 5, 4, 2, 16, torch.float32, device, window=64, plan_window=plan_window,
+              config=KernelConfig(hopper=True))

@@ -121,10 +121,10 @@ if gluon is not None:
                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        """Rows ``first .. first + ROWS - 1``: block j's softmax runs while q.k of block j + 1 and
-        p.v of block j - 1 are not yet issued... in order: q.k(j + 1) and p.v(j) are issued
-        together after softmax(j), so the tensor cores work on them while the other consumer
-        runs its softmax."""
+        """Rows ``first .. first + ROWS - 1``. Block j's softmax gives p and the factor alpha;
+        then, at this consumer's turn, the output is rescaled by alpha and q.k of block j + 1 is
+        issued with p.v of block j, and block j + 1's softmax runs while that p.v does (OVERLAP);
+        with PINGPONG the other consumer's products run during this one's softmax."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -224,6 +224,7 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=2)
         for w in gl.static_range(2):
             mbarrier.init(turns.index(w), count=1)
+        fence_async_shared()  # the barriers initialised before TMA or another partition uses them
         row0 = tile * 2 * ROWS
         gl.warp_specialize([
             (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
@@ -267,12 +268,13 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, rows: int, block_size: int) -> bool:
-    """Whether :func:`prefix_parts` serves a launch: a Hopper GPU, 16-bit K/V stored contiguously,
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int, block_size: int) -> bool:
+    """Whether :func:`prefix_parts` serves a launch: a Hopper GPU, 16-bit K and V stored contiguously,
     heads of 64 or 128 dimensions, more than 128 packed rows a KV head (a tree: fewer rows are
     memory-bound, where the Triton kernel is at its floor) and pool blocks of a multiple of 64 slots."""
     return (gluon is not None and not _failed and _hopper(q.device) and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] in (64, 128) and rows > ROWS * CONSUMERS and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
             and block_size % 64 == 0)
 
 

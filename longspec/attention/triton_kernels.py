@@ -146,8 +146,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
     # n_hopper - 1, one program per multiprocessor), the rest (the keys after them, the tree) here
     n_hopper = 0
-    if (mask is not None and with_prefix and limits is None and not windowed and c.hopper
-            and hopper_prefix.applies(q, k_cache, rows, block_size if paged else 0)):
+    if (mask is not None and with_prefix and limits is None and starts is None and c.hopper
+            and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
         n_hopper, n_last = hopper_prefix.split_plan(rows, b * hkv, sms, cap)
         n_splits, chunk = 1, cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
@@ -186,9 +186,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             try:
                 hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper, n_last,
                                            LOG2E / math.sqrt(d), table, block_size)
-            except (triton.CompilationError, RuntimeError, ValueError, TypeError, AttributeError) as err:
-                if isinstance(err, torch.OutOfMemoryError):
-                    raise
+            except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
                 hopper_prefix.give_up(err)
                 return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
                                starts, window)
