@@ -53,8 +53,8 @@ def compile_for_hopper(paged: bool, d: int, block_size: int):
 @pytest.mark.parametrize("paged,d,block_size", [(False, 128, 0), (True, 128, 64), (True, 128, 256),
                                                 (False, 64, 0), (True, 64, 64)])
 def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size):
-    """Compiled in a process of its own: the test session runs Triton's interpreter on a CPU,
-    under which Gluon functions cannot be compiled."""
+    """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
+    Gluon functions cannot be compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size)], env=env,
@@ -74,13 +74,6 @@ def test_where_the_kernel_applies():
     assert hopper_prefix._piece(64) == 64 and hopper_prefix._piece(192) == 64
 
 
-if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report
-    paged, d, block_size = (int(x) for x in sys.argv[1:4])
-    kernel = compile_for_hopper(bool(paged), d, block_size)
-    print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
-                          cubin=len(kernel.asm["cubin"]))))
-
-
 def test_split_plan_ends_every_program_together():
     """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows) on 132 multiprocessors:
     the last tile's programs take longer chunks, one wave in all; whole tiles split evenly."""
@@ -89,3 +82,10 @@ def test_split_plan_ends_every_program_together():
     assert 8 * (2 * (n + 1) + math.ceil(hopper_prefix.HALF_TILE_COST * (n + 1))) > 132
     assert hopper_prefix.split_plan(256, 8, 132, 1 << 17) == (8, 8)  # two full tiles
     assert hopper_prefix.split_plan(276, 8, 132, 256) == (2, 2)  # a short cache: chunks of a key block or more
+
+
+if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report
+    paged, d, block_size = (int(x) for x in sys.argv[1:4])
+    kernel = compile_for_hopper(bool(paged), d, block_size)
+    print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
+                          cubin=len(kernel.asm["cubin"]))))

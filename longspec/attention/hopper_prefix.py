@@ -188,15 +188,6 @@ if gluon is not None:
         gl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
 
     @gluon.jit
-    def _consume_second(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, ROWS: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
-                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N, HEAD_D, STAGES,
-                 PINGPONG, OVERLAP)
-
-    @gluon.jit
     def _prefix_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
                        sl_s, HKV, M, G, N_SPLITS, N_LAST, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -230,9 +221,9 @@ if gluon is not None:
             (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                         sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
                         STAGES, PINGPONG, OVERLAP)),
-            (_consume_second, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks,
-                               sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, ROWS,
-                               BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
+                        STAGES, PINGPONG, OVERLAP)),
             (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                         BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -257,15 +248,11 @@ def give_up(err: Exception) -> None:
     """The kernel failed to build (Gluon's API moves between Triton releases): warns once; the
     Triton kernel serves every launch from now on."""
     if not _failed:
-        warnings.warn(f"the warp-specialized Hopper attention kernel failed on Triton {triton_version()}, "
+        import triton
+
+        warnings.warn(f"the warp-specialized Hopper attention kernel failed on Triton {triton.__version__}, "
                       f"using the Triton kernel alone: {type(err).__name__}: {str(err)[:300]}")
     _failed.append(err)
-
-
-def triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int, block_size: int) -> bool:

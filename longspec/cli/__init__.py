@@ -55,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree", default=None,
                      help="tree shape: 'chain:5', per-depth beam widths '4,16,16,16,16' or static paths "
                           "'[[0],[1],[0,0]]' (default: chain:5 for pld, chain:3 on a CPU; 4,16,16,16,16,1,1,1,1,1 "
-                          "for hybrid; "
-                          "4,16,16,16,16 otherwise)")
+                          "for hybrid; 4,16,16,16,16 otherwise)")
     gen.add_argument("--draft", default=None, help="LongSpec draft directory (implies --proposer longspec; "
                                                    "the default model has a shipped draft)")
     gen.add_argument("--window", type=int, default=512, help="recent window of --proposer streaming (default: 512)")

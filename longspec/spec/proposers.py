@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..convert import DEFAULT_DRAFT, DEFAULT_NAME, home_dir
 from ..models.checkpoint import load_draft
+from ..models.layers import CPU_FEW_ROWS
 from .drafting import Proposer, TreeDrafter, beam_select, takes_lookup, topk_children
 from .longspec_proposer import LongSpecProposer
 from .prompt_lookup import PromptLookup
@@ -40,12 +41,12 @@ __all__ = ["LongSpecProposer", "PromptLookup", "Proposer", "TreeDrafter", "beam_
 
 PROPOSERS = ("none", "pld", "streaming", "longspec", "hybrid", "auto")
 PLD_TREE = "chain:5"
-PLD_CPU_TREE = "chain:3"  # a CPU's step over 4 rows costs about 1.6-1.9x a decode step, over 6 about 3x
+PLD_CPU_TREE = f"chain:{CPU_FEW_ROWS - 1}"  # the root + the chain: rows a CPU's few-row products cover
 
 
 def default_tree(proposer: str, device_type: str = "cuda") -> str:
-    """pld: a 5-token chain (on a CPU 3: its few-row products are cheap up to 4 rows, its chain
-    of 5 was slower than plain decoding, docs/benchmarks.md); longspec and streaming: the
+    """pld: a 5-token chain (on a CPU one that fits its few-row products, ``CPU_FEW_ROWS``: the
+    chain of 5 was slower than plain decoding there, docs/benchmarks.md); longspec and streaming: the
     paper's beam tree; hybrid: that tree plus five levels of one node, which the lookup chain
     fills when the text repeats."""
     if proposer == "pld":
