@@ -26,7 +26,28 @@ FORMS = {  # name: module constants of hopper_prefix
     "no overlap": {"OVERLAP": False},
     "even splits": {"HALF_TILE_COST": 1.0},
     "3 stages": {"stages": lambda d: 3},
+    "more-stages": {"stages": lambda d: 3 if d == 128 else 6},
+    "more-stages-even": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0},
+    "more-stages-even-2-waves": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0, "WAVES": 2},
+    "more-stages-even-3-waves": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0, "WAVES": 3},
+    "more-stages-2-waves": {"stages": lambda d: 3 if d == 128 else 6, "WAVES": 2},
+    "more-stages-no-ping-pong": {"stages": lambda d: 3 if d == 128 else 6, "PINGPONG": False},
 }
+
+
+def kernel_times(fn, calls: int = 10) -> str:
+    """Each CUDA kernel's mean microseconds in one call of ``fn`` (torch profiler, eager calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:40]] = totals.get(e.name[:40], 0.0) + e.time_range.elapsed_us() / calls
+    return "; ".join(f"{name} {us:.1f} us" for name, us in sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def main(argv=None):
@@ -36,6 +57,7 @@ def main(argv=None):
     p.add_argument("--trees", default="69", help="tree sizes M, comma-separated")
     p.add_argument("--forms", default=",".join(FORMS), help=f"of {', '.join(FORMS)}")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kernels", action="store_true", help="also each kernel's time in a call (torch profiler)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     defaults = {name: getattr(hopper_prefix, name) for form in FORMS.values() for name in form}
@@ -63,14 +85,16 @@ def main(argv=None):
                     err = float((out - ref).norm() / ref.norm())
                     t = timed(lambda: tree_attention(q, k, v, lengths, tree, on), args.repeats)
                 except Exception as e:  # noqa: BLE001 - a form the device cannot run (shared memory): reported
-                    print(f"{shape} M={m:>3} {form:<14} {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    print(f"{shape} M={m:>3} {form:<26} {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 if hopper_prefix._failed:
-                    print(f"{shape} M={m:>3} {form:<14} did not build: {hopper_prefix._failed[0]!r:.300}", flush=True)
+                    print(f"{shape} M={m:>3} {form:<26} did not build: {hopper_prefix._failed[0]!r:.300}", flush=True)
                     continue
-                print(f"{shape} M={m:>3} {form:<14} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
+                print(f"{shape} M={m:>3} {form:<26} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
                       f"rel err {err:.1e}", flush=True)
                 rows.append(dict(shape=shape, m=m, form=form, us=t * 1e6, rel_err=err))
+                if args.kernels:
+                    print("    " + kernel_times(lambda: tree_attention(q, k, v, lengths, tree, on)), flush=True)
             for name, value in defaults.items():
                 setattr(hopper_prefix, name, value)
     print(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}))

@@ -256,6 +256,7 @@ def main(argv=None):
                 t = time_graph(step)
                 rows.append(dict(attention=label, context=ctx, step="decode" if m == 1 else f"verify M={m}",
                                  ms=t * 1e3, floor_ms=floor * 1e3, x_floor=t / floor))
+                print(f"  {label} {ctx} {rows[-1]['step']}: {t * 1e3:.3f} ms", flush=True)
                 if args.profile and m in (1, 69):
                     n, table = kernel_profile(step)
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
@@ -296,6 +297,7 @@ def main(argv=None):
                         t = time_graph(fn, replays=40)
                         rows.append(dict(attention=label, context=ctx, step=name, ms=t * 1e3,
                                          floor_ms=float("nan"), x_floor=float("nan")))
+                        print(f"  {label} {ctx} {name}: {t * 1e3:.3f} ms", flush=True)
                         if args.profile:
                             n, table = kernel_profile(fn, order=args.profile_order)
                             print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")

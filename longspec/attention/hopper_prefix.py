@@ -35,12 +35,13 @@ except ImportError:  # pragma: no cover - triton without gluon
 ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
-SHARED_MEMORY = 200 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less Triton's scratch
+SHARED_MEMORY = 224 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less barriers and Triton's scratch
 BLOCK_N = 128  # keys of a block (the TMA loads and the products' N / K)
 CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the producer's: 24)
 PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
 HALF_TILE_COST = 0.6  # a program of one live consumer's time a key block, against two's
+WAVES = 1  # programs of a launch, in multiprocessors
 
 if gluon is not None:
 
@@ -231,7 +232,7 @@ if gluon is not None:
 
 def stages(head_dim: int) -> int:
     """K/V blocks in flight: as many as fit beside the two consumers' query tiles (heads of 128
-    dimensions: 2, of 64: 4)."""
+    dimensions: 3, of 64: 4)."""
     tiles = CONSUMERS * ROWS * head_dim * 2
     return max(2, min(MAX_STAGES, (SHARED_MEMORY - tiles) // (2 * BLOCK_N * head_dim * 2)))
 
@@ -279,6 +280,7 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int) -> tuple:
     least one key block."""
     full, rest = divmod(rows, ROWS * CONSUMERS)
     most = max(1, capacity // BLOCK_N)
+    programs *= WAVES
     if full == 0 or rest == 0 or rest > ROWS:
         n = max(1, min(most, programs // (heads * -(-rows // (ROWS * CONSUMERS)))))
         return n, n
