@@ -1,8 +1,8 @@
 """The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton
 kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
-softmax under this block's p.v on or off, the last tile's share of the splits
-(``HALF_TILE_COST``; 1.0: even splits), K/V stages. Every form is checked against the Triton
+softmax under this block's p.v on or off, the waves of programs (``WAVES``), K/V stages
+(``--forms``, comma-separated). Every form is checked against the Triton
 kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays, median).
 Prints one line per form, and one JSON line last.
 
@@ -24,14 +24,9 @@ FORMS = {  # name: module constants of hopper_prefix
     "default": {},
     "no ping-pong": {"PINGPONG": False},
     "no overlap": {"OVERLAP": False},
-    "even splits": {"HALF_TILE_COST": 1.0},
-    "3 stages": {"stages": lambda d: 3},
-    "more-stages": {"stages": lambda d: 3 if d == 128 else 6},
-    "more-stages-even": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0},
-    "more-stages-even-2-waves": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0, "WAVES": 2},
-    "more-stages-even-3-waves": {"stages": lambda d: 3 if d == 128 else 6, "HALF_TILE_COST": 1.0, "WAVES": 3},
-    "more-stages-2-waves": {"stages": lambda d: 3 if d == 128 else 6, "WAVES": 2},
-    "more-stages-no-ping-pong": {"stages": lambda d: 3 if d == 128 else 6, "PINGPONG": False},
+    "one wave": {"WAVES": 1},
+    "two waves": {"WAVES": 2},
+    "2 stages": {"stages": lambda d: 2},
 }
 
 
@@ -85,12 +80,12 @@ def main(argv=None):
                     err = float((out - ref).norm() / ref.norm())
                     t = timed(lambda: tree_attention(q, k, v, lengths, tree, on), args.repeats)
                 except Exception as e:  # noqa: BLE001 - a form the device cannot run (shared memory): reported
-                    print(f"{shape} M={m:>3} {form:<26} {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    print(f"{shape} M={m:>3} {form:<14} {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 if hopper_prefix._failed:
-                    print(f"{shape} M={m:>3} {form:<26} did not build: {hopper_prefix._failed[0]!r:.300}", flush=True)
+                    print(f"{shape} M={m:>3} {form:<14} did not build: {hopper_prefix._failed[0]!r:.300}", flush=True)
                     continue
-                print(f"{shape} M={m:>3} {form:<26} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
+                print(f"{shape} M={m:>3} {form:<14} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
                       f"rel err {err:.1e}", flush=True)
                 rows.append(dict(shape=shape, m=m, form=form, us=t * 1e6, rel_err=err))
                 if args.kernels:

@@ -4,7 +4,6 @@ target (sm_90a, Triton's own ptxas): its layouts, barriers and partitions must t
 fit a Hopper block's shared memory. Its outputs are tested on a GPU
 (``test_tree_attention.py::test_hopper_prefix_kernel_on_gpu``)."""
 import json
-import math
 import os
 import re
 import subprocess
@@ -39,7 +38,7 @@ def compile_for_hopper(paged: bool, d: int, block_size: int):
     args = dict(Q=q, KD=kd, VD=kd, LEN=torch.zeros(1, dtype=torch.int64), TBL=torch.zeros(1, 64, dtype=torch.int32),
                 OP=op, LP=lp, sq_b=q.stride(0), sq_h=q.stride(1), sq_m=q.stride(2), stbl_b=64, so_b=op.stride(0),
                 so_h=op.stride(1), so_s=op.stride(2), so_r=op.stride(3), sl_b=lp.stride(0), sl_h=lp.stride(1),
-                sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, N_LAST=3, CAP=s, BS=block_size or 1, S_ROWS=s,
+                sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, CAP=s, BS=block_size or 1, S_ROWS=s,
                 qk_scale=0.1)
     constexprs = dict(PAGED=paged, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
                       STAGES=hopper_prefix.stages(d), CONSUMER_REGS=hopper_prefix.CONSUMER_REGS,
@@ -74,14 +73,14 @@ def test_where_the_kernel_applies():
     assert hopper_prefix._piece(64) == 64 and hopper_prefix._piece(192) == 64
 
 
-def test_split_plan_ends_every_program_together():
-    """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows) on 132 multiprocessors:
-    the last tile's programs take longer chunks, one wave in all; whole tiles split evenly."""
-    n, last = hopper_prefix.split_plan(276, 8, 132, 1 << 17)
-    assert 8 * (2 * n + last) <= 132 and last < n and last >= hopper_prefix.HALF_TILE_COST * n
-    assert 8 * (2 * (n + 1) + math.ceil(hopper_prefix.HALF_TILE_COST * (n + 1))) > 132
-    assert hopper_prefix.split_plan(256, 8, 132, 1 << 17) == (8, 8)  # two full tiles
-    assert hopper_prefix.split_plan(276, 8, 132, 256) == (2, 2)  # a short cache: chunks of a key block or more
+def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
+    """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows: 3 tiles) on 132
+    multiprocessors: up to WAVES waves of programs, chunks of MIN_BLOCKS key blocks or more."""
+    plan = hopper_prefix.split_plan
+    assert plan(276, 8, 132, 1 << 17) == 132 * hopper_prefix.WAVES // 24  # 16 at 3 waves
+    assert plan(256, 8, 132, 1 << 17) == min(1024 // hopper_prefix.MIN_BLOCKS, 132 * hopper_prefix.WAVES // 16)
+    assert plan(276, 8, 132, 1 << 15) == 256 // hopper_prefix.MIN_BLOCKS  # a shorter cache: longer chunks
+    assert plan(276, 8, 132, 256) == 1  # at least one program a tile
 
 
 if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report

@@ -619,6 +619,27 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     assert len(tries) == 1
 
 
+def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):
+    """KernelConfig's default (hopper=None): the Hopper kernel takes one row's tree prefix over a
+    cache of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), the Triton kernel
+    alone the rest (shorter caches, batches); hopper=False never runs it."""
+    from longspec.attention import hopper_prefix
+
+    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
+
+    def ran(*args, **kwargs):
+        raise LookupError("the Hopper kernel ran")
+
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", ran)
+    device = "cuda" if ON_GPU else "cpu"
+    long, short = hopper_prefix.MIN_KEYS, hopper_prefix.MIN_KEYS // 8
+    check([300], 9, 4, 2, 16, torch.float32, device, capacity=short, config=KernelConfig())
+    check([300], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig(hopper=False))
+    check([300, 40], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
+    with pytest.raises(LookupError):
+        check([300], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
+
+
 def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):
     """The Hopper kernel reads every whole block from slot 0: rows whose queries start later (a
     sliding window's starts, with or without a planned window) stay with the Triton kernel."""

@@ -16,7 +16,6 @@ compute capability 9.x only, never under the interpreter; :func:`applies` says w
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import torch
@@ -40,8 +39,9 @@ BLOCK_N = 128  # keys of a block (the TMA loads and the products' N / K)
 CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the producer's: 24)
 PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
-HALF_TILE_COST = 0.6  # a program of one live consumer's time a key block, against two's
-WAVES = 1  # programs of a launch, in multiprocessors
+WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
+MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of more parts costs more)
+MIN_KEYS = 32768  # a cache's capacity from which the kernel serves one row's tree by default (as measured)
 
 if gluon is not None:
 
@@ -190,16 +190,17 @@ if gluon is not None:
 
     @gluon.jit
     def _prefix_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                       sl_s, HKV, M, G, N_SPLITS, N_LAST, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
+                       sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
-        # the row's whole key blocks, split evenly among the N_SPLITS programs of its tile (a last
-        # tile of at most ROWS rows: N_LAST, fewer, longer chunks: one warpgroup's work a block)
+        # the row's whole key blocks, split evenly among the N_SPLITS programs of its tile: a (KV head,
+        # split)'s tiles stream the same blocks, launched together, so the memory reads K/V once and
+        # the L2 cache serves the other tiles
         n_all = length // BLOCK_N
-        per = gl.cdiv(n_all, gl.where(tile == gl.num_programs(0) - 1, N_LAST, N_SPLITS))
+        per = gl.cdiv(n_all, N_SPLITS)
         first = split * per
         n_blocks = gl.maximum(gl.minimum(per, n_all - first), 0)
         # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
@@ -271,37 +272,24 @@ def _piece(block_size: int) -> int:
     return BLOCK_N if block_size == 0 or block_size % BLOCK_N == 0 else 64
 
 
-def split_plan(rows: int, heads: int, programs: int, capacity: int) -> tuple:
-    """(n_splits, n_last): programs per row tile of ``rows`` packed rows for ``heads`` (row, KV
-    head) pairs, at most ``programs`` in all (one wave): the key blocks of a row split among
-    n_splits programs, or n_last for a last tile with at most ROWS rows (one live consumer: its
-    programs take longer chunks, HALF_TILE_COST of a full tile's time a block, so that every
-    program ends together; a 69-node tree x 4 heads: 2 full tiles + 20 rows). Chunks of at
-    least one key block."""
-    full, rest = divmod(rows, ROWS * CONSUMERS)
-    most = max(1, capacity // BLOCK_N)
-    programs *= WAVES
-    if full == 0 or rest == 0 or rest > ROWS:
-        n = max(1, min(most, programs // (heads * -(-rows // (ROWS * CONSUMERS)))))
-        return n, n
-    best = (1, 1)
-    for n in range(1, most + 1):
-        last = max(1, math.ceil(HALF_TILE_COST * n))
-        if heads * (full * n + last) > programs:
-            break
-        best = (n, last)
-    return best
+def split_plan(rows: int, heads: int, programs: int, capacity: int) -> int:
+    """Programs per row tile (splits of the key blocks) for ``rows`` packed rows of ``heads`` (row,
+    KV head) pairs over a cache of ``capacity`` keys: every tile of a pair takes the same splits
+    (they share each block through the L2 cache), up to WAVES x ``programs`` in all (a tree's last
+    tile of a few rows, one live consumer, ends early: later waves fill its multiprocessors), and
+    chunks of at least MIN_BLOCKS key blocks."""
+    tiles = -(-rows // (ROWS * CONSUMERS))
+    return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
 
 
-def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, n_last: int, qk_scale: float,
+def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, qk_scale: float,
                  table=None, block_size: int = 0) -> None:
     """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
     parts, rows]: the rows' attention over the whole ``BLOCK_N``-key blocks of their prefix (keys
     below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly among ``n_splits`` programs per row
-    tile (``n_last`` for a last tile of at most ROWS rows: :func:`split_plan`; its parts past
-    ``n_last`` are written empty). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer [Hkv, P, D] read
-    through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after the whole blocks
-    and the tree part are the caller's (another part)."""
+    tile (:func:`split_plan`). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer
+    [Hkv, P, D] read through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after
+    the whole blocks and the tree part are the caller's (another part)."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]
@@ -316,6 +304,6 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     tbl = table if paged else lengths
     _prefix_kernel[(tiles, b * hkv, n_splits)](
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
-        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, n_last, cap,
+        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
         block_size or 1, s_rows, qk_scale, PAGED=paged, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=stages(d),
         CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, OVERLAP=OVERLAP, num_warps=4, maxnreg=168)

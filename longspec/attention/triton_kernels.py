@@ -144,11 +144,12 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms, wide))
     n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
     # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
-    # n_hopper - 1, one program per multiprocessor), the rest (the keys after them, the tree) here
+    # n_hopper - 1: the splits of each row tile), the rest (the keys after them, the tree) here
     n_hopper = 0
-    if (mask is not None and with_prefix and limits is None and starts is None and c.hopper
+    wanted = c.hopper if c.hopper is not None else b == 1 and cap >= hopper_prefix.MIN_KEYS
+    if (mask is not None and with_prefix and limits is None and starts is None and wanted
             and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
-        n_hopper, n_last = hopper_prefix.split_plan(rows, b * hkv, sms, cap)
+        n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap)
         n_splits, chunk = 1, cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits + n_hopper == 1
@@ -184,7 +185,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     with _on(q.device):
         if n_hopper:
             try:
-                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper, n_last,
+                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper,
                                            LOG2E / math.sqrt(d), table, block_size)
             except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
                 hopper_prefix.give_up(err)
