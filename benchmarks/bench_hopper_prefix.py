@@ -1,8 +1,8 @@
 """The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton
 kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
-softmax under this block's p.v on or off, the waves of programs (``WAVES``), K/V stages
-(``--forms``, comma-separated). Every form is checked against the Triton
+softmax under this block's p.v on or off, the waves of programs (``WAVES``), K/V stages, a
+tree's last tile in both consumers (``SPLIT_LAST``) (``--forms``, comma-separated). Every form is checked against the Triton
 kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays, median).
 Prints one line per form, and one JSON line last.
 
@@ -27,6 +27,7 @@ FORMS = {  # name: module constants of hopper_prefix
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d: 2},
+    "split last": {"SPLIT_LAST": True},
 }
 
 
