@@ -312,7 +312,7 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int) -> int:
     """Programs per row tile (splits of the key blocks) for ``rows`` packed rows of ``heads`` (row,
     KV head) pairs over a cache of ``capacity`` keys: every tile of a pair takes the same splits
     (they share each block through the L2 cache), up to WAVES x ``programs`` in all (a tree's last
-    tile of a few rows, one live consumer, ends early: later waves fill its multiprocessors), and
+    tile of a few rows ends early: later waves fill its multiprocessors), and
     chunks of at least MIN_BLOCKS key blocks."""
     tiles = -(-rows // (ROWS * CONSUMERS))
     return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
