@@ -17,6 +17,7 @@ import json
 import torch
 
 from bench_attention import timed
+from bench_steps import kernel_profile
 from longspec.attention import hopper_prefix
 from longspec.attention.triton_kernels import KernelConfig, tree_attention
 
@@ -31,21 +32,6 @@ FORMS = {  # name: module constants of hopper_prefix
 }
 
 
-def kernel_times(fn, calls: int = 10) -> str:
-    """Each CUDA kernel's mean microseconds in one call of ``fn`` (torch profiler, eager calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name[:40]] = totals.get(e.name[:40], 0.0) + e.time_range.elapsed_us() / calls
-    return "; ".join(f"{name} {us:.1f} us" for name, us in sorted(totals.items(), key=lambda kv: -kv[1]))
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="32x8x128@32768,32x8x128@131072,32x8x64@1048576",
@@ -53,7 +39,7 @@ def main(argv=None):
     p.add_argument("--trees", default="69", help="tree sizes M, comma-separated")
     p.add_argument("--forms", default=",".join(FORMS), help=f"of {', '.join(FORMS)}")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--kernels", action="store_true", help="also each kernel's time in a call (torch profiler)")
+    p.add_argument("--kernels", action="store_true", help="also the kernels of a call by time (torch profiler)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     defaults = {name: getattr(hopper_prefix, name) for form in FORMS.values() for name in form}
@@ -90,7 +76,7 @@ def main(argv=None):
                       f"rel err {err:.1e}", flush=True)
                 rows.append(dict(shape=shape, m=m, form=form, us=t * 1e6, rel_err=err))
                 if args.kernels:
-                    print("    " + kernel_times(lambda: tree_attention(q, k, v, lengths, tree, on)), flush=True)
+                    print(kernel_profile(lambda: tree_attention(q, k, v, lengths, tree, on), top=6)[1], flush=True)
             for name, value in defaults.items():
                 setattr(hopper_prefix, name, value)
     print(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}))
