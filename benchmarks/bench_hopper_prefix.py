@@ -1,10 +1,10 @@
 """The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton
 kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
-softmax under this block's p.v on or off, the waves of programs (``WAVES``), K/V stages, a
-tree's last tile in both consumers (``SPLIT_LAST``) (``--forms``, comma-separated). Every form is checked against the Triton
-kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays, median).
-Prints one line per form, and one JSON line last.
+softmax under this block's p.v on or off, neither of the two, the waves of programs
+(``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked against the
+Triton kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays,
+median). Prints one line per form, and one JSON line last.
 
     python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
 
@@ -25,10 +25,10 @@ FORMS = {  # name: module constants of hopper_prefix
     "default": {},
     "no ping-pong": {"PINGPONG": False},
     "no overlap": {"OVERLAP": False},
+    "neither": {"PINGPONG": False, "OVERLAP": False},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d: 2},
-    "split last": {"SPLIT_LAST": True},
 }
 
 
@@ -53,8 +53,9 @@ def main(argv=None):
             k, v = (torch.randn(1, hkv, s + m, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             lengths = torch.tensor([s], device="cuda")
             tree = torch.tril(torch.ones(m, m, dtype=torch.bool, device="cuda"))[None]
-            ref = tree_attention(q, k, v, lengths, tree).float()
-            base = timed(lambda: tree_attention(q, k, v, lengths, tree), args.repeats)
+            off = KernelConfig(hopper=False)
+            ref = tree_attention(q, k, v, lengths, tree, off).float()
+            base = timed(lambda: tree_attention(q, k, v, lengths, tree, off), args.repeats)
             print(f"{shape} M={m:>3} Triton kernel alone {base * 1e6:9.1f} us", flush=True)
             rows.append(dict(shape=shape, m=m, form="triton", us=base * 1e6))
             on = KernelConfig(hopper=True)

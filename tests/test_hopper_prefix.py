@@ -19,7 +19,7 @@ from longspec.attention import hopper_prefix  # noqa: E402
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100 / H200
 
 
-def compile_for_hopper(paged: bool, d: int, block_size: int, split_last: bool = False):
+def compile_for_hopper(paged: bool, d: int, block_size: int):
     """The kernel's launch as ``prefix_parts`` makes it (a 69-node tree x 4 query heads of 8 KV
     heads), compiled for sm_90a without a GPU."""
     import triton
@@ -42,22 +42,22 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, split_last: bool = 
                 qk_scale=0.1)
     constexprs = dict(PAGED=paged, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
                       STAGES=hopper_prefix.stages(d), CONSUMER_REGS=hopper_prefix.CONSUMER_REGS,
-                      PINGPONG=hopper_prefix.PINGPONG, OVERLAP=hopper_prefix.OVERLAP, SPLIT_LAST=split_last)
-    fn = hopper_prefix._prefix_kernel
+                      PINGPONG=hopper_prefix.PINGPONG, OVERLAP=hopper_prefix.OVERLAP)
+    fn = hopper_prefix._hopper_kernel
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in fn.arg_names}
     source = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
 
 
-@pytest.mark.parametrize("paged,d,block_size,split_last", [(False, 128, 0, 0), (True, 128, 64, 0), (True, 128, 256, 0),
-                                                           (False, 64, 0, 0), (True, 64, 64, 0), (True, 128, 64, 1)])
-def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, split_last):
+@pytest.mark.parametrize("paged,d,block_size", [(False, 128, 0), (True, 128, 64), (True, 128, 256),
+                                                (False, 64, 0), (True, 64, 64)])
+def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size):
     """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
     Gluon functions cannot be compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size), str(split_last)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["wgmma"] >= 4  # q.k and p.v in both consumers' loops
@@ -84,7 +84,7 @@ def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
 
 
 if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report
-    paged, d, block_size, split_last = (int(x) for x in sys.argv[1:5])
-    kernel = compile_for_hopper(bool(paged), d, block_size, bool(split_last))
+    paged, d, block_size = (int(x) for x in sys.argv[1:4])
+    kernel = compile_for_hopper(bool(paged), d, block_size)
     print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
                           cubin=len(kernel.asm["cubin"]))))

@@ -313,16 +313,13 @@ def test_kernel_options_bfloat16_on_gpu(config):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16)])
 @pytest.mark.parametrize("block", [0, 64, 256])
-@pytest.mark.parametrize("split_last", [False, True])
-def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, block, split_last):
+def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, block):
     """A tree of 69 nodes x 4 query heads a KV head (276 rows: the warp-specialized Hopper kernel
     takes the prefix's whole 128-key blocks, the Triton kernel the rest) against the reference:
     rows with a ragged end, one shorter than a key block, an empty one, one of whole blocks, dense
     or through a shuffled table of 64- or 256-slot blocks (TMA pieces of 64 or 128 rows); the last
-    tile's 20 rows in one consumer, or in both (SPLIT_LAST: every other key block each)."""
+    tile's 20 rows in one consumer, the other keeping the turns."""
     from longspec.attention import hopper_prefix
-
-    monkeypatch.setattr(hopper_prefix, "SPLIT_LAST", split_last)
 
     q = torch.empty(1, 32, 69, d, dtype=dtype, device="cuda")
     if not hopper_prefix.applies(q, q, q, 4 * 69, block):

@@ -39,7 +39,6 @@ BLOCK_N = 128  # keys of a block (the TMA loads and the products' N / K)
 CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the producer's: 24)
 PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
-SPLIT_LAST = False  # a tile of at most ROWS rows: both consumers on its rows, every other key block each (3+ stages)
 WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
 MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of more parts costs more)
 MIN_KEYS = 32768  # a cache's capacity from which the kernel serves one row's tree by default (as measured)
@@ -79,12 +78,11 @@ if gluon is not None:
                 gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))
 
     @gluon.jit
-    def _turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr, passes=-1):
+    def _turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Waits for this warpgroup's turn ``t`` to issue its products (PINGPONG: the two
-        consumers' products alternate, so one's softmax runs under the other's products), unless
-        the other has no turn left before it (``passes``: the other's turns in all, -1: enough)."""
+        consumers' products alternate, so one's softmax runs under the other's products)."""
         if PINGPONG:
-            mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG), pred=(passes < 0) | (t + WG <= passes))
+            mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
 
     @gluon.jit
     def _pass(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -92,23 +90,18 @@ if gluon is not None:
             mbarrier.arrive(turns.index(1 - WG), count=1)
 
     @gluon.jit
-    def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, handoff, Q, OP, LP, b, h, split, row0, n_blocks,
-                 sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+    def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
+                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, SPLIT_LAST: gl.constexpr):
+                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A consumer warpgroup: packed rows ``row0 + WG * ROWS ..`` (row = g * M + i) over the
-        ring's key blocks, then its partial output and LSE. In a tile of at most ROWS rows (a
-        tree's last) the second has none: with SPLIT_LAST both take the first's rows, each every
-        other key block (the first the even ones), and the first merges the second's result
-        into its own; else the second only keeps the turns and frees the stages."""
+        ring's key blocks, then its partial output and LSE; one without rows (a tree's last
+        tile) only keeps the turns and frees the stages."""
         first = row0 + WG * ROWS
-        # (runtime) the key blocks shared out; blocks j and j + 2 of one consumer are resident together
-        halves = (row0 + ROWS >= G * M) & (SPLIT_LAST and STAGES >= 3)
-        if (first < G * M) | halves:
-            _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, handoff, Q, OP, LP, b, h, split,
-                    first - halves.to(gl.int32) * (WG * ROWS), n_blocks, halves, sq_b, sq_h, sq_m, so_b, so_h, so_s,
-                    so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP,
-                    SPLIT_LAST)
+        if first < G * M:
+            _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks,
+                    sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N,
+                    HEAD_D, STAGES, PINGPONG, OVERLAP)
         else:  # the waits and arrivals of _attend, in its order
             if n_blocks > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -125,21 +118,14 @@ if gluon is not None:
                 mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
 
     @gluon.jit
-    def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, handoff, Q, OP, LP, b, h, split, first, n_blocks,
-                halves, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale,
-                WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, SPLIT_LAST: gl.constexpr):
-        """Rows ``first .. first + ROWS - 1`` over key blocks 0 .. n_blocks - 1, or (``halves``)
-        every other one from block WG. Block j's softmax gives p and the factor alpha; then, at
-        this consumer's turn, the output is rescaled by alpha and q.k of the next block is issued
-        with p.v of block j, and the next block's softmax runs while that p.v does (OVERLAP);
-        with PINGPONG the other consumer's products run during this one's softmax. A block's
-        stage is freed by both consumers' arrivals, or twice by its one reader (``halves``)."""
-        step = 1 + halves.to(gl.int32)
-        start = halves.to(gl.int32) * WG
-        n_own = (n_blocks - start + step - 1) // step
-        n_other = (n_blocks - halves.to(gl.int32) * (1 - WG) + step - 1) // step
-        passes = n_other + (n_other > 0).to(gl.int32)  # the other consumer's turns (one more than its blocks)
+    def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks, sq_b, sq_h,
+                sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """Rows ``first .. first + ROWS - 1``. Block j's softmax gives p and the factor alpha;
+        then, at this consumer's turn, the output is rescaled by alpha and q.k of block j + 1 is
+        issued with p.v of block j, and block j + 1's softmax runs while that p.v does (OVERLAP);
+        with PINGPONG the other consumer's products run during this one's softmax."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -160,20 +146,18 @@ if gluon is not None:
         sc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
         alpha = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
-        if n_own > 0:  # q.k of the first block
-            mbarrier.wait(ready.index(start % STAGES), start // STAGES & 1)
-            _turn(turns, 0, WG, PINGPONG, passes)
-            sc = warpgroup_mma(q_smem, k_bufs.index(start % STAGES).permute((1, 0)), sc, use_acc=False,
-                               is_async=True)
+        if n_blocks > 0:  # q.k of the first block
+            mbarrier.wait(ready.index(0), 0)
+            _turn(turns, 0, WG, PINGPONG)
+            sc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
             _pass(turns, WG, PINGPONG)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
-        for t in range(n_own - 1):
-            j = start + t * step
-            s, s1 = j % STAGES, (j + step) % STAGES
+        for j in range(n_blocks - 1):
+            s, s1 = j % STAGES, (j + 1) % STAGES
             acc = acc * alpha[:, None]
-            mbarrier.wait(ready.index(s1), (j + step) // STAGES & 1)
-            _turn(turns, t + 1, WG, PINGPONG, passes)
+            mbarrier.wait(ready.index(s1), (j + 1) // STAGES & 1)
+            _turn(turns, j + 1, WG, PINGPONG)
             sc = warpgroup_mma(q_smem, k_bufs.index(s1).permute((1, 0)), sc, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
             _pass(turns, WG, PINGPONG)
@@ -186,47 +170,29 @@ if gluon is not None:
             if OVERLAP:
                 acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_in_flight))
             mbarrier.arrive(empty.index(s), count=1)
-            mbarrier.arrive(empty.index(s), count=1, pred=halves)
-        if n_own > 0:  # the last block's p.v
-            s = (start + (n_own - 1) * step) % STAGES
+        if n_blocks > 0:  # the last block's p.v
+            s = (n_blocks - 1) % STAGES
             acc = acc * alpha[:, None]
-            _turn(turns, n_own, WG, PINGPONG, passes)
+            _turn(turns, n_blocks, WG, PINGPONG)
             acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
             _pass(turns, WG, PINGPONG)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(s), count=1)
-            mbarrier.arrive(empty.index(s), count=1, pred=halves)
         rows = first + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
         d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
         ok = rows < G * M
-        o_ptrs = OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :]
-        lse_ptrs = LP + b * sl_b + h * sl_h + split * sl_s + rows
+        gl.store(OP + b * so_b + h * so_h + split * so_s + rows[:, None] * so_r + d[None, :], o, mask=ok[:, None])
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         lse = gl.where(l_o > 0, m_o + gl.log2(gl.where(l_o > 0, l_o, 1.0)), float("-inf"))
-        if WG == 0 and SPLIT_LAST:  # (constexpr first: Triton 3.6 fails to lower the merge under a constant false)
-            if halves:  # the second consumer's odd blocks, stored before its arrival: merged by LSE
-                mbarrier.wait(handoff.index(0), 0)
-                o2 = gl.load(o_ptrs, mask=ok[:, None], other=0.0)
-                lse2 = gl.load(lse_ptrs, mask=ok, other=float("-inf"))
-                top = gl.maximum(lse, lse2)
-                w1 = gl.where(top > float("-inf"), gl.exp2(lse - top), 0.0)
-                w2 = gl.where(top > float("-inf"), gl.exp2(lse2 - top), 0.0)
-                total = w1 + w2
-                o = (o * w1[:, None] + o2 * w2[:, None]) / gl.where(total > 0, total, 1.0)[:, None]
-                lse = gl.where(total > 0, top + gl.log2(gl.where(total > 0, total, 1.0)), float("-inf"))
-        gl.store(o_ptrs, o, mask=ok[:, None])
-        gl.store(lse_ptrs, lse, mask=ok)
-        if WG == 1:
-            mbarrier.arrive(handoff.index(0), count=1, pred=halves)
+        gl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
 
     @gluon.jit
-    def _prefix_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
+    def _hopper_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
                        sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                       SPLIT_LAST: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
@@ -246,22 +212,20 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        handoff = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
         for w in gl.static_range(2):
             mbarrier.init(turns.index(w), count=1)
-        mbarrier.init(handoff.index(0), count=1)
         fence_async_shared()  # the barriers initialised before TMA or another partition uses them
         row0 = tile * 2 * ROWS
         gl.warp_specialize([
-            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, handoff, Q, OP, LP, b, h, split, row0, n_blocks,
-                        sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
-                        HEAD_D, STAGES, PINGPONG, OVERLAP, SPLIT_LAST)),
-            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, handoff, Q, OP, LP, b, h, split, row0, n_blocks,
-                        sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
-                        HEAD_D, STAGES, PINGPONG, OVERLAP, SPLIT_LAST)),
+            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
+                        STAGES, PINGPONG, OVERLAP)),
+            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
+                        STAGES, PINGPONG, OVERLAP)),
             (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                         BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -312,7 +276,7 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int) -> int:
     """Programs per row tile (splits of the key blocks) for ``rows`` packed rows of ``heads`` (row,
     KV head) pairs over a cache of ``capacity`` keys: every tile of a pair takes the same splits
     (they share each block through the L2 cache), up to WAVES x ``programs`` in all (a tree's last
-    tile of a few rows ends early: later waves fill its multiprocessors), and
+    tile of a few rows, one live consumer, ends early: later waves fill its multiprocessors), and
     chunks of at least MIN_BLOCKS key blocks."""
     tiles = -(-rows // (ROWS * CONSUMERS))
     return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
@@ -338,9 +302,8 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
     tiles = -(-g * m // (ROWS * CONSUMERS))
     tbl = table if paged else lengths
-    _prefix_kernel[(tiles, b * hkv, n_splits)](
+    _hopper_kernel[(tiles, b * hkv, n_splits)](
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
         table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
         block_size or 1, s_rows, qk_scale, PAGED=paged, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=stages(d),
-        CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, OVERLAP=OVERLAP, SPLIT_LAST=SPLIT_LAST, num_warps=4,
-        maxnreg=168)
+        CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, OVERLAP=OVERLAP, num_warps=4, maxnreg=168)
