@@ -19,9 +19,9 @@ from longspec.attention import hopper_prefix  # noqa: E402
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100 / H200
 
 
-def compile_for_hopper(paged: bool, d: int, block_size: int):
+def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None):
     """The kernel's launch as ``prefix_parts`` makes it (a 69-node tree x 4 query heads of 8 KV
-    heads), compiled for sm_90a without a GPU."""
+    heads; ``consumers``: forced to 2 or 3), compiled for sm_90a without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -40,27 +40,30 @@ def compile_for_hopper(paged: bool, d: int, block_size: int):
                 so_h=op.stride(1), so_s=op.stride(2), so_r=op.stride(3), sl_b=lp.stride(0), sl_h=lp.stride(1),
                 sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, CAP=s, BS=block_size or 1, S_ROWS=s,
                 qk_scale=0.1)
-    constexprs = dict(PAGED=paged, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
-                      STAGES=hopper_prefix.stages(d), CONSUMER_REGS=hopper_prefix.CONSUMER_REGS,
-                      PINGPONG=hopper_prefix.PINGPONG, OVERLAP=hopper_prefix.OVERLAP)
+    n = hopper_prefix.consumers(g * m, d) if consumers is None else consumers
+    regs, launch_regs = hopper_prefix.REGISTERS[n]
+    constexprs = dict(PAGED=paged, CONSUMERS=n, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
+                      STAGES=hopper_prefix.stages(d, n), CONSUMER_REGS=regs, PINGPONG=hopper_prefix.PINGPONG and n == 2,
+                      OVERLAP=hopper_prefix.OVERLAP and n == 2)
     fn = hopper_prefix._hopper_kernel
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in fn.arg_names}
     source = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=launch_regs))
 
 
-@pytest.mark.parametrize("paged,d,block_size", [(False, 128, 0), (True, 128, 64), (True, 128, 256),
-                                                (False, 64, 0), (True, 64, 64)])
-def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size):
+@pytest.mark.parametrize("paged,d,block_size,consumers", [(False, 128, 0, 2), (True, 128, 64, 2), (True, 128, 256, 2),
+                                                          (False, 64, 0, 3), (True, 64, 64, 3), (False, 64, 0, 2)])
+def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, consumers):
     """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
-    Gluon functions cannot be compiled."""
+    Gluon functions cannot be compiled. Heads of 64 take three consumers for 276 rows; two is
+    the form for trees whose rows fill no fewer tiles that way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size), str(consumers)],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["wgmma"] >= 4  # q.k and p.v in both consumers' loops
+    assert report["wgmma"] >= 2 * consumers  # q.k and p.v in every consumer's loop
     assert report["shared"] <= HOPPER_SHARED_MEMORY and report["cubin"] > 0
 
 
@@ -77,14 +80,22 @@ def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
     """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows: 3 tiles) on 132
     multiprocessors: up to WAVES waves of programs, chunks of MIN_BLOCKS key blocks or more."""
     plan = hopper_prefix.split_plan
-    assert plan(276, 8, 132, 1 << 17) == 132 * hopper_prefix.WAVES // 24  # 16 at 3 waves
-    assert plan(256, 8, 132, 1 << 17) == min(1024 // hopper_prefix.MIN_BLOCKS, 132 * hopper_prefix.WAVES // 16)
-    assert plan(276, 8, 132, 1 << 15) == 256 // hopper_prefix.MIN_BLOCKS  # a shorter cache: longer chunks
-    assert plan(276, 8, 132, 256) == 1  # at least one program a tile
+    assert plan(276, 8, 132, 1 << 17, 128) == 132 * hopper_prefix.WAVES // 24  # 16 at 3 waves
+    assert plan(256, 8, 132, 1 << 17, 128) == min(1024 // hopper_prefix.MIN_BLOCKS, 132 * hopper_prefix.WAVES // 16)
+    assert plan(276, 8, 132, 1 << 15, 128) == 256 // hopper_prefix.MIN_BLOCKS  # a shorter cache: longer chunks
+    assert plan(276, 8, 132, 256, 128) == 1  # at least one program a tile
+    assert plan(276, 8, 132, 1 << 20, 64) == 132 * hopper_prefix.WAVES // 16  # heads of 64: 2 tiles of 192 rows
 
 
-if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE: compiles, prints a JSON report
-    paged, d, block_size = (int(x) for x in sys.argv[1:4])
-    kernel = compile_for_hopper(bool(paged), d, block_size)
+def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64():
+    assert hopper_prefix.consumers(276, 64) == 3  # 2 tiles of 192 rows, not 3 of 128
+    assert hopper_prefix.consumers(256, 64) == 2  # 2 tiles either way
+    assert hopper_prefix.consumers(276, 128) == 2  # heads of 128: never
+    assert hopper_prefix.consumers(384, 64) == 3 and hopper_prefix.consumers(128, 64) == 2
+
+
+if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE CONSUMERS: compiles, prints a JSON report
+    paged, d, block_size, consumers = (int(x) for x in sys.argv[1:5])
+    kernel = compile_for_hopper(bool(paged), d, block_size, consumers)
     print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
                           cubin=len(kernel.asm["cubin"]))))

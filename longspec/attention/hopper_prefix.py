@@ -9,7 +9,10 @@ Here one program holds 128 rows in two consumer warpgroups of 64 and one produce
 producer streams K/V blocks through a ring of shared-memory stages by TMA (through the block
 table where the rows are paged), each consumer runs q.k, the online softmax and p.v on its 64
 rows, and the two consumers' softmax and products overlap on the multiprocessor (one's softmax
-while the other's products run), as FlashAttention-3 does.
+while the other's products run), as FlashAttention-3 does. At heads of 64 dimensions a program
+takes three consumers (192 rows) where that saves a row tile (:func:`consumers`): every tile
+streams the whole K/V through the L2 cache, and that traffic, not the arithmetic, sets a tile's
+pace.
 
 Device code in Gluon (``triton.experimental.gluon``, Triton 3.4+): it runs on CUDA devices of
 compute capability 9.x only, never under the interpreter; :func:`applies` says where."""
@@ -33,10 +36,11 @@ except ImportError:  # pragma: no cover - triton without gluon
 
 ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
+THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no ping-pong, no overlap)
+REGISTERS = {2: (240, 168), 3: (160, 128)}  # consumers: (a consumer thread's registers, the launch's)
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
 SHARED_MEMORY = 224 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less barriers and Triton's scratch
 BLOCK_N = 128  # keys of a block (the TMA loads and the products' N / K)
-CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the producer's: 24)
 PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
 WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
@@ -163,13 +167,14 @@ if gluon is not None:
             _pass(turns, WG, PINGPONG)
             if OVERLAP:  # block j + 1's softmax while p.v of block j runs
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-            else:
+            else:  # both products done: the stage is free before the softmax
                 sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
+                mbarrier.arrive(empty.index(s), count=1)
             p_in_flight = p
             p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
             if OVERLAP:
                 acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_in_flight))
-            mbarrier.arrive(empty.index(s), count=1)
+                mbarrier.arrive(empty.index(s), count=1)
         if n_blocks > 0:  # the last block's p.v
             s = (n_blocks - 1) % STAGES
             acc = acc * alpha[:, None]
@@ -191,8 +196,9 @@ if gluon is not None:
     @gluon.jit
     def _hopper_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
                        sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
-                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                       CONSUMERS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                       OVERLAP: gl.constexpr):
         tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
@@ -206,7 +212,7 @@ if gluon is not None:
         # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
         desc0 = ((b * HKV + h) * S_ROWS).to(gl.int32) if not PAGED else (h * S_ROWS).to(gl.int32)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty)
-        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, ROWS, HEAD_D], q_layout)
+        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [CONSUMERS, ROWS, HEAD_D], q_layout)
         k_bufs = gl.allocate_shared_memory(KD.dtype, [STAGES, BLOCK_N, HEAD_D], KD.layout)
         v_bufs = gl.allocate_shared_memory(VD.dtype, [STAGES, BLOCK_N, HEAD_D], VD.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -214,27 +220,58 @@ if gluon is not None:
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+            mbarrier.init(empty.index(s), count=CONSUMERS)
         for w in gl.static_range(2):
             mbarrier.init(turns.index(w), count=1)
         fence_async_shared()  # the barriers initialised before TMA or another partition uses them
-        row0 = tile * 2 * ROWS
-        gl.warp_specialize([
-            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
-                        STAGES, PINGPONG, OVERLAP)),
-            (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                        sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
-                        STAGES, PINGPONG, OVERLAP)),
-            (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
-                        BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        row0 = tile * CONSUMERS * ROWS
+        # (the partitions written out: Gluon keeps a constexpr argument only in a literal tuple)
+        if CONSUMERS == 3:  # (ping-pong is for two: the caller passes PINGPONG off)
+            gl.warp_specialize([
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 2, ROWS, BLOCK_N,
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
+                            BLOCK_N, STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
+                            BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
 
 
-def stages(head_dim: int) -> int:
-    """K/V blocks in flight: as many as fit beside the two consumers' query tiles (heads of 128
+def consumers(rows: int, head_dim: int) -> int:
+    """Consumer warpgroups a program for ``rows`` packed rows a KV head: three (192 rows a tile)
+    at heads of 64 dimensions where that takes fewer row tiles than two (a 69-node tree x 4
+    heads: 276 rows in 2 tiles, not 3), else two. At heads of 128 three consumers' scores,
+    probabilities and outputs fit their 160 registers only with blocks of 64 keys, which cost
+    more than the tile they save (as measured)."""
+    fewer = -(-rows // (ROWS * 3)) < -(-rows // (ROWS * 2))
+    return 3 if THREE_CONSUMERS and head_dim == 64 and fewer else CONSUMERS
+
+
+def row_tiles(rows: int, head_dim: int) -> int:
+    """Programs of a (row, KV head, split): its ``rows`` packed rows, a tile of consumers' rows each."""
+    return -(-rows // (ROWS * consumers(rows, head_dim)))
+
+
+def stages(head_dim: int, n_consumers: int = CONSUMERS) -> int:
+    """K/V blocks in flight: as many as fit beside the consumers' query tiles (heads of 128
     dimensions: 3, of 64: 4)."""
-    tiles = CONSUMERS * ROWS * head_dim * 2
+    tiles = n_consumers * ROWS * head_dim * 2
     return max(2, min(MAX_STAGES, (SHARED_MEMORY - tiles) // (2 * BLOCK_N * head_dim * 2)))
 
 
@@ -272,13 +309,13 @@ def _piece(block_size: int) -> int:
     return BLOCK_N if block_size == 0 or block_size % BLOCK_N == 0 else 64
 
 
-def split_plan(rows: int, heads: int, programs: int, capacity: int) -> int:
+def split_plan(rows: int, heads: int, programs: int, capacity: int, head_dim: int) -> int:
     """Programs per row tile (splits of the key blocks) for ``rows`` packed rows of ``heads`` (row,
     KV head) pairs over a cache of ``capacity`` keys: every tile of a pair takes the same splits
     (they share each block through the L2 cache), up to WAVES x ``programs`` in all (a tree's last
     tile of a few rows, one live consumer, ends early: later waves fill its multiprocessors), and
     chunks of at least MIN_BLOCKS key blocks."""
-    tiles = -(-rows // (ROWS * CONSUMERS))
+    tiles = row_tiles(rows, head_dim)
     return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
 
 
@@ -300,10 +337,12 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     piece = _piece(block_size if paged else 0)
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], element)
     kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
-    tiles = -(-g * m // (ROWS * CONSUMERS))
+    n = consumers(g * m, d)
+    regs, launch_regs = REGISTERS[n]
     tbl = table if paged else lengths
-    _hopper_kernel[(tiles, b * hkv, n_splits)](
+    _hopper_kernel[(row_tiles(g * m, d), b * hkv, n_splits)](
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
         table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
-        block_size or 1, s_rows, qk_scale, PAGED=paged, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=stages(d),
-        CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, OVERLAP=OVERLAP, num_warps=4, maxnreg=168)
+        block_size or 1, s_rows, qk_scale, PAGED=paged, CONSUMERS=n, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d,
+        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and n == 2, OVERLAP=OVERLAP and n == 2,
+        num_warps=4, maxnreg=launch_regs)

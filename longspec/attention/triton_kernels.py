@@ -149,7 +149,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     wanted = c.hopper if c.hopper is not None else b == 1 and cap >= hopper_prefix.MIN_KEYS
     if (mask is not None and with_prefix and limits is None and starts is None and wanted
             and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
-        n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap)
+        n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
         n_splits, chunk = 1, cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits + n_hopper == 1
