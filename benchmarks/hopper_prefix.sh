@@ -7,10 +7,12 @@
 # keys, heads of 64 at 128k and 1M), and whole compiled steps of an 8B-shaped target at 32k and
 # 128k without and with it (bench_steps.py --no-prefill --kernel hopper=0|1); "rounds,long" runs
 # the 8B target's rounds with a random draft, then a 1B-shaped target's decode and verify steps
-# at 1M keys without and with it.
+# at 1M keys without and with it and a long prefill's causal attention at heads of 64 and 128
+# (bench_causal.py); "batch" the 8B target's steps for 4 rows of 32k keys without and
+# with it (the default serves one row only).
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
-# steps_1b_1m_hopper.log.
+# steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log.
 set -uo pipefail
 KNOWN="forms parts"
 forms="default,two consumers"
@@ -46,4 +48,14 @@ if [[ ",$parts," == *",long,"* ]]; then
     timeout 150 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 \
       --attention triton --compile on --no-prefill --kernel $kernel 2>&1 | grep -v "$quiet"
   done | tee "$dest/steps_1b_1m_hopper.log"
+  for d in 64 128; do  # a long prefill's causal attention by head size (the 1B target's heads are of 64)
+    timeout 100 python3 benchmarks/bench_causal.py --lengths 131072,262144 --head-dim $d --repeats 3 2>&1 \
+      | grep -v "^{"
+  done | tee "$dest/causal_by_head_dim.log"
+fi
+if [[ ",$parts," == *",batch,"* ]]; then
+  for kernel in hopper=0 hopper=1; do
+    timeout 90 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768 --trees 69 --batch 4 \
+      --attention triton --compile on --no-prefill --kernel $kernel 2>&1 | grep -v "$quiet"
+  done | tee "$dest/steps_8b_batch4_hopper.log"
 fi
