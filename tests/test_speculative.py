@@ -307,5 +307,6 @@ def test_prompt_lookups_default_chain_is_shorter_on_a_cpu(targets):
 
     assert default_tree("pld", "cpu") == "chain:3" and default_tree("pld", "cuda") == default_tree("pld") == "chain:5"
     assert default_tree("hybrid", "cpu") == default_tree("hybrid")
+    assert default_tree("pld", "cuda:1") == "chain:5"
     assert Generator(targets["llama"], "pld").tree == TreeSpec.parse("chain:3")
     assert Generator(targets["llama"], "pld", "chain:5").tree == TreeSpec.parse("chain:5")

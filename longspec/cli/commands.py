@@ -129,7 +129,7 @@ def cmd_generate(args) -> int:
         from ..spec.tree import TreeSpec
 
         name = "hybrid" if args.draft or not args.target else "pld"
-        tree = TreeSpec.coerce(default_tree(name, device.partition(":")[0]))
+        tree = TreeSpec.coerce(default_tree(name, device))
 
     if args.draft:
         read_config(args.draft)  # (a wrong --draft said now, not after loading the model)
@@ -346,6 +346,6 @@ def proposer_choice(args, device):
     if args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
     try:
-        return name, TreeSpec.parse(args.tree or default_tree(name, device.partition(":")[0]))
+        return name, TreeSpec.parse(args.tree or default_tree(name, device))
     except ValueError as err:
         raise UsageError(str(err)) from None

@@ -44,13 +44,13 @@ PLD_TREE = "chain:5"
 PLD_CPU_TREE = f"chain:{CPU_FEW_ROWS - 1}"  # the root + the chain: rows a CPU's few-row products cover
 
 
-def default_tree(proposer: str, device_type: str = "cuda") -> str:
-    """pld: a 5-token chain (on a CPU one that fits its few-row products, ``CPU_FEW_ROWS``: the
-    chain of 5 was slower than plain decoding there, docs/benchmarks.md); longspec and streaming: the
-    paper's beam tree; hybrid: that tree plus five levels of one node, which the lookup chain
-    fills when the text repeats."""
+def default_tree(proposer: str, device: str = "cuda") -> str:
+    """The tree for ``device`` (a type, or "cuda:N"). pld: a 5-token chain (on a CPU one that fits
+    its few-row products, ``CPU_FEW_ROWS``: the chain of 5 was slower than plain decoding there,
+    docs/benchmarks.md); longspec and streaming: the paper's beam tree; hybrid: that tree plus
+    five levels of one node, which the lookup chain fills when the text repeats."""
     if proposer == "pld":
-        return PLD_CPU_TREE if device_type == "cpu" else PLD_TREE
+        return PLD_CPU_TREE if device.partition(":")[0] == "cpu" else PLD_TREE
     return {"hybrid": HYBRID_TREE}.get(proposer, DEFAULT_TREE)
 
 
