@@ -2,7 +2,7 @@
 kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
 softmax under this block's p.v on or off, neither of the two, heads of 64 without the third
-consumer (``THREE_CONSUMERS``), the waves of programs
+consumer (``THREE_CONSUMERS``) or with its three consumers' turns (``PINGPONG_THREE``), the waves of programs
 (``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked against the
 Triton kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays,
 median). Prints one line per form, and one JSON line last.
@@ -28,6 +28,7 @@ FORMS = {  # name: module constants of hopper_prefix
     "no overlap": {"OVERLAP": False},
     "neither": {"PINGPONG": False, "OVERLAP": False},
     "two consumers": {"THREE_CONSUMERS": False},
+    "three, ping-pong": {"PINGPONG_THREE": True},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d: 2},

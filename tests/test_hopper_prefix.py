@@ -19,9 +19,10 @@ from longspec.attention import hopper_prefix  # noqa: E402
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100 / H200
 
 
-def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None):
+def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pingpong=False):
     """The kernel's launch as ``prefix_parts`` makes it (a 69-node tree x 4 query heads of 8 KV
-    heads; ``consumers``: forced to 2 or 3), compiled for sm_90a without a GPU."""
+    heads; ``consumers``: forced to 2 or 3; ``pingpong``: three consumers' turns), compiled for
+    sm_90a without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -43,8 +44,8 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None):
     n = hopper_prefix.consumers(g * m, d) if consumers is None else consumers
     regs, launch_regs = hopper_prefix.REGISTERS[n]
     constexprs = dict(PAGED=paged, CONSUMERS=n, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
-                      STAGES=hopper_prefix.stages(d, n), CONSUMER_REGS=regs, PINGPONG=hopper_prefix.PINGPONG and n == 2,
-                      OVERLAP=hopper_prefix.OVERLAP and n == 2)
+                      STAGES=hopper_prefix.stages(d, n), CONSUMER_REGS=regs,
+                      PINGPONG=hopper_prefix.PINGPONG and (n == 2 or pingpong), OVERLAP=hopper_prefix.OVERLAP and n == 2)
     fn = hopper_prefix._hopper_kernel
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in fn.arg_names}
     source = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -52,18 +53,19 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None):
 
 
 @pytest.mark.parametrize("paged,d,block_size,consumers", [(False, 128, 0, 2), (True, 128, 64, 2), (True, 128, 256, 2),
-                                                          (False, 64, 0, 3), (True, 64, 64, 3), (False, 64, 0, 2)])
+                                                          (False, 64, 0, 3), (True, 64, 64, 3), (False, 64, 0, 2),
+                                                          (False, 64, 0, -3)])
 def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, consumers):
     """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
-    Gluon functions cannot be compiled. Heads of 64 take three consumers for 276 rows; two is
-    the form for trees whose rows fill no fewer tiles that way."""
+    Gluon functions cannot be compiled. Heads of 64 take three consumers for 276 rows (-3: with
+    their turns); two is the form for trees whose rows fill no fewer tiles that way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, __file__, str(int(paged)), str(d), str(block_size), str(consumers)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["wgmma"] >= 2 * consumers  # q.k and p.v in every consumer's loop
+    assert report["wgmma"] >= 2 * abs(consumers)  # q.k and p.v in every consumer's loop
     assert report["shared"] <= HOPPER_SHARED_MEMORY and report["cubin"] > 0
 
 
@@ -96,6 +98,6 @@ def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64():
 
 if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE CONSUMERS: compiles, prints a JSON report
     paged, d, block_size, consumers = (int(x) for x in sys.argv[1:5])
-    kernel = compile_for_hopper(bool(paged), d, block_size, consumers)
+    kernel = compile_for_hopper(bool(paged), d, block_size, abs(consumers), consumers < 0)
     print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
                           cubin=len(kernel.asm["cubin"]))))

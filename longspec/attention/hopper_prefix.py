@@ -36,7 +36,8 @@ except ImportError:  # pragma: no cover - triton without gluon
 
 ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
-THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no ping-pong, no overlap)
+THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no overlap: registers)
+PINGPONG_THREE = False  # three consumers' products take turns too
 REGISTERS = {2: (240, 168), 3: (160, 128)}  # consumers: (a consumer thread's registers, the launch's)
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
 SHARED_MEMORY = 224 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less barriers and Triton's scratch
@@ -83,15 +84,18 @@ if gluon is not None:
 
     @gluon.jit
     def _turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Waits for this warpgroup's turn ``t`` to issue its products (PINGPONG: the two
-        consumers' products alternate, so one's softmax runs under the other's products)."""
+        """Waits for this warpgroup's turn ``t`` to issue its products (PINGPONG: the consumers'
+        products take turns, 0, 1 (, 2), 0, .., so one's softmax runs under the others' products):
+        the previous consumer's turn ``t`` (the first's: the last one's turn ``t - 1``)."""
+        FIRST: gl.constexpr = 1 if WG == 0 else 0
         if PINGPONG:
-            mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
+            mbarrier.wait(turns.index(WG), (t & 1) ^ FIRST)
 
     @gluon.jit
     def _pass(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        NEXT: gl.constexpr = (WG + 1) % turns.shape[0]
         if PINGPONG:
-            mbarrier.arrive(turns.index(1 - WG), count=1)
+            mbarrier.arrive(turns.index(NEXT), count=1)
 
     @gluon.jit
     def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
@@ -217,16 +221,16 @@ if gluon is not None:
         v_bufs = gl.allocate_shared_memory(VD.dtype, [STAGES, BLOCK_N, HEAD_D], VD.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONSUMERS)
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.init(turns.index(w), count=1)
         fence_async_shared()  # the barriers initialised before TMA or another partition uses them
         row0 = tile * CONSUMERS * ROWS
         # (the partitions written out: Gluon keeps a constexpr argument only in a literal tuple)
-        if CONSUMERS == 3:  # (ping-pong is for two: the caller passes PINGPONG off)
+        if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
@@ -344,5 +348,5 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
         table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
         block_size or 1, s_rows, qk_scale, PAGED=paged, CONSUMERS=n, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d,
-        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and n == 2, OVERLAP=OVERLAP and n == 2,
+        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and (n == 2 or PINGPONG_THREE), OVERLAP=OVERLAP and n == 2,
         num_warps=4, maxnreg=launch_regs)
