@@ -45,7 +45,8 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pin
     regs, launch_regs = hopper_prefix.REGISTERS[n]
     constexprs = dict(PAGED=paged, CONSUMERS=n, ROWS=hopper_prefix.ROWS, BLOCK_N=hopper_prefix.BLOCK_N, HEAD_D=d,
                       STAGES=hopper_prefix.stages(d, n), CONSUMER_REGS=regs,
-                      PINGPONG=hopper_prefix.PINGPONG and (n == 2 or pingpong), OVERLAP=hopper_prefix.OVERLAP and n == 2)
+                      PINGPONG=hopper_prefix.PINGPONG and (n == 2 or pingpong),
+                      OVERLAP=hopper_prefix.OVERLAP and n == 2)
     fn = hopper_prefix._hopper_kernel
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in fn.arg_names}
     source = GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})

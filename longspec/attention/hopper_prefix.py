@@ -348,5 +348,5 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
         table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
         block_size or 1, s_rows, qk_scale, PAGED=paged, CONSUMERS=n, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d,
-        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and (n == 2 or PINGPONG_THREE), OVERLAP=OVERLAP and n == 2,
-        num_warps=4, maxnreg=launch_regs)
+        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and (n == 2 or PINGPONG_THREE),
+        OVERLAP=OVERLAP and n == 2, num_warps=4, maxnreg=launch_regs)
