@@ -28,7 +28,7 @@ FORMS = {  # name: module constants of hopper_prefix
     "no overlap": {"OVERLAP": False},
     "neither": {"PINGPONG": False, "OVERLAP": False},
     "two consumers": {"THREE_CONSUMERS": False},
-    "three, ping-pong": {"PINGPONG_THREE": True},
+    "three ping-pong": {"PINGPONG_THREE": True},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d: 2},
