@@ -28,7 +28,7 @@ if [[ ",$parts," == *",tests,"* ]]; then
   grep -q " passed" "$dest/hopper_tests.log" && ! grep -q " failed" "$dest/hopper_tests.log" || exit 1
 fi
 if [[ ",$parts," == *",forms,"* ]]; then
-  timeout 150 python3 benchmarks/bench_hopper_prefix.py --trees 69,64 \
+  timeout 200 python3 benchmarks/bench_hopper_prefix.py --trees 69,64 \
     --shapes 32x8x128@131072,32x8x128@32768,32x8x64@131072,32x8x64@1048576 --forms "$forms" 2>&1 | grep "M=" \
     | tee "$dest/hopper_forms.log"
 fi
