@@ -87,10 +87,12 @@ def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
     assert plan(256, 8, 132, 1 << 17, 128) == min(1024 // hopper_prefix.MIN_BLOCKS, 132 * hopper_prefix.WAVES // 16)
     assert plan(276, 8, 132, 1 << 15, 128) == 256 // hopper_prefix.MIN_BLOCKS  # a shorter cache: longer chunks
     assert plan(276, 8, 132, 256, 128) == 1  # at least one program a tile
-    assert plan(276, 8, 132, 1 << 20, 64) == 132 * hopper_prefix.WAVES // 16  # heads of 64: 2 tiles of 192 rows
+    tiles = 2 if hopper_prefix.THREE_CONSUMERS else 3  # heads of 64: 2 tiles of 192 rows, or 3 of 128
+    assert plan(276, 8, 132, 1 << 20, 64) == 132 * hopper_prefix.WAVES // (8 * tiles)
 
 
-def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64():
+def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64(monkeypatch):
+    monkeypatch.setattr(hopper_prefix, "THREE_CONSUMERS", True)
     assert hopper_prefix.consumers(276, 64) == 3  # 2 tiles of 192 rows, not 3 of 128
     assert hopper_prefix.consumers(256, 64) == 2  # 2 tiles either way
     assert hopper_prefix.consumers(276, 128) == 2  # heads of 128: never

@@ -10,9 +10,9 @@ producer streams K/V blocks through a ring of shared-memory stages by TMA (throu
 table where the rows are paged), each consumer runs q.k, the online softmax and p.v on its 64
 rows, and the two consumers' softmax and products overlap on the multiprocessor (one's softmax
 while the other's products run), as FlashAttention-3 does. At heads of 64 dimensions a program
-takes three consumers (192 rows) where that saves a row tile (:func:`consumers`): every tile
-streams the whole K/V through the L2 cache, and that traffic, not the arithmetic, sets a tile's
-pace.
+can take three consumers (192 rows) where that saves a row tile (:func:`consumers`,
+``THREE_CONSUMERS``): every tile streams the whole K/V through the L2 cache, and that traffic,
+not the arithmetic, sets a tile's pace.
 
 Device code in Gluon (``triton.experimental.gluon``, Triton 3.4+): it runs on CUDA devices of
 compute capability 9.x only, never under the interpreter; :func:`applies` says where."""
@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - triton without gluon
 
 ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
-THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no overlap: registers)
+THREE_CONSUMERS = False  # three at heads of 64 where they save a row tile (no overlap: registers); not yet measured
 PINGPONG_THREE = False  # three consumers' products take turns too
 REGISTERS = {2: (240, 168), 3: (160, 128)}  # consumers: (a consumer thread's registers, the launch's)
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
@@ -258,9 +258,9 @@ if gluon is not None:
 
 
 def consumers(rows: int, head_dim: int) -> int:
-    """Consumer warpgroups a program for ``rows`` packed rows a KV head: three (192 rows a tile)
-    at heads of 64 dimensions where that takes fewer row tiles than two (a 69-node tree x 4
-    heads: 276 rows in 2 tiles, not 3), else two. At heads of 128 three consumers' scores,
+    """Consumer warpgroups a program for ``rows`` packed rows a KV head: with THREE_CONSUMERS,
+    three (192 rows a tile) at heads of 64 dimensions where that takes fewer row tiles than two
+    (a 69-node tree x 4 heads: 276 rows in 2 tiles, not 3), else two. At heads of 128 three consumers' scores,
     probabilities and outputs fit their 160 registers only with blocks of 64 keys, which cost
     more than the tile they save (as measured)."""
     fewer = -(-rows // (ROWS * 3)) < -(-rows // (ROWS * 2))
