@@ -260,9 +260,9 @@ if gluon is not None:
 def consumers(rows: int, head_dim: int) -> int:
     """Consumer warpgroups a program for ``rows`` packed rows a KV head: with THREE_CONSUMERS,
     three (192 rows a tile) at heads of 64 dimensions where that takes fewer row tiles than two
-    (a 69-node tree x 4 heads: 276 rows in 2 tiles, not 3), else two. At heads of 128 three consumers' scores,
-    probabilities and outputs fit their 160 registers only with blocks of 64 keys, which cost
-    more than the tile they save (as measured)."""
+    (a 69-node tree x 4 heads: 276 rows in 2 tiles, not 3), else two. At heads of 128 three
+    consumers' scores, probabilities and outputs fit their 160 registers only with blocks of 64
+    keys, which cost more than the tile they save (as measured)."""
     fewer = -(-rows // (ROWS * 3)) < -(-rows // (ROWS * 2))
     return 3 if THREE_CONSUMERS and head_dim == 64 and fewer else CONSUMERS
 
