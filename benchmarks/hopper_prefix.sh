@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The warp-specialized Hopper prefix kernel (attention/hopper_prefix.py) on one Hopper GPU, no
-# model needed, in two calls of under 10 minutes (--parts): "tests,forms,steps" runs its GPU tests
+# model needed, in calls of under 10 minutes each (--parts): "tests,forms,steps" runs its GPU tests
 # (outputs against the float64 reference; a deadlock shows as the time limit), the forms named
 # by --forms (default: the default form, "three consumers": heads of 64 with a third consumer,
 # and "three ping-pong": with the three consumers' turns) against the Triton kernel alone (bench_hopper_prefix.py, the 8B shape at 32k and 128k
