@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The warp-specialized Hopper prefix kernel (attention/hopper_prefix.py) on one Hopper GPU, no
-# model needed, in calls of under 10 minutes each (--parts): "tests,forms,steps" runs its GPU tests
-# (outputs against the float64 reference; a deadlock shows as the time limit), the forms named
-# by --forms (default: the default form, "three consumers": heads of 64 with a third consumer,
-# and "three ping-pong": with the three consumers' turns) against the Triton kernel alone (bench_hopper_prefix.py, the 8B shape at 32k and 128k
-# keys, heads of 64 at 128k and 1M), and whole compiled steps of an 8B-shaped target at 32k and
-# 128k without and with it (bench_steps.py --no-prefill --kernel hopper=0|1); "rounds,long" runs
-# the 8B target's rounds with a random draft, then a 1B-shaped target's decode and verify steps
-# at 1M keys without and with it and a long prefill's causal attention at heads of 64 and 128
-# (bench_causal.py); "batch" the 8B target's steps for 4 rows of 32k keys without and
-# with it (the default serves one row only).
+# model needed, in calls of under 10 minutes each (--parts):
+#   tests,forms,steps (the default): its GPU tests (outputs against the float64 reference; a
+#     deadlock shows as the time limit); the forms named by --forms (default: the default form;
+#     "three consumers", heads of 64 with a third consumer; "three ping-pong", with their turns)
+#     against the Triton kernel alone (bench_hopper_prefix.py: the 8B shape at 32k and 128k keys,
+#     heads of 64 at 128k and 1M); whole compiled steps of an 8B-shaped target at 32k and 128k
+#     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
+#   rounds,long: the 8B target's rounds with a random draft; a 1B-shaped target's decode and
+#     verify steps at 1M keys without and with it; a long prefill's causal attention at heads of
+#     64 and 128 (bench_causal.py).
+#   batch: the 8B target's steps for 4 rows of 32k keys without and with it (the default serves
+#     one row only).
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,three consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log.
