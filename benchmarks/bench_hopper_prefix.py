@@ -31,7 +31,7 @@ FORMS = {  # name: module constants of hopper_prefix
     "three ping-pong": {"THREE_CONSUMERS": True, "PINGPONG_THREE": True},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
-    "2 stages": {"stages": lambda d: 2},
+    "2 stages": {"stages": lambda d, n: 2},
 }
 
 

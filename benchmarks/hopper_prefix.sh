@@ -23,6 +23,15 @@ source "$(dirname "$0")/_args.sh"
 parse_args "$@"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 quiet="Warning\|warn(\|^{\|softmax\|^$"
+# LIMIT BENCH_STEPS_ARGS..: compiled steps, the Triton kernel alone, then with the Hopper kernel
+steps_without_and_with() {
+  local limit=$1 kernel
+  shift
+  for kernel in hopper=0 hopper=1; do
+    timeout "$limit" python3 benchmarks/bench_steps.py "$@" --trees 69 --attention triton --compile on --no-prefill \
+      --kernel $kernel 2>&1 | grep -v "$quiet"
+  done
+}
 if [[ ",$parts," == *",tests,"* ]]; then
   timeout 180 python3 -m pytest -q -rfE -m "gpu or not gpu" tests/test_tree_attention.py -k hopper \
     -p no:cacheprovider > "$dest/hopper_tests.log" 2>&1
@@ -35,29 +44,21 @@ if [[ ",$parts," == *",forms,"* ]]; then
     | tee "$dest/hopper_forms.log"
 fi
 if [[ ",$parts," == *",steps,"* ]]; then
-  for kernel in hopper=0 hopper=1; do
-    timeout 70 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \
-      --attention triton --compile on --no-prefill --kernel $kernel 2>&1 | grep -v "$quiet"
-  done | tee "$dest/steps_8b_hopper.log"
+  steps_without_and_with 70 --shape llama-8b --contexts 32768,131072 | tee "$dest/steps_8b_hopper.log"
 fi
 if [[ ",$parts," == *",rounds,"* ]]; then
   timeout 180 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \
     --attention triton --compile on --random-draft --kernel hopper=1 \
-    --proposals "4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1" 2>&1 | grep -v "$quiet" | tee "$dest/rounds_8b_hopper.log"
+    --proposals "4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1" 2>&1 | grep -v "$quiet" \
+    | tee "$dest/rounds_8b_hopper.log"
 fi
 if [[ ",$parts," == *",long,"* ]]; then
-  for kernel in hopper=0 hopper=1; do
-    timeout 150 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 \
-      --attention triton --compile on --no-prefill --kernel $kernel 2>&1 | grep -v "$quiet"
-  done | tee "$dest/steps_1b_1m_hopper.log"
+  steps_without_and_with 150 --shape llama-1b --contexts 1048576 | tee "$dest/steps_1b_1m_hopper.log"
   for d in 64 128; do  # a long prefill's causal attention by head size (the 1B target's heads are of 64)
     timeout 100 python3 benchmarks/bench_causal.py --lengths 131072,262144 --head-dim $d --repeats 3 2>&1 \
       | grep -v "^{"
   done | tee "$dest/causal_by_head_dim.log"
 fi
 if [[ ",$parts," == *",batch,"* ]]; then
-  for kernel in hopper=0 hopper=1; do
-    timeout 90 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768 --trees 69 --batch 4 \
-      --attention triton --compile on --no-prefill --kernel $kernel 2>&1 | grep -v "$quiet"
-  done | tee "$dest/steps_8b_batch4_hopper.log"
+  steps_without_and_with 90 --shape llama-8b --contexts 32768 --batch 4 | tee "$dest/steps_8b_batch4_hopper.log"
 fi

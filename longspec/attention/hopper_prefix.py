@@ -272,11 +272,22 @@ def row_tiles(rows: int, head_dim: int) -> int:
     return -(-rows // (ROWS * consumers(rows, head_dim)))
 
 
-def stages(head_dim: int, n_consumers: int = CONSUMERS) -> int:
+def stages(head_dim: int, n_consumers: int) -> int:
     """K/V blocks in flight: as many as fit beside the consumers' query tiles (heads of 128
     dimensions: 3, of 64: 4)."""
     tiles = n_consumers * ROWS * head_dim * 2
     return max(2, min(MAX_STAGES, (SHARED_MEMORY - tiles) // (2 * BLOCK_N * head_dim * 2)))
+
+
+def launch_constants(head_dim: int, n_consumers: int) -> tuple:
+    """The kernel's compile-time arguments for ``n_consumers`` at heads of ``head_dim`` (ping-pong
+    for two, for three with PINGPONG_THREE; the overlap for two only: three consumers' registers
+    do not hold it), and the launch's registers a thread."""
+    regs, launch_regs = REGISTERS[n_consumers]
+    return dict(CONSUMERS=n_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=head_dim,
+                STAGES=stages(head_dim, n_consumers), CONSUMER_REGS=regs,
+                PINGPONG=PINGPONG and (n_consumers == 2 or PINGPONG_THREE),
+                OVERLAP=OVERLAP and n_consumers == 2), launch_regs
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,12 +352,9 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     piece = _piece(block_size if paged else 0)
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], element)
     kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
-    n = consumers(g * m, d)
-    regs, launch_regs = REGISTERS[n]
+    constants, launch_regs = launch_constants(d, consumers(g * m, d))
     tbl = table if paged else lengths
     _hopper_kernel[(row_tiles(g * m, d), b * hkv, n_splits)](
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
         table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
-        block_size or 1, s_rows, qk_scale, PAGED=paged, CONSUMERS=n, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=d,
-        STAGES=stages(d, n), CONSUMER_REGS=regs, PINGPONG=PINGPONG and (n == 2 or PINGPONG_THREE),
-        OVERLAP=OVERLAP and n == 2, num_warps=4, maxnreg=launch_regs)
+        block_size or 1, s_rows, qk_scale, PAGED=paged, **constants, num_warps=4, maxnreg=launch_regs)
