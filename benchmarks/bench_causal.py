@@ -2,9 +2,11 @@
 through each of PyTorch's fused SDPA backends, alone: which one a long prefill should use. GQA is
 tried two ways, with ``enable_gqa`` (K/V heads shared) and with K/V repeated to the query heads
 (some backends take no GQA); a backend that cannot run a case says why. Rates count 4 * D FLOPs per
-(query head, causal query-key pair).
+(query head, causal query-key pair). ``--queries N`` times instead N queries over each length's
+keys without a mask (a prompt's chunk over a long prefix: how a backend's rate follows the keys).
 
     python benchmarks/bench_causal.py --lengths 8192,32768,131072 --heads 32 --kv-heads 8 --head-dim 128
+    python benchmarks/bench_causal.py --lengths 524288,1048576 --queries 16384 --head-dim 64 --backends cudnn
 
 Prints a table and one JSON line last."""
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--queries", type=int, default=0, help="this many queries over all keys, no mask (0: causal)")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"of {', '.join(BACKENDS)}")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
@@ -49,16 +53,19 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
           f"{h} query heads, {hkv} KV heads, head_dim {d}, {args.dtype}", flush=True)
     for t in (int(x) for x in args.lengths.split(",")):
-        q = torch.randn(1, h, t, d, device="cuda", dtype=dtype)
+        n = args.queries or t
+        q = torch.randn(1, h, n, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(1, hkv, t, d, device="cuda", dtype=dtype) for _ in range(2))
         reference = None
-        for name, backend in BACKENDS.items():
+        for name in args.backends.split(","):
+            backend = BACKENDS[name]
             for gqa in ("enable_gqa", "repeated"):
                 kk, vv = (k, v) if gqa == "enable_gqa" else (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
 
                 def call():
                     with sdpa_kernel([backend]):
-                        return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa == "enable_gqa")
+                        return F.scaled_dot_product_attention(q, kk, vv, is_causal=not args.queries,
+                                                              enable_gqa=gqa == "enable_gqa")
 
                 try:
                     out = call()
@@ -66,13 +73,13 @@ def main(argv=None):
                         reference = out
                     err = (out.float() - reference.float()).abs().max().item()
                     ms = time_ms(call, args.repeats)
-                    tflops = 4 * d * h * t * (t + 1) / 2 / ms / 1e9
-                    row = dict(length=t, backend=name, gqa=gqa, ms=ms, tflops=tflops, max_diff=err)
-                    print(f"{t:>8} {name:<10} {gqa:<11} {ms:10.2f} ms {tflops:7.1f} TFLOP/s (max diff {err:.3g})",
-                          flush=True)
+                    tflops = 4 * d * h * (n * t if args.queries else t * (t + 1) / 2) / ms / 1e9
+                    row = dict(length=t, queries=n, backend=name, gqa=gqa, ms=ms, tflops=tflops, max_diff=err)
+                    print(f"{n:>8} x {t:>8} {name:<10} {gqa:<11} {ms:10.2f} ms {tflops:7.1f} TFLOP/s "
+                          f"(max diff {err:.3g})", flush=True)
                 except RuntimeError as e:
                     row = dict(length=t, backend=name, gqa=gqa, error=str(e).splitlines()[0][:120])
-                    print(f"{t:>8} {name:<10} {gqa:<11} cannot run: {row['error']}", flush=True)
+                    print(f"{n:>8} x {t:>8} {name:<10} {gqa:<11} cannot run: {row['error']}", flush=True)
                 rows.append(row)
                 del kk, vv
         del q, k, v, reference

@@ -1,10 +1,10 @@
 """The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton
 kernel alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
-softmax under this block's p.v on or off, neither of the two, heads of 64 with a third consumer
-(``THREE_CONSUMERS``) and with the three consumers' turns (``PINGPONG_THREE``), the waves of
-programs (``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked against
-the Triton kernel's output (relative error) and timed as the engine runs it (CUDA-graph
+softmax under this block's p.v on or off, neither of the two, heads of 64 with two consumers
+instead of three (``THREE_CONSUMERS``) or with three not taking turns (``PINGPONG_THREE``), the
+waves of programs (``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked
+against the Triton kernel's output (relative error) and timed as the engine runs it (CUDA-graph
 replays, median). Prints one line per form, and one JSON line last.
 
     python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
@@ -27,8 +27,8 @@ FORMS = {  # name: module constants of hopper_prefix
     "no ping-pong": {"PINGPONG": False},
     "no overlap": {"OVERLAP": False},
     "neither": {"PINGPONG": False, "OVERLAP": False},
-    "three consumers": {"THREE_CONSUMERS": True},
-    "three ping-pong": {"THREE_CONSUMERS": True, "PINGPONG_THREE": True},
+    "two consumers": {"THREE_CONSUMERS": False},
+    "three free": {"PINGPONG_THREE": False},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d, n: 2},

@@ -3,7 +3,7 @@
 # model needed, in calls of under 10 minutes each (--parts):
 #   tests,forms,steps (the default): its GPU tests (outputs against the float64 reference; a
 #     deadlock shows as the time limit); the forms named by --forms (default: the default form;
-#     "three consumers", heads of 64 with a third consumer; "three ping-pong", with their turns)
+#     "two consumers", heads of 64 without the third consumer; "three free", three without turns)
 #     against the Triton kernel alone (bench_hopper_prefix.py: the 8B shape at 32k and 128k keys,
 #     heads of 64 at 128k and 1M); whole compiled steps of an 8B-shaped target at 32k and 128k
 #     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
@@ -12,12 +12,12 @@
 #     64 and 128 (bench_causal.py).
 #   batch: the 8B target's steps for 4 rows of 32k keys without and with it (the default serves
 #     one row only).
-#   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,three consumers"] [--parts P]
+#   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log.
 set -uo pipefail
 KNOWN="forms parts"
-forms="default,three consumers,three ping-pong"
+forms="default,two consumers,three free"
 parts="tests,forms,steps"
 source "$(dirname "$0")/_args.sh"
 parse_args "$@"

@@ -36,8 +36,8 @@ except ImportError:  # pragma: no cover - triton without gluon
 
 ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
-THREE_CONSUMERS = False  # three at heads of 64 where they save a row tile (no overlap: registers); not yet measured
-PINGPONG_THREE = False  # three consumers' products take turns too
+THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no overlap: registers)
+PINGPONG_THREE = True  # three consumers' products take turns too
 REGISTERS = {2: (240, 168), 3: (160, 128)}  # consumers: (a consumer thread's registers, the launch's)
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
 SHARED_MEMORY = 224 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less barriers and Triton's scratch
