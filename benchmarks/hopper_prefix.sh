@@ -9,12 +9,14 @@
 #     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
 #   rounds,long: the 8B target's rounds with a random draft; a 1B-shaped target's decode and
 #     verify steps at 1M keys without and with it; a long prefill's causal attention at heads of
-#     64 and 128 (bench_causal.py).
+#     64 and 128, and at heads of 64 over 1M keys, whole and in chunks of queries (bench_causal.py).
 #   batch: the 8B target's steps for 4 rows of 32k keys without and with it (the default serves
 #     one row only).
+#   profile: the kernels of the 1B-shaped target's eager decode and verify steps at 1M keys with
+#     it (bench_steps.py --profile): where a 69-node verify's time goes at heads of 64.
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
-# steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log.
+# steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log.
 set -uo pipefail
 KNOWN="forms parts"
 forms="default,two consumers,three free"
@@ -58,7 +60,16 @@ if [[ ",$parts," == *",long,"* ]]; then
     timeout 100 python3 benchmarks/bench_causal.py --lengths 131072,262144 --head-dim $d --repeats 3 2>&1 \
       | grep -v "^{"
   done | tee "$dest/causal_by_head_dim.log"
+  {  # heads of 64 at 1M: the whole causal prompt, and chunks of queries over all the keys
+    timeout 90 python3 benchmarks/bench_causal.py --lengths 1048576 --head-dim 64 --repeats 1 --backends cudnn
+    timeout 60 python3 benchmarks/bench_causal.py --lengths 524288,1048576 --queries 16384 --head-dim 64 \
+      --backends cudnn
+  } 2>&1 | grep -v "^{" | tee -a "$dest/causal_by_head_dim.log"
 fi
 if [[ ",$parts," == *",batch,"* ]]; then
   steps_without_and_with 90 --shape llama-8b --contexts 32768 --batch 4 | tee "$dest/steps_8b_batch4_hopper.log"
+fi
+if [[ ",$parts," == *",profile,"* ]]; then
+  timeout 240 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 --attention triton \
+    --no-prefill --profile --kernel hopper=1 2>&1 | grep -v "$quiet" | tee "$dest/steps_1b_1m_profile.log"
 fi
