@@ -164,6 +164,17 @@ def copy_bandwidth() -> float:
     return 10 * 2 * x.numel() / (a.elapsed_time(b) / 1000)
 
 
+def print_table(rows: list) -> None:
+    """The steps side by side: ms, the bandwidth floor, and each step over the floor and over the
+    decode step of its attention and context (``x_decode``, added to each row)."""
+    decode = {(r["attention"], r["context"]): r["ms"] for r in rows if r["step"] == "decode"}
+    print(f"{'attention':<16} {'context':>7} {'step':<62} {'ms':>8} {'floor ms':>9} {'x floor':>8} {'x decode':>9}")
+    for r in rows:
+        r["x_decode"] = r["ms"] / decode.get((r["attention"], r["context"]), float("nan"))
+        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<62} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
+              f"{r['x_floor']:8.2f} {r['x_decode']:9.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="model directory (or --shape)")
@@ -309,10 +320,7 @@ def main(argv=None):
             cache = engine = None  # free the memory before the next context
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 2**20:.0f} MiB")
     print(f"batch {args.batch}")
-    print(f"{'attention':<16} {'context':>7} {'step':<62} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
-    for r in rows:
-        print(f"{r['attention']:<16} {r['context']:>7} {r['step']:<62} {r['ms']:8.3f} {r['floor_ms']:9.3f} "
-              f"{r['x_floor']:8.2f}")
+    print_table(rows)
     print(json.dumps({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch,
                       "copy_tb_s": bw / 1e12, "weight_mib": weight_bytes / 2**20, "results": rows}))
 
