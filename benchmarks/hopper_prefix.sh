@@ -3,7 +3,8 @@
 # model needed, in calls of under 10 minutes each (--parts):
 #   tests,forms,steps (the default): its GPU tests (outputs against the float64 reference; a
 #     deadlock shows as the time limit); the forms named by --forms (default: the default form;
-#     "two consumers", heads of 64 without the third consumer; "three free", three without turns)
+#     "two consumers", heads of 64 without the third consumer; "three free", three without turns;
+#     "poly exp", the last consumer's exponentials by polynomial)
 #     against the Triton kernel alone (bench_hopper_prefix.py: the 8B shape at 32k and 128k keys,
 #     heads of 64 at 128k and 1M); whole compiled steps of an 8B-shaped target at 32k and 128k
 #     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
@@ -19,7 +20,7 @@
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log.
 set -uo pipefail
 KNOWN="forms parts"
-forms="default,two consumers,three free"
+forms="default,two consumers,three free,poly exp"
 parts="tests,forms,steps"
 source "$(dirname "$0")/_args.sh"
 parse_args "$@"
