@@ -78,7 +78,7 @@ def main(argv=None):
                     print(f"{n:>8} x {t:>8} {name:<10} {gqa:<11} {ms:10.2f} ms {tflops:7.1f} TFLOP/s "
                           f"(max diff {err:.3g})", flush=True)
                 except RuntimeError as e:
-                    row = dict(length=t, backend=name, gqa=gqa, error=str(e).splitlines()[0][:120])
+                    row = dict(length=t, queries=n, backend=name, gqa=gqa, error=str(e).splitlines()[0][:120])
                     print(f"{n:>8} x {t:>8} {name:<10} {gqa:<11} cannot run: {row['error']}", flush=True)
                 rows.append(row)
                 del kk, vv

@@ -75,10 +75,10 @@ if gluon is not None:
 
     @gluon.jit
     def _exp2_poly(x):
-        """2^x for x <= 0 without the special-function units (whose one exponential a clock per
-        lane-sixteenth takes as long as a pair's products at heads of 64): x = n + f with n =
-        round(x) from the float adder (1.5 * 2^23 added and taken away), 2^f by EXP2_POLY's cubic,
-        n added to its exponent bits. Below 2^-125 it gives about 2^-125, not 0."""
+        """2^x for x <= 0 on the FMA and integer units, not the special-function units (16
+        exponentials a clock a multiprocessor: at heads of 64 as long as the pairs' products):
+        x = n + f with n = round(x) from the float adder (1.5 * 2^23 added and taken away), 2^f by
+        EXP2_POLY's cubic, n added to its exponent bits. Below 2^-125 it gives about 2^-125, not 0."""
         x = gl.maximum(x, -125.0)
         t = x + 12582912.0
         f = x - (t - 12582912.0)
@@ -95,10 +95,11 @@ if gluon is not None:
         every row sees every key of a whole block, so the max is finite from the first on).
         POLY: the probabilities' exponentials by :func:`_exp2_poly`."""
         m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+        x = sc * qk_scale - m_new[:, None]
         if POLY:
-            p = _exp2_poly(sc * qk_scale - m_new[:, None])
+            p = _exp2_poly(x)
         else:
-            p = gl.exp2(sc * qk_scale - m_new[:, None])
+            p = gl.exp2(x)
         alpha = gl.exp2(m_i - m_new)
         return (gl.convert_layout(p.to(dtype), p_layout), m_new, l_i * alpha + gl.sum(p, 1),
                 gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))
