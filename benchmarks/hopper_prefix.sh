@@ -3,8 +3,7 @@
 # model needed, in calls of under 10 minutes each (--parts):
 #   tests,forms,steps (the default): its GPU tests (outputs against the float64 reference; a
 #     deadlock shows as the time limit); the forms named by --forms (default: the default form;
-#     "two consumers", heads of 64 without the third consumer; "three free", three without turns;
-#     "poly exp", the last consumer's exponentials by polynomial)
+#     "two consumers", heads of 64 without the third consumer; "three free", three without turns)
 #     against the Triton kernel alone (bench_hopper_prefix.py: the 8B shape at 32k and 128k keys,
 #     heads of 64 at 128k and 1M); whole compiled steps of an 8B-shaped target at 32k and 128k
 #     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
@@ -13,14 +12,19 @@
 #     64 and 128, and at heads of 64 over 1M keys, whole and in chunks of queries (bench_causal.py).
 #   batch: the 8B target's steps for 4 rows of 32k keys without and with it (the default serves
 #     one row only).
+#   sizes: by tree size (the tree's packed rows against the kernels' row tiles: the Triton kernel's
+#     of 128 rows at heads of 128, this kernel's consumers of 64): the prefix part alone at the 8B
+#     shape and at heads of 64 over 1M keys, the 1B-shaped target's verify steps at 1M keys, and
+#     cuDNN's rate at heads of 128 for 16k queries over 128k keys (a long prefill's chunk).
 #   profile: the kernels of the 1B-shaped target's eager decode and verify steps at 1M keys with
 #     it (bench_steps.py --profile): where a 69-node verify's time goes at heads of 64.
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
-# steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log.
+# steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log,
+# hopper_by_tree_size.log, steps_1b_1m_by_tree.log.
 set -uo pipefail
 KNOWN="forms parts"
-forms="default,two consumers,three free,poly exp"
+forms="default,two consumers,three free"
 parts="tests,forms,steps"
 source "$(dirname "$0")/_args.sh"
 parse_args "$@"
@@ -50,7 +54,7 @@ if [[ ",$parts," == *",steps,"* ]]; then
   steps_without_and_with 70 --shape llama-8b --contexts 32768,131072 | tee "$dest/steps_8b_hopper.log"
 fi
 if [[ ",$parts," == *",rounds,"* ]]; then
-  timeout 180 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \
+  timeout 300 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \
     --attention triton --compile on --random-draft --kernel hopper=1 \
     --proposals "4,16,16,16,16;hybrid:4,16,16,16,16,1,1,1,1,1" 2>&1 | grep -v "$quiet" \
     | tee "$dest/rounds_8b_hopper.log"
@@ -69,6 +73,15 @@ if [[ ",$parts," == *",long,"* ]]; then
 fi
 if [[ ",$parts," == *",batch,"* ]]; then
   steps_without_and_with 90 --shape llama-8b --contexts 32768 --batch 4 | tee "$dest/steps_8b_batch4_hopper.log"
+fi
+if [[ ",$parts," == *",sizes,"* ]]; then
+  timeout 150 python3 benchmarks/bench_hopper_prefix.py --trees 32,48,64,69,96 \
+    --shapes 32x8x128@32768,32x8x128@131072,32x8x64@1048576 --forms default 2>&1 | grep "M=" \
+    | tee "$dest/hopper_by_tree_size.log"
+  timeout 60 python3 benchmarks/bench_causal.py --lengths 131072 --queries 16384 --head-dim 128 --backends cudnn \
+    2>&1 | grep -v "^{" | tee -a "$dest/hopper_by_tree_size.log"
+  timeout 120 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 14,45,64,69 \
+    --attention triton --compile on --no-prefill 2>&1 | grep -v "$quiet" | tee "$dest/steps_1b_1m_by_tree.log"
 fi
 if [[ ",$parts," == *",profile,"* ]]; then
   timeout 240 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 --attention triton \

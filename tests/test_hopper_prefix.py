@@ -19,10 +19,10 @@ from longspec.attention import hopper_prefix  # noqa: E402
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100 / H200
 
 
-def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pingpong=False, poly=False):
+def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pingpong=False):
     """The kernel's launch as ``prefix_parts`` makes it (a 69-node tree x 4 query heads of 8 KV
-    heads; ``consumers``: forced to 2 or 3; ``pingpong``: three consumers' turns; ``poly``: the
-    last consumer's exponentials by polynomial), compiled for sm_90a without a GPU."""
+    heads; ``consumers``: forced to 2 or 3; ``pingpong``: three consumers' turns), compiled for
+    sm_90a without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -42,7 +42,6 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pin
                 sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, CAP=s, BS=block_size or 1, S_ROWS=s,
                 qk_scale=0.1)
     hopper_prefix.PINGPONG_THREE = pingpong  # (this process only: the test runs it in one of its own)
-    hopper_prefix.POLY_EXP = poly
     n = hopper_prefix.consumers(g * m, d) if consumers is None else consumers
     constants, launch_regs = hopper_prefix.launch_constants(d, n)
     constexprs = dict(PAGED=paged, **constants)
@@ -52,17 +51,17 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pin
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=launch_regs))
 
 
-@pytest.mark.parametrize("paged,d,block_size,consumers,poly", [
-    (False, 128, 0, 2, 0), (True, 128, 64, 2, 0), (True, 128, 256, 2, 0), (False, 64, 0, 3, 0), (True, 64, 64, 3, 0),
-    (False, 64, 0, 2, 0), (False, 64, 0, -3, 0), (True, 64, 64, -3, 1)])
-def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, consumers, poly):
+@pytest.mark.parametrize("paged,d,block_size,consumers", [
+    (False, 128, 0, 2), (True, 128, 64, 2), (True, 128, 256, 2), (False, 64, 0, 3), (True, 64, 64, 3),
+    (False, 64, 0, 2), (False, 64, 0, -3), (True, 64, 64, -3)])
+def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, consumers):
     """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
     Gluon functions cannot be compiled. Heads of 64 take three consumers for 276 rows (-3: with
-    their turns; ``poly``: the last one's exponentials by polynomial); two is the form for trees
+    their turns); two is the form for trees
     whose rows fill no fewer tiles that way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, *map(str, (int(paged), d, block_size, consumers, poly))],
+    done = subprocess.run([sys.executable, __file__, *map(str, (int(paged), d, block_size, consumers))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,31 +98,8 @@ def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64(monkeypatch):
     assert hopper_prefix.consumers(384, 64) == 3 and hopper_prefix.consumers(128, 64) == 2
 
 
-def exp2_poly(x: torch.Tensor) -> torch.Tensor:
-    """``hopper_prefix._exp2_poly``'s steps in float32 / int32 torch (the kernel's own outputs are
-    tested on a GPU)."""
-    c0, c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in hopper_prefix.EXP2_POLY)
-    x = torch.clamp(x, min=-125.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = ((f * c3 + c2) * f + c1) * f + c0
-    n = t.view(torch.int32) - 0x4B400000
-    return (p.view(torch.int32) + (n << 23)).view(torch.float32)
-
-
-def test_the_polynomial_exponential_is_within_bfloat16s_rounding():
-    """2^x over a softmax's range (x <= 0) to 1e-4 relative (bfloat16 rounds to 3.9e-3), at the
-    halves where round(x) turns, and about 2^-125 below that."""
-    x = torch.cat([-torch.rand(100_000, dtype=torch.float64) * 120, -torch.arange(0, 40, 0.5, dtype=torch.float64),
-                   torch.zeros(1, dtype=torch.float64)]).float()
-    got, want = exp2_poly(x).double(), torch.exp2(x.double())
-    assert ((got - want).abs() / want).max() < 1e-4
-    assert 0 < exp2_poly(torch.tensor([-200.0])).item() < 2.0 ** -124
-
-
-if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE CONSUMERS [POLY]: compiles, reports
+if __name__ == "__main__":  # python test_hopper_prefix.py PAGED D BLOCK_SIZE CONSUMERS: compiles, reports
     paged, d, block_size, consumers = (int(x) for x in sys.argv[1:5])
-    poly = len(sys.argv) > 5 and sys.argv[5] == "1"
-    kernel = compile_for_hopper(bool(paged), d, block_size, abs(consumers), consumers < 0, poly)
+    kernel = compile_for_hopper(bool(paged), d, block_size, abs(consumers), consumers < 0)
     print(json.dumps(dict(wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])), shared=kernel.metadata.shared,
                           cubin=len(kernel.asm["cubin"]))))

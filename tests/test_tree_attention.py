@@ -311,25 +311,22 @@ def test_kernel_options_bfloat16_on_gpu(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("d,dtype,three,turns,poly", [
-    (128, torch.bfloat16, True, True, False), (64, torch.bfloat16, True, True, False),
-    (64, torch.bfloat16, True, False, False), (64, torch.bfloat16, False, True, False),
-    (128, torch.float16, True, True, False), (64, torch.bfloat16, True, True, True)])
+@pytest.mark.parametrize("d,dtype,three,turns", [
+    (128, torch.bfloat16, True, True), (64, torch.bfloat16, True, True), (64, torch.bfloat16, True, False),
+    (64, torch.bfloat16, False, True), (128, torch.float16, True, True)])
 @pytest.mark.parametrize("block", [0, 64, 256])
-def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, poly, block):
+def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block):
     """A tree of 69 nodes x 4 query heads a KV head (276 rows: the warp-specialized Hopper kernel
     takes the prefix's whole 128-key blocks, the Triton kernel the rest) against the reference:
     rows with a ragged end, one shorter than a key block, an empty one, one of whole blocks, dense
     or through a shuffled table of 64- or 256-slot blocks (TMA pieces of 64 or 128 rows). Heads
     of 128: two consumers, the last tile's 20 rows in one, the other keeping the turns; of 64:
     three consumers (the second tile's 84 rows: one full, one of 20, one spare) taking turns at
-    the tensor cores (the default) or running free (``turns`` off), or two (``three`` off); with
-    ``poly`` the last consumer's exponentials by polynomial."""
+    the tensor cores (the default) or running free (``turns`` off), or two (``three`` off)."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "THREE_CONSUMERS", three)
     monkeypatch.setattr(hopper_prefix, "PINGPONG_THREE", turns)
-    monkeypatch.setattr(hopper_prefix, "POLY_EXP", poly)
 
     q = torch.empty(1, 32, 69, d, dtype=dtype, device="cuda")
     if not hopper_prefix.applies(q, q, q, 4 * 69, block):

@@ -38,8 +38,6 @@ ROWS = 64  # query rows of one consumer warpgroup (a wgmma tile's M)
 CONSUMERS = 2  # consumer warpgroups of a program: ROWS * CONSUMERS rows share each K/V block
 THREE_CONSUMERS = True  # three at heads of 64 where they save a row tile (no overlap: registers)
 PINGPONG_THREE = True  # three consumers' products take turns too
-POLY_EXP = False  # heads of 64: the last consumer's exponentials by polynomial on the FMA units (not yet measured)
-EXP2_POLY = (0.99992889, 0.69327629, 0.24260466, 0.05508877)  # 2^f on [-0.5, 0.5], relative error < 8e-5
 REGISTERS = {2: (240, 168), 3: (160, 128)}  # consumers: (a consumer thread's registers, the launch's)
 MAX_STAGES = 4  # K/V blocks in flight in shared memory, at most
 SHARED_MEMORY = 224 * 1024  # bytes of a program's tiles: a Hopper block's 227 KB, less barriers and Triton's scratch
@@ -51,8 +49,6 @@ MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of m
 MIN_KEYS = 32768  # a cache's capacity from which the kernel serves one row's tree by default (as measured)
 
 if gluon is not None:
-    _C0, _C1, _C2, _C3 = (gl.constexpr(c) for c in EXP2_POLY)
-
     @gluon.jit
     def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks,
                  PAGED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -74,32 +70,13 @@ if gluon is not None:
                 _tma_load(VD, [desc0 + slot, 0], ready.index(s), v_bufs.index(s).slice(piece * PIECE, PIECE))
 
     @gluon.jit
-    def _exp2_poly(x):
-        """2^x for x <= 0 on the FMA and integer units, not the special-function units (16
-        exponentials a clock a multiprocessor: at heads of 64 as long as the pairs' products):
-        x = n + f with n = round(x) from the float adder (1.5 * 2^23 added and taken away), 2^f by
-        EXP2_POLY's cubic, n added to its exponent bits. Below 2^-125 it gives about 2^-125, not 0."""
-        x = gl.maximum(x, -125.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        p = gl.fma(gl.fma(gl.fma(f, _C3, _C2), f, _C1), f, _C0)
-        n = t.to(gl.int32, bitcast=True) - 0x4B400000
-        return (p.to(gl.int32, bitcast=True) + (n << 23)).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _probs(sc, m_i, l_i, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-               POLY: gl.constexpr):
+    def _probs(sc, m_i, l_i, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
         """One key block of the online softmax (log2 units): raw scores sc [ROWS, BLOCK_N] -> the
         probabilities in ``dtype`` as the p.v product's register operand, the new running max
         and sum, and the factor alpha [ROWS] that rescales the output to the new max (no masks:
-        every row sees every key of a whole block, so the max is finite from the first on).
-        POLY: the probabilities' exponentials by :func:`_exp2_poly`."""
+        every row sees every key of a whole block, so the max is finite from the first on)."""
         m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
-        x = sc * qk_scale - m_new[:, None]
-        if POLY:
-            p = _exp2_poly(x)
-        else:
-            p = gl.exp2(x)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return (gl.convert_layout(p.to(dtype), p_layout), m_new, l_i * alpha + gl.sum(p, 1),
                 gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))
@@ -123,7 +100,7 @@ if gluon is not None:
     def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
                  sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, POLY_WG: gl.constexpr):
+                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A consumer warpgroup: packed rows ``row0 + WG * ROWS ..`` (row = g * M + i) over the
         ring's key blocks, then its partial output and LSE; one without rows (a tree's last
         tile) only keeps the turns and frees the stages."""
@@ -131,7 +108,7 @@ if gluon is not None:
         if first < G * M:
             _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks,
                     sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N,
-                    HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)
+                    HEAD_D, STAGES, PINGPONG, OVERLAP)
         else:  # the waits and arrivals of _attend, in its order
             if n_blocks > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -151,13 +128,11 @@ if gluon is not None:
     def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks, sq_b, sq_h,
                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, POLY_WG: gl.constexpr):
+                PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """Rows ``first .. first + ROWS - 1``. Block j's softmax gives p and the factor alpha;
         then, at this consumer's turn, the output is rescaled by alpha and q.k of block j + 1 is
         issued with p.v of block j, and block j + 1's softmax runs while that p.v does (OVERLAP);
-        with PINGPONG the other consumer's products run during this one's softmax. Consumer
-        POLY_WG (-1: none) takes its exponentials from the FMA units."""
-        POLY: gl.constexpr = WG == POLY_WG
+        with PINGPONG the other consumer's products run during this one's softmax."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,7 +159,7 @@ if gluon is not None:
             sc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
             _pass(turns, WG, PINGPONG)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout, POLY)
+            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
         for j in range(n_blocks - 1):
             s, s1 = j % STAGES, (j + 1) % STAGES
             acc = acc * alpha[:, None]
@@ -199,7 +174,7 @@ if gluon is not None:
                 sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
                 mbarrier.arrive(empty.index(s), count=1)
             p_in_flight = p
-            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout, POLY)
+            p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
             if OVERLAP:
                 acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_in_flight))
                 mbarrier.arrive(empty.index(s), count=1)
@@ -226,7 +201,7 @@ if gluon is not None:
                        sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        CONSUMERS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                       OVERLAP: gl.constexpr, POLY_WG: gl.constexpr):
+                       OVERLAP: gl.constexpr):
         tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
@@ -258,13 +233,13 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)),
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)),
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 2, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)),
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                             BLOCK_N, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -272,10 +247,10 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)),
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
                             sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP, POLY_WG)),
+                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                             BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -306,14 +281,12 @@ def stages(head_dim: int, n_consumers: int) -> int:
 def launch_constants(head_dim: int, n_consumers: int) -> tuple:
     """The kernel's compile-time arguments for ``n_consumers`` at heads of ``head_dim`` (ping-pong
     for two, for three with PINGPONG_THREE; the overlap for two only: three consumers' registers
-    do not hold it; with POLY_EXP at heads of 64 the last consumer's exponentials by polynomial),
-    and the launch's registers a thread."""
+    do not hold it), and the launch's registers a thread."""
     regs, launch_regs = REGISTERS[n_consumers]
     return dict(CONSUMERS=n_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_D=head_dim,
                 STAGES=stages(head_dim, n_consumers), CONSUMER_REGS=regs,
                 PINGPONG=PINGPONG and (n_consumers == 2 or PINGPONG_THREE),
-                OVERLAP=OVERLAP and n_consumers == 2,
-                POLY_WG=n_consumers - 1 if POLY_EXP and head_dim == 64 else -1), launch_regs
+                OVERLAP=OVERLAP and n_consumers == 2), launch_regs
 
 
 @functools.lru_cache(maxsize=None)
