@@ -628,9 +628,9 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
 
 
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):
-    """KernelConfig's default (hopper=None): the Hopper kernel takes one row's tree prefix over a
-    cache of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), the Triton kernel
-    alone the rest (shorter caches, batches); hopper=False never runs it."""
+    """KernelConfig's default (hopper=None): the Hopper kernel takes a tree's prefix over a cache
+    of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), for one row or a batch,
+    the Triton kernel alone the rest (shorter caches); hopper=False never runs it."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
@@ -643,9 +643,9 @@ def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch
     long, short = hopper_prefix.MIN_KEYS, hopper_prefix.MIN_KEYS // 8
     check([300], 9, 4, 2, 16, torch.float32, device, capacity=short, config=KernelConfig())
     check([300], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig(hopper=False))
-    check([300, 40], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
-    with pytest.raises(LookupError):
-        check([300], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
+    for lengths in ([300], [300, 40]):
+        with pytest.raises(LookupError):
+            check(lengths, 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
 
 
 def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):

@@ -46,7 +46,7 @@ PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
 WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
 MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of more parts costs more)
-MIN_KEYS = 32768  # a cache's capacity from which the kernel serves one row's tree by default (as measured)
+MIN_KEYS = 32768  # a cache's capacity from which the kernel serves a tree by default (as measured)
 
 if gluon is not None:
     @gluon.jit
@@ -264,6 +264,14 @@ def consumers(rows: int, head_dim: int) -> int:
     keys, which cost more than the tile they save (as measured)."""
     fewer = -(-rows // (ROWS * 3)) < -(-rows // (ROWS * 2))
     return 3 if THREE_CONSUMERS and head_dim == 64 and fewer else CONSUMERS
+
+
+def pays(rows: int, head_dim: int) -> bool:
+    """Whether the kernel beats the Triton kernel alone for ``rows`` packed rows a KV head, as
+    measured: at heads of 64 always; at heads of 128 where its 64-row consumers compute fewer
+    rows than the Triton kernel's tiles of 128 (276 rows: 320 against 384), not where both
+    compute the same (256 rows: two full tiles each, 4-16% faster in the Triton kernel)."""
+    return head_dim != 128 or -(-rows // ROWS) < 2 * -(-rows // (2 * ROWS))
 
 
 def row_tiles(rows: int, head_dim: int) -> int:

@@ -33,7 +33,8 @@ class KernelConfig:
     # (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
     # a tree's whole prefix blocks in the warp-specialized Hopper kernel (hopper_prefix.py) where it
-    # applies; None: one row over a cache of hopper_prefix.MIN_KEYS keys or more (where it was measured)
+    # applies; None: over a cache of hopper_prefix.MIN_KEYS keys or more, for rows where it pays
+    # (hopper_prefix.pays; where it was measured)
     hopper: Optional[bool] = None
     # loop variants timed and removed, none faster (docs/benchmarks.md, "Hybrid tree attention"): the
     # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full

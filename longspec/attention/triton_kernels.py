@@ -146,7 +146,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
     # n_hopper - 1: the splits of each row tile), the rest (the keys after them, the tree) here
     n_hopper = 0
-    wanted = c.hopper if c.hopper is not None else b == 1 and cap >= hopper_prefix.MIN_KEYS
+    wanted = c.hopper if c.hopper is not None else cap >= hopper_prefix.MIN_KEYS and hopper_prefix.pays(rows, d)
     if (mask is not None and with_prefix and limits is None and starts is None and wanted
             and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
         n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
