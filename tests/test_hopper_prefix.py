@@ -90,11 +90,10 @@ def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
     assert plan(276, 8, 132, 1 << 20, 64) == 132 * hopper_prefix.WAVES // (8 * tiles)
 
 
-def test_the_kernel_pays_at_heads_of_128_where_it_pads_fewer_rows_than_the_triton_kernel():
-    assert hopper_prefix.pays(276, 128)  # 5 consumers' 64 rows: 320, against 3 tiles of 128: 384
-    assert hopper_prefix.pays(192, 128) and hopper_prefix.pays(320, 128)
-    assert not hopper_prefix.pays(256, 128) and not hopper_prefix.pays(200, 128)  # the same rows either way
-    assert hopper_prefix.pays(256, 64) and hopper_prefix.pays(276, 64)  # heads of 64: always
+def test_the_kernel_pays_at_heads_of_128_from_three_row_tiles_of_128_on():
+    assert hopper_prefix.pays(276, 128) and hopper_prefix.pays(384, 128)  # 69 and 96 nodes x 4 heads
+    assert not hopper_prefix.pays(256, 128) and not hopper_prefix.pays(192, 128)  # 64 and 48 nodes
+    assert hopper_prefix.pays(192, 64) and hopper_prefix.pays(256, 64)  # heads of 64: always
 
 
 def test_three_consumers_where_they_save_a_row_tile_at_heads_of_64(monkeypatch):

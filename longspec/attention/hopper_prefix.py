@@ -268,10 +268,10 @@ def consumers(rows: int, head_dim: int) -> int:
 
 def pays(rows: int, head_dim: int) -> bool:
     """Whether the kernel beats the Triton kernel alone for ``rows`` packed rows a KV head, as
-    measured: at heads of 64 always; at heads of 128 where its 64-row consumers compute fewer
-    rows than the Triton kernel's tiles of 128 (276 rows: 320 against 384), not where both
-    compute the same (256 rows: two full tiles each, 4-16% faster in the Triton kernel)."""
-    return head_dim != 128 or -(-rows // ROWS) < 2 * -(-rows // (2 * ROWS))
+    measured: at heads of 64 always; at heads of 128 from three of the Triton kernel's 128-row
+    tiles on (more than 256 rows: 5-17% faster at 276 and 384), not at two (192 and 256 rows:
+    the Triton kernel alone 4-27% faster)."""
+    return head_dim != 128 or rows > 4 * ROWS
 
 
 def row_tiles(rows: int, head_dim: int) -> int:
