@@ -630,7 +630,8 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):
     """KernelConfig's default (hopper=None): the Hopper kernel takes a tree's prefix over a cache
     of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), for one row or a batch,
-    the Triton kernel alone the rest (shorter caches); hopper=False never runs it."""
+    at heads of 128 for more than two 128-row tiles, the Triton kernel alone the rest (shorter
+    caches, fewer rows at heads of 128); hopper=False never runs it."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
@@ -646,6 +647,12 @@ def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch
     for lengths in ([300], [300, 40]):
         with pytest.raises(LookupError):
             check(lengths, 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
+    # heads of 128 (hopper_prefix.pays): two of the Triton kernel's 128-row tiles (64 nodes x 4 heads)
+    # stay with it, three (69 nodes) go to the Hopper kernel
+    monkeypatch.setattr(hopper_prefix, "MIN_KEYS", 512)
+    check([300], 64, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
+    with pytest.raises(LookupError):
+        check([300], 69, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
 
 
 def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):
