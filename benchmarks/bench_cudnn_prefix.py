@@ -2,33 +2,20 @@
 rows of each KV head as that head's queries (so a 69-node tree of 4 query heads a KV head is
 276 rows, as our kernels pack them), the cached keys cut into ``n`` chunks laid out as a batch
 (cuDNN's attention has no split-KV of its own), one output and LSE per chunk (what the merge of
-the parts needs). Timed with CUDA events, median; our ``tree_attention`` (the default kernel
-config: the Hopper kernel where it applies) on the same shapes, in the same process.
+the parts needs). Timed as bench_attention.py times (CUDA-graph replays, median), beside our
+``tree_attention`` (the default kernel config: the Hopper kernel where it applies) on the same
+shapes in the same process.
 
     python benchmarks/bench_cudnn_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69 --splits 1,8,16,32
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from bench_attention import timed
 from longspec.attention.triton_kernels import KernelConfig, tree_attention
-
-
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -47,7 +34,7 @@ def main(argv=None):
             k, v = (torch.randn(1, hkv, s + m, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             lengths = torch.tensor([s], device="cuda")
             tree = torch.tril(torch.ones(m, m, dtype=torch.bool, device="cuda"))[None]
-            ours = timed(lambda: tree_attention(q, k, v, lengths, tree, KernelConfig()))
+            ours = timed(lambda: tree_attention(q, k, v, lengths, tree, KernelConfig()), 20)
             flops = 4 * h * m * s * d
             print(f"{shape} M={m:>3} ours (whole tree attention)      {ours * 1e6:9.1f} us "
                   f"{flops / ours / 1e12:6.1f} TFLOP/s", flush=True)
@@ -65,7 +52,7 @@ def main(argv=None):
                             return torch.ops.aten._scaled_dot_product_cudnn_attention(
                                 qs, ks, vs, None, True, 0.0, False, False, scale=d ** -0.5)[:2]
                         out, lse = run()
-                        t = timed(run)
+                        t = timed(run, 20)
                     except Exception as e:  # noqa: BLE001 - reported
                         print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {type(e).__name__}: {str(e)[:200]}",
                               flush=True)
