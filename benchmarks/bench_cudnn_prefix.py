@@ -52,13 +52,13 @@ def main(argv=None):
                             return torch.ops.aten._scaled_dot_product_cudnn_attention(
                                 qs, ks, vs, None, True, 0.0, False, False, scale=d ** -0.5)[:2]
                         out, lse = run()
-                        t = timed(run, 20)
+                        took = timed(run, 20)
                     except Exception as e:  # noqa: BLE001 - reported
                         print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {type(e).__name__}: {str(e)[:200]}",
                               flush=True)
                         continue
-                    print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {t * 1e6:9.1f} us "
-                          f"{flops / t / 1e12:6.1f} TFLOP/s  x{t / ours:.3f} ours  lse {tuple(lse.shape)}", flush=True)
+                    print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {took * 1e6:9.1f} us "
+                          f"{flops / took / 1e12:6.1f} TFLOP/s  x{took / ours:.3f} ours  lse {tuple(lse.shape)}", flush=True)
 
 
 if __name__ == "__main__":

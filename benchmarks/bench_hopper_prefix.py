@@ -3,9 +3,9 @@ kernel alone, on a tree's attention (M queries over S cached keys + the M tree k
 sequence), and each form of it: ping-pong of the two consumers on or off, the next block's
 softmax under this block's p.v on or off, neither of the two, heads of 64 with two consumers
 instead of three (``THREE_CONSUMERS``) or with three not taking turns (``PINGPONG_THREE``), the
-waves of programs (``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked against the Triton
-kernel's output (relative error) and timed as the engine runs it (CUDA-graph replays, median).
-Prints one line per form, and one JSON line last.
+waves of programs (``WAVES``), K/V stages (``--forms``, comma-separated). Every form is checked
+against the Triton kernel's output (relative error) and timed as the engine runs it (CUDA-graph
+replays, median). Prints one line per form, and one JSON line last.
 
     python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
 

@@ -10,8 +10,7 @@
 #   rounds,long: the 8B target's rounds with a random draft; a 1B-shaped target's decode and
 #     verify steps at 1M keys without and with it; a long prefill's causal attention at heads of
 #     64 and 128, and at heads of 64 over 1M keys, whole and in chunks of queries (bench_causal.py).
-#   batch: the 8B target's steps for 4 rows of 32k keys without and with it (the default serves
-#     one row only).
+#   batch: the 8B target's steps for 4 rows of 32k keys without and with it.
 #   sizes: by tree size (the tree's packed rows against the kernels' row tiles: the Triton kernel's
 #     of 128 rows at heads of 128, this kernel's consumers of 64): the prefix part alone at the 8B
 #     shape and at heads of 64 over 1M keys, the 1B-shaped target's verify steps at 1M keys, and

@@ -57,8 +57,7 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pin
 def test_the_kernel_compiles_for_hopper_within_its_shared_memory_and_registers(paged, d, block_size, consumers):
     """Compiled in a process of its own: the tests run Triton's interpreter on a CPU, under which
     Gluon functions cannot be compiled. Heads of 64 take three consumers for 276 rows (-3: with
-    their turns); two is the form for trees
-    whose rows fill no fewer tiles that way."""
+    their turns); two is the form for trees whose rows fill no fewer tiles that way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, __file__, *map(str, (int(paged), d, block_size, consumers))],

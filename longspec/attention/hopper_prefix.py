@@ -49,6 +49,7 @@ MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of m
 MIN_KEYS = 32768  # a cache's capacity from which the kernel serves a tree by default (as measured)
 
 if gluon is not None:
+
     @gluon.jit
     def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks,
                  PAGED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -268,10 +269,10 @@ def consumers(rows: int, head_dim: int) -> int:
 
 def pays(rows: int, head_dim: int) -> bool:
     """Whether the kernel beats the Triton kernel alone for ``rows`` packed rows a KV head, as
-    measured: at heads of 64 always; at heads of 128 from three of the Triton kernel's 128-row
-    tiles on (more than 256 rows: 5-17% faster at 276 and 384), not at two (192 and 256 rows:
-    the Triton kernel alone 4-27% faster)."""
-    return head_dim != 128 or rows > 4 * ROWS
+    measured: at heads of 64 always; at heads of 128 from three row tiles of 128 on (its own and
+    the Triton kernel's: more than 256 rows, 5-17% faster at 276 and 384), not at two (192 and
+    256 rows: the Triton kernel alone 4-27% faster)."""
+    return head_dim != 128 or row_tiles(rows, head_dim) > 2
 
 
 def row_tiles(rows: int, head_dim: int) -> int:
