@@ -269,9 +269,9 @@ def consumers(rows: int, head_dim: int) -> int:
 
 def pays(rows: int, head_dim: int) -> bool:
     """Whether the kernel beats the Triton kernel alone for ``rows`` packed rows a KV head, as
-    measured: at heads of 64 always; at heads of 128 from three row tiles of 128 on (its own and
-    the Triton kernel's: more than 256 rows, 5-17% faster at 276 and 384), not at two (192 and
-    256 rows: the Triton kernel alone 4-27% faster)."""
+    measured (docs/benchmarks.md, "By tree size"): at heads of 64 always; at heads of 128 from
+    three row tiles of 128 on (its own and the Triton kernel's: more than 256 rows), not at two,
+    where the Triton kernel alone is faster."""
     return head_dim != 128 or row_tiles(rows, head_dim) > 2
 
 
