@@ -18,6 +18,16 @@ from bench_attention import timed
 from longspec.attention.triton_kernels import KernelConfig, tree_attention
 
 
+def merged_error(out, lse, rows, k, v, d):
+    """Max abs error of the chunks' outputs merged by their LSE (natural log, as cuDNN returns it)
+    against float32 attention of the packed rows ``[Hkv, R, D]`` over all keys ``[Hkv, S, D]``."""
+    lse = lse.float().squeeze(-1)  # [n, Hkv, R]
+    w = torch.softmax(lse, dim=0)[..., None]
+    merged = (w * out.float()).sum(0)
+    ref = torch.softmax(rows.float() @ k.float().transpose(-1, -2) * d ** -0.5, -1) @ v.float()
+    return (merged - ref).abs().max().item()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="32x8x128@131072,32x8x64@1048576")
@@ -52,13 +62,14 @@ def main(argv=None):
                             return torch.ops.aten._scaled_dot_product_cudnn_attention(
                                 qs, ks, vs, None, True, 0.0, False, False, scale=d ** -0.5)[:2]
                         out, lse = run()
+                        err = merged_error(out, lse, rows, k[0, :, :s], v[0, :, :s], d) if s <= 131072 else float("nan")
                         took = timed(run, 20)
                     except Exception as e:  # noqa: BLE001 - reported
                         print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {type(e).__name__}: {str(e)[:200]}",
                               flush=True)
                         continue
                     print(f"{shape} M={m:>3} cudnn n={n:>3} {layout:<10} {took * 1e6:9.1f} us "
-                          f"{flops / took / 1e12:6.1f} TFLOP/s  x{took / ours:.3f} ours  lse {tuple(lse.shape)}", flush=True)
+                          f"{flops / took / 1e12:6.1f} TFLOP/s  x{took / ours:.3f} ours  lse {tuple(lse.shape)} merged err {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
