@@ -346,6 +346,41 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_the_hopper_kernels_tail_beside_it_replays_in_a_cuda_graph(monkeypatch):
+    """The Triton kernel's part (the keys after the whole blocks, the tree) on a second stream
+    beside the Hopper kernel (TAIL_BESIDE): captured in a CUDA graph, whose branches rejoin
+    before the merge, and replayed, it gives the eager call's output, and so does the eager call
+    with the part after the Hopper kernel on one stream (the same kernels: bit for bit)."""
+    from longspec.attention import hopper_prefix
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 32, 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+    if not hopper_prefix.applies(q, q, q, 4 * 69, 0):
+        pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
+    k, v = (torch.randn(1, 8, 4200 + 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
+    lengths = torch.tensor([4200], device="cuda")
+    tree = torch.rand(1, 69, 69, device="cuda", generator=gen).lt(0.5).tril() | torch.eye(69, dtype=torch.bool,
+                                                                                         device="cuda")
+    config = KernelConfig(hopper=True)
+    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", True)
+    eager = tree_attention(q, k, v, lengths, tree, config)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as a capture wants
+        tree_attention(q, k, v, lengths, tree, config)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tree_attention(q, k, v, lengths, tree, config)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", False)
+    assert torch.equal(tree_attention(q, k, v, lengths, tree, config), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_prefix_and_masked_kernels_bfloat16_on_gpu():
     test_prefix_attention_with_per_query_limits(torch.bfloat16, None)
     test_masked_attention_over_a_ring_buffer(torch.bfloat16, False)
@@ -608,11 +643,13 @@ def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
 
 def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatch):
     """Gluon's API moves between Triton releases: where the Hopper kernel fails to build, one
-    warning says so and the Triton kernel alone computes the launch, and every later one."""
+    warning says so and the Triton kernel alone computes the launch, and every later one (with
+    the tail beside it too: the second stream rejoins; off CUDA there is none)."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "_failed", [])
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: not hopper_prefix._failed)
+    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", True)  # (a second stream forked: joined on the failure)
     tries = []
 
     def broken(*args, **kwargs):

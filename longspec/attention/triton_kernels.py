@@ -183,26 +183,31 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
+        second = None
         if n_hopper:
+            second = hopper_prefix.fork(q.device)  # (before the Hopper kernel: the tail does not wait for it)
             try:
                 hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper,
                                            LOG2E / math.sqrt(d), table, block_size)
             except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
+                hopper_prefix.join(second, q.device)
                 hopper_prefix.give_up(err)
                 return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
                                starts, window)
-        _partial_kernel[grid](
-            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
-            lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:], lse_part[:, :, n_hopper:], out,
-            q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *start_strides, *tm_strides,
-            tbl_stride,
-            *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, cap,
-            block_size, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
-            PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
-            num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
+        with torch.cuda.stream(second) if second is not None else contextlib.nullcontext():
+            _partial_kernel[grid](
+                q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
+                lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:], lse_part[:, :, n_hopper:],
+                out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, *lim_strides, *start_strides,
+                *tm_strides, tbl_stride,
+                *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
+                hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, cap,
+                block_size, LOG2E / math.sqrt(d),
+                HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct, TMA=tma,
+                PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
+                num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
+        hopper_prefix.join(second, q.device)
         if not direct:
             n_parts = n_hopper + n_splits
             parts, block_r = merge_plan(n_parts, rows, d, c.merge_elements, b * hkv, programs)
