@@ -348,22 +348,32 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_the_hopper_kernels_tail_beside_it_replays_in_a_cuda_graph(monkeypatch):
     """The Triton kernel's part (the keys after the whole blocks, the tree) on a second stream
-    beside the Hopper kernel (TAIL_BESIDE): captured in a CUDA graph, whose branches rejoin
-    before the merge, and replayed, it gives the eager call's output, and so does the eager call
-    with the part after the Hopper kernel on one stream (the same kernels: bit for bit)."""
-    from longspec.attention import hopper_prefix
+    beside the Hopper kernel (TAIL_BESIDE): the eager call gives, bit for bit, what it gives with
+    the part after the Hopper kernel on one stream (the same kernels); captured in a CUDA graph
+    (its branches rejoin before the merge) and replayed over new inputs copied into the captured
+    ones, it gives the eager call's output for those."""
+    from longspec.attention import hopper_prefix, triton_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q = torch.randn(1, 32, 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+
+    def inputs():
+        q = torch.randn(1, 32, 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k, v = (torch.randn(1, 8, 4200 + 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+                for _ in range(2))
+        tree = torch.rand(1, 69, 69, device="cuda", generator=gen).lt(0.5).tril()
+        return q, k, v, tree | torch.eye(69, dtype=torch.bool, device="cuda")
+
+    q, k, v, tree = inputs()
     if not hopper_prefix.applies(q, q, q, 4 * 69, 0):
         pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
-    k, v = (torch.randn(1, 8, 4200 + 69, 128, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(2))
     lengths = torch.tensor([4200], device="cuda")
-    tree = torch.rand(1, 69, 69, device="cuda", generator=gen).lt(0.5).tril() | torch.eye(69, dtype=torch.bool,
-                                                                                         device="cuda")
     config = KernelConfig(hopper=True)
+    after = tree_attention(q, k, v, lengths, tree, config)
     monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", True)
-    eager = tree_attention(q, k, v, lengths, tree, config)
+    forks, real = [], triton_kernels._fork
+    monkeypatch.setattr(triton_kernels, "_fork", lambda device: forks.append(real(device)) or forks[-1])
+    assert torch.equal(tree_attention(q, k, v, lengths, tree, config), after)
+    assert forks[-1] is not None and forks[-1] != torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as a capture wants
@@ -372,11 +382,12 @@ def test_the_hopper_kernels_tail_beside_it_replays_in_a_cuda_graph(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = tree_attention(q, k, v, lengths, tree, config)
+    for x, new in zip((q, k, v, tree), inputs()):
+        x.copy_(new)
+    lengths.fill_(3100)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
-    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", False)
-    assert torch.equal(tree_attention(q, k, v, lengths, tree, config), eager)
+    assert torch.equal(captured, tree_attention(q, k, v, lengths, tree, config))
 
 
 @pytest.mark.gpu
@@ -643,13 +654,15 @@ def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
 
 def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatch):
     """Gluon's API moves between Triton releases: where the Hopper kernel fails to build, one
-    warning says so and the Triton kernel alone computes the launch, and every later one (with
-    the tail beside it too: the second stream rejoins; off CUDA there is none)."""
-    from longspec.attention import hopper_prefix
+    warning says so and the Triton kernel alone computes the launch, and every later one; a
+    second stream forked for the Triton kernel's part rejoins."""
+    from longspec.attention import hopper_prefix, triton_kernels
 
     monkeypatch.setattr(hopper_prefix, "_failed", [])
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: not hopper_prefix._failed)
-    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", True)  # (a second stream forked: joined on the failure)
+    forked, joined = object(), []  # (a second stream forked before the kernel: it rejoins on the failure)
+    monkeypatch.setattr(triton_kernels, "_fork", lambda device: forked)
+    monkeypatch.setattr(triton_kernels, "_join", lambda second, device: joined.append(second))
     tries = []
 
     def broken(*args, **kwargs):
@@ -660,6 +673,7 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     device = "cuda" if ON_GPU else "cpu"
     with pytest.warns(UserWarning, match="Hopper attention kernel failed"):
         check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
+    assert joined.count(forked) == 1
     check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
     assert len(tries) == 1
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
 
 import torch
 
@@ -303,31 +302,6 @@ def launch_constants(head_dim: int, n_consumers: int) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-@functools.lru_cache(maxsize=None)
-def _second_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def fork(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """With TAIL_BESIDE, a second stream of ``device`` that waits for the current stream's work so
-    far (the step's q and K/V), not for what it runs next (this kernel): the Triton kernel's small
-    part (a program per row tile and KV head, over fewer than ``BLOCK_N`` keys and the tree) runs
-    there on the multiprocessors this kernel leaves free instead of after it. The caller makes
-    the current stream wait for it before the merge (:func:`join`). None without TAIL_BESIDE (or
-off CUDA)."""
-    if not TAIL_BESIDE or device.type != "cuda":
-        return None
-    second = _second_stream(device)
-    second.wait_stream(torch.cuda.current_stream(device))
-    return second
-
-
-def join(second: Optional[torch.cuda.Stream], device: torch.device) -> None:
-    """The current stream waits for the work launched on ``second`` (a capture's branches rejoin)."""
-    if second is not None:
-        torch.cuda.current_stream(device).wait_stream(second)
 
 
 _failed: list = []  # why the kernel could not be built on this Triton (then never tried again)
