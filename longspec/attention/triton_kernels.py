@@ -98,8 +98,8 @@ def _fork(device: torch.device) -> Optional[torch.cuda.Stream]:
     stream's work so far (the step's q and K/V, this launch's buffers), not for what it runs next
     (the Hopper kernel): the Triton kernel's small part (a program per row tile and KV head, over
     fewer than a block's keys and the tree) runs there on the multiprocessors the Hopper kernel
-    leaves free instead of after it, and its programs go first where both wait for one. The
-    current stream waits for it before the merge (:func:`_join`). None without TAIL_BESIDE or
+    leaves free instead of after it, and its programs go first where both wait for a multiprocessor.
+    The current stream waits for it before the merge (:func:`_join`). None without TAIL_BESIDE or
     off CUDA."""
     if not hopper_prefix.TAIL_BESIDE or device.type != "cuda":
         return None
@@ -211,7 +211,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
-        second = _fork(q.device) if n_hopper else None  # (before the Hopper kernel: the tail waits not for it)
+        second = _fork(q.device) if n_hopper else None  # (forked first: the tail waits not for the Hopper kernel)
         try:  # (the second stream rejoins whatever happens: a capture fails with a branch left open)
             if n_hopper:
                 try:
