@@ -30,23 +30,49 @@ import torch
 from longspec import load_target
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
-from longspec.engine.runner import time_graph
+from longspec.engine.runner import capture_stream, time_graph
 from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 
 
-def kernel_profile(fn, top: int = 12, order: bool = False) -> tuple:
-    """(kernels launched by one eager call of ``fn``, a table of the ``top`` kernels by time;
-    with ``order``, then every kernel in launch order, repeats of one name folded: ``name xN``)."""
+def kernel_profile(fn, top: int = 12, order: bool = False, graph: bool = False) -> tuple:
+    """(kernels launched by one call of ``fn``, a table of the ``top`` kernels by time and a line
+    of the GPU's busy time: the union of the kernels' intervals, against their sum (the part run
+    beside another kernel, on another stream) and the first-to-last span (the rest: gaps); with
+    ``order``, then every kernel in launch order, repeats of one name folded: ``name xN``).
+    One eager call, or with ``graph`` one replay of ``fn`` captured in a CUDA graph (as the
+    engine runs it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    run = fn
+    if graph:
+        stream = capture_stream(torch.device("cuda"))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph, stream=stream):
+            fn()
+        run = cuda_graph.replay
+    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        run()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, reach = 0, None
+    for start, end in spans:  # the union of the intervals
+        if reach is None or start > reach:
+            busy, reach = busy + end - start, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    total = sum(end - start for start, end in spans)
+    if spans:
+        table += (f"\nkernels {total:.1f} us, GPU busy {busy:.1f} us (beside another kernel {total - busy:.1f} us), "
+                  f"first to last {max(e for _, e in spans) - spans[0][0]:.1f} us")
     if order:
         runs = []
         for e in sorted(kernels, key=lambda e: e.time_range.start):
@@ -191,6 +217,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager step of each kind")
     p.add_argument("--profile-order", action="store_true", help="with --profile: also every kernel of the "
                    "proposals and rounds in launch order")
+    p.add_argument("--profile-graph", action="store_true", help="with --profile: profile a CUDA-graph replay of "
+                   "each step instead of an eager call")
     p.add_argument("--kernel", default="", help="Triton attention options for every step, e.g. tma=0,block_q=64 "
                    "(KernelConfig's fields: a boolean one by its name or as name=0/1, an integer one as name=value)")
     p.add_argument("--no-prefill", action="store_true", help="the context's K/V left as allocated, only the "
@@ -276,7 +304,7 @@ def main(argv=None):
                                  ms=t * 1e3, floor_ms=floor * 1e3, x_floor=t / floor))
                 print(f"  {label} {ctx} {rows[-1]['step']}: {t * 1e3:.3f} ms", flush=True)
                 if args.profile and m in (1, 69):
-                    n, table = kernel_profile(step)
+                    n, table = kernel_profile(step, graph=args.profile_graph)
                     print(f"== {label} ctx {ctx} M={m}: {n} kernels\n{table}")
             cache = None  # the proposals' engines hold caches of their own
             for spec in (args.proposals.split(";") if draft is not None and not args.no_prefill else []):
@@ -317,7 +345,7 @@ def main(argv=None):
                                          floor_ms=float("nan"), x_floor=float("nan")))
                         print(f"  {label} {ctx} {name}: {t * 1e3:.3f} ms", flush=True)
                         if args.profile:
-                            n, table = kernel_profile(fn, order=args.profile_order)
+                            n, table = kernel_profile(fn, order=args.profile_order, graph=args.profile_graph)
                             print(f"== {label} ctx {ctx} {name}: {n} kernels\n{table}")
                 engine.close()  # its caches go now, before the next proposal's engine is built
             if args.hf and label == args.attention.split(",")[0] and b == 1:

@@ -2,6 +2,7 @@
 against the pure-PyTorch reference: ragged lengths (0, 1, 17, long), tree sizes, GQA ratios,
 head dims, broadcast and per-row masks, every output element written, no NaN. On a CPU the
 kernels run in Triton's interpreter (float16 / float32); ``-m gpu`` repeats them in bfloat16."""
+import math
 import os
 
 import pytest
@@ -676,6 +677,41 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     assert joined.count(forked) == 1
     check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
     assert len(tries) == 1
+
+
+def whole_blocks_in_float64(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits, qk_scale, table=None,
+                            block_size=0):
+    """``hopper_prefix.prefix_parts`` in float64 (dense caches): part 0 the rows' attention over the
+    whole BLOCK_N-key blocks of their prefix (its LSE in base 2, as the kernels write it), the
+    other ``n_splits - 1`` parts empty."""
+    from longspec.attention import hopper_prefix
+
+    b, hq, m, d = q.shape
+    hkv = k_cache.shape[1]
+    o_part[:, :, :n_splits] = 0
+    lse_part[:, :, :n_splits] = float("-inf")
+    for row in range(b):
+        n = int(lengths[row]) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
+        if n:
+            packed = q[row].double().reshape(hkv, hq // hkv * m, d)  # row g * M + i: query head h * G + g, query i
+            scores = packed @ k_cache[row, :, :n].double().transpose(1, 2) * (qk_scale / math.log2(math.e))
+            o_part[row, :, 0] = (scores.softmax(-1) @ v_cache[row, :, :n].double()).float()
+            lse_part[row, :, 0] = (scores.logsumexp(-1) * math.log2(math.e)).float()
+
+
+@pytest.mark.parametrize("nodes", [21, 69, 200])
+def test_the_part_after_the_hopper_kernels_blocks(monkeypatch, nodes):
+    """The Triton kernel's part beside the Hopper kernel (the keys after the whole blocks, a key
+    block a program, then the tree's blocks, one or more a program), merged with the whole
+    blocks' part, against the reference: rows with a ragged end, shorter than a block, empty, of
+    whole blocks; trees of one to four key blocks (the whole blocks' part computed in float64
+    here: the kernel runs on Hopper GPUs only)."""
+    from longspec.attention import hopper_prefix
+
+    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", whole_blocks_in_float64)
+    device = "cuda" if ON_GPU else "cpu"
+    check([300, 127, 0, 256], nodes, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
 
 
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):

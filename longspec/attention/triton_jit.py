@@ -188,9 +188,12 @@ if triton is not None:
         if WINDOWED:
             chunk = CHUNK
             lo = first_block + split * chunk
-        elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's), one split
-            chunk = CAP
-            lo = length // TAIL * TAIL
+        elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's): split s
+            # takes their block s (none from s = TAIL // BLOCK_N on: past the row's end), the later
+            # splits the tree's blocks (below): a chain of one or two dependent blocks a program, not
+            # all of them in one (each costs a load's latency: the part took 16-19 us a layer alone)
+            chunk = BLOCK_N
+            lo = length // TAIL * TAIL + split * BLOCK_N
         else:
             chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(last_end, N_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK), CHUNK)
             lo = split * chunk
@@ -229,8 +232,18 @@ if triton is not None:
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, full + n_full * BLOCK_N,
                                       any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
                                       PRECISION)  # the chunk's ragged end
-        if split == N_SPLITS - 1:  # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask
-            for blk in range(0, tl.cdiv(N_TREE, BLOCK_N)):
+        # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask: in the last
+        # split, or after another kernel's blocks (TAIL) block j in split TAIL // BLOCK_N + j
+        # (modulo the splits left for them)
+        n_tree_blocks = tl.cdiv(N_TREE, BLOCK_N)
+        if TAIL > 0:
+            tree_first = tl.where(split >= TAIL // BLOCK_N, split - TAIL // BLOCK_N, n_tree_blocks)
+            tree_step = tl.maximum(N_SPLITS - TAIL // BLOCK_N, 1)
+        else:
+            tree_first = tl.where(split == N_SPLITS - 1, 0, n_tree_blocks)
+            tree_step = 1
+        if tree_first < n_tree_blocks:
+            for blk in range(tree_first, n_tree_blocks, tree_step):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 n = length + j
                 n_ok = (j < N_TREE) & (n < CAP)

@@ -178,7 +178,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     if (mask is not None and with_prefix and limits is None and starts is None and wanted
             and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
         n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
-        n_splits, chunk = 1, cap
+        # here: the keys after the whole blocks and the tree, a key block a program (the kernel's TAIL)
+        n_splits, chunk = hopper_prefix.BLOCK_N // block_n + triton.cdiv(mask.shape[2], block_n), cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits + n_hopper == 1
     if direct:  # no partials: the kernel writes `out`
