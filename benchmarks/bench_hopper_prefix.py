@@ -3,11 +3,10 @@ alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf
 and each form of it: ping-pong of the two consumers on or off, the next block's softmax under this
 block's p.v on or off, neither of the two, heads of 64 with two consumers instead of three
 (``THREE_CONSUMERS``) or with three not taking turns (``PINGPONG_THREE``), the waves of programs
-(``WAVES``), the key blocks a program streams at least (``MIN_BLOCKS``), the Triton kernel's tail
-and tree part beside this kernel on a second stream instead of after it (``TAIL_BESIDE``), K/V
-stages (``--forms``, comma-separated). Every form is checked against the Triton kernel's output
-(relative error) and timed as the engine runs it (CUDA-graph replays, median). Prints one line per
-form, and one JSON line last.
+(``WAVES``), the key blocks a program streams at least (``MIN_BLOCKS``), K/V stages (``--forms``,
+comma-separated). Every form is checked against the Triton kernel's output (relative error) and
+timed as the engine runs it (CUDA-graph replays, median). Prints one line per form, and one JSON
+line last.
 
     python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
 
@@ -35,7 +34,6 @@ FORMS = {  # name: module constants of hopper_prefix
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d, n: 2},
     **{f"min blocks {n}": {"MIN_BLOCKS": n} for n in (8, 16, 24, 32)},
-    "tail beside": {"TAIL_BESIDE": True},
 }
 
 

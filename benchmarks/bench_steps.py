@@ -224,8 +224,6 @@ def main(argv=None):
     p.add_argument("--no-prefill", action="store_true", help="the context's K/V left as allocated, only the "
                    "rows' lengths set (a step's time does not depend on their values; a 1M-token prefill takes "
                    "minutes); no proposals (their engines prefill)")
-    p.add_argument("--tail-beside", action="store_true", help="the Triton kernel's tail and tree part beside the "
-                   "Hopper prefix kernel on a second stream (hopper_prefix.TAIL_BESIDE)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--sampled-rounds", action="store_true", help="also time each proposal's rounds as a sampled "
                    "call runs them (T=1: the target's distributions, sampled acceptance); the default rows are greedy")
@@ -253,11 +251,6 @@ def main(argv=None):
                                  f"got {item!r}")
         triton_kernels.DEFAULT_CONFIG = dataclasses.replace(triton_kernels.DEFAULT_CONFIG, **options)
         print("Triton attention:", triton_kernels.DEFAULT_CONFIG)
-    if args.tail_beside:
-        from longspec.attention import hopper_prefix
-
-        hopper_prefix.TAIL_BESIDE = True
-        print("hopper_prefix.TAIL_BESIDE = True")
     if bool(args.target) == bool(args.shape):
         raise SystemExit("give --target DIR or --shape NAME")
     target = (load_target(args.target, dtype=args.dtype, device="cuda") if args.target

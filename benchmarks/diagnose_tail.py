@@ -52,7 +52,8 @@ def main(argv=None):
     small = KernelConfig(hopper=False)
     k_short, v_short = (x[:, :, :256].contiguous() for x in (k, v))
     short = torch.tensor([100], device="cuda")
-    time("Triton kernel alone over 100 keys + the tree", lambda: tree_attention(q, k_short, v_short, short, tree, small))
+    time("Triton kernel alone over 100 keys + the tree",
+         lambda: tree_attention(q, k_short, v_short, short, tree, small))
     time("masked attention, the tree's keys only", lambda: masked_attention(
         q, k_short[:, :, :m].contiguous(), v_short[:, :, :m].contiguous(), tree))
     time("decode, one query over 100 keys", lambda: tree_attention(

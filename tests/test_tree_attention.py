@@ -347,13 +347,11 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_the_hopper_kernels_tail_beside_it_replays_in_a_cuda_graph(monkeypatch):
-    """The Triton kernel's part (the keys after the whole blocks, the tree) on a second stream
-    beside the Hopper kernel (TAIL_BESIDE): the eager call gives, bit for bit, what it gives with
-    the part after the Hopper kernel on one stream (the same kernels); captured in a CUDA graph
-    (its branches rejoin before the merge) and replayed over new inputs copied into the captured
-    ones, it gives the eager call's output for those."""
-    from longspec.attention import hopper_prefix, triton_kernels
+def test_the_hopper_path_replays_in_a_cuda_graph():
+    """The Hopper kernel, the Triton kernel's part after its whole blocks and the merge, captured
+    in a CUDA graph and replayed over new inputs copied into the captured ones (a shorter row: a
+    new split of its whole blocks and a new tail), give the eager call's output for those."""
+    from longspec.attention import hopper_prefix
 
     gen = torch.Generator(device="cuda").manual_seed(3)
 
@@ -369,12 +367,6 @@ def test_the_hopper_kernels_tail_beside_it_replays_in_a_cuda_graph(monkeypatch):
         pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
     lengths = torch.tensor([4200], device="cuda")
     config = KernelConfig(hopper=True)
-    after = tree_attention(q, k, v, lengths, tree, config)
-    monkeypatch.setattr(hopper_prefix, "TAIL_BESIDE", True)
-    forks, real = [], triton_kernels._fork
-    monkeypatch.setattr(triton_kernels, "_fork", lambda device: forks.append(real(device)) or forks[-1])
-    assert torch.equal(tree_attention(q, k, v, lengths, tree, config), after)
-    assert forks[-1] is not None and forks[-1] != torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as a capture wants
@@ -655,15 +647,11 @@ def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
 
 def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatch):
     """Gluon's API moves between Triton releases: where the Hopper kernel fails to build, one
-    warning says so and the Triton kernel alone computes the launch, and every later one; a
-    second stream forked for the Triton kernel's part rejoins."""
-    from longspec.attention import hopper_prefix, triton_kernels
+    warning says so and the Triton kernel alone computes the launch, and every later one."""
+    from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "_failed", [])
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: not hopper_prefix._failed)
-    forked, joined = object(), []  # (a second stream forked before the kernel: it rejoins on the failure)
-    monkeypatch.setattr(triton_kernels, "_fork", lambda device: forked)
-    monkeypatch.setattr(triton_kernels, "_join", lambda second, device: joined.append(second))
     tries = []
 
     def broken(*args, **kwargs):
@@ -674,7 +662,6 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     device = "cuda" if ON_GPU else "cpu"
     with pytest.warns(UserWarning, match="Hopper attention kernel failed"):
         check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
-    assert joined.count(forked) == 1
     check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
     assert len(tries) == 1
 

@@ -47,7 +47,6 @@ OVERLAP = True  # a block's softmax runs while the previous block's p.v does
 WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
 MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of more parts costs more)
 MIN_KEYS = 32768  # a cache's capacity from which the kernel serves a tree by default (as measured)
-TAIL_BESIDE = False  # the Triton kernel's part (the keys after the whole blocks, the tree) on a second stream
 
 if gluon is not None:
 

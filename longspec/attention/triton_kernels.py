@@ -13,8 +13,9 @@ writes the result in the layout the output projection reads (one chunk: written 
 
 On Hopper GPUs a tree's prefix (more than 128 packed rows a KV head: compute-bound at long
 contexts) goes to the warp-specialized kernel of :mod:`~longspec.attention.hopper_prefix` for its
-whole key blocks; the Triton kernel then takes only the keys after them and the tree part, as one
-more part for the merge.
+whole key blocks; the Triton kernel then takes only the keys after them and the tree part, a key
+block a program (a chain of one or two dependent loads each, not all of them in one), as more
+parts for the merge.
 
 The same kernel serves decode (M = 1), the draft's cross-attention into the target cache (:func:`prefix_attention`:
 per-query limits, no tree part) and its ring buffer's self-attention (:func:`masked_attention`: no prefix).
@@ -86,34 +87,6 @@ def _on(device: torch.device):
     """Makes ``device`` current while kernels launch: Triton launches on the current device's
     stream, whatever device the tensors are on (a model on cuda:1 while cuda:0 is current)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-@functools.lru_cache(maxsize=None)
-def _second_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device, priority=-1)  # (high priority: a pool of its own, never the caller's)
-
-
-def _fork(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """With ``hopper_prefix.TAIL_BESIDE``, a second stream of ``device`` that waits for the current
-    stream's work so far (the step's q and K/V, this launch's buffers), not for what it runs next
-    (the Hopper kernel): the Triton kernel's small part (a program per row tile and KV head, over
-    fewer than a block's keys and the tree) runs there on the multiprocessors the Hopper kernel
-    leaves free instead of after it, and its programs go first where both wait for a multiprocessor.
-    The current stream waits for it before the merge (:func:`_join`). None without TAIL_BESIDE or
-    off CUDA."""
-    if not hopper_prefix.TAIL_BESIDE or device.type != "cuda":
-        return None
-    second, current = _second_stream(device), torch.cuda.current_stream(device)
-    if second == current:
-        return None
-    second.wait_stream(current)
-    return second
-
-
-def _join(second: Optional[torch.cuda.Stream], device: torch.device) -> None:
-    """The current stream waits for the work launched on ``second`` (a capture's branches rejoin)."""
-    if second is not None:
-        torch.cuda.current_stream(device).wait_stream(second)
 
 
 def _check(q, k_cache, v_cache, config, table=None, block_size: int = 0):
@@ -212,32 +185,27 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
-        second = _fork(q.device) if n_hopper else None  # (forked first: the tail waits not for the Hopper kernel)
-        try:  # (the second stream rejoins whatever happens: a capture fails with a branch left open)
-            if n_hopper:
-                try:
-                    hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper,
-                                               LOG2E / math.sqrt(d), table, block_size)
-                except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
-                    hopper_prefix.give_up(err)
-                    return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
-                                   starts, window)
-            with torch.cuda.stream(second) if second is not None else contextlib.nullcontext():
-                _partial_kernel[grid](
-                    q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
-                    lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:],
-                    lse_part[:, :, n_hopper:], out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
-                    *lim_strides, *start_strides, *tm_strides, tbl_stride,
-                    *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-                    hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits,
-                    cap, block_size, LOG2E / math.sqrt(d),
-                    HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct,
-                    TMA=tma, PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
-                    PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                    TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
-                    num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
-        finally:
-            _join(second, q.device)
+        if n_hopper:
+            try:
+                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper,
+                                           LOG2E / math.sqrt(d), table, block_size)
+            except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
+                hopper_prefix.give_up(err)
+                return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
+                               starts, window)
+        _partial_kernel[grid](
+            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
+            lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:],
+            lse_part[:, :, n_hopper:], out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
+            *lim_strides, *start_strides, *tm_strides, tbl_stride,
+            *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
+            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits,
+            cap, block_size, LOG2E / math.sqrt(d),
+            HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct,
+            TMA=tma, PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
+            num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
             n_parts = n_hopper + n_splits
             parts, block_r = merge_plan(n_parts, rows, d, c.merge_elements, b * hkv, programs)
