@@ -1,9 +1,9 @@
 """Where the time of the Triton kernel's small part beside the Hopper prefix kernel goes (the keys
 after the prefix's whole 128-key blocks, and the tree under its mask): a few keys for each of a
 69-node tree's 276 packed rows a KV head at the 8B shape, yet a verify step's profile shows it at
-about 20 us a layer. Times that part alone (the Hopper kernel's call replaced by nothing), then
-with one thing changed at a time, and small Triton launches for scale (CUDA-graph replays,
-median; bf16).
+about 20 us a layer. Times that part alone (the Hopper kernel's call replaced by nothing: its
+parts left as allocated, so the merge may skip or read them), then with one thing changed at a
+time, and small Triton launches for scale (CUDA-graph replays, median; bf16).
 
     python benchmarks/diagnose_tail.py --context 32768"""
 from __future__ import annotations

@@ -668,37 +668,52 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
 
 def whole_blocks_in_float64(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits, qk_scale, table=None,
                             block_size=0):
-    """``hopper_prefix.prefix_parts`` in float64 (dense caches): part 0 the rows' attention over the
-    whole BLOCK_N-key blocks of their prefix (its LSE in base 2, as the kernels write it), the
-    other ``n_splits - 1`` parts empty."""
+    """``hopper_prefix.prefix_parts`` in float64: part 0 the rows' attention over the whole
+    BLOCK_N-key blocks of their prefix (its LSE in base 2, as the kernels write it), the other
+    ``n_splits - 1`` parts empty; dense caches [B, Hkv, S, D] or a pool layer [Hkv, P, D] read
+    through ``table`` [B, blocks] of ``block_size``-slot blocks."""
     from longspec.attention import hopper_prefix
 
     b, hq, m, d = q.shape
-    hkv = k_cache.shape[1]
+    hkv = k_cache.shape[0 if table is not None else 1]
+    cap = table.shape[1] * block_size if table is not None else k_cache.shape[2]
     o_part[:, :, :n_splits] = 0
     lse_part[:, :, :n_splits] = float("-inf")
     for row in range(b):
-        n = int(lengths[row]) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
-        if n:
-            packed = q[row].double().reshape(hkv, hq // hkv * m, d)  # row g * M + i: query head h * G + g, query i
-            scores = packed @ k_cache[row, :, :n].double().transpose(1, 2) * (qk_scale / math.log2(math.e))
-            o_part[row, :, 0] = (scores.softmax(-1) @ v_cache[row, :, :n].double()).float()
-            lse_part[row, :, 0] = (scores.logsumexp(-1) * math.log2(math.e)).float()
+        n = min(int(lengths[row]), cap) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
+        if not n:
+            continue
+        if table is not None:  # slot s of the row: pool slot table[row, s // block_size] * block_size + s % block_size
+            slots = torch.arange(n, device=q.device)
+            slots = table[row, slots // block_size] * block_size + slots % block_size
+            keys, values = k_cache[:, slots], v_cache[:, slots]
+        else:
+            keys, values = k_cache[row, :, :n], v_cache[row, :, :n]
+        packed = q[row].double().reshape(hkv, hq // hkv * m, d)  # row g * M + i: query head h * G + g, query i
+        scores = packed @ keys.double().transpose(1, 2) * (qk_scale / math.log2(math.e))
+        o_part[row, :, 0] = (scores.softmax(-1) @ values.double()).float()
+        lse_part[row, :, 0] = (scores.logsumexp(-1) * math.log2(math.e)).float()
 
 
-@pytest.mark.parametrize("nodes", [21, 69, 200])
-def test_the_part_after_the_hopper_kernels_blocks(monkeypatch, nodes):
+@pytest.mark.parametrize("nodes,block_n,paged", [(21, 64, False), (69, 32, False), (200, 128, False),
+                                                 (200, 64, False), (69, 64, True), (69, 256, False)])
+def test_the_part_after_the_hopper_kernels_blocks(monkeypatch, nodes, block_n, paged):
     """The Triton kernel's part beside the Hopper kernel (the keys after the whole blocks, a key
-    block a program, then the tree's blocks, one or more a program), merged with the whole
-    blocks' part, against the reference: rows with a ragged end, shorter than a block, empty, of
-    whole blocks; trees of one to four key blocks (the whole blocks' part computed in float64
-    here: the kernel runs on Hopper GPUs only)."""
+    block a program, then the tree's blocks over at most TAIL_TREE_SPLITS programs), merged with
+    the whole blocks' part, against the reference: rows with a ragged end, shorter than a block,
+    empty, of whole blocks; trees of one to four key blocks; key blocks of 32 to 256 (one split
+    for the keys after the whole blocks, or up to four); dense rows or through a shuffled table
+    (the whole blocks' part computed in float64 here: the kernel runs on Hopper GPUs only)."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
     monkeypatch.setattr(hopper_prefix, "prefix_parts", whole_blocks_in_float64)
     device = "cuda" if ON_GPU else "cpu"
-    check([300, 127, 0, 256], nodes, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
+    config = KernelConfig(hopper=True, block_n=block_n)
+    lengths, cap, table = [300, 127, 0, 256], 512, None
+    if paged:
+        table = torch.randperm(4 * cap // 64, generator=torch.Generator().manual_seed(2)).view(4, cap // 64)
+    check(lengths, nodes, 4, 2, 16, torch.float32, device, capacity=cap, table=table, config=config)
 
 
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):

@@ -349,7 +349,7 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly among ``n_splits`` programs per row
     tile (:func:`split_plan`). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer
     [Hkv, P, D] read through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after
-    the whole blocks and the tree part are the caller's (another part)."""
+    the whole blocks and the tree part are the caller's (other parts)."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]

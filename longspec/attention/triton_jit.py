@@ -161,6 +161,7 @@ if triton is not None:
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        TAIL_SPLITS: tl.constexpr = (TAIL + BLOCK_N - 1) // BLOCK_N  # the splits of the keys after TAIL's blocks
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
@@ -189,7 +190,7 @@ if triton is not None:
             chunk = CHUNK
             lo = first_block + split * chunk
         elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's): split s
-            # takes their block s (none from s = TAIL // BLOCK_N on: past the row's end), the later
+            # takes their block s (none from s = TAIL_SPLITS on: past the row's end), the later
             # splits the tree's blocks (below): a chain of one or two dependent blocks a program, not
             # all of them in one (each costs a load's latency: the part took 16-19 us a layer alone)
             chunk = BLOCK_N
@@ -233,12 +234,12 @@ if triton is not None:
                                       any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
                                       PRECISION)  # the chunk's ragged end
         # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask: in the last
-        # split, or after another kernel's blocks (TAIL) block j in split TAIL // BLOCK_N + j
-        # (modulo the splits left for them)
+        # split, or after another kernel's blocks (TAIL) block j in split TAIL_SPLITS + j modulo
+        # the splits left for them
         n_tree_blocks = tl.cdiv(N_TREE, BLOCK_N)
         if TAIL > 0:
-            tree_first = tl.where(split >= TAIL // BLOCK_N, split - TAIL // BLOCK_N, n_tree_blocks)
-            tree_step = tl.maximum(N_SPLITS - TAIL // BLOCK_N, 1)
+            tree_first = tl.where(split >= TAIL_SPLITS, split - TAIL_SPLITS, n_tree_blocks)
+            tree_step = tl.maximum(N_SPLITS - TAIL_SPLITS, 1)
         else:
             tree_first = tl.where(split == N_SPLITS - 1, 0, n_tree_blocks)
             tree_step = 1

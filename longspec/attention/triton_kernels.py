@@ -60,6 +60,7 @@ if triton is not None:  # (the device code)
     from .triton_jit import _merge_kernel, _partial_kernel
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
+TAIL_TREE_SPLITS = 2  # programs for a tree's key blocks after the Hopper kernel's (a chain of one each to 128 nodes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,8 +152,10 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     if (mask is not None and with_prefix and limits is None and starts is None and wanted
             and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
         n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
-        # here: the keys after the whole blocks and the tree, a key block a program (the kernel's TAIL)
-        n_splits, chunk = hopper_prefix.BLOCK_N // block_n + triton.cdiv(mask.shape[2], block_n), cap
+        # here: the keys after the whole blocks, a key block a program, and the tree's blocks over at
+        # most TAIL_TREE_SPLITS programs (the kernel's TAIL; the parts to merge stay few for big trees)
+        n_splits, chunk = (triton.cdiv(hopper_prefix.BLOCK_N, block_n)
+                           + min(triton.cdiv(mask.shape[2], block_n), TAIL_TREE_SPLITS)), cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits + n_hopper == 1
     if direct:  # no partials: the kernel writes `out`
