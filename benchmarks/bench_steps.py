@@ -30,7 +30,7 @@ import torch
 from longspec import load_target
 from longspec.engine.engine import Engine, Sequence
 from longspec.spec.proposers import LongSpecProposer, PromptLookup
-from longspec.engine.runner import capture_stream, time_graph
+from longspec.engine.runner import graph_of, time_graph
 from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
 
@@ -44,17 +44,7 @@ def kernel_profile(fn, top: int = 12, order: bool = False, graph: bool = False) 
     engine runs it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = fn
-    if graph:
-        stream = capture_stream(torch.device("cuda"))
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, stream=stream):
-            fn()
-        run = cuda_graph.replay
+    run = graph_of(fn).replay if graph else fn
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -666,33 +666,25 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     assert len(tries) == 1
 
 
-def whole_blocks_in_float64(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits, qk_scale, table=None,
-                            block_size=0):
-    """``hopper_prefix.prefix_parts`` in float64: part 0 the rows' attention over the whole
-    BLOCK_N-key blocks of their prefix (its LSE in base 2, as the kernels write it), the other
-    ``n_splits - 1`` parts empty; dense caches [B, Hkv, S, D] or a pool layer [Hkv, P, D] read
-    through ``table`` [B, blocks] of ``block_size``-slot blocks."""
+def whole_blocks_by_the_reference(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits, qk_scale, table=None,
+                                  block_size=0):
+    """``hopper_prefix.prefix_parts`` by the reference attention: part 0 the rows' attention over
+    the whole BLOCK_N-key blocks of their prefix, the other ``n_splits - 1`` parts empty; dense
+    caches [B, Hkv, S, D] or a pool layer [Hkv, P, D] read through ``table`` [B, blocks]."""
     from longspec.attention import hopper_prefix
+    from longspec.attention.paged import rows_of
 
     b, hq, m, d = q.shape
-    hkv = k_cache.shape[0 if table is not None else 1]
-    cap = table.shape[1] * block_size if table is not None else k_cache.shape[2]
-    o_part[:, :, :n_splits] = 0
-    lse_part[:, :, :n_splits] = float("-inf")
-    for row in range(b):
-        n = min(int(lengths[row]), cap) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
-        if not n:
-            continue
-        if table is not None:  # slot s of the row: pool slot table[row, s // block_size] * block_size + s % block_size
-            slots = torch.arange(n, device=q.device)
-            slots = table[row, slots // block_size] * block_size + slots % block_size
-            keys, values = k_cache[:, slots], v_cache[:, slots]
-        else:
-            keys, values = k_cache[row, :, :n], v_cache[row, :, :n]
-        packed = q[row].double().reshape(hkv, hq // hkv * m, d)  # row g * M + i: query head h * G + g, query i
-        scores = packed @ keys.double().transpose(1, 2) * (qk_scale / math.log2(math.e))
-        o_part[row, :, 0] = (scores.softmax(-1) @ values.double()).float()
-        lse_part[row, :, 0] = (scores.logsumexp(-1) * math.log2(math.e)).float()
+    if table is not None:
+        k_cache, v_cache = (rows_of(x, table, block_size, None, 0, table.shape[1] * block_size)
+                            for x in (k_cache, v_cache))
+    hkv = k_cache.shape[1]
+    whole = lengths.clamp(max=k_cache.shape[2]) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
+    o, lse = reference.prefix_attention(q, k_cache, v_cache, whole)
+    o_part[:, :, 1:n_splits] = 0
+    lse_part[:, :, 1:n_splits] = float("-inf")
+    o_part[:, :, 0] = o.reshape(b, hkv, hq // hkv * m, d)  # packed row g * M + i: query head h * G + g, query i
+    lse_part[:, :, 0] = lse.reshape(b, hkv, hq // hkv * m) * math.log2(math.e)  # the kernels' LSE: base 2
 
 
 @pytest.mark.parametrize("nodes,block_n,paged", [(21, 64, False), (40, 32, False), (130, 64, False),
@@ -703,11 +695,11 @@ def test_the_part_after_the_hopper_kernels_blocks(monkeypatch, nodes, block_n, p
     the whole blocks' part, against the reference: rows with a ragged end, shorter than a block,
     empty, of whole blocks; trees of one to three key blocks; key blocks of 32 to 256 (one split
     for the keys after the whole blocks, or up to four); dense rows or through a shuffled table
-    (the whole blocks' part computed in float64 here: the kernel runs on Hopper GPUs only)."""
+    (the whole blocks' part by the reference here: the kernel runs on Hopper GPUs only)."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", whole_blocks_in_float64)
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", whole_blocks_by_the_reference)
     device = "cuda" if ON_GPU else "cpu"
     config = KernelConfig(hopper=True, block_n=block_n)
     lengths, cap, table = [300, 127, 0, 256], 448, None

@@ -192,7 +192,7 @@ if triton is not None:
         elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's): split s
             # takes their block s (none from s = TAIL_SPLITS on: past the row's end), the later
             # splits the tree's blocks (below): a chain of one or two dependent blocks a program, not
-            # all of them in one (each costs a load's latency: the part took 16-19 us a layer alone)
+            # all of them in one (each block costs a load's latency: docs/benchmarks.md)
             chunk = BLOCK_N
             lo = length // TAIL * TAIL + split * BLOCK_N
         else:

@@ -175,12 +175,9 @@ class PhaseRunner:
         self.capture_s = time.perf_counter() - t0
 
 
-def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch.device] = None,
-               inner: int = 1) -> float:
-    """Median seconds of one call of ``fn``: ``inner`` calls captured in one CUDA graph (two
-    warm-up calls on a side stream first), CUDA events per replay, divided by ``inner``."""
-    import statistics
-
+def graph_of(fn: Callable[[], None], device: Optional[torch.device] = None, inner: int = 1) -> "torch.cuda.CUDAGraph":
+    """``inner`` calls of ``fn`` captured in one CUDA graph, after two warm-up calls on the
+    capture stream (a benchmark's or a profile's replays)."""
     stream = capture_stream(device if device is not None else torch.device("cuda"))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -191,6 +188,16 @@ def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch
     with collector_paused(), torch.cuda.graph(graph, stream=stream):
         for _ in range(inner):
             fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], None], replays: int = 50, device: Optional[torch.device] = None,
+               inner: int = 1) -> float:
+    """Median seconds of one call of ``fn``: ``inner`` calls captured in one CUDA graph
+    (:func:`graph_of`), CUDA events per replay, divided by ``inner``."""
+    import statistics
+
+    graph = graph_of(fn, device, inner)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
