@@ -32,6 +32,17 @@ transformers.utils.logging.set_verbosity_error()
 # busy 2-core machine). LONGSPEC_TEST_THREADS overrides.
 torch.set_num_threads(int(os.environ.get("LONGSPEC_TEST_THREADS", "1")))
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest-xdist): a test process a CPU core (the tests are single-threaded), at
+    most 4 (each holds its own tiny models and compiled kernels); one beside a GPU (its tests
+    share the device)."""
+    if torch.cuda.is_available():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),

@@ -62,24 +62,27 @@ def test_compiled_layers_match_uncompiled(tiny, compiled_backend, impl):
     assert graphs <= (4 + 1) * 2
 
 
+# the hybrid (the draft and prompt lookup, the target's decode for the tokens after them) in the
+# default run; each of its parts alone in the slow one (each compiles afresh: 40-60 s here)
+@pytest.mark.parametrize("proposer", ["hybrid", *(pytest.param(p, marks=pytest.mark.slow)
+                                                  for p in ("none", "lookup", "draft"))])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compiled_engine_same_tokens(tiny, compiled_backend, temperature):
-    """Compiled proposal and accept glue: the same tokens (greedy, and sampling with a seed) for
-    decode, prompt lookup, the LongSpec draft and the hybrid, on rows of different lengths."""
+def test_compiled_engine_same_tokens(tiny, compiled_backend, temperature, proposer):
+    """Compiled proposal and accept glue: the same tokens (greedy, and sampling with a seed)
+    compiled and uncompiled, on rows of different lengths."""
     target = load_target(tiny[1])
     draft = init_draft(DraftConfig.for_target(target, window=16), target)
     draft.limit_vocab(range(0, 160, 2))
     draft.fuse_projections()
     prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 20)]
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=5)
-    for make in (lambda: None, PromptLookup, lambda: LongSpecProposer(draft),
-                 lambda: LongSpecProposer(draft, PromptLookup())):
-        outs = []
-        for compiled in (False, True):
-            target.compile_steps = compiled
-            proposer = make()
-            outs.append(Generator(target, proposer, tree="3,3,3" if proposer else None).generate(prompts, config))
-        assert outs[1].sequences == outs[0].sequences, type(proposer).__name__
+    make = {"none": lambda: None, "lookup": PromptLookup, "draft": lambda: LongSpecProposer(draft),
+            "hybrid": lambda: LongSpecProposer(draft, PromptLookup())}[proposer]
+    outs = []
+    for compiled in (False, True):
+        target.compile_steps = compiled
+        outs.append(Generator(target, make(), tree="3,3,3" if proposer != "none" else None).generate(prompts, config))
+    assert outs[1].sequences == outs[0].sequences
 
 
 def test_the_triton_attention_is_no_graph_break_of_a_compiled_round(tiny, compiled_backend):

