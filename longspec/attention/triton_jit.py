@@ -156,12 +156,11 @@ if triton is not None:
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, slim_b, slim_m, sst_b, sst_m,
                         stm_b, stm_m, stbl_b,
                         so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, sout_b, sout_m, sout_h,
-                        HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, CAP, BS, qk_scale,
+                        HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, TREE_FROM, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
                         BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        TAIL_SPLITS: tl.constexpr = (TAIL + BLOCK_N - 1) // BLOCK_N  # the splits of the keys after TAIL's blocks
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
         length = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int32), 0), CAP)  # never read outside the cache
@@ -190,7 +189,7 @@ if triton is not None:
             chunk = CHUNK
             lo = first_block + split * chunk
         elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's): split s
-            # takes their block s (none from s = TAIL_SPLITS on: past the row's end), the later
+            # takes their block s (none from s = TREE_FROM on: past the row's end), the later
             # splits the tree's blocks (below): a chain of one or two dependent blocks a program, not
             # all of them in one (each block costs a load's latency: docs/benchmarks.md)
             chunk = BLOCK_N
@@ -233,16 +232,12 @@ if triton is not None:
         m_i, l_i, acc = _masked_range(q, k_base, v_base, TBL, b, stbl_b, BS, sk_s, sv_s, full + n_full * BLOCK_N,
                                       any_end, row_start, row_end, d, m_i, l_i, acc, qk_scale, PAGED, BLOCK_N,
                                       PRECISION)  # the chunk's ragged end
-        # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask: in the last
-        # split, or after another kernel's blocks (TAIL) block j in split TAIL_SPLITS + j modulo
-        # the splits left for them
+        # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask: block j in split
+        # TREE_FROM + j modulo the splits from TREE_FROM on (the last split after a prefix's chunks;
+        # a key block a program after another kernel's blocks (TAIL) and with no prefix)
         n_tree_blocks = tl.cdiv(N_TREE, BLOCK_N)
-        if TAIL > 0:
-            tree_first = tl.where(split >= TAIL_SPLITS, split - TAIL_SPLITS, n_tree_blocks)
-            tree_step = tl.maximum(N_SPLITS - TAIL_SPLITS, 1)
-        else:
-            tree_first = tl.where(split == N_SPLITS - 1, 0, n_tree_blocks)
-            tree_step = 1
+        tree_first = tl.where(split >= TREE_FROM, split - TREE_FROM, n_tree_blocks)
+        tree_step = tl.maximum(N_SPLITS - TREE_FROM, 1)
         if tree_first < n_tree_blocks:
             for blk in range(tree_first, n_tree_blocks, tree_step):
                 j = blk * BLOCK_N + tl.arange(0, BLOCK_N)

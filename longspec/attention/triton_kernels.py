@@ -144,7 +144,12 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     sms = _multiprocessors(q.device)
     wide = wide_head_tiles(rows, d, block_q)  # (a tree's 64-row tiles of small heads)
     programs = c.programs or sms * (c.per_sm or programs_per_sm(span, units, block_q, sms, wide))
-    n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk) if with_prefix else (1, cap)
+    n_tree = 0 if mask is None else mask.shape[2]
+    if with_prefix:  # the prefix in chunks, the tree in the last one's program
+        n_splits, chunk = plan(span, units, c.block_n, programs, c.min_chunk)
+        tree_from = n_splits - 1
+    else:  # keys only (the draft's ring buffer): a key block a program, as many as fill the GPU
+        n_splits, chunk, tree_from = max(1, min(triton.cdiv(n_tree, block_n), programs // units)), cap, 0
     # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
     # n_hopper - 1: the splits of each row tile), the rest (the keys after them, the tree) here
     n_hopper = 0
@@ -154,8 +159,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
         # here: the keys after the whole blocks, a key block a program, and the tree's blocks over at
         # most TAIL_TREE_SPLITS programs (the kernel's TAIL; the parts to merge stay few for big trees)
-        n_splits, chunk = (triton.cdiv(hopper_prefix.BLOCK_N, block_n)
-                           + min(triton.cdiv(mask.shape[2], block_n), TAIL_TREE_SPLITS)), cap
+        tree_from = triton.cdiv(hopper_prefix.BLOCK_N, block_n)
+        n_splits, chunk = tree_from + min(triton.cdiv(n_tree, block_n), TAIL_TREE_SPLITS), cap
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits + n_hopper == 1
     if direct:  # no partials: the kernel writes `out`
@@ -163,7 +168,6 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     else:
         o_part = torch.empty(b, hkv, n_hopper + n_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(b, hkv, n_hopper + n_splits, rows, dtype=torch.float32, device=q.device)
-    n_tree = 0 if mask is None else mask.shape[2]
     if mask is None:
         mask = lengths.view(torch.int8)  # never read (int8 as a real mask: the dead tree loop compiled for an
         # int64 mask would reserve shared memory for [BLOCK_Q, BLOCK_N] int64 tiles)
@@ -202,7 +206,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
             lse_part[:, :, n_hopper:], out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
             *lim_strides, *start_strides, *tm_strides, tbl_stride,
             *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits,
+            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, tree_from,
             cap, block_size, LOG2E / math.sqrt(d),
             HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct,
             TMA=tma, PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
@@ -285,8 +289,9 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      config: Optional[KernelConfig] = None) -> torch.Tensor:
     """Query i of row b sees key j where ``mask[b, i, j]`` (the draft's ring-buffer
-    self-attention: window + tree nodes); a query that sees no key gets zeros. One program per
-    row tile and KV head, no split: for short key sets (hundreds).
+    self-attention: window + tree nodes); a query that sees no key gets zeros. The key blocks go
+    one a program (as many programs as fill the GPU), merged by their LSE: each program's chain
+    of dependent block loads stays short, which is this attention's time at hundreds of keys.
 
     q [B, Hq, M, D]; k, v [B, Hkv, S, D]; mask [B or 1, M, S] bool or int8. Returns o as
     :func:`tree_attention`."""
