@@ -170,7 +170,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow  (three runs of two processes; one process's bit-exact resume: test_training.py)
+@pytest.mark.slow  # (three runs of two processes; one process's bit-exact resume: test_training.py)
 def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_path):
     """A 2-process run killed (SIGKILL to the launcher's group; its workers die with it) once its
     step-3 checkpoint exists — cut
@@ -218,7 +218,7 @@ def test_killed_run_resumes_with_two_or_one_processes(tiny_model_factory, tmp_pa
     assert steps[-1] == 6
 
 
-@pytest.mark.slow  (two runs of two processes; one process compiled: test_training.py)
+@pytest.mark.slow  # (two runs of two processes; one process compiled: test_training.py)
 def test_torchrun_with_compile_trains_like_eager(tiny_model_factory, tmp_path):
     """``--compile`` under torchrun (the draft's forward and the loss chunks compiled inside the
     DDP-wrapped module; the aot_eager backend, as on a CPU without a compiler): the same losses

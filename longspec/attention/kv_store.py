@@ -12,6 +12,8 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
+BLOCK_M = 16  # rows a program
+
 if triton is not None:
 
     # one variant for every prompt length: the row count and batch strides that change with it unspecialised
@@ -44,9 +46,8 @@ def store_kv(k_layer: torch.Tensor, v_layer: torch.Tensor, k_new: torch.Tensor, 
     into k_layer, v_layer [B, Hkv, S, D] at ``slots`` [B, M]; a slot outside ``0..S-1`` is not
     written. The tensors must pass :func:`store_fits`."""
     b, hkv, m, d = k_new.shape
-    block_m = min(64, max(16, triton.next_power_of_2(m)))  # rows past M are masked
-    with _on(k_new.device):
-        _store_kv_kernel[(b * hkv, triton.cdiv(m, block_m))](
+    with _on(k_new.device):  # rows of 16 a program (rows past M masked): a tree's rows over more programs
+        _store_kv_kernel[(b * hkv, triton.cdiv(m, BLOCK_M))](
             k_layer, v_layer, k_new, v_new, slots, k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
             k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-            slots.stride(0), slots.stride(1), hkv, m, k_layer.shape[2], BLOCK_M=block_m, HEAD_D=d)
+            slots.stride(0), slots.stride(1), hkv, m, k_layer.shape[2], BLOCK_M=BLOCK_M, HEAD_D=d)
