@@ -161,14 +161,15 @@ def sweep(q, k, v, lengths, tree, ref, s, m, repeats, bandwidth, rate, causal: b
 def merge_forms(hkv: int, g: int, m: int, d: int, n_parts: int, repeats: int) -> dict:
     """The merge kernel alone over ``n_parts`` random partial outputs of one row's M queries (G
     query heads a KV head): microseconds a call of each form (``merge_plan``): ``looped`` one part
-    at a time in 16-row programs, ``at once`` every part in one load, ``plan`` the one launches use;
-    the outputs of all forms equal."""
+    at a time in 16-row programs, ``P x 16 rows`` P parts a load in 16-row programs, ``at once``
+    every part in one load, ``plan`` the one launches use; the outputs of all forms equal."""
     rows = g * m
     op = torch.randn(1, hkv, n_parts, rows, d, device="cuda")
     lp = torch.randn(1, hkv, n_parts, rows, device="cuda") * 3
     out = torch.empty(1, m, hkv * g, d, dtype=torch.bfloat16, device="cuda")
     args = (op, lp, out, *op.stride()[:4], *lp.stride()[:3], *out.stride()[:3], hkv, m, g, n_parts)
-    forms = {"looped": (1, 16), "at once": triton_kernels.merge_plan(n_parts, rows, d, KernelConfig().merge_elements),
+    forms = {"looped": (1, 16), **{f"{p} x 16 rows": (p, 16) for p in (2, 4, 8) if p < n_parts},
+             "at once": triton_kernels.merge_plan(n_parts, rows, d, KernelConfig().merge_elements),
              "plan": triton_kernels.merge_plan(n_parts, rows, d, KernelConfig().merge_elements, hkv,
                                                triton_kernels._multiprocessors(out.device))}
     times, first = {}, None

@@ -133,7 +133,9 @@ def test_lengths_outside_the_cache_never_read_outside_it():
 
 
 @pytest.mark.parametrize("config", [KernelConfig(block_q=16, block_n=32, programs=7),
-                                    KernelConfig(block_n=16, programs=64, min_chunk=16),
+                                    # (the tests above and below run this one too)
+                                    pytest.param(KernelConfig(block_n=16, programs=64, min_chunk=16),
+                                                 marks=pytest.mark.slow),
                                     KernelConfig(block_q=64, block_n=16, num_warps=2, programs=1),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, merge_elements=32),
                                     KernelConfig(block_n=16, programs=64, min_chunk=16, tma=True),
@@ -268,9 +270,13 @@ def dense_check(ours, q, k, v, mask, dtype):
     assert ours.transpose(1, 2)[empty].abs().max() == 0 if empty.any() else True
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [None, KernelConfig(block_n=16, programs=64, min_chunk=16),
-                                    KernelConfig(block_q=16, block_n=16, programs=1)])
+# float16 with the default launch in the default run, with the others in the slow one
+@pytest.mark.parametrize("dtype,config", [
+    *((torch.float32, c) for c in (None, KernelConfig(block_n=16, programs=64, min_chunk=16),
+                                   KernelConfig(block_q=16, block_n=16, programs=1))),
+    (torch.float16, None),
+    *(pytest.param(torch.float16, c, marks=pytest.mark.slow) for c in (
+        KernelConfig(block_n=16, programs=64, min_chunk=16), KernelConfig(block_q=16, block_n=16, programs=1)))])
 def test_prefix_attention_with_per_query_limits(dtype, config):
     """The draft's cross-attention: query i of row b sees slots below limits[b, i] (lags differ
     within a tile, so chunks end in masked blocks); limit 0 -> zeros; limits past the cache are
