@@ -37,7 +37,9 @@ torch.set_num_threads(int(os.environ.get("LONGSPEC_TEST_THREADS", "1")))
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pytest-xdist): a test process a CPU core (the tests are single-threaded), at
     most 4 (each holds its own tiny models and compiled kernels); one beside a GPU (its tests
-    share the device)."""
+    share the device). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides, as in xdist's own hook."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     if torch.cuda.is_available():
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

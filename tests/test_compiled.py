@@ -62,8 +62,8 @@ def test_compiled_layers_match_uncompiled(tiny, compiled_backend, impl):
     assert graphs <= (4 + 1) * 2
 
 
-# the hybrid (the draft and prompt lookup, the target's decode for the tokens after them) in the
-# default run; each of its parts alone in the slow one (each compiles afresh: 40-60 s here)
+# the hybrid (the draft and prompt lookup together) in the default run; each alone, and plain
+# decoding, in the slow one (each compiles afresh: 40-60 s here)
 @pytest.mark.parametrize("proposer", ["hybrid", *(pytest.param(p, marks=pytest.mark.slow)
                                                   for p in ("none", "lookup", "draft"))])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
