@@ -16,33 +16,17 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from longspec.engine.runner import time_graph
+
 # an 8B-shaped layer's products (N outputs, K inputs): q/k/v fused, o, gate/up fused, down; the LM head
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}
 
 
 def timed_us(fn, copies: int, reps: int) -> float:
-    """Median microseconds a product over ``reps`` graph replays of ``copies`` products each."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+    """Median microseconds a product over ``reps`` graph replays of ``copies`` products each
+    (one on each copy of the weight)."""
+    return time_graph(lambda: [fn(i) for i in range(copies)], reps) * 1e6 / copies
 
 
 def main(argv=None):
