@@ -119,6 +119,32 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
     return model.eval().requires_grad_(False)
 
 
+def hold_transposed(model) -> None:
+    """Every linear layer's weight [N, K] of ``model`` (and of its fused products) stored as its
+    transpose's rows ([K, N] contiguous, strides (1, K)): the same tensors by value and shape, so a
+    product ``x @ W^T`` reads a row-major [K, N] operand (cuBLAS's "NN" form, faster than "TN" for
+    most of an 8B layer's products over 1-69 rows in ``bench_gpu_products.py``). A weight shared
+    with an embedding (a tied head) is left as it is: a row lookup would read it strided."""
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    with torch.no_grad():
+        for module in model.modules():
+            fused = getattr(module, "_fused", None)
+            if fused is not None:
+                weight = fused[0].t().contiguous().t()
+                start = 0
+                for m in ([module.q_proj, module.k_proj, module.v_proj] if hasattr(module, "q_proj")
+                          else [module.gate_proj, module.up_proj]):
+                    n = m.weight.shape[0]
+                    m.weight.data = weight[start:start + n]
+                    start += n
+                module._fused = (weight, fused[1])
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) and w.is_contiguous() and w.dim() == 2
+                    and w.data_ptr() not in embeddings):
+                w.data = w.data.t().contiguous().t()
+
+
 def cuda_defaults(target):
     """``target`` (from :func:`random_target`) with what ``load_target`` sets up on CUDA: the Triton
     attention kernels (where Triton is installed) and compiled steps."""
@@ -214,6 +240,7 @@ def main(argv=None):
     p.add_argument("--no-prefill", action="store_true", help="the context's K/V left as allocated, only the "
                    "rows' lengths set (a step's time does not depend on their values; a 1M-token prefill takes "
                    "minutes); no proposals (their engines prefill)")
+    p.add_argument("--transposed", action="store_true", help="weights held transposed (hold_transposed)")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--sampled-rounds", action="store_true", help="also time each proposal's rounds as a sampled "
                    "call runs them (T=1: the target's distributions, sampled acceptance); the default rows are greedy")
@@ -254,6 +281,10 @@ def main(argv=None):
         draft.fuse_projections()
     else:
         draft = None
+    if args.transposed:
+        for model in [target] + ([draft] if draft is not None else []):
+            hold_transposed(model)
+        print("weights held transposed")
     bw = copy_bandwidth()
     unique = {t.data_ptr(): t for t in target.state_dict().values()}  # tied weights once
     weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
