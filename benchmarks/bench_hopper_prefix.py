@@ -3,8 +3,7 @@ alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf
 and each form of it: ping-pong of the two consumers on or off, the next block's softmax under this
 block's p.v on or off, neither of the two, heads of 64 with two consumers instead of three
 (``THREE_CONSUMERS``) or with three not taking turns (``PINGPONG_THREE``), the waves of programs
-(``WAVES``), the key blocks a program streams at least (``MIN_BLOCKS``), the last row tile of one
-consumer's rows in programs of one chunk, not two (``PAIR_LAST``), K/V stages (``--forms``,
+(``WAVES``), the key blocks a program streams at least (``MIN_BLOCKS``), K/V stages (``--forms``,
 comma-separated). Every form is checked against the Triton kernel's output (relative error) and
 timed as the engine runs it (CUDA-graph replays, median). Prints one line per form, and one JSON
 line last.
@@ -31,7 +30,6 @@ FORMS = {  # name: module constants of hopper_prefix
     "neither": {"PINGPONG": False, "OVERLAP": False},
     "two consumers": {"THREE_CONSUMERS": False},
     "three free": {"PINGPONG_THREE": False},
-    "unpaired": {"PAIR_LAST": False},
     "one wave": {"WAVES": 1},
     "two waves": {"WAVES": 2},
     "2 stages": {"stages": lambda d, n: 2},

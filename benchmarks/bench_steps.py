@@ -33,6 +33,7 @@ from longspec.spec.proposers import LongSpecProposer, PromptLookup
 from longspec.engine.runner import graph_of, time_graph
 from longspec.spec.tree import TreeSpec
 from longspec.models.checkpoint import load_draft
+from longspec.models.layers import hold_transposed
 
 
 def kernel_profile(fn, top: int = 12, order: bool = False, graph: bool = False) -> tuple:
@@ -96,9 +97,11 @@ SHAPES = {"smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama"
                        max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=False)}
 
 
-def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None):
+def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None, transposed: bool = True):
     """A target of a known shape with random weights (N(0, 0.02)), on ``device``; with
-    ``tensor_parallel`` (a :class:`~longspec.parallel.TensorParallel`) this rank's share, on its device."""
+    ``tensor_parallel`` (a :class:`~longspec.parallel.TensorParallel`) this rank's share, on its
+    device. On CUDA its weights are held transposed, as ``load_target`` holds them (``transposed``
+    False: as stored)."""
     from longspec.config import ModelConfig
     from longspec.models.target import TargetModel
     from longspec.parallel import Shard
@@ -116,43 +119,17 @@ def random_target(shape: str, dtype, device: str = "cuda", tensor_parallel=None)
             param.fill_(1.0) if "norm" in name else param.normal_(0.0, 0.02)
     model.build_rotary(device)
     model.fuse_projections()
+    if transposed and model.device.type == "cuda":
+        hold_transposed(model)
     return model.eval().requires_grad_(False)
 
 
-def hold_transposed(model) -> None:
-    """Every linear layer's weight [N, K] of ``model`` (and of its fused products) stored as its
-    transpose's rows ([K, N] contiguous, strides (1, K)): the same tensors by value and shape, so a
-    product ``x @ W^T`` reads a row-major [K, N] operand (cuBLAS's "NN" form, faster than "TN" for
-    most of an 8B layer's products over 1-69 rows in ``bench_gpu_products.py``). A weight shared
-    with an embedding (a tied head) is left as it is: a row lookup would read it strided."""
-    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    with torch.no_grad():
-        for module in model.modules():
-            fused = getattr(module, "_fused", None)
-            if fused is not None:
-                weight = fused[0].t().contiguous().t()
-                start = 0
-                for m in ([module.q_proj, module.k_proj, module.v_proj] if hasattr(module, "q_proj")
-                          else [module.gate_proj, module.up_proj]):
-                    n = m.weight.shape[0]
-                    m.weight.data = weight[start:start + n]
-                    start += n
-                module._fused = (weight, fused[1])
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and w.is_contiguous() and w.dim() == 2
-                    and w.data_ptr() not in embeddings):
-                w.data = w.data.t().contiguous().t()
-
-
 def cuda_defaults(target):
-    """``target`` (from :func:`random_target`) with what ``load_target`` sets up on CUDA: the Triton
-    attention kernels (where Triton is installed) and compiled steps."""
-    from longspec.attention import triton_kernels
+    """``target`` (from :func:`random_target`) with what ``load_target`` sets up on CUDA
+    (``use_device_kernels``: the Triton attention kernels, compiled steps, weights transposed)."""
+    from longspec.models.checkpoint import use_device_kernels
 
-    if target.device.type == "cuda":
-        target.attention_impl = "triton" if triton_kernels.available() else "matmul"
-        target.compile_steps = True
+    use_device_kernels(target)
     return target
 
 
@@ -240,7 +217,8 @@ def main(argv=None):
     p.add_argument("--no-prefill", action="store_true", help="the context's K/V left as allocated, only the "
                    "rows' lengths set (a step's time does not depend on their values; a 1M-token prefill takes "
                    "minutes); no proposals (their engines prefill)")
-    p.add_argument("--transposed", action="store_true", help="weights held transposed (hold_transposed)")
+    p.add_argument("--row-major-weights", action="store_true", help="with --shape: the weights as stored, not "
+                   "held transposed as load_target holds them on CUDA")
     p.add_argument("--batch", type=int, default=1, help="rows per step (a serving batch bucket; default 1)")
     p.add_argument("--sampled-rounds", action="store_true", help="also time each proposal's rounds as a sampled "
                    "call runs them (T=1: the target's distributions, sampled acceptance); the default rows are greedy")
@@ -271,7 +249,7 @@ def main(argv=None):
     if bool(args.target) == bool(args.shape):
         raise SystemExit("give --target DIR or --shape NAME")
     target = (load_target(args.target, dtype=args.dtype, device="cuda") if args.target
-              else random_target(args.shape, getattr(torch, args.dtype)))
+              else random_target(args.shape, getattr(torch, args.dtype), transposed=not args.row_major_weights))
     if args.draft:
         draft = load_draft(args.draft, target)
     elif args.random_draft:
@@ -279,12 +257,10 @@ def main(argv=None):
         draft = init_draft(DraftConfig.for_target(target), target)
         draft.limit_vocab(torch.randperm(target.config.vocab_size)[:8192])
         draft.fuse_projections()
+        if not args.row_major_weights:
+            hold_transposed(draft)  # as load_draft holds a draft on CUDA
     else:
         draft = None
-    if args.transposed:
-        for model in [target] + ([draft] if draft is not None else []):
-            hold_transposed(model)
-        print("weights held transposed")
     bw = copy_bandwidth()
     unique = {t.data_ptr(): t for t in target.state_dict().values()}  # tied weights once
     weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())

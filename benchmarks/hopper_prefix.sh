@@ -18,16 +18,13 @@
 #   split: the Triton kernel's tail and tree part, a key block a program: the Hopper kernel's tests
 #     and that part's, where that part's time goes (diagnose_tail.py at 32k and 128k), the tree
 #     attention at the 8B shape (32k, 128k) and heads of 64 over 1M keys, the 8B and 1B steps.
-#   pairs: the last row tile of one consumer's rows in programs of two chunks (PAIR_LAST): the
-#     Hopper kernel's GPU tests and its part after the whole blocks', and the kernel paired and
-#     unpaired at the 8B shape (32k, 128k) for 48, 69 and 96 nodes.
 #   profile: the kernels of the 1B-shaped target's eager decode and verify steps at 1M keys with
 #     it (bench_steps.py --profile): where a 69-node verify's time goes at heads of 64.
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log,
 # hopper_by_tree_size.log, steps_1b_1m_by_tree.log, tail_split_tests.log, tail_split_diagnosis.log,
-# tail_split_forms.log, tail_split_steps.log, pairs_tests.log, pairs_forms.log.
+# tail_split_forms.log, tail_split_steps.log.
 set -uo pipefail
 KNOWN="forms parts"
 forms="default,two consumers,three free"
@@ -106,14 +103,6 @@ if [[ ",$parts," == *",split,"* ]]; then
     timeout 90 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 \
       --attention triton --compile on --no-prefill 2>&1 | grep -v "$quiet"
   } | tee "$dest/tail_split_steps.log"
-fi
-if [[ ",$parts," == *",pairs,"* ]]; then
-  timeout 240 python3 -m pytest -q -rfE -m "gpu or not gpu" tests/test_tree_attention.py -p no:cacheprovider \
-    -k "hopper or part_after" > "$dest/pairs_tests.log" 2>&1
-  tail -n 3 "$dest/pairs_tests.log"
-  grep -q " passed" "$dest/pairs_tests.log" && ! grep -q " failed" "$dest/pairs_tests.log" || exit 1
-  timeout 150 python3 benchmarks/bench_hopper_prefix.py --trees 48,69,96 --forms "default,unpaired" \
-    --shapes 32x8x128@32768,32x8x128@131072 2>&1 | grep "M=" | tee "$dest/pairs_forms.log"
 fi
 if [[ ",$parts," == *",profile,"* ]]; then
   timeout 240 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 --attention triton \

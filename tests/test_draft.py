@@ -437,3 +437,43 @@ def test_the_merged_lookup_chain_follows_the_beams_own_pick_of_its_token():
         hybrid = Agrees()
         hybrid.lookup = PromptLookup()
         assert accepted(hybrid, TreeSpec.parse(tree)) == pytest.approx(chain, abs=0.15)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_held_transposed_compute_the_same(tiny_model_factory, tied):
+    """As ``load_target`` and ``load_draft`` hold them on CUDA (here on a CPU): every product's
+    weight [N, K] with strides (1, K), the fused layers still views of their one weight (the
+    target still ``fused``), a head tied to the embedding left as stored; a second call changes
+    nothing; the same logits as the weights as stored, and greedy speculative output (the draft's
+    reduced head too) equal to plain decoding's."""
+    from longspec.models.layers import hold_transposed
+
+    _, path = tiny_model_factory(f"transposed-{tied}", "llama", None, max_position_embeddings=256, seed=11,
+                                 tie_word_embeddings=tied)
+    stored, target = load_target(path), load_target(path)
+    draft = noisy_draft(target, window=6)
+    draft.fuse_projections()
+    draft.limit_vocab(torch.arange(0, 160, 3))
+    hold_transposed(target)
+    hold_transposed(draft)
+    head = target.lm_head.weight
+    assert (head is target.model.embed_tokens.weight and head.is_contiguous()) if tied else head.stride(0) == 1
+    linears = [m for model in (target, draft) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not target.lm_head]
+    assert len(linears) > 10 and all(m.weight.stride(0) == 1 for m in linears)
+    assert target.fused and draft.reduced_head().stride(0) == (1 if not tied else draft.reduced_head().shape[1])
+    attn = target.model.layers[0].self_attn
+    rows_bytes = attn.q_proj.weight.shape[0] * attn._fused[0].element_size()  # k's rows after q's: a column's
+    assert attn.k_proj.weight.data_ptr() == attn._fused[0].data_ptr() + rows_bytes
+    pointers = [p.data_ptr() for p in target.parameters()]
+    hold_transposed(target)
+    assert [p.data_ptr() for p in target.parameters()] == pointers
+    ids = torch.randint(0, 160, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = [m.prefill(ids, torch.tensor([9, 6]), m.new_cache(2, 16)) for m in (target, stored)]
+    assert torch.allclose(*logits, atol=1e-5)
+    prompts = prompts_for(2, seed=4)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    expected = Generator(target).generate(prompts, config).sequences
+    for tree in ("4,16,16", "chain:3"):
+        assert Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config).sequences \
+            == expected

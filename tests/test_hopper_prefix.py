@@ -39,8 +39,7 @@ def compile_for_hopper(paged: bool, d: int, block_size: int, consumers=None, pin
     args = dict(Q=q, KD=kd, VD=kd, LEN=torch.zeros(1, dtype=torch.int64), TBL=torch.zeros(1, 64, dtype=torch.int32),
                 OP=op, LP=lp, sq_b=q.stride(0), sq_h=q.stride(1), sq_m=q.stride(2), stbl_b=64, so_b=op.stride(0),
                 so_h=op.stride(1), so_s=op.stride(2), so_r=op.stride(3), sl_b=lp.stride(0), sl_h=lp.stride(1),
-                sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, N_TILES=3, PAIRED=1,
-                CAP=s, BS=block_size or 1, S_ROWS=s,
+                sl_s=lp.stride(2), HKV=hkv, M=m, G=g, N_SPLITS=4, CAP=s, BS=block_size or 1, S_ROWS=s,
                 qk_scale=0.1)
     hopper_prefix.PINGPONG_THREE = pingpong  # (this process only: the test runs it in one of its own)
     n = hopper_prefix.consumers(g * m, d) if consumers is None else consumers
@@ -78,10 +77,9 @@ def test_where_the_kernel_applies():
     assert hopper_prefix._piece(64) == 64 and hopper_prefix._piece(192) == 64
 
 
-def test_split_plan_gives_every_tile_of_a_head_the_same_chunks(monkeypatch):
-    """Unpaired (a 69-node tree x 4 heads of 8 KV heads: 2 full tiles + 20 rows, 3 tiles, on 132
-    multiprocessors): up to WAVES waves of programs, chunks of MIN_BLOCKS key blocks or more."""
-    monkeypatch.setattr(hopper_prefix, "PAIR_LAST", False)
+def test_split_plan_gives_every_tile_of_a_head_the_same_chunks():
+    """A 69-node tree x 4 heads of 8 KV heads (2 full tiles + 20 rows: 3 tiles) on 132
+    multiprocessors: up to WAVES waves of programs, chunks of MIN_BLOCKS key blocks or more."""
     plan = hopper_prefix.split_plan
     assert plan(276, 8, 132, 1 << 17, 128) == 132 * hopper_prefix.WAVES // 24  # 16 at 3 waves
     assert plan(256, 8, 132, 1 << 17, 128) == min(1024 // hopper_prefix.MIN_BLOCKS, 132 * hopper_prefix.WAVES // 16)
@@ -89,27 +87,6 @@ def test_split_plan_gives_every_tile_of_a_head_the_same_chunks(monkeypatch):
     assert plan(276, 8, 132, 256, 128) == 1  # at least one program a tile
     tiles = 2 if hopper_prefix.THREE_CONSUMERS else 3  # heads of 64: 2 tiles of 192 rows, or 3 of 128
     assert plan(276, 8, 132, 1 << 20, 64) == 132 * hopper_prefix.WAVES // (8 * tiles)
-    assert hopper_prefix.programs_of(5, 276, 8, 128) == 120
-
-
-def test_a_last_tile_of_one_consumers_rows_takes_two_chunks_a_program():
-    """Paired: 20 rows after two full tiles (69 nodes at heads of 128) or 64 after one (48 nodes),
-    not 84 after one tile of three consumers at heads of 64 (two consumers live), not full tiles.
-    The plan is the least waves x blocks a chunk, against every chunk count it may take."""
-    paired, plan, programs_of = hopper_prefix.paired, hopper_prefix.split_plan, hopper_prefix.programs_of
-    assert paired(276, 128) and paired(192, 128) and not paired(256, 128) and not paired(384, 128)
-    assert paired(276, 64) == (not hopper_prefix.THREE_CONSUMERS)
-    assert programs_of(6, 276, 8, 128) == 8 * (2 * 6 + 3) and programs_of(5, 276, 8, 128) == 8 * (2 * 5 + 3)
-    assert plan(276, 8, 132, 32768, 128) == 6  # 120 programs: one wave of 43 blocks (unpaired: 5 of 52)
-    assert plan(276, 8, 132, 1 << 17, 128) == 13  # 264: two waves of 79 blocks
-    for rows in (140, 192, 276, 400):
-        for heads in range(1, 40):
-            for capacity in (4096, 8192, 1 << 15, 1 << 17, 1 << 20):
-                blocks, limit = capacity // hopper_prefix.BLOCK_N, 132 * hopper_prefix.WAVES
-                allowed = [n for n in range(1, blocks // hopper_prefix.PAIRED_MIN_BLOCKS + 1)
-                           if programs_of(n, rows, heads, 128) <= limit] or [1]
-                best = min(allowed, key=lambda n: (-(-programs_of(n, rows, heads, 128) // 132) * -(-blocks // n), n))
-                assert plan(rows, heads, 132, capacity, 128) == best, (rows, heads, capacity)
 
 
 def test_the_kernel_pays_at_heads_of_128_from_three_row_tiles_of_128_on():

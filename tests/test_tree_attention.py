@@ -354,30 +354,6 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("splits", [5, 6])
-@pytest.mark.parametrize("block", [0, 64])
-def test_hopper_last_tile_takes_two_chunks_a_program_on_gpu(monkeypatch, splits, block):
-    """The last row tile's 20 rows (69 nodes x 4 heads of 128) in programs of two chunks, a block
-    of each in turn, against the reference: an odd and an even number of chunks, rows whose last
-    pair's second chunk is shorter (5,000 keys: 39 whole blocks, chunks of 8 or 7), missing (700
-    keys: 5 blocks in chunks of one) or both empty (3 keys), dense or through a table."""
-    from longspec.attention import hopper_prefix
-
-    q = torch.empty(1, 32, 69, 128, dtype=torch.bfloat16, device="cuda")
-    if not hopper_prefix.applies(q, q, q, 4 * 69, block):
-        pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
-    assert hopper_prefix.paired(4 * 69, 128)
-    monkeypatch.setattr(hopper_prefix, "split_plan", lambda *args: splits)
-    lengths, cap = [5000, 700, 3, 4000], 5120 + 256
-    table = None
-    if block:
-        table = torch.randperm(4 * cap // block, generator=torch.Generator().manual_seed(2)).view(4, cap // block)
-    check(lengths, 69, 32, 8, 128, torch.bfloat16, "cuda", capacity=cap, table=table, block=block or 64,
-          config=KernelConfig(hopper=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_the_hopper_path_replays_in_a_cuda_graph():
     """The Hopper kernel, the Triton kernel's part after its whole blocks and the merge, captured
     in a CUDA graph and replayed over new inputs copied into the captured ones (a shorter row: a

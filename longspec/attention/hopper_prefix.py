@@ -46,31 +46,23 @@ PINGPONG = True  # the consumers' products alternate
 OVERLAP = True  # a block's softmax runs while the previous block's p.v does
 WAVES = 3  # programs of a launch, at most, in multiprocessors (the tiles' splits finish unevenly)
 MIN_BLOCKS = 48  # key blocks a program streams, at least (fewer: the merge of more parts costs more)
-PAIR_LAST = True  # a last row tile of one consumer's rows: a program takes two splits (paired)
-PAIRED_MIN_BLOCKS = 32  # key blocks a chunk, at least, where paired
 MIN_KEYS = 32768  # a cache's capacity from which the kernel serves a tree by default (as measured)
 
 if gluon is not None:
 
     @gluon.jit
-    def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, n_second, per,
+    def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks,
                  PAGED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The producer warp: K and V of key blocks ``first ..`` into the ring, ``n_blocks`` of them,
+        """The producer warp: K and V of key blocks ``first .. first + n_blocks - 1`` into the ring,
         in pieces of the descriptors' rows (a pool block's or a whole key block's), each piece's
-        pool slot through the block table where PAGED (a piece never crosses a pool block). A
-        paired program's blocks (``n_second`` > 0) are two splits' chunks, ``first ..`` and
-        ``first + per ..``, a block of each in turn while both last (so it reads each block about
-        when the full tiles' programs of both splits do: one read from memory, the rest from L2)."""
+        pool slot through the block table where PAGED (a piece never crosses a pool block)."""
         PIECE: gl.constexpr = KD.block_type.shape[0]
         for j in range(n_blocks):
             s = j % STAGES
-            block = first + j - n_second
-            if j < 2 * n_second:
-                block = first + j // 2 + (j % 2) * per
             mbarrier.wait(empty.index(s), (j // STAGES & 1) ^ 1)  # the consumers freed the stage
             mbarrier.expect(ready.index(s), (KD.block_type.nbytes + VD.block_type.nbytes) * (BLOCK_N // PIECE))
             for piece in gl.static_range(BLOCK_N // PIECE):
-                n = block * BLOCK_N + piece * PIECE
+                n = (first + j) * BLOCK_N + piece * PIECE
                 if PAGED:
                     slot = gl.load(TBL + b * stbl_b + n // BS).to(gl.int32) * BS + n % BS
                 else:
@@ -107,23 +99,17 @@ if gluon is not None:
 
     @gluon.jit
     def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
-                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, WG: gl.constexpr,
+                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                  PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A consumer warpgroup: packed rows ``row0 + WG * ROWS ..`` (row = g * M + i) over the
-        ring's key blocks, then its partial output and LSE into part ``split`` (``blank``, a
-        paired program's: LSE -inf into part ``split + 1``, which no program computes for these
-        rows); one without rows (a tree's last tile) only keeps the turns and frees the stages."""
+        ring's key blocks, then its partial output and LSE; one without rows (a tree's last
+        tile) only keeps the turns and frees the stages."""
         first = row0 + WG * ROWS
         if first < G * M:
             _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks,
                     sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N,
                     HEAD_D, STAGES, PINGPONG, OVERLAP)
-            if blank != 0:
-                row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-                rows = first + gl.arange(0, ROWS, row_layout)
-                gl.store(LP + b * sl_b + h * sl_h + (split + 1) * sl_s + rows,
-                         gl.full([ROWS], float("-inf"), gl.float32, row_layout), mask=rows < G * M)
         else:  # the waits and arrivals of _attend, in its order
             if n_blocks > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -213,31 +199,20 @@ if gluon is not None:
 
     @gluon.jit
     def _hopper_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                       sl_s, HKV, M, G, N_SPLITS, N_TILES, PAIRED, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
+                       sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        CONSUMERS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                        OVERLAP: gl.constexpr):
-        # program (unit, row x KV head): a (KV head, split)'s tiles are consecutive units, launched
-        # together, so the memory reads each K/V block once and the L2 cache serves the other tiles.
-        # PAIRED: the last tile's program p takes splits 2p and 2p + 1, between their full tiles'
-        # programs (:func:`paired`)
-        unit, pid = gl.program_id(0), gl.program_id(1)
+        tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
-        full = N_TILES - PAIRED  # tiles of a split's own programs
-        group = N_TILES + PAIRED * (N_TILES - 1)  # units of a split (unpaired) or of a pair of splits
-        r = unit % group
-        second = (r > full).to(gl.int32)  # a pair's second split's full tiles
-        tile = r - second * (full + 1)
-        split = (unit // group) * (1 + PAIRED) + second
-        pair = ((r == full) & (PAIRED != 0)).to(gl.int32)
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
-        # the row's whole key blocks, split evenly among the N_SPLITS chunks (a pair: two chunks)
+        # the row's whole key blocks, split evenly among the N_SPLITS programs of its tile: a (KV head,
+        # split)'s tiles stream the same blocks, launched together, so the memory reads K/V once and
+        # the L2 cache serves the other tiles
         n_all = length // BLOCK_N
         per = gl.cdiv(n_all, N_SPLITS)
         first = split * per
-        n_second = gl.maximum(gl.minimum(per, n_all - first - per), 0) * pair
-        n_blocks = gl.maximum(gl.minimum(per, n_all - first), 0) + n_second
-        blank = pair * (split + 1 < N_SPLITS).to(gl.int32)
+        n_blocks = gl.maximum(gl.minimum(per, n_all - first), 0)
         # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
         desc0 = ((b * HKV + h) * S_ROWS).to(gl.int32) if not PAGED else (h * S_ROWS).to(gl.int32)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty)
@@ -258,26 +233,26 @@ if gluon is not None:
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, 0, ROWS, BLOCK_N,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
                             HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, 1, ROWS, BLOCK_N,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
                             HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, 2, ROWS, BLOCK_N,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 2, ROWS, BLOCK_N,
                             HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, n_second, per, PAGED,
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                             BLOCK_N, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, 0, ROWS, BLOCK_N,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
                             HEAD_D, STAGES, PINGPONG, OVERLAP)),
                 (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, blank, 1, ROWS, BLOCK_N,
+                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
                             HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, n_second, per, PAGED,
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
                             BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -357,56 +332,22 @@ def _piece(block_size: int) -> int:
     return BLOCK_N if block_size == 0 or block_size % BLOCK_N == 0 else 64
 
 
-def paired(rows: int, head_dim: int) -> bool:
-    """Whether the last row tile's programs take two splits' key blocks each (PAIR_LAST): where
-    that tile's rows fit one consumer (a 69-node tree x 4 heads at heads of 128: 20 rows after two
-    tiles of 128), whose program then streams twice the blocks in about the time a full tile's
-    takes for one split, so the programs of a launch take about the same time."""
-    n, tiles = consumers(rows, head_dim), row_tiles(rows, head_dim)
-    return PAIR_LAST and tiles > 1 and rows - (tiles - 1) * n * ROWS <= ROWS
-
-
-def programs_of(splits: int, rows: int, heads: int, head_dim: int) -> int:
-    """Programs of a launch of ``splits`` chunks: a program a (row tile, split) of each of
-    ``heads`` (row, KV head) pairs, the last tile's in pairs of splits where :func:`paired`."""
-    tiles = row_tiles(rows, head_dim)
-    return heads * ((tiles - 1) * splits + -(-splits // 2) if paired(rows, head_dim) else tiles * splits)
-
-
 def split_plan(rows: int, heads: int, programs: int, capacity: int, head_dim: int) -> int:
-    """Splits of the key blocks (chunks) for ``rows`` packed rows of ``heads`` (row, KV head) pairs
-    over a cache of ``capacity`` keys: every tile of a pair takes the same chunks (they share each
-    block through the L2 cache). Unpaired: up to WAVES x ``programs`` in all (a tree's last tile of
-    a few rows, one live consumer, ends early: later waves fill its multiprocessors), and chunks
-    of at least MIN_BLOCKS key blocks. Paired (every program about as long): the least waves of
-    ``programs`` times the blocks a chunk, over chunks of at least PAIRED_MIN_BLOCKS blocks and
-    launches of up to WAVES waves (at 32k keys and 132 multiprocessors: 6 chunks, 120 programs in
-    one wave, where unpaired 5 fill it; at 128k 13 chunks, 264 programs in two)."""
+    """Programs per row tile (splits of the key blocks) for ``rows`` packed rows of ``heads`` (row,
+    KV head) pairs over a cache of ``capacity`` keys: every tile of a pair takes the same splits
+    (they share each block through the L2 cache), up to WAVES x ``programs`` in all (a tree's last
+    tile of a few rows, one live consumer, ends early: later waves fill its multiprocessors), and
+    chunks of at least MIN_BLOCKS key blocks."""
     tiles = row_tiles(rows, head_dim)
-    if not paired(rows, head_dim):
-        return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
-    return _paired_plan(heads, programs, capacity // BLOCK_N, tiles, PAIRED_MIN_BLOCKS, WAVES)
-
-
-@functools.lru_cache(maxsize=256)  # (a plan a launch, in eager steps a layer's)
-def _paired_plan(heads: int, programs: int, blocks: int, tiles: int, min_blocks: int, waves: int) -> int:
-    # n chunks make heads x ((tiles - 1) x n + ceil(n / 2)) programs: (2 tiles - 1) x n / 2 a head
-    # for even n, that + 1/2 for odd n; up to `waves` x programs
-    twice = 2 * (programs * waves // heads)
-    most = twice // (2 * tiles - 1)
-    most -= most % 2 and most * (2 * tiles - 1) + 1 > twice
-    most = min(blocks // min_blocks, most)
-    return min(range(1, max(1, most) + 1),
-               key=lambda n: (-(-heads * ((tiles - 1) * n + -(-n // 2)) // programs) * -(-blocks // n), n))
+    return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
 
 
 def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, qk_scale: float,
                  table=None, block_size: int = 0) -> None:
     """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
     parts, rows]: the rows' attention over the whole ``BLOCK_N``-key blocks of their prefix (keys
-    below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly into ``n_splits`` chunks, a program
-    per row tile and chunk (:func:`split_plan`; the last tile's per pair of chunks where
-    :func:`paired`). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer
+    below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly among ``n_splits`` programs per row
+    tile (:func:`split_plan`). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer
     [Hkv, P, D] read through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after
     the whole blocks and the tree part are the caller's (other parts)."""
     b, hq, m, d = q.shape
@@ -421,9 +362,7 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
     constants, launch_regs = launch_constants(d, consumers(g * m, d))
     tbl = table if paged else lengths
-    pair = paired(g * m, d)
-    _hopper_kernel[(programs_of(n_splits, g * m, 1, d), b * hkv)](
+    _hopper_kernel[(row_tiles(g * m, d), b * hkv, n_splits)](
         q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
-        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits,
-        row_tiles(g * m, d), int(pair), cap, block_size or 1, s_rows, qk_scale, PAGED=paged, **constants,
-        num_warps=4, maxnreg=launch_regs)
+        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
+        block_size or 1, s_rows, qk_scale, PAGED=paged, **constants, num_warps=4, maxnreg=launch_regs)

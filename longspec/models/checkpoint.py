@@ -15,6 +15,7 @@ from ..config import MULTIMODAL, ModelConfig
 from ..outdir import temp_prefix
 from ..parallel.sharding import Shard, shard_slice
 from .draft import DraftConfig, LongSpecDraft
+from .layers import hold_transposed
 from .target import TargetModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -158,9 +159,11 @@ def load_target(path: Union[str, Path], dtype: Union[str, torch.dtype] = torch.f
 
 def use_device_kernels(model: TargetModel) -> None:
     """On CUDA: the Triton tree-attention kernels (matmul, GQA-stacked products, where Triton or
-    the head size does not suit them) and compiled steps; elsewhere the defaults."""
+    the head size does not suit them), compiled steps and the weights held transposed
+    (:func:`~longspec.models.layers.hold_transposed`); elsewhere the defaults."""
     if model.device.type != "cuda":
         return
+    hold_transposed(model)
     d = model.config.head_dim
     fits = triton_kernels.available() and d >= 16 and not d & (d - 1)  # the kernels' head dims
     model.attention_impl = "triton" if fits else "matmul"
@@ -276,6 +279,8 @@ def load_draft(path: Union[str, Path], target, dtype: Optional[torch.dtype] = No
     load_state(draft, files, rename=rename)
     if fuse:
         draft.fuse_projections()
+        if draft.target.device.type == "cuda":
+            hold_transposed(draft)
     return draft.eval()
 
 

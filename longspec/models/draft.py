@@ -196,7 +196,8 @@ class LongSpecDraft(nn.Module):
         rows = self._head_rows
         source = (weight.data_ptr(), weight.dtype, weight.device)  # where the rows were copied from
         if rows is None or rows[0] is not subset or (check and rows[2] != source):
-            self._head_rows = (subset, weight.detach()[subset].clone(), source)
+            copy = weight.detach()[subset]  # (row-major; a head held transposed: its rows so too)
+            self._head_rows = (subset, copy.t().contiguous().t() if weight.stride(0) == 1 else copy, source)
         return self._head_rows[1]
 
     def _qkv(self, x, positions):

@@ -81,6 +81,33 @@ def fuse_linears(linears: list) -> tuple:
     return weight, bias
 
 
+def hold_transposed(model: nn.Module) -> None:
+    """Stores every linear layer's weight [N, K] of ``model`` as its transpose's rows ([K, N]
+    contiguous, strides (1, K)): the same values and shape, so ``F.linear`` hands cuBLAS a
+    row-major [K, N] operand, the form it runs faster over a decode or verify step's few rows
+    (docs/benchmarks.md, "The products in other forms"). A fused product's layers
+    (:func:`fuse_linears`) stay views of its one weight; a weight shared with an embedding (a tied
+    head) stays as it is (a row lookup would read it strided). For inference on CUDA, after
+    fusing; a second call changes nothing."""
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    with torch.no_grad():
+        for module in model.modules():
+            fused = getattr(module, "_fused", None)
+            if fused is None or fused[0].stride(0) == 1:
+                continue
+            weight, rows = fused[0].t().contiguous().t(), fused[0].stride(0)
+            for m in module.children():  # the fused layers: views of fused[0], at their first row
+                if isinstance(m, nn.Linear) and m.weight.untyped_storage().data_ptr() == \
+                        fused[0].untyped_storage().data_ptr():
+                    start = (m.weight.data_ptr() - fused[0].data_ptr()) // (m.weight.element_size() * rows)
+                    m.weight.data = weight[start:start + m.weight.shape[0]]
+            module._fused = (weight, fused[1])
+        for module in model.modules():
+            w = module.weight if isinstance(module, nn.Linear) else None
+            if w is not None and w.dim() == 2 and w.is_contiguous() and w.data_ptr() not in embeddings:
+                w.data = w.data.t().contiguous().t()
+
+
 def fused_linear(x: torch.Tensor, linears: list, fused: Optional[tuple]):
     """``[m(x) for m in linears]`` in one product when ``fused`` (from :func:`fuse_linears`) still
     holds the layers' parameters and no gradient is needed: then one tensor [..., sum of outputs]
