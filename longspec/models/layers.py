@@ -87,15 +87,25 @@ def hold_transposed(model: nn.Module) -> None:
     row-major [K, N] operand, the form it runs faster over a decode or verify step's few rows
     (docs/benchmarks.md, "The products in other forms"). A fused product's layers
     (:func:`fuse_linears`) stay views of its one weight; a weight shared with an embedding (a tied
-    head) stays as it is (a row lookup would read it strided). For inference on CUDA, after
-    fusing; a second call changes nothing."""
+    head) stays as it is (a row lookup would read it strided), and so does a weight with no room
+    on its device for the copy each takes in turn. For inference on CUDA, after fusing; a second
+    call changes nothing."""
     embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    def transposed(w: torch.Tensor) -> torch.Tensor:
+        try:
+            return w.t().contiguous().t()
+        except torch.cuda.OutOfMemoryError:
+            return w
+
     with torch.no_grad():
         for module in model.modules():
             fused = getattr(module, "_fused", None)
             if fused is None or fused[0].stride(0) == 1:
                 continue
-            weight, rows = fused[0].t().contiguous().t(), fused[0].stride(0)
+            weight, rows = transposed(fused[0]), fused[0].stride(0)
+            if weight is fused[0]:
+                continue
             for m in module.children():  # the fused layers: views of fused[0], at their first row
                 if isinstance(m, nn.Linear) and m.weight.untyped_storage().data_ptr() == \
                         fused[0].untyped_storage().data_ptr():
@@ -105,7 +115,7 @@ def hold_transposed(model: nn.Module) -> None:
         for module in model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is not None and w.dim() == 2 and w.is_contiguous() and w.data_ptr() not in embeddings:
-                w.data = w.data.t().contiguous().t()
+                w.data = transposed(w.data)
 
 
 def fused_linear(x: torch.Tensor, linears: list, fused: Optional[tuple]):
