@@ -49,6 +49,16 @@ def prompts_for(batch, seed):
     return [torch.randint(0, 160, (10 + 7 * i,), generator=gen).tolist() for i in range(batch)]
 
 
+def assert_greedy_lossless(target, draft, trees, seed: int) -> None:
+    """Greedy speculative output with ``draft`` equals plain decoding's on two prompts, each tree."""
+    prompts = prompts_for(2, seed=seed)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    expected = Generator(target).generate(prompts, config).sequences
+    for tree in trees:
+        assert Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config).sequences \
+            == expected
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("tree", ["chain:4", "[[0],[1],[0,0],[0,1],[0,0,0]]", "3,4,4"])
 @pytest.mark.parametrize("name", ["llama", "qwen2-mha", "llama-yarn", "llama-dynamic"])
@@ -258,12 +268,7 @@ def test_reduced_draft_vocabulary(targets, tmp_path):
     others = torch.ones(target.config.vocab_size, dtype=torch.bool)
     others[keep] = False
     assert torch.isinf(reduced[..., others]).all() and torch.equal(draft.logits(hidden), full)
-    prompts = prompts_for(2, seed=3)
-    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
-    expected = Generator(target).generate(prompts, config).sequences
-    for tree in ("4,16,16,16,16", "chain:3"):
-        assert Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config).sequences \
-            == expected
+    assert_greedy_lossless(target, draft, ("4,16,16,16,16", "chain:3"), seed=3)
     save_draft(draft, tmp_path / "small")
     loaded = load_draft(tmp_path / "small", target)
     assert loaded.config.draft_vocab == 6 and torch.equal(loaded.vocab_subset, keep)
@@ -471,9 +476,4 @@ def test_weights_held_transposed_compute_the_same(tiny_model_factory, tied):
     ids = torch.randint(0, 160, (2, 9), generator=torch.Generator().manual_seed(0))
     logits = [m.prefill(ids, torch.tensor([9, 6]), m.new_cache(2, 16)) for m in (target, stored)]
     assert torch.allclose(*logits, atol=1e-5)
-    prompts = prompts_for(2, seed=4)
-    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
-    expected = Generator(target).generate(prompts, config).sequences
-    for tree in ("4,16,16", "chain:3"):
-        assert Generator(target, proposer=LongSpecProposer(draft), tree=tree).generate(prompts, config).sequences \
-            == expected
+    assert_greedy_lossless(target, draft, ("4,16,16", "chain:3"), seed=4)
