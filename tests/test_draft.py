@@ -477,3 +477,31 @@ def test_weights_held_transposed_compute_the_same(tiny_model_factory, tied):
     logits = [m.prefill(ids, torch.tensor([9, 6]), m.new_cache(2, 16)) for m in (target, stored)]
     assert torch.allclose(*logits, atol=1e-5)
     assert_greedy_lossless(target, draft, ("4,16,16", "chain:3"), seed=4)
+
+
+def test_a_weight_with_no_room_for_its_copy_stays_as_stored(tiny_model_factory, monkeypatch):
+    """``hold_transposed`` copies a weight at a time; where a copy finds no memory (here: the
+    untied head's and the layers' fused q/k/v) that weight stays as stored, the fused layers still
+    views of it, and the model computes as before."""
+    from longspec.models.layers import hold_transposed
+
+    _, path = tiny_model_factory("transposed-False", "llama", None, max_position_embeddings=256, seed=11,
+                                 tie_word_embeddings=False)
+    stored, target = load_target(path), load_target(path)
+    attn = target.model.layers[0].self_attn
+    full = {target.lm_head.weight.shape, attn._fused[0].shape}
+    real = torch.Tensor.contiguous
+
+    def contiguous(t, *args, **kwargs):
+        if tuple(t.t().shape) in full:  # (the transpose of a weight of those shapes)
+            raise torch.cuda.OutOfMemoryError("no room")
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
+    hold_transposed(target)
+    monkeypatch.undo()
+    assert target.lm_head.weight.is_contiguous() and attn._fused[0].is_contiguous() and target.fused
+    assert attn.o_proj.weight.stride(0) == 1 and target.model.layers[1].mlp.gate_proj.weight.stride(0) == 1
+    ids = torch.randint(0, 160, (1, 7), generator=torch.Generator().manual_seed(1))
+    logits = [m.prefill(ids, torch.tensor([7]), m.new_cache(1, 16)) for m in (target, stored)]
+    assert torch.allclose(*logits, atol=1e-5)

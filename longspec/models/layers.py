@@ -98,9 +98,12 @@ def hold_transposed(model: nn.Module) -> None:
         except torch.cuda.OutOfMemoryError:
             return w
 
+    fused_weights = set()  # (storages of fused weights: their layers' views never move alone)
     with torch.no_grad():
         for module in model.modules():
             fused = getattr(module, "_fused", None)
+            if fused is not None:
+                fused_weights.add(fused[0].untyped_storage().data_ptr())
             if fused is None or fused[0].stride(0) == 1:
                 continue
             weight, rows = transposed(fused[0]), fused[0].stride(0)
@@ -114,7 +117,8 @@ def hold_transposed(model: nn.Module) -> None:
             module._fused = (weight, fused[1])
         for module in model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
-            if w is not None and w.dim() == 2 and w.is_contiguous() and w.data_ptr() not in embeddings:
+            if (w is not None and w.dim() == 2 and w.is_contiguous() and w.data_ptr() not in embeddings
+                    and w.untyped_storage().data_ptr() not in fused_weights):
                 w.data = transposed(w.data)
 
 
