@@ -469,23 +469,37 @@ def test_select_top_on_cuda_is_topk(shape, k, biased):
     assert torch.equal(scores.gather(1, out[1]), out[0])
 
 
-def exact_nucleus(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """scores [R, V] -> [R, V] bool: what top-k then top-p keep, in float64 (a token is kept iff
-    it is within the k largest, ties kept, and the mass above it is below p)."""
+def exact_nucleus(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor):
+    """scores [R, V] -> ([R, V] bool, [R, V] float64): what top-k then top-p keep, in float64 (a
+    token is kept iff it is within the k largest, ties kept, and the mass above it is below p),
+    and each token's mass above it."""
     s = scores.double()
     vocab = s.shape[-1]
     kth = s.sort(-1, descending=True).values.gather(-1, (k.clamp(1, vocab) - 1)[:, None])
     s = s.masked_fill(((k > 0) & (k < vocab))[:, None] & (s < kth), float("-inf"))
     probs, order = s.softmax(-1).sort(-1, descending=True)
     above = probs.cumsum(-1) - probs
-    return torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, (above < p.double()[:, None]) & (probs > 0))
+    kept = torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, (above < p.double()[:, None]) & (probs > 0))
+    return kept, torch.empty_like(s).scatter(-1, order, above)
+
+
+def assert_nucleus(kept: torch.Tensor, scores: torch.Tensor, k, p) -> None:
+    """kept [R, V] bool == the float64 nucleus of scores [R, V], but for tokens at the cut: HF's
+    formula, which ours is, scans the probabilities in float32, about 1e-6 from float64 over
+    50k-260k tokens, about a token's probability at the cut there. Such a token falls on the
+    wrong side in a few rows; a cut off by one token would in all."""
+    exact, above = exact_nucleus(scores, k, p)
+    differ = kept != exact
+    assert not (differ & ((above - p.double()[:, None]).abs() > 1e-5)).any(), differ.sum(-1).nonzero().tolist()
+    assert differ.any(-1).float().mean() <= 0.125, differ.sum(-1).nonzero().tolist()
 
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
 def test_warping_on_cuda_keeps_the_exact_nucleus(vocab):
-    """Top-k / top-p on CUDA (two sorts of the vocabulary per row) keep exactly the tokens of the
-    float64 nucleus, for a tree's 74 rows of logits at several scales (p up to 0.999), eagerly
-    and in a graph; the warped distribution is the softmax over them."""
+    """Top-k / top-p on CUDA (two sorts of the vocabulary per row) keep the tokens of the float64
+    nucleus (but for a few rows' tokens at the cut), for a tree's 74 rows of logits at several
+    scales (p up to 0.999), eagerly and in a graph; the warped distribution is the softmax over
+    the tokens kept."""
     from longspec.spec import sampling
 
     gen = torch.Generator(device="cuda").manual_seed(vocab)
@@ -495,13 +509,12 @@ def test_warping_on_cuda_keeps_the_exact_nucleus(vocab):
         k, p = torch.full((74,), top_k, device="cuda"), torch.full((74,), top_p, device="cuda")
         scores = logits / 0.7
         kept = sampling._truncate_sorting(scores, k.view(-1, 1, 1), p.view(-1, 1, 1)).isfinite()[:, 0]
-        exact = exact_nucleus(scores[:, 0], k, p)
-        assert torch.equal(kept, exact), (scale, top_k, top_p, (kept != exact).sum(-1).nonzero().tolist())
+        assert_nucleus(kept, scores[:, 0], k, p)
         ours = sampling.warp_probs_rows(logits, t, k, p)[:, 0]
-        torch.testing.assert_close(ours, scores[:, 0].masked_fill(~exact, float("-inf")).softmax(-1), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(ours, scores[:, 0].masked_fill(~kept, float("-inf")).softmax(-1), atol=1e-6, rtol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = sampling._truncate_sorting(scores, k.view(-1, 1, 1), p.view(-1, 1, 1))
     scores.mul_(0.5)
     graph.replay()
-    assert torch.equal(out.isfinite()[:, 0], exact_nucleus(scores[:, 0], k, p))
+    assert_nucleus(out.isfinite()[:, 0], scores[:, 0], k, p)
