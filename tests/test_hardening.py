@@ -313,9 +313,10 @@ def test_captured_draws_change_nothing_compiled_code_is_guarded_on():
     captured = draw(x)  # the capture's run
     assert dict(counters["stats"]) == before
     u.row_generators = rows
-    u.refill()  # a replay: the seeded row's numbers come from its own generator
-    own = torch.Generator().manual_seed(7)
-    assert torch.equal(u.buffer[3:6], torch.rand(3, generator=own))
+    u.refill()  # a replay: the seeded row's numbers come from its own stream (its first round)
+    from longspec.spec.sampling import RowStream
+
+    assert torch.equal(u.buffer[3:6], RowStream(7).draw((3,), 0, "cpu"))
     assert not torch.equal(draw(x), captured)
 
 
@@ -345,7 +346,62 @@ def test_a_rows_own_generator_gives_it_the_same_numbers_in_any_batch(static):
         assert not torch.equal((view if static else u((batch, 3)))[row - first_row], out[0])
         return out
 
-    own = torch.Generator().manual_seed(7)
-    expected = [torch.rand(3, generator=own) for _ in range(3)]
+    from longspec.spec.sampling import RowStream
+
+    own = RowStream(7)
+    expected = [own.draw((3,), i, "cpu") for i in range(3)]  # its first draw of three rounds
+    assert not torch.equal(expected[0], expected[1])
     for batch, row, first_row in [(1, 0, 0), (4, 2, 0), (8, 7, 0), (2, 5, 4)]:
         assert all(torch.equal(a, b) for a, b in zip(rounds(batch, row, first_row), expected))
+
+
+def test_a_seeded_rows_numbers_do_not_depend_on_the_batchs_tree_or_idle_rounds():
+    """A seeded row's numbers at a tree node are the same whether the batch's round has one node
+    or four (another row's proposals), and rounds in which the row draws nothing (it waits) do
+    not move its stream: a seeded server request samples what it would alone (regression: the
+    row's generator drew as many numbers as the batch's tree had nodes, so its later samples
+    changed with its neighbours)."""
+    from longspec.spec.sampling import Uniforms
+
+    def numbers(nodes: list, idle: int) -> list:
+        u = Uniforms(torch.Generator().manual_seed(0), "cpu")
+        u.seed_row(1, 7)
+        out = [u((2,))[1].clone()]  # the prefill's sample
+        for _ in range(idle):
+            u.refill()  # rounds of other rows while this one waits (it draws nothing)
+        for n in nodes:
+            u.refill()
+            out.append(u((2, n))[1, 0].clone())  # the root's number (the walk's first)
+            out.append(u((2,))[1].clone())  # the bonus token's
+        return out
+
+    alone = numbers([1, 4, 1], idle=0)
+    assert all(torch.equal(a, b) for a, b in zip(alone, numbers([4, 4, 4], idle=2)))
+    assert len({float(x) for x in alone}) == len(alone)  # (fresh numbers every draw)
+
+
+def test_a_row_without_a_lookup_match_samples_as_its_plain_round_would():
+    """In a batch's chain round, a seeded row whose prompt lookup found nothing (its chain's
+    tokens arbitrary) draws the token its plain round would, alone on a CPU (the root alone):
+    its nodes are no proposal, never tried (before: an arbitrary token was tried, and on
+    rejection the sample came from the target's distribution without it)."""
+    from longspec.spec.draft_tree import DraftTree
+    from longspec.spec.sampling import Uniforms
+    from longspec.spec.verify import verify_sampling
+
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(1, 4, 12, generator=gen), -1)
+    chain = torch.arange(-1, 3)[None]
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None]
+    for seed in range(20):
+        tokens = probs[0, 0].argsort(descending=True)[:4][None]  # likely tokens: often taken if tried
+        valid = torch.tensor([[True, False, False, False]])
+        alone, batch = Uniforms(None, "cpu"), Uniforms(None, "cpu")
+        for u in (alone, batch):
+            u.seed_row(0, seed)
+            u.refill()
+        plain = verify_sampling(DraftTree(tokens[:, :1], chain[:, :1], torch.zeros(1, 1, dtype=torch.long),
+                                          mask[:, :1, :1], level_sizes=()), probs[:, :1], alone)
+        nothing = verify_sampling(DraftTree(tokens, chain, torch.arange(4)[None], mask, level_sizes=(1, 1, 1),
+                                            valid=valid), probs, batch)
+        assert int(nothing.num_accepted) == 0 and torch.equal(nothing.bonus_token, plain.bonus_token), seed

@@ -155,6 +155,24 @@ def test_prompt_lookup_takes_a_prompt_and_first_token_in_any_form(targets):
     assert lookup.history[1] == prompt[:9] + [8]
 
 
+def test_prompt_lookup_marks_a_row_that_found_nothing_as_proposing_nothing(targets):
+    """A CPU chain round in which one row's lookup matched and another's did not: the other's
+    (arbitrary) tokens are marked as no proposal, so verifying them samples what that row's plain
+    round would (its sample does not depend on whether a neighbour matched)."""
+    from longspec.spec.sampling import Uniforms
+
+    target = targets["llama"]
+    cache = target.new_cache(2, 64)
+    lookup = PromptLookup()
+    lookup.begin(target, cache, TreeSpec.chain(3), GenerationConfig(), Uniforms(None, target.device))
+    lookup.add(0, [5, 9, 13, 5, 9, 13, 5], 9)  # its tail "5 9" occurs before: a match
+    lookup.add(1, [20, 21, 22, 23, 24, 25, 26], 27)  # every token new: nothing
+    cache.lengths.fill_(8)
+    tree = lookup.propose(torch.tensor([9, 27]))
+    assert tree.num_nodes == 4 and tree.tokens[0, 1:].tolist() == [13, 5, 9]
+    assert tree.valid[0].all() and tree.valid[1].tolist() == [True, False, False, False]
+
+
 def test_tokens_per_s_counts_decoded_tokens_only(targets):
     out = Generator(targets["llama"]).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=1))
     assert out.stats["new_tokens"] == 1 and out.stats["tokens_per_s"] == 0

@@ -47,8 +47,9 @@ class DraftTree:
         without_replacement: siblings were drawn from ``q`` without replacement.
         level_sizes: number of nodes at depth ``1..D`` when known on the host (from the
             ``TreeSpec``); then ``depth`` and ``level_width`` need no device sync.
-        valid: optional ``[B, N]`` bool: sampled children that are real draws (siblings drawn
-            without replacement beyond the support of ``q`` are not, and are never tried).
+        valid: optional ``[B, N]`` bool: children that are real proposals (siblings drawn
+            without replacement beyond the support of ``q`` are not, nor a row's arbitrary
+            tokens where prompt lookup found nothing; sampled verification never tries them).
     """
 
     tokens: torch.Tensor

@@ -95,7 +95,13 @@ class PromptLookup(TreeDrafter):
         tokens = torch.cat([root[:, None], path], 1)
         parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
         mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
-        return DraftTree(tokens, parents, self.depths[:n].expand(b, -1), mask, level_sizes=spec.level_sizes[:n - 1])
+        # eagerly, a row whose lookup matched fewer than ``below`` tokens proposes nothing (its
+        # tokens are never tried): its sample is then the one the plain round it would run alone
+        # draws, whatever its neighbours matched (a seeded request's text)
+        proposes = matched >= (0 if root.is_cuda else below)
+        valid = proposes[:, None] | (torch.arange(n, device=root.device) == 0)[None, :]
+        return DraftTree(tokens, parents, self.depths[:n].expand(b, -1), mask, level_sizes=spec.level_sizes[:n - 1],
+                         valid=valid)
 
     def continuation(self, depth: int) -> tuple:
         """(matched [B]: how many tokens of each row's tail matched, 0 where none did; tokens [B,

@@ -193,6 +193,30 @@ def config_rows(config, n: int):
     return config.rows(n) if isinstance(config, RowSampling) else config
 
 
+ROW_DRAW = 1024  # numbers a seeded row's draw takes from its stream (it uses the first it needs)
+
+
+class RowStream:
+    """A seeded row's random numbers. Draw ``c`` of the row's round ``r`` (the draws between two
+    refills in which the row draws; its first, the prefill's sample) comes from a generator seeded
+    by (seed, r, c), whose first :data:`ROW_DRAW` numbers it takes, using as many as the draw's
+    shape needs. So the numbers at a tree node do not depend on how many nodes the batch's round
+    has (other rows' proposals make it longer), nor on rounds that run while the row waits: what a
+    seeded request samples does not depend on the requests beside it."""
+
+    def __init__(self, seed: int):
+        self.seed, self.round, self.call, self.refill = seed, 0, 0, -1
+
+    def draw(self, shape: tuple, refill: int, device) -> torch.Tensor:
+        if refill != self.refill:  # the row's first draw since the last refill: its next round
+            self.refill, self.round, self.call = refill, self.round + 1, 0
+        key = ((self.seed * 1_000_003 + self.round) * 1_000_033 + self.call) % (1 << 63)
+        self.call += 1
+        n = math.prod(shape)
+        numbers = torch.rand(max(n, ROW_DRAW), generator=torch.Generator(device=device).manual_seed(key), device=device)
+        return numbers[:n].view(shape)
+
+
 class Uniforms:
     """The uniform random numbers of a round, drawn from ``generator``. Eager (the default) each
     request draws fresh numbers. For CUDA graphs, ``make_static(count)`` turns it into views of
@@ -201,15 +225,17 @@ class Uniforms:
     Each set of captured graphs keeps (and puts back before replaying) the buffer it reads.
 
     Every draw's first dimension is the batch row (``first_row`` + its index). A row given its
-    own generator (``seed_row``: a seeded request of a server) takes its numbers from it, so what
-    it samples does not depend on the requests beside it; ``drop_row`` ends that when it leaves."""
+    own stream (``seed_row``: a seeded request of a server, :class:`RowStream`) takes its numbers
+    from it, so what it samples does not depend on the requests beside it; ``drop_row`` ends that
+    when it leaves."""
 
     def __init__(self, generator: Optional[torch.Generator], device):
         self.generator, self.device = generator, torch.device(device)
         self.buffer: Optional[torch.Tensor] = None
         self.used = 0
         self.first_row = 0  # the batch row of a draw's index 0
-        self.row_generators: dict = {}  # batch row -> its own torch.Generator
+        self.row_generators: dict = {}  # batch row -> its own RowStream
+        self.refills = 0  # rounds begun (a seeded row's stream counts the rounds it draws in)
         self._layouts: dict = {}  # id(buffer) -> {start: shape} of the draws a captured round reads
         # (start, shape) of this round's eager draws: a sizing run's become the layout of the buffer
         # ``make_static`` makes. Recorded on the eager path only: a captured round's (compiled) draws
@@ -218,8 +244,8 @@ class Uniforms:
         self._draws: list = []
 
     def seed_row(self, row: int, seed: int) -> None:
-        """From now on batch row ``row`` draws from its own generator, seeded with ``seed``."""
-        self.row_generators[row] = torch.Generator(device=self.device).manual_seed(seed)
+        """From now on batch row ``row`` draws from its own stream, seeded with ``seed``."""
+        self.row_generators[row] = RowStream(seed)
 
     def drop_row(self, row: int) -> None:
         """Batch row ``row`` draws from the shared generator again."""
@@ -237,11 +263,11 @@ class Uniforms:
         return self.buffer[start:start + n].view(shape)
 
     def _draw_rows(self, out: torch.Tensor, shape) -> None:
-        """Overwrites the numbers of the rows that have their own generator."""
-        for row, generator in self.row_generators.items():
+        """Overwrites the numbers of the rows that have their own stream."""
+        for row, stream in self.row_generators.items():
             b = row - self.first_row
             if shape and 0 <= b < shape[0]:
-                out[b] = torch.rand(tuple(shape[1:]), generator=generator, device=self.device)
+                out[b] = stream.draw(tuple(shape[1:]), self.refills, self.device)
 
     def make_static(self, count: int) -> None:
         """Switches to a new buffer of ``count`` numbers (the one a capture's graphs will read),
@@ -259,6 +285,7 @@ class Uniforms:
 
     def refill(self) -> None:
         """Starts a round: new numbers in the buffer (static) or a new count (eager)."""
+        self.refills += 1
         if self.buffer is not None:
             self.buffer.uniform_(0.0, 1.0, generator=self.generator)
             if self.row_generators:

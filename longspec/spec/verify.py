@@ -180,6 +180,8 @@ def _verify_deterministic_children(tree: DraftTree, target_probs: torch.Tensor, 
     earlier = torch.ones(n, n, dtype=torch.bool, device=tree.tokens.device).tril(-1)
     dup = ((tree.parents[:, :, None] == tree.parents[:, None, :]) & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
            & earlier).any(-1)
+    if tree.valid is not None:  # nodes that are no proposal (a row with nothing to propose): never taken
+        dup = dup | ~tree.valid
     tree = DraftTree(tree.tokens.masked_fill(dup, -1), tree.parents, tree.depths, tree.mask,
                      level_sizes=tree.level_sizes)
     walk = verify_greedy(tree, _child_choices(tree, target_probs, generator), tokens_given=True)
