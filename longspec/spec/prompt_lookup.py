@@ -97,9 +97,11 @@ class PromptLookup(TreeDrafter):
         mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
         # eagerly, a row whose lookup matched fewer than ``below`` tokens proposes nothing (its
         # tokens are never tried): its sample is then the one the plain round it would run alone
-        # draws, whatever its neighbours matched (a seeded request's text)
-        proposes = matched >= (0 if root.is_cuda else below)
-        valid = proposes[:, None] | (torch.arange(n, device=root.device) == 0)[None, :]
+        # draws, whatever its neighbours matched (a seeded request's text). On CUDA every row
+        # runs chains, alone too: every node is tried (no mask to build a round)
+        valid = None
+        if not root.is_cuda:
+            valid = (matched >= below)[:, None] | (torch.arange(n, device=root.device) == 0)[None, :]
         return DraftTree(tokens, parents, self.depths[:n].expand(b, -1), mask, level_sizes=spec.level_sizes[:n - 1],
                          valid=valid)
 
