@@ -88,20 +88,21 @@ class PromptLookup(TreeDrafter):
             return super().propose(root)
         b, n = root.shape[0], spec.num_nodes
         matched, path = self.continuation(spec.depth)
-        # (a CPU: no graphs, no wait; rows with nothing cached are free rows riding along in the bucket)
-        below = min(self.decode_below, self.max_ngram)
-        if not root.is_cuda and not bool(((matched >= below) & (self.cache.lengths > 0)).any()):
-            n, path = 1, path[:, :0]
+        # On a CPU (no graphs, no wait) a chain round runs only where some row found a match (rows
+        # with nothing cached are free rows riding along in the bucket), and a row whose lookup
+        # matched fewer than ``decode_below`` tokens (at most ``max_ngram``) proposes nothing (its
+        # tokens are never tried): its sample is then the one the plain round it would run alone
+        # draws, whatever its neighbours matched (a seeded request's text). On CUDA every row runs
+        # chains, alone too: every node is tried (no mask to build a round)
+        valid = None
+        if not root.is_cuda:
+            found = matched >= min(self.decode_below, self.max_ngram)
+            if not bool((found & (self.cache.lengths > 0)).any()):
+                n, path = 1, path[:, :0]
+            valid = found[:, None] | (torch.arange(n, device=root.device) == 0)[None, :]
         tokens = torch.cat([root[:, None], path], 1)
         parents = torch.arange(-1, n - 1, device=root.device).expand(b, -1).contiguous()
         mask = torch.ones(n, n, dtype=torch.bool, device=root.device).tril().expand(b, -1, -1).contiguous()
-        # eagerly, a row whose lookup matched fewer than ``below`` tokens proposes nothing (its
-        # tokens are never tried): its sample is then the one the plain round it would run alone
-        # draws, whatever its neighbours matched (a seeded request's text). On CUDA every row
-        # runs chains, alone too: every node is tried (no mask to build a round)
-        valid = None
-        if not root.is_cuda:
-            valid = (matched >= below)[:, None] | (torch.arange(n, device=root.device) == 0)[None, :]
         return DraftTree(tokens, parents, self.depths[:n].expand(b, -1), mask, level_sizes=spec.level_sizes[:n - 1],
                          valid=valid)
 
