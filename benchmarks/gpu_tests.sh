@@ -8,16 +8,22 @@
 #   3: auto's, the compiled causal attention, top-k / top-p, the prefix cache;
 #   4: past 2^31 cache elements and 256k tokens, the tree attention's kernels.
 # Each part's slowest tests are listed at its end (--durations), and a part past its time limit
-# (--limit seconds, default 570) still prints its summary.
-#   bash benchmarks/gpu_tests.sh [--out DIR] [--part N] [--limit S]
+# (--limit seconds, default 570) still prints its summary. --workers N runs a part's tests in N
+# processes on the one GPU (pytest-xdist; most of a test's time is compiling, on the host's CPUs).
+#   bash benchmarks/gpu_tests.sh [--out DIR] [--part N] [--limit S] [--workers N]
 # Logs in DIR: gpu_tests_a.log, gpu_tests_b.log (gpu_tests_partN.log for a part).
 set -uo pipefail
-KNOWN="part limit"
+KNOWN="part limit workers"
 part=""
 limit=570
+workers=1
 source "$(dirname "$0")/_args.sh"
 parse_args "$@"
-pytest_gpu() { timeout -s INT "$limit" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=10 "$@"; }
+pytest_gpu() {
+  local spread=()
+  [ "$workers" -gt 1 ] && spread=(-n "$workers")
+  timeout -s INT "$limit" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=10 "${spread[@]}" "$@"
+}
 if [ -n "$part" ]; then
   case $part in
     1) pytest_gpu tests/test_gpu.py -k "parity or lossless or second_gpu or compiled_steps or sampling_with or host_sync" ;;
