@@ -15,16 +15,16 @@
 #     of 128 rows at heads of 128, this kernel's consumers of 64): the prefix part alone at the 8B
 #     shape and at heads of 64 over 1M keys, the 1B-shaped target's verify steps at 1M keys, and
 #     cuDNN's rate at heads of 128 for 16k queries over 128k keys (a long prefill's chunk).
-#   split: the Triton kernel's tail and tree part, a key block a program: the Hopper kernel's tests
-#     and that part's, where that part's time goes (diagnose_tail.py at 32k and 128k), the tree
+#   tail: the kernel's masked blocks (the keys after a row's whole blocks, then the tree's): its
+#     tests and the launch's on the GPU and its compiled forms' (stop at a failure), the tree
 #     attention at the 8B shape (32k, 128k) and heads of 64 over 1M keys, the 8B and 1B steps.
 #   profile: the kernels of the 1B-shaped target's eager decode and verify steps at 1M keys with
 #     it (bench_steps.py --profile): where a 69-node verify's time goes at heads of 64.
 #   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log,
-# hopper_by_tree_size.log, steps_1b_1m_by_tree.log, tail_split_tests.log, tail_split_diagnosis.log,
-# tail_split_forms.log, tail_split_steps.log.
+# hopper_by_tree_size.log, steps_1b_1m_by_tree.log, tail_in_kernel_tests.log,
+# tail_in_kernel_forms.log, tail_in_kernel_steps.log.
 set -uo pipefail
 KNOWN="forms parts"
 forms="default,two consumers,three free"
@@ -86,23 +86,19 @@ if [[ ",$parts," == *",sizes,"* ]]; then
   timeout 120 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 14,45,64,69 \
     --attention triton --compile on --no-prefill 2>&1 | grep -v "$quiet" | tee "$dest/steps_1b_1m_by_tree.log"
 fi
-if [[ ",$parts," == *",split,"* ]]; then
-  timeout 200 python3 -m pytest -q -rfE -m "gpu or not gpu" tests/test_tree_attention.py -p no:cacheprovider \
-    -k "hopper or part_after" > "$dest/tail_split_tests.log" 2>&1
-  tail -n 3 "$dest/tail_split_tests.log"
-  grep -q " passed" "$dest/tail_split_tests.log" && ! grep -q " failed" "$dest/tail_split_tests.log" || exit 1
-  for c in 32768 131072; do
-    echo "== context $c"
-    timeout 100 python3 benchmarks/diagnose_tail.py --context $c 2>&1 | grep " us$"
-  done | tee "$dest/tail_split_diagnosis.log"
-  timeout 90 python3 benchmarks/bench_hopper_prefix.py --trees 69 --forms default \
-    --shapes 32x8x128@32768,32x8x128@131072,32x8x64@1048576 2>&1 | grep "M=" | tee "$dest/tail_split_forms.log"
+if [[ ",$parts," == *",tail,"* ]]; then
+  timeout 240 python3 -m pytest -q -rfE -m "gpu or not gpu" tests/test_tree_attention.py tests/test_hopper_prefix.py \
+    -p no:cacheprovider -k "hopper or merges_its_parts" > "$dest/tail_in_kernel_tests.log" 2>&1
+  tail -n 3 "$dest/tail_in_kernel_tests.log"
+  grep -q " passed" "$dest/tail_in_kernel_tests.log" && ! grep -q " failed" "$dest/tail_in_kernel_tests.log" || exit 1
+  timeout 90 python3 benchmarks/bench_hopper_prefix.py --trees 69,96 --forms default \
+    --shapes 32x8x128@32768,32x8x128@131072,32x8x64@1048576 2>&1 | grep "M=" | tee "$dest/tail_in_kernel_forms.log"
   {
     timeout 90 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \
       --attention triton --compile on --no-prefill 2>&1 | grep -v "$quiet"
     timeout 90 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 \
       --attention triton --compile on --no-prefill 2>&1 | grep -v "$quiet"
-  } | tee "$dest/tail_split_steps.log"
+  } | tee "$dest/tail_in_kernel_steps.log"
 fi
 if [[ ",$parts," == *",profile,"* ]]; then
   timeout 240 python3 benchmarks/bench_steps.py --shape llama-1b --contexts 1048576 --trees 69 --attention triton \

@@ -325,9 +325,11 @@ def test_kernel_options_bfloat16_on_gpu(config):
 @pytest.mark.parametrize("block", [0, 64, 256])
 def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block):
     """A tree of 69 nodes x 4 query heads a KV head (276 rows: the warp-specialized Hopper kernel
-    takes the prefix's whole 128-key blocks, the Triton kernel the rest) against the reference:
-    rows with a ragged end, one shorter than a key block, an empty one, one of whole blocks, dense
-    or through a shuffled table of 64- or 256-slot blocks (TMA pieces of 64 or 128 rows). Heads
+    takes the prefix's whole 128-key blocks and, masked, the keys after them and the tree's)
+    against the reference: rows with a ragged end, one shorter than a key block, an empty one, one
+    of whole blocks, dense or through a shuffled table of 64- or 256-slot blocks (TMA pieces of 64
+    or 128 rows); a tree ending at the cache's last slot (its masked block past the row's table or
+    the cache's end), of more tokens than queries, its mask shared by the rows. Heads
     of 128: two consumers, the last tile's 20 rows in one, the other keeping the turns; of 64:
     three consumers (the second tile's 84 rows: one full, one of 20, one spare) taking turns at
     the tensor cores (the default) or running free (``turns`` off), or two (``three`` off)."""
@@ -349,7 +351,12 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
           config=KernelConfig(hopper=True))
     assert calls, "the Hopper kernel was not used"
     check([3000], 69, 32, 8, d, dtype, "cuda", config=KernelConfig(hopper=True))
-    assert len(calls) == 2
+    block = block or 64
+    cap = 5056 // block * block
+    table = torch.randperm(2 * cap // block, generator=torch.Generator().manual_seed(2)).view(2, cap // block)
+    check([3000, cap - 79], 69, 32, 8, d, dtype, "cuda", capacity=cap, table=table, block=block, pending=10,
+          broadcast=True, config=KernelConfig(hopper=True))
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu
@@ -673,11 +680,13 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
     assert len(tries) == 1
 
 
-def whole_blocks_by_the_reference(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits, qk_scale, table=None,
-                                  block_size=0):
-    """``hopper_prefix.prefix_parts`` by the reference attention: part 0 the rows' attention over
-    the whole BLOCK_N-key blocks of their prefix, the other ``n_splits - 1`` parts empty; dense
-    caches [B, Hkv, S, D] or a pool layer [Hkv, P, D] read through ``table`` [B, blocks]."""
+def hopper_parts_by_the_reference(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits, qk_scale,
+                                  table=None, block_size=0):
+    """``hopper_prefix.prefix_parts`` by the reference attention, part by part: part s the rows'
+    attention over key blocks ``s * per ..`` of ``per = cdiv(cdiv(length + N, BLOCK_N), n_splits)``
+    (the prefix's keys below the length seen by every query, the tree's N tokens after it by the
+    mask; the kernel's split of a row's blocks); dense caches [B, Hkv, S, D] or a pool layer
+    [Hkv, P, D] read through ``table`` [B, blocks]."""
     from longspec.attention import hopper_prefix
     from longspec.attention.paged import rows_of
 
@@ -685,41 +694,49 @@ def whole_blocks_by_the_reference(q, k_cache, v_cache, lengths, o_part, lse_part
     if table is not None:
         k_cache, v_cache = (rows_of(x, table, block_size, None, 0, table.shape[1] * block_size)
                             for x in (k_cache, v_cache))
-    hkv = k_cache.shape[1]
-    whole = lengths.clamp(max=k_cache.shape[2]) // hopper_prefix.BLOCK_N * hopper_prefix.BLOCK_N
-    o, lse = reference.prefix_attention(q, k_cache, v_cache, whole)
-    o_part[:, :, 1:n_splits] = 0
-    lse_part[:, :, 1:n_splits] = float("-inf")
-    o_part[:, :, 0] = o.reshape(b, hkv, hq // hkv * m, d)  # packed row g * M + i: query head h * G + g, query i
-    lse_part[:, :, 0] = lse.reshape(b, hkv, hq // hkv * m) * math.log2(math.e)  # the kernels' LSE: base 2
+    hkv, cap, n_tree = k_cache.shape[1], k_cache.shape[2], tree_mask.shape[2]
+    blk = hopper_prefix.BLOCK_N
+    slots = torch.arange(cap, device=q.device)
+    for row in range(b):
+        length = min(max(int(lengths[row]), 0), cap)
+        per = -(-(-(-(length + n_tree) // blk)) // n_splits)
+        tree = tree_mask[min(row, tree_mask.shape[0] - 1)].bool()  # [M, N]
+        j = (slots - length).clamp(0, n_tree - 1)
+        seen = (slots < length)[None, :] | ((slots >= length) & (slots < length + n_tree))[None, :] & tree[:, j]
+        for s in range(n_splits):
+            part = seen & (slots >= s * per * blk)[None, :] & (slots < (s + 1) * per * blk)[None, :]
+            o, lse = reference.dense_attention(q[row:row + 1].double(), k_cache[row:row + 1].double(),
+                                               v_cache[row:row + 1].double(), part[None])
+            lse = lse.reshape(1, hkv, hq // hkv * m)
+            o_part[row, :, s] = torch.nan_to_num(o.reshape(1, hkv, hq // hkv * m, d))[0].to(o_part.dtype)
+            lse_part[row, :, s] = (lse * math.log2(math.e))[0].to(lse_part.dtype)  # the kernels' LSE: base 2
 
 
-@pytest.mark.parametrize("nodes,block_n,paged", [(21, 64, False), (40, 32, False), (130, 64, False),
-                                                 (69, 64, True), (69, 256, False)])
-def test_the_part_after_the_hopper_kernels_blocks(monkeypatch, nodes, block_n, paged):
-    """The Triton kernel's part beside the Hopper kernel (the keys after the whole blocks, a key
-    block a program, then the tree's blocks over at most TAIL_TREE_SPLITS programs), merged with
-    the whole blocks' part, against the reference: rows with a ragged end, shorter than a block,
-    empty, of whole blocks; trees of one to three key blocks; key blocks of 32 to 256 (one split
-    for the keys after the whole blocks, or up to four); dense rows or through a shuffled table
-    (the whole blocks' part by the reference here: the kernel runs on Hopper GPUs only)."""
+@pytest.mark.parametrize("nodes,pending,paged", [(21, 0, False), (69, 0, True), (40, 30, False), (128, 0, False)])
+def test_the_hopper_path_merges_its_parts(monkeypatch, nodes, pending, paged):
+    """The Hopper path of the launch (the kernel by the reference here: it runs on Hopper GPUs
+    only): the tree mask handed over, its parts (splits of each row's key blocks, empty ones
+    among them) merged into the reference's output: rows with a ragged end, shorter than a
+    block, empty, of whole blocks; trees of one block of up to 128 tokens, of more tokens than
+    queries; dense rows or through a shuffled table."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", whole_blocks_by_the_reference)
+    monkeypatch.setattr(hopper_prefix, "prefix_parts", hopper_parts_by_the_reference)
+    monkeypatch.setattr(hopper_prefix, "split_plan", lambda *args: 3)
     device = "cuda" if ON_GPU else "cpu"
-    config = KernelConfig(hopper=True, block_n=block_n)
-    lengths, cap, table = [300, 127, 0, 256], 448, None
+    lengths, cap, table = [300, 127, 0, 256], 512, None
     if paged:
         table = torch.randperm(4 * cap // 64, generator=torch.Generator().manual_seed(2)).view(4, cap // 64)
-    check(lengths, nodes, 4, 2, 16, torch.float32, device, capacity=cap, table=table, config=config)
+    check(lengths, nodes, 4, 2, 16, torch.float32, device, capacity=cap, table=table, pending=pending,
+          config=KernelConfig(hopper=True))
 
 
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):
-    """KernelConfig's default (hopper=None): the Hopper kernel takes a tree's prefix over a cache
+    """KernelConfig's default (hopper=None): the Hopper kernel takes a tree over a cache
     of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), for one row or a batch,
     at heads of 128 for more than two 128-row tiles, the Triton kernel alone the rest (shorter
-    caches, fewer rows at heads of 128); hopper=False never runs it."""
+    caches, fewer rows at heads of 128, trees of more than 128 tokens); hopper=False never runs it."""
     from longspec.attention import hopper_prefix
 
     monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
@@ -741,6 +758,8 @@ def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch
     check([300], 64, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
     with pytest.raises(LookupError):
         check([300], 69, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
+    # a tree of more than BLOCK_N tokens (the kernel's tree mask: four 32-bit words a row): the Triton kernel
+    check([300], 69, 8, 2, 128, torch.float32, device, capacity=512, pending=60, config=KernelConfig(hopper=True))
 
 
 def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):

@@ -1,6 +1,9 @@
-"""The prefix part of tree attention on Hopper GPUs, warp-specialized (Gluon): the whole key blocks
-of each split-KV chunk, for every packed query row of a KV head, as partial outputs and LSEs that
-the Triton merge kernel combines with the rest (:mod:`~longspec.attention.triton_kernels`).
+"""Tree attention on Hopper GPUs, warp-specialized (Gluon): each split-KV program takes its share
+of a row's key blocks for every packed query row of a KV head, as partial outputs and LSEs that
+the Triton merge kernel combines (:mod:`~longspec.attention.triton_kernels`). The prefix's whole
+key blocks come first; the one or two after them (the prefix's last keys, then the tree's
+tokens at slots ``length ..``) are masked: every row sees the prefix, a tree token where the tree
+mask allows, which the consumers hold as four 32-bit words a row (trees of at most 128 tokens).
 
 Why a second kernel: a tree's many rows (69 queries x 4 query heads a KV head: 276) make the
 prefix part compute-bound at long contexts, and the Triton kernel runs each key block's two
@@ -51,11 +54,12 @@ MIN_KEYS = 32768  # a cache's capacity from which the kernel serves a tree by de
 if gluon is not None:
 
     @gluon.jit
-    def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks,
+    def _produce(KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, CAP, desc0, first, n_blocks,
                  PAGED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The producer warp: K and V of key blocks ``first .. first + n_blocks - 1`` into the ring,
         in pieces of the descriptors' rows (a pool block's or a whole key block's), each piece's
-        pool slot through the block table where PAGED (a piece never crosses a pool block)."""
+        pool slot through the block table where PAGED (a piece never crosses a pool block; the
+        last block's pieces past the row's table read its last pool block: masked, never seen)."""
         PIECE: gl.constexpr = KD.block_type.shape[0]
         for j in range(n_blocks):
             s = j % STAGES
@@ -64,7 +68,7 @@ if gluon is not None:
             for piece in gl.static_range(BLOCK_N // PIECE):
                 n = (first + j) * BLOCK_N + piece * PIECE
                 if PAGED:
-                    slot = gl.load(TBL + b * stbl_b + n // BS).to(gl.int32) * BS + n % BS
+                    slot = gl.load(TBL + b * stbl_b + gl.minimum(n // BS, CAP // BS - 1)).to(gl.int32) * BS + n % BS
                 else:
                     slot = n
                 _tma_load(KD, [desc0 + slot, 0], ready.index(s), k_bufs.index(s).slice(piece * PIECE, PIECE))
@@ -74,13 +78,49 @@ if gluon is not None:
     def _probs(sc, m_i, l_i, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
         """One key block of the online softmax (log2 units): raw scores sc [ROWS, BLOCK_N] -> the
         probabilities in ``dtype`` as the p.v product's register operand, the new running max
-        and sum, and the factor alpha [ROWS] that rescales the output to the new max (no masks:
-        every row sees every key of a whole block, so the max is finite from the first on)."""
+        and sum, and the factor alpha [ROWS] that rescales the output to the new max (a row that
+        has seen no key yet, in masked blocks, keeps a max of ``-inf`` and probabilities of 0)."""
         m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+        p = gl.exp2(sc * qk_scale - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
         return (gl.convert_layout(p.to(dtype), p_layout), m_new, l_i * alpha + gl.sum(p, 1),
                 gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)))
+
+    @gluon.jit
+    def _tree_bits(TM, b, stm_b, stm_m, rows, M, N_TREE, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """The tree mask TM [B or 1, M, N_TREE] int8 of packed rows [ROWS] (query ``row % M``) as
+        four int32 words a row (tree tokens 32 w + 0 .. 31 in word w: ``N_TREE <= BLOCK_N = 128``),
+        read before the key blocks: a [ROWS, BLOCK_N] gather in the block loop would take 64 more
+        registers a thread than the consumers have."""
+        # loaded 16 bytes a thread (few addresses), the words moved to the scores' rows once
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_N // 16), BLOCK_N // 16], [4, 1], [1, 0])
+        cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, ld))
+        i = gl.convert_layout(rows, gl.SliceLayout(1, ld)) % M
+        seen = gl.load(TM + b * stm_b + i[:, None] * stm_m + cols[None, :], mask=(cols < N_TREE)[None, :], other=0)
+        bits = gl.where(seen != 0, (1 << (cols % 32))[None, :], 0)
+        word = (cols // 32)[None, :]
+        row: gl.constexpr = gl.SliceLayout(1, s_layout)
+        return (gl.convert_layout(gl.sum(gl.where(word == 0, bits, 0), 1), row),
+                gl.convert_layout(gl.sum(gl.where(word == 1, bits, 0), 1), row),
+                gl.convert_layout(gl.sum(gl.where(word == 2, bits, 0), 1), row),
+                gl.convert_layout(gl.sum(gl.where(word == 3, bits, 0), 1), row))
+
+    @gluon.jit
+    def _hide(sc, key0, length, CAP, N_TREE, w0, w1, w2, w3, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Scores sc [ROWS, BLOCK_N] of the key block at slot ``key0`` past the whole blocks, with
+        ``-inf`` where the row does not see the key: a prefix key below ``length`` is seen by
+        every row, a tree token (slot ``length + j``, below the cache's capacity) where its bit j
+        of the row's words w0 .. w3 [ROWS] (:func:`_tree_bits`) is set, nothing after."""
+        keys = key0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        j = keys - length
+        in_tree = (j >= 0) & (j < N_TREE) & (keys < CAP)
+        j = gl.where(in_tree, j, 0)
+        word = (j // 32)[None, :]
+        w = gl.where(word == 0, w0[:, None], gl.where(word == 1, w1[:, None], gl.where(word == 2, w2[:, None],
+                                                                                     w3[:, None])))
+        seen = (keys < length)[None, :] | (in_tree[None, :] & ((w >> (j % 32)[None, :]) & 1 != 0))
+        return gl.where(seen, sc, float("-inf"))
 
     @gluon.jit
     def _turn(turns, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -98,18 +138,20 @@ if gluon is not None:
             mbarrier.arrive(turns.index(NEXT), count=1)
 
     @gluon.jit
-    def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b, sq_h,
-                 sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+    def _consume(q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, blk0, n_blocks, n_all,
+                 length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, stm_b, stm_m, M, G, N_TREE,
+                 qk_scale, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                  PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """A consumer warpgroup: packed rows ``row0 + WG * ROWS ..`` (row = g * M + i) over the
-        ring's key blocks, then its partial output and LSE; one without rows (a tree's last
-        tile) only keeps the turns and frees the stages."""
+        ring's key blocks ``blk0 ..`` (from ``n_all`` on, masked: :func:`_hide`), then its partial
+        output and LSE; one without rows (a tree's last tile) only keeps the turns and frees the
+        stages."""
         first = row0 + WG * ROWS
         if first < G * M:
-            _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks,
-                    sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG, ROWS, BLOCK_N,
-                    HEAD_D, STAGES, PINGPONG, OVERLAP)
+            _attend(q_bufs.index(WG), k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, first, blk0,
+                    n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, stm_b,
+                    stm_m, M, G, N_TREE, qk_scale, WG, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)
         else:  # the waits and arrivals of _attend, in its order
             if n_blocks > 0:
                 mbarrier.wait(ready.index(0), 0)
@@ -126,14 +168,17 @@ if gluon is not None:
                 mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
 
     @gluon.jit
-    def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, first, n_blocks, sq_b, sq_h,
-                sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, WG: gl.constexpr,
+    def _attend(q_smem, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, first, blk0, n_blocks, n_all,
+                length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, stm_b, stm_m, M, G, N_TREE,
+                qk_scale, WG: gl.constexpr,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                 PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """Rows ``first .. first + ROWS - 1``. Block j's softmax gives p and the factor alpha;
         then, at this consumer's turn, the output is rescaled by alpha and q.k of block j + 1 is
         issued with p.v of block j, and block j + 1's softmax runs while that p.v does (OVERLAP);
-        with PINGPONG the other consumer's products run during this one's softmax."""
+        with PINGPONG the other consumer's products run during this one's softmax. Blocks from
+        ``n_all`` on (the keys after the whole blocks and the tree's) have their scores masked
+        before their softmax."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -154,12 +199,16 @@ if gluon is not None:
         sc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
         alpha = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
+        w0, w1, w2, w3 = _tree_bits(TM, b, stm_b, stm_m, first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), M,
+                                    N_TREE, BLOCK_N, s_layout)
         if n_blocks > 0:  # q.k of the first block
             mbarrier.wait(ready.index(0), 0)
             _turn(turns, 0, WG, PINGPONG)
             sc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
             _pass(turns, WG, PINGPONG)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if blk0 >= n_all:
+                sc = _hide(sc, blk0 * BLOCK_N, length, CAP, N_TREE, w0, w1, w2, w3, BLOCK_N, s_layout)
             p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
         for j in range(n_blocks - 1):
             s, s1 = j % STAGES, (j + 1) % STAGES
@@ -175,6 +224,8 @@ if gluon is not None:
                 sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
                 mbarrier.arrive(empty.index(s), count=1)
             p_in_flight = p
+            if blk0 + j + 1 >= n_all:
+                sc = _hide(sc, (blk0 + j + 1) * BLOCK_N, length, CAP, N_TREE, w0, w1, w2, w3, BLOCK_N, s_layout)
             p, m_i, l_i, alpha = _probs(sc, m_i, l_i, qk_scale, dtype, o_layout, p_layout)
             if OVERLAP:
                 acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_in_flight))
@@ -198,21 +249,23 @@ if gluon is not None:
         gl.store(LP + b * sl_b + h * sl_h + split * sl_s + rows, lse, mask=ok)
 
     @gluon.jit
-    def _hopper_kernel(Q, KD, VD, LEN, TBL, OP, LP, sq_b, sq_h, sq_m, stbl_b, so_b, so_h, so_s, so_r, sl_b, sl_h,
-                       sl_s, HKV, M, G, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
+    def _hopper_kernel(Q, KD, VD, LEN, TBL, TM, OP, LP, sq_b, sq_h, sq_m, stbl_b, stm_b, stm_m, so_b, so_h, so_s, so_r,
+                       sl_b, sl_h, sl_s, HKV, M, G, N_TREE, N_SPLITS, CAP, BS, S_ROWS, qk_scale, PAGED: gl.constexpr,
                        CONSUMERS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                        OVERLAP: gl.constexpr):
         tile, pid, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         b, h = pid // HKV, pid % HKV
         length = gl.minimum(gl.maximum(gl.load(LEN + b).to(gl.int32), 0), CAP)
-        # the row's whole key blocks, split evenly among the N_SPLITS programs of its tile: a (KV head,
+        # the row's key blocks, split evenly among the N_SPLITS programs of its tile: a (KV head,
         # split)'s tiles stream the same blocks, launched together, so the memory reads K/V once and
-        # the L2 cache serves the other tiles
+        # the L2 cache serves the other tiles. Its whole blocks, then one or two masked ones (the
+        # keys after them and the tree's N_TREE tokens at slots length ..): in the last splits,
+        # which take fewer whole blocks where they do not divide evenly
         n_all = length // BLOCK_N
-        per = gl.cdiv(n_all, N_SPLITS)
+        per = gl.cdiv(gl.cdiv(length + N_TREE, BLOCK_N), N_SPLITS)
         first = split * per
-        n_blocks = gl.maximum(gl.minimum(per, n_all - first), 0)
+        n_blocks = gl.maximum(gl.minimum(per, gl.cdiv(length + N_TREE, BLOCK_N) - first), 0)
         # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
         desc0 = ((b * HKV + h) * S_ROWS).to(gl.int32) if not PAGED else (h * S_ROWS).to(gl.int32)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty)
@@ -232,28 +285,28 @@ if gluon is not None:
         # (the partitions written out: Gluon keeps a constexpr argument only in a literal tuple)
         if CONSUMERS == 3:
             gl.warp_specialize([
-                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 2, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
-                            BLOCK_N, STAGES)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, first,
+                            n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                            stm_b, stm_m, M, G, N_TREE, qk_scale, 0, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, first,
+                            n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                            stm_b, stm_m, M, G, N_TREE, qk_scale, 1, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, first,
+                            n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                            stm_b, stm_m, M, G, N_TREE, qk_scale, 2, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, CAP, desc0, first, n_blocks,
+                            PAGED, BLOCK_N, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 0, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, b, h, split, row0, n_blocks, sq_b,
-                            sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, M, G, qk_scale, 1, ROWS, BLOCK_N,
-                            HEAD_D, STAGES, PINGPONG, OVERLAP)),
-                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, desc0, first, n_blocks, PAGED,
-                            BLOCK_N, STAGES)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, first,
+                            n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                            stm_b, stm_m, M, G, N_TREE, qk_scale, 0, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_consume, (q_bufs, k_bufs, v_bufs, ready, empty, turns, Q, OP, LP, TM, b, h, split, row0, first,
+                            n_blocks, n_all, length, CAP, sq_b, sq_h, sq_m, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                            stm_b, stm_m, M, G, N_TREE, qk_scale, 1, ROWS, BLOCK_N, HEAD_D, STAGES, PINGPONG, OVERLAP)),
+                (_produce, (KD, VD, k_bufs, v_bufs, ready, empty, TBL, b, stbl_b, BS, CAP, desc0, first, n_blocks,
+                            PAGED, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -342,14 +395,16 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int, head_dim: in
     return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
 
 
-def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, qk_scale: float,
+def prefix_parts(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits: int, qk_scale: float,
                  table=None, block_size: int = 0) -> None:
     """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
-    parts, rows]: the rows' attention over the whole ``BLOCK_N``-key blocks of their prefix (keys
-    below ``lengths[b] // BLOCK_N * BLOCK_N``), split evenly among ``n_splits`` programs per row
-    tile (:func:`split_plan`). q [B, Hq, M, D]; k_cache, v_cache [B, Hkv, S, D] or a pool layer
-    [Hkv, P, D] read through ``table`` [B, blocks] of ``block_size``-slot blocks. The keys after
-    the whole blocks and the tree part are the caller's (other parts)."""
+    parts, rows]: the rows' tree attention, its key blocks split evenly among ``n_splits``
+    programs per row tile (:func:`split_plan`): the prefix (keys below ``lengths[b]``) and the
+    tree tokens at slots ``lengths[b] + j`` that tree_mask [B or 1, M, N] int8 (last dimension
+    contiguous) allows, the blocks past the prefix's whole ones masked. q [B, Hq, M, D]; k_cache,
+    v_cache [B, Hkv, S, D] or a pool layer [Hkv, P, D] read through ``table`` [B, blocks] of
+    ``block_size``-slot blocks. The masked blocks' slots after the tree are read (and never seen):
+    they must hold finite values, as caches that start zeroed do."""
     b, hq, m, d = q.shape
     paged = table is not None
     hkv = k_cache.shape[0 if paged else 1]
@@ -362,7 +417,9 @@ def prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_splits: int, 
     kd, vd = (TensorDescriptor.from_tensor(t.view(-1, d), [piece, d], layout) for t in (k_cache, v_cache))
     constants, launch_regs = launch_constants(d, consumers(g * m, d))
     tbl = table if paged else lengths
+    tm_b = tree_mask.stride(0) if tree_mask.shape[0] > 1 else 0
     _hopper_kernel[(row_tiles(g * m, d), b * hkv, n_splits)](
-        q, kd, vd, lengths, tbl, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
-        table.stride(0) if paged else 0, *o_part.stride()[:4], *lse_part.stride()[:3], hkv, m, g, n_splits, cap,
-        block_size or 1, s_rows, qk_scale, PAGED=paged, **constants, num_warps=4, maxnreg=launch_regs)
+        q, kd, vd, lengths, tbl, tree_mask, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2),
+        table.stride(0) if paged else 0, tm_b, tree_mask.stride(1), *o_part.stride()[:4], *lse_part.stride()[:3],
+        hkv, m, g, tree_mask.shape[2], n_splits, cap, block_size or 1, s_rows, qk_scale, PAGED=paged, **constants,
+        num_warps=4, maxnreg=launch_regs)

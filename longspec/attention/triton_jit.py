@@ -159,7 +159,7 @@ if triton is not None:
                         HKV, M, G, N_TREE, CHUNK, MIN_CHUNK, N_SPLITS, TREE_FROM, CAP, BS, qk_scale,
                         HAS_LIMIT: tl.constexpr, HAS_START: tl.constexpr, WINDOWED: tl.constexpr,
                         DIRECT: tl.constexpr, TMA: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, PRECISION: tl.constexpr):
         tile, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = (pid // HKV).to(tl.int64), (pid % HKV).to(tl.int64)  # 64-bit offsets: past 2^31 elements
         d = tl.arange(0, HEAD_D)
@@ -188,12 +188,6 @@ if triton is not None:
         if WINDOWED:
             chunk = CHUNK
             lo = first_block + split * chunk
-        elif TAIL > 0:  # the keys after the prefix's whole TAIL-key blocks (another kernel's): split s
-            # takes their block s (none from s = TREE_FROM on: past the row's end), the later
-            # splits the tree's blocks (below): a chain of one or two dependent blocks a program, not
-            # all of them in one (each block costs a load's latency: docs/benchmarks.md)
-            chunk = BLOCK_N
-            lo = length // TAIL * TAIL + split * BLOCK_N
         else:
             chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(last_end, N_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK), CHUNK)
             lo = split * chunk
@@ -234,7 +228,7 @@ if triton is not None:
                                       PRECISION)  # the chunk's ragged end
         # the tree tokens (slots length .. length + N_TREE - 1) under the tree mask: block j in split
         # TREE_FROM + j modulo the splits from TREE_FROM on (the last split after a prefix's chunks;
-        # a key block a program after another kernel's blocks (TAIL) and with no prefix)
+        # a key block a program with no prefix)
         n_tree_blocks = tl.cdiv(N_TREE, BLOCK_N)
         tree_first = tl.where(split >= TREE_FROM, split - TREE_FROM, n_tree_blocks)
         tree_step = tl.maximum(N_SPLITS - TREE_FROM, 1)

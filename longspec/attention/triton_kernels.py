@@ -11,11 +11,10 @@ read the chunk's keys from L2 once it is there, and the split plan fills whole w
 device's multiprocessors. A second kernel merges the chunks' partial outputs by their LSE and
 writes the result in the layout the output projection reads (one chunk: written directly).
 
-On Hopper GPUs a tree's prefix (more than 128 packed rows a KV head: compute-bound at long
-contexts) goes to the warp-specialized kernel of :mod:`~longspec.attention.hopper_prefix` for its
-whole key blocks; the Triton kernel then takes only the keys after them and the tree part, a key
-block a program (a chain of one or two dependent loads each, not all of them in one), as more
-parts for the merge.
+On Hopper GPUs a tree (more than 128 packed rows a KV head: compute-bound at long contexts, at
+most 128 tree tokens) goes to the warp-specialized kernel of
+:mod:`~longspec.attention.hopper_prefix`, prefix and tree part in its split-KV programs; the
+merge kernel combines their parts.
 
 The same kernel serves decode (M = 1), the draft's cross-attention into the target cache (:func:`prefix_attention`:
 per-query limits, no tree part) and its ring buffer's self-attention (:func:`masked_attention`: no prefix).
@@ -60,7 +59,6 @@ if triton is not None:  # (the device code)
     from .triton_jit import _merge_kernel, _partial_kernel
 
 DEFAULT_CONFIG = KernelConfig()  # what calls without a config use (benchmarks may replace it)
-TAIL_TREE_SPLITS = 2  # programs for a tree's key blocks after the Hopper kernel's (a chain of one each to 128 nodes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,24 +148,20 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tree_from = n_splits - 1
     else:  # keys only (the draft's ring buffer): a key block a program, as many as fill the GPU
         n_splits, chunk, tree_from = max(1, min(triton.cdiv(n_tree, block_n), programs // units)), cap, 0
-    # a tree's prefix on Hopper: its whole key blocks in the warp-specialized kernel (parts 0 ..
-    # n_hopper - 1: the splits of each row tile), the rest (the keys after them, the tree) here
-    n_hopper = 0
+    # a tree on Hopper: the warp-specialized kernel, its splits of each row tile as the parts to merge
     wanted = c.hopper if c.hopper is not None else cap >= hopper_prefix.MIN_KEYS and hopper_prefix.pays(rows, d)
-    if (mask is not None and with_prefix and limits is None and starts is None and wanted
-            and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0)):
-        n_hopper = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
-        # here: the keys after the whole blocks, a key block a program, and the tree's blocks over at
-        # most TAIL_TREE_SPLITS programs (the kernel's TAIL; the parts to merge stay few for big trees)
-        tree_from = triton.cdiv(hopper_prefix.BLOCK_N, block_n)
-        n_splits, chunk = tree_from + min(triton.cdiv(n_tree, block_n), TAIL_TREE_SPLITS), cap
+    hopper = (mask is not None and with_prefix and limits is None and starts is None and wanted
+              and n_tree <= hopper_prefix.BLOCK_N
+              and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0))
+    if hopper:
+        n_splits = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
-    direct = n_splits + n_hopper == 1
+    direct = n_splits == 1 and not hopper
     if direct:  # no partials: the kernel writes `out`
         o_part = lse_part = out
     else:
-        o_part = torch.empty(b, hkv, n_hopper + n_splits, rows, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hkv, n_hopper + n_splits, rows, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(b, hkv, n_splits, rows, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hkv, n_splits, rows, dtype=torch.float32, device=q.device)
     if mask is None:
         mask = lengths.view(torch.int8)  # never read (int8 as a real mask: the dead tree loop compiled for an
         # int64 mask would reserve shared memory for [BLOCK_Q, BLOCK_N] int64 tiles)
@@ -192,33 +186,32 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         tbl, tbl_stride, block_size = lengths, 0, 1  # never read
     grid = (tiles, b * hkv, n_splits)
     with _on(q.device):
-        if n_hopper:
+        if hopper:
             try:
-                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, o_part, lse_part, n_hopper,
+                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, mask, o_part, lse_part, n_splits,
                                            LOG2E / math.sqrt(d), table, block_size)
             except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
                 hopper_prefix.give_up(err)
                 return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
                                starts, window)
-        _partial_kernel[grid](
-            q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
-            lengths if starts is None else starts, mask, tbl, o_part[:, :, n_hopper:],
-            lse_part[:, :, n_hopper:], out, q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
-            *lim_strides, *start_strides, *tm_strides, tbl_stride,
-            *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
-            hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, tree_from,
-            cap, block_size, LOG2E / math.sqrt(d),
-            HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct,
-            TMA=tma, PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            TAIL=hopper_prefix.BLOCK_N if n_hopper else 0,
-            num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
+        else:
+            _partial_kernel[grid](
+                q, k_cache, v_cache, kd, vd, lengths, lengths if limits is None else limits,
+                lengths if starts is None else starts, mask, tbl, o_part, lse_part, out, q.stride(0), q.stride(1),
+                q.stride(2), *k_strides, *v_strides,
+                *lim_strides, *start_strides, *tm_strides, tbl_stride,
+                *op_strides, *lp_strides, out.stride(0), out.stride(1), out.stride(2),
+                hkv, m, g, n_tree, chunk, min(chunk, triton.cdiv(c.min_chunk, block_n) * block_n), n_splits, tree_from,
+                cap, block_size, LOG2E / math.sqrt(d),
+                HAS_LIMIT=limits is not None, HAS_START=starts is not None, WINDOWED=windowed, DIRECT=direct,
+                TMA=tma, PAGED=paged, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=d,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
         if not direct:
-            n_parts = n_hopper + n_splits
-            parts, block_r = merge_plan(n_parts, rows, d, c.merge_elements, b * hkv, programs)
+            parts, block_r = merge_plan(n_splits, rows, d, c.merge_elements, b * hkv, programs)
             _merge_kernel[(b * hkv, triton.cdiv(rows, block_r))](
-                o_part, lse_part, out, *op_strides, *lp_strides, *out.stride()[:3], hkv, m, g, n_parts,
-                PARTS_P2=triton.next_power_of_2(n_parts), PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
+                o_part, lse_part, out, *op_strides, *lp_strides, *out.stride()[:3], hkv, m, g, n_splits,
+                PARTS_P2=triton.next_power_of_2(n_splits), PARTS=parts, BLOCK_R=block_r, HEAD_D=d)
     return out.transpose(1, 2)
 
 
