@@ -199,8 +199,11 @@ if gluon is not None:
         sc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
         alpha = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
-        w0, w1, w2, w3 = _tree_bits(TM, b, stm_b, stm_m, first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)), M,
-                                    N_TREE, BLOCK_N, s_layout)
+        w0 = gl.zeros([ROWS], gl.int32, gl.SliceLayout(1, s_layout))
+        w1, w2, w3 = w0, w0, w0
+        if blk0 + n_blocks > n_all:  # (only the programs with masked blocks read the tree mask)
+            w0, w1, w2, w3 = _tree_bits(TM, b, stm_b, stm_m, first + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout)),
+                                        M, N_TREE, BLOCK_N, s_layout)
         if n_blocks > 0:  # q.k of the first block
             mbarrier.wait(ready.index(0), 0)
             _turn(turns, 0, WG, PINGPONG)
