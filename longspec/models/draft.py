@@ -27,7 +27,7 @@ from ..attention.fast import masked_attention
 from ..kv.cache import DraftCache  # noqa: F401  (re-exported: the draft's ring buffer)
 from ..config import ModelConfig
 from .rope import apply_rotary
-from .layers import MLP, Projections, RMSNorm
+from .layers import MLP, Projections, RMSNorm, column_major
 from .target import TargetModel
 
 
@@ -197,7 +197,7 @@ class LongSpecDraft(nn.Module):
         source = (weight.data_ptr(), weight.dtype, weight.device)  # where the rows were copied from
         if rows is None or rows[0] is not subset or (check and rows[2] != source):
             copy = weight.detach()[subset]  # (row-major; a head held transposed: its rows so too)
-            self._head_rows = (subset, copy.t().contiguous().t() if weight.stride(0) == 1 else copy, source)
+            self._head_rows = (subset, column_major(copy) if weight.stride(0) == 1 else copy, source)
         return self._head_rows[1]
 
     def _qkv(self, x, positions):

@@ -81,6 +81,12 @@ def fuse_linears(linears: list) -> tuple:
     return weight, bias
 
 
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """A copy of ``w`` [N, K] stored as its transpose's rows (strides (1, N)): the same values and
+    shape, the form :func:`hold_transposed` gives a weight."""
+    return w.t().contiguous().t()
+
+
 def hold_transposed(model: nn.Module) -> None:
     """Stores every linear layer's weight [N, K] of ``model`` as its transpose's rows ([K, N]
     contiguous, strides (1, K)): the same values and shape, so ``F.linear`` hands cuBLAS a
@@ -94,7 +100,7 @@ def hold_transposed(model: nn.Module) -> None:
 
     def transposed(w: torch.Tensor) -> torch.Tensor:
         try:
-            return w.t().contiguous().t()
+            return column_major(w)
         except torch.cuda.OutOfMemoryError:
             return w
 
