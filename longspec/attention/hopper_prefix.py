@@ -266,9 +266,10 @@ if gluon is not None:
         # keys after them and the tree's N_TREE tokens at slots length ..): in the last splits,
         # which take fewer whole blocks where they do not divide evenly
         n_all = length // BLOCK_N
-        per = gl.cdiv(gl.cdiv(length + N_TREE, BLOCK_N), N_SPLITS)
+        n_to_end = gl.cdiv(length + N_TREE, BLOCK_N)  # blocks up to the tree's last token
+        per = gl.cdiv(n_to_end, N_SPLITS)
         first = split * per
-        n_blocks = gl.maximum(gl.minimum(per, gl.cdiv(length + N_TREE, BLOCK_N) - first), 0)
+        n_blocks = gl.maximum(gl.minimum(per, n_to_end - first), 0)
         # the storage as [rows * HKV * S_ROWS, HEAD_D] (paged: the pool's layer, S_ROWS slots a head)
         desc0 = ((b * HKV + h) * S_ROWS).to(gl.int32) if not PAGED else (h * S_ROWS).to(gl.int32)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty)

@@ -176,7 +176,8 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     op_strides = (0,) * 4 if direct else o_part.stride()[:4]
     lp_strides = (0,) * 3 if direct else lse_part.stride()[:3]
     tma = (block_q >= 128 or wide) and _tma_hardware(q.device) if c.tma is None else c.tma
-    tma = tma and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
+    # (the Triton kernel's descriptors: none where the Hopper kernel takes the tree, with its own)
+    tma = tma and not hopper and k_cache.is_contiguous() and v_cache.is_contiguous() and _descriptors is not None
     kd, vd = ((_descriptors(t.view(-1, d), [block_n, d]) for t in (k_cache, v_cache)) if tma else (k_cache, v_cache))
     if paged:  # the pool layer as a cache of one row of P slots, shared by every row (batch stride 0)
         k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
