@@ -699,7 +699,7 @@ def hopper_parts_by_the_reference(q, k_cache, v_cache, lengths, tree_mask, o_par
     slots = torch.arange(cap, device=q.device)
     for row in range(b):
         length = min(max(int(lengths[row]), 0), cap)
-        per = -(-(-(-(length + n_tree) // blk)) // n_splits)
+        per = math.ceil(math.ceil((length + n_tree) / blk) / n_splits)  # blocks a split
         tree = tree_mask[min(row, tree_mask.shape[0] - 1)].bool()  # [M, N]
         j = (slots - length).clamp(0, n_tree - 1)
         seen = (slots < length)[None, :] | ((slots >= length) & (slots < length + n_tree))[None, :] & tree[:, j]
