@@ -323,7 +323,7 @@ def test_kernel_options_bfloat16_on_gpu(config):
     (128, torch.bfloat16, True, True), (64, torch.bfloat16, True, True), (64, torch.bfloat16, True, False),
     (64, torch.bfloat16, False, True), (128, torch.float16, True, True)])
 @pytest.mark.parametrize("block", [0, 64, 256])
-def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block):
+def test_hopper_tree_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block):
     """A tree of 69 nodes x 4 query heads a KV head (276 rows: the warp-specialized Hopper kernel
     takes the prefix's whole 128-key blocks and, masked, the keys after them and the tree's)
     against the reference: rows with a ragged end, one shorter than a key block, an empty one, one
@@ -333,16 +333,16 @@ def test_hopper_prefix_kernel_on_gpu(monkeypatch, d, dtype, three, turns, block)
     of 128: two consumers, the last tile's 20 rows in one, the other keeping the turns; of 64:
     three consumers (the second tile's 84 rows: one full, one of 20, one spare) taking turns at
     the tensor cores (the default) or running free (``turns`` off), or two (``three`` off)."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
-    monkeypatch.setattr(hopper_prefix, "THREE_CONSUMERS", three)
-    monkeypatch.setattr(hopper_prefix, "PINGPONG_THREE", turns)
+    monkeypatch.setattr(hopper_tree, "THREE_CONSUMERS", three)
+    monkeypatch.setattr(hopper_tree, "PINGPONG_THREE", turns)
 
     q = torch.empty(1, 32, 69, d, dtype=dtype, device="cuda")
-    if not hopper_prefix.applies(q, q, q, 4 * 69, block):
+    if not hopper_tree.applies(q, q, q, 4 * 69, block):
         pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
-    calls, real = [], hopper_prefix.prefix_parts
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], hopper_tree.tree_parts
+    monkeypatch.setattr(hopper_tree, "tree_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
     lengths, cap = [5000, 127, 0, 1280], 5120 + 256
     table = None
     if block:
@@ -365,7 +365,7 @@ def test_the_hopper_path_replays_in_a_cuda_graph():
     """The Hopper kernel, the Triton kernel's part after its whole blocks and the merge, captured
     in a CUDA graph and replayed over new inputs copied into the captured ones (a shorter row: a
     new split of its whole blocks and a new tail), give the eager call's output for those."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
     gen = torch.Generator(device="cuda").manual_seed(3)
 
@@ -377,7 +377,7 @@ def test_the_hopper_path_replays_in_a_cuda_graph():
         return q, k, v, tree | torch.eye(69, dtype=torch.bool, device="cuda")
 
     q, k, v, tree = inputs()
-    if not hopper_prefix.applies(q, q, q, 4 * 69, 0):
+    if not hopper_tree.applies(q, q, q, 4 * 69, 0):
         pytest.skip("the warp-specialized kernel runs on Hopper GPUs only")
     lengths = torch.tensor([4200], device="cuda")
     config = KernelConfig(hopper=True)
@@ -662,17 +662,17 @@ def test_tiles_fit_the_shared_memory_of_a_hopper_block(d, elem):
 def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatch):
     """Gluon's API moves between Triton releases: where the Hopper kernel fails to build, one
     warning says so and the Triton kernel alone computes the launch, and every later one."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
-    monkeypatch.setattr(hopper_prefix, "_failed", [])
-    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: not hopper_prefix._failed)
+    monkeypatch.setattr(hopper_tree, "_failed", [])
+    monkeypatch.setattr(hopper_tree, "applies", lambda *args: not hopper_tree._failed)
     tries = []
 
     def broken(*args, **kwargs):
         tries.append(1)
         raise triton.CompilationError("kernel.py", None, "no such builtin")
 
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", broken)
+    monkeypatch.setattr(hopper_tree, "tree_parts", broken)
     device = "cuda" if ON_GPU else "cpu"
     with pytest.warns(UserWarning, match="Hopper attention kernel failed"):
         check([300, 40], 9, 4, 2, 16, torch.float32, device, config=KernelConfig(hopper=True))
@@ -682,12 +682,12 @@ def test_a_hopper_kernel_that_fails_to_build_leaves_the_triton_kernel(monkeypatc
 
 def hopper_parts_by_the_reference(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits, qk_scale,
                                   table=None, block_size=0):
-    """``hopper_prefix.prefix_parts`` by the reference attention, part by part: part s the rows'
+    """``hopper_tree.tree_parts`` by the reference attention, part by part: part s the rows'
     attention over key blocks ``s * per ..`` of ``per = cdiv(cdiv(length + N, BLOCK_N), n_splits)``
     (the prefix's keys below the length seen by every query, the tree's N tokens after it by the
     mask; the kernel's split of a row's blocks); dense caches [B, Hkv, S, D] or a pool layer
     [Hkv, P, D] read through ``table`` [B, blocks]."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
     from longspec.attention.paged import rows_of
 
     b, hq, m, d = q.shape
@@ -695,7 +695,7 @@ def hopper_parts_by_the_reference(q, k_cache, v_cache, lengths, tree_mask, o_par
         k_cache, v_cache = (rows_of(x, table, block_size, None, 0, table.shape[1] * block_size)
                             for x in (k_cache, v_cache))
     hkv, cap, n_tree = k_cache.shape[1], k_cache.shape[2], tree_mask.shape[2]
-    blk = hopper_prefix.BLOCK_N
+    blk = hopper_tree.BLOCK_N
     slots = torch.arange(cap, device=q.device)
     for row in range(b):
         length = min(max(int(lengths[row]), 0), cap)
@@ -719,11 +719,11 @@ def test_the_hopper_path_merges_its_parts(monkeypatch, nodes, pending, paged):
     among them) merged into the reference's output: rows with a ragged end, shorter than a
     block, empty, of whole blocks; trees of one block of up to 128 tokens, of more tokens than
     queries; dense rows or through a shuffled table."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
-    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", hopper_parts_by_the_reference)
-    monkeypatch.setattr(hopper_prefix, "split_plan", lambda *args: 3)
+    monkeypatch.setattr(hopper_tree, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_tree, "tree_parts", hopper_parts_by_the_reference)
+    monkeypatch.setattr(hopper_tree, "split_plan", lambda *args: 3)
     device = "cuda" if ON_GPU else "cpu"
     lengths, cap, table = [300, 127, 0, 256], 512, None
     if paged:
@@ -734,27 +734,27 @@ def test_the_hopper_path_merges_its_parts(monkeypatch, nodes, pending, paged):
 
 def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch):
     """KernelConfig's default (hopper=None): the Hopper kernel takes a tree over a cache
-    of hopper_prefix.MIN_KEYS keys or more (where it was measured faster), for one row or a batch,
+    of hopper_tree.MIN_KEYS keys or more (where it was measured faster), for one row or a batch,
     at heads of 128 for more than two 128-row tiles, the Triton kernel alone the rest (shorter
     caches, fewer rows at heads of 128, trees of more than 128 tokens); hopper=False never runs it."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
-    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_tree, "applies", lambda *args: True)
 
     def ran(*args, **kwargs):
         raise LookupError("the Hopper kernel ran")
 
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", ran)
+    monkeypatch.setattr(hopper_tree, "tree_parts", ran)
     device = "cuda" if ON_GPU else "cpu"
-    long, short = hopper_prefix.MIN_KEYS, hopper_prefix.MIN_KEYS // 8
+    long, short = hopper_tree.MIN_KEYS, hopper_tree.MIN_KEYS // 8
     check([300], 9, 4, 2, 16, torch.float32, device, capacity=short, config=KernelConfig())
     check([300], 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig(hopper=False))
     for lengths in ([300], [300, 40]):
         with pytest.raises(LookupError):
             check(lengths, 9, 4, 2, 16, torch.float32, device, capacity=long, config=KernelConfig())
-    # heads of 128 (hopper_prefix.pays): two of the Triton kernel's 128-row tiles (64 nodes x 4 heads)
+    # heads of 128 (hopper_tree.pays): two of the Triton kernel's 128-row tiles (64 nodes x 4 heads)
     # stay with it, three (69 nodes) go to the Hopper kernel
-    monkeypatch.setattr(hopper_prefix, "MIN_KEYS", 512)
+    monkeypatch.setattr(hopper_tree, "MIN_KEYS", 512)
     check([300], 64, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
     with pytest.raises(LookupError):
         check([300], 69, 8, 2, 128, torch.float32, device, capacity=512, config=KernelConfig())
@@ -765,10 +765,10 @@ def test_the_hopper_kernel_serves_a_tree_by_default_over_long_caches(monkeypatch
 def test_the_hopper_kernel_never_takes_rows_with_window_starts(monkeypatch):
     """The Hopper kernel reads every whole block from slot 0: rows whose queries start later (a
     sliding window's starts, with or without a planned window) stay with the Triton kernel."""
-    from longspec.attention import hopper_prefix
+    from longspec.attention import hopper_tree
 
-    monkeypatch.setattr(hopper_prefix, "applies", lambda *args: True)
-    monkeypatch.setattr(hopper_prefix, "prefix_parts", lambda *args, **kwargs: pytest.fail("the Hopper kernel ran"))
+    monkeypatch.setattr(hopper_tree, "applies", lambda *args: True)
+    monkeypatch.setattr(hopper_tree, "tree_parts", lambda *args, **kwargs: pytest.fail("the Hopper kernel ran"))
     device = "cuda" if ON_GPU else "cpu"
     for plan_window in (True, False):
         check([300, 40], 5, 4, 2, 16, torch.float32, device, window=64, plan_window=plan_window,

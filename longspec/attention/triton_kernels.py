@@ -13,7 +13,7 @@ writes the result in the layout the output projection reads (one chunk: written 
 
 On Hopper GPUs a tree (more than 128 packed rows a KV head: compute-bound at long contexts, at
 most 128 tree tokens) goes to the warp-specialized kernel of
-:mod:`~longspec.attention.hopper_prefix`, prefix and tree part in its split-KV programs; the
+:mod:`~longspec.attention.hopper_tree`, prefix and tree part in its split-KV programs; the
 merge kernel combines their parts.
 
 The same kernel serves decode (M = 1), the draft's cross-attention into the target cache (:func:`prefix_attention`:
@@ -44,7 +44,7 @@ try:
 except ImportError:  # pragma: no cover - triton before 3.4
     _descriptors = None
 
-from . import hopper_prefix
+from . import hopper_tree
 from .launch_plan import (ACC_ELEMENTS_PER_THREAD, SHARED_MEMORY_BUDGET, KernelConfig, merge_plan, plan,  # noqa: F401
                           programs_per_sm, shared_memory_budget, shared_memory_bytes, tile_plan, wide_head_tiles)
 
@@ -149,12 +149,12 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     else:  # keys only (the draft's ring buffer): a key block a program, as many as fill the GPU
         n_splits, chunk, tree_from = max(1, min(triton.cdiv(n_tree, block_n), programs // units)), cap, 0
     # a tree on Hopper: the warp-specialized kernel, its splits of each row tile as the parts to merge
-    wanted = c.hopper if c.hopper is not None else cap >= hopper_prefix.MIN_KEYS and hopper_prefix.pays(rows, d)
+    wanted = c.hopper if c.hopper is not None else cap >= hopper_tree.MIN_KEYS and hopper_tree.pays(rows, d)
     hopper = (mask is not None and with_prefix and limits is None and starts is None and wanted
-              and n_tree <= hopper_prefix.BLOCK_N
-              and hopper_prefix.applies(q, k_cache, v_cache, rows, block_size if paged else 0))
+              and n_tree <= hopper_tree.BLOCK_N
+              and hopper_tree.applies(q, k_cache, v_cache, rows, block_size if paged else 0))
     if hopper:
-        n_splits = hopper_prefix.split_plan(rows, b * hkv, sms, cap, d)
+        n_splits = hopper_tree.split_plan(rows, b * hkv, sms, cap, d)
     out = torch.empty(b, m, hq, d, dtype=q.dtype, device=q.device)
     direct = n_splits == 1 and not hopper
     if direct:  # no partials: the kernel writes `out`
@@ -189,10 +189,10 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
     with _on(q.device):
         if hopper:
             try:
-                hopper_prefix.prefix_parts(q, k_cache, v_cache, lengths, mask, o_part, lse_part, n_splits,
+                hopper_tree.tree_parts(q, k_cache, v_cache, lengths, mask, o_part, lse_part, n_splits,
                                            LOG2E / math.sqrt(d), table, block_size)
             except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
-                hopper_prefix.give_up(err)
+                hopper_tree.give_up(err)
                 return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
                                starts, window)
         else:

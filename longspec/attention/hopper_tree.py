@@ -375,7 +375,7 @@ def give_up(err: Exception) -> None:
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int, block_size: int) -> bool:
-    """Whether :func:`prefix_parts` serves a launch: a Hopper GPU, 16-bit K and V stored contiguously,
+    """Whether :func:`tree_parts` serves a launch: a Hopper GPU, 16-bit K and V stored contiguously,
     heads of 64 or 128 dimensions, more than 128 packed rows a KV head (a tree: fewer rows are
     memory-bound, where the Triton kernel is at its floor) and pool blocks of a multiple of 64 slots."""
     return (gluon is not None and not _failed and _hopper(q.device) and q.dtype in (torch.float16, torch.bfloat16)
@@ -399,7 +399,7 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int, head_dim: in
     return max(1, min(capacity // (BLOCK_N * MIN_BLOCKS), programs * WAVES // (heads * tiles)))
 
 
-def prefix_parts(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits: int, qk_scale: float,
+def tree_parts(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits: int, qk_scale: float,
                  table=None, block_size: int = 0) -> None:
     """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
     parts, rows]: the rows' tree attention, its key blocks split evenly among ``n_splits``

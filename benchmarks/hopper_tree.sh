@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The warp-specialized Hopper prefix kernel (attention/hopper_prefix.py) on one Hopper GPU, no
+# The warp-specialized Hopper tree attention kernel (attention/hopper_tree.py) on one Hopper GPU, no
 # model needed, in calls of under 10 minutes each (--parts):
 #   tests,forms,steps (the default): its GPU tests (outputs against the float64 reference; a
 #     deadlock shows as the time limit); the forms named by --forms (default: the default form;
 #     "two consumers", heads of 64 without the third consumer; "three free", three without turns)
-#     against the Triton kernel alone (bench_hopper_prefix.py: the 8B shape at 32k and 128k keys,
+#     against the Triton kernel alone (bench_hopper_tree.py: the 8B shape at 32k and 128k keys,
 #     heads of 64 at 128k and 1M); whole compiled steps of an 8B-shaped target at 32k and 128k
 #     without and with it (bench_steps.py --no-prefill --kernel hopper=0|1).
 #   rounds,long: the 8B target's rounds with a random draft; a 1B-shaped target's decode and
@@ -22,7 +22,7 @@
 #     8B and 1B steps.
 #   profile: the kernels of the 1B-shaped target's eager decode and verify steps at 1M keys with
 #     it (bench_steps.py --profile): where a 69-node verify's time goes at heads of 64.
-#   bash benchmarks/hopper_prefix.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
+#   bash benchmarks/hopper_tree.sh [--out DIR] [--forms "default,two consumers"] [--parts P]
 # Logs in DIR: hopper_tests.log, hopper_forms.log, steps_8b_hopper.log, rounds_8b_hopper.log,
 # steps_1b_1m_hopper.log, causal_by_head_dim.log, steps_8b_batch4_hopper.log, steps_1b_1m_profile.log,
 # hopper_by_tree_size.log, steps_1b_1m_by_tree.log, tail_in_kernel_tests.log,
@@ -51,7 +51,7 @@ if [[ ",$parts," == *",tests,"* ]]; then
   grep -q " passed" "$dest/hopper_tests.log" && ! grep -q " failed" "$dest/hopper_tests.log" || exit 1
 fi
 if [[ ",$parts," == *",forms,"* ]]; then
-  timeout 200 python3 benchmarks/bench_hopper_prefix.py --trees 69,64 \
+  timeout 200 python3 benchmarks/bench_hopper_tree.py --trees 69,64 \
     --shapes 32x8x128@131072,32x8x128@32768,32x8x64@131072,32x8x64@1048576 --forms "$forms" 2>&1 | grep "M=" \
     | tee "$dest/hopper_forms.log"
 fi
@@ -80,7 +80,7 @@ if [[ ",$parts," == *",batch,"* ]]; then
   steps_without_and_with 90 --shape llama-8b --contexts 32768 --batch 4 | tee "$dest/steps_8b_batch4_hopper.log"
 fi
 if [[ ",$parts," == *",sizes,"* ]]; then
-  timeout 150 python3 benchmarks/bench_hopper_prefix.py --trees 32,48,64,69,96 \
+  timeout 150 python3 benchmarks/bench_hopper_tree.py --trees 32,48,64,69,96 \
     --shapes 32x8x128@32768,32x8x128@131072,32x8x64@1048576 --forms default 2>&1 | grep "M=" \
     | tee "$dest/hopper_by_tree_size.log"
   timeout 60 python3 benchmarks/bench_causal.py --lengths 131072 --queries 16384 --head-dim 128 --backends cudnn \
@@ -90,13 +90,13 @@ if [[ ",$parts," == *",sizes,"* ]]; then
 fi
 if [[ ",$parts," == *",tail,"* ]]; then
   timeout -s INT 420 python3 -m pytest -q -rfE -m "gpu or not gpu" tests/test_tree_attention.py \
-    tests/test_hopper_prefix.py -p no:cacheprovider -k "hopper or merges_its_parts" > "$dest/tail_in_kernel_tests.log" 2>&1
+    tests/test_hopper_tree.py -p no:cacheprovider -k "hopper or merges_its_parts" > "$dest/tail_in_kernel_tests.log" 2>&1
   tail -n 3 "$dest/tail_in_kernel_tests.log"
   grep -q " passed" "$dest/tail_in_kernel_tests.log" && ! grep -q " failed\|Interrupt" "$dest/tail_in_kernel_tests.log" \
     || exit 1
 fi
 if [[ ",$parts," == *",tail-timing,"* ]]; then
-  timeout 90 python3 benchmarks/bench_hopper_prefix.py --trees 69,96 --forms default \
+  timeout 90 python3 benchmarks/bench_hopper_tree.py --trees 69,96 --forms default \
     --shapes 32x8x128@32768,32x8x128@131072,32x8x64@1048576 2>&1 | grep "M=" | tee "$dest/tail_in_kernel_forms.log"
   {
     timeout 90 python3 benchmarks/bench_steps.py --shape llama-8b --contexts 32768,131072 --trees 69 \

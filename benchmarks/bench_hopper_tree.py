@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper prefix kernel (``attention/hopper_prefix.py``) against the Triton kernel
+"""The warp-specialized Hopper tree attention kernel (``attention/hopper_tree.py``) against the Triton kernel
 alone, on a tree's attention (M queries over S cached keys + the M tree keys, bf16, one sequence),
 and each form of it: ping-pong of the two consumers on or off, the next block's softmax under this
 block's p.v on or off, neither of the two, heads of 64 with two consumers instead of three
@@ -8,7 +8,7 @@ comma-separated). Every form is checked against the Triton kernel's output (rela
 timed as the engine runs it (CUDA-graph replays, median). Prints one line per form, and one JSON
 line last.
 
-    python benchmarks/bench_hopper_prefix.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
+    python benchmarks/bench_hopper_tree.py --shapes 32x8x128@131072,32x8x64@1048576 --trees 69
 
 A form that deadlocks hangs the process: run it under ``timeout``."""
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 
 from bench_attention import timed
 from bench_steps import kernel_profile
-from longspec.attention import hopper_prefix
+from longspec.attention import hopper_tree
 from longspec.attention.triton_kernels import KernelConfig, tree_attention
 
-FORMS = {  # name: module constants of hopper_prefix
+FORMS = {  # name: module constants of hopper_tree
     "default": {},
     "no ping-pong": {"PINGPONG": False},
     "no overlap": {"OVERLAP": False},
@@ -47,7 +47,7 @@ def main(argv=None):
     p.add_argument("--kernels", action="store_true", help="also the kernels of a call by time (torch profiler)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    defaults = {name: getattr(hopper_prefix, name) for form in FORMS.values() for name in form}
+    defaults = {name: getattr(hopper_tree, name) for form in FORMS.values() for name in form}
     rows = []
     for shape in args.shapes.split(","):
         heads, s = shape.split("@")
@@ -66,8 +66,8 @@ def main(argv=None):
             on = KernelConfig(hopper=True)
             for form in args.forms.split(","):
                 for name, value in {**defaults, **FORMS[form]}.items():
-                    setattr(hopper_prefix, name, value)
-                hopper_prefix._failed.clear()  # (a form that failed to build must not turn off the next)
+                    setattr(hopper_tree, name, value)
+                hopper_tree._failed.clear()  # (a form that failed to build must not turn off the next)
                 try:
                     out = tree_attention(q, k, v, lengths, tree, on).float()
                     err = float((out - ref).norm() / ref.norm())
@@ -75,8 +75,8 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - a form the device cannot run (shared memory): reported
                     print(f"{shape} M={m:>3} {form:<14} {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                if hopper_prefix._failed:
-                    print(f"{shape} M={m:>3} {form:<14} did not build: {hopper_prefix._failed[0]!r:.300}", flush=True)
+                if hopper_tree._failed:
+                    print(f"{shape} M={m:>3} {form:<14} did not build: {hopper_tree._failed[0]!r:.300}", flush=True)
                     continue
                 print(f"{shape} M={m:>3} {form:<14} {t * 1e6:9.1f} us  x{t / base:.3f} the Triton kernel  "
                       f"rel err {err:.1e}", flush=True)
@@ -84,7 +84,7 @@ def main(argv=None):
                 if args.kernels:
                     print(kernel_profile(lambda: tree_attention(q, k, v, lengths, tree, on), top=6)[1], flush=True)
             for name, value in defaults.items():
-                setattr(hopper_prefix, name, value)
+                setattr(hopper_tree, name, value)
     print(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}))
 
 
