@@ -264,7 +264,7 @@ def main(argv=None):
                                                           causal=args.causal, starts=starts, window=window),
                 "triton (tma)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(tma=True),
                                                        causal=args.causal, starts=starts, window=window),
-                # a tree's prefix in the warp-specialized Hopper kernel (hopper_tree.py)
+                # a tree's whole attention in the warp-specialized Hopper kernel (hopper_tree.py)
                 "triton (hopper)": lambda: tree_attention(q, k, v, lengths, tree, KernelConfig(hopper=True),
                                                           causal=args.causal, starts=starts, window=window),
                 "sdpa-mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],

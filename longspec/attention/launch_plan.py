@@ -32,9 +32,9 @@ class KernelConfig:
     # rows, and a tree's WIDE_HEAD_TILE-row tiles of heads of at most 64 dimensions, on Hopper or newer
     # (2-4% faster there from M=32 x 4 heads; not for decode's small tiles)
     tma: Optional[bool] = None
-    # a tree's whole prefix blocks in the warp-specialized Hopper kernel (hopper_tree.py) where it
-    # applies; None: over a cache of hopper_tree.MIN_KEYS keys or more, for rows where it pays
-    # (hopper_tree.pays; where it was measured)
+    # a tree's whole attention (prefix and tree part) in the warp-specialized Hopper kernel
+    # (hopper_tree.py) where it applies; None: over a cache of hopper_tree.MIN_KEYS keys or more,
+    # for rows where it pays (hopper_tree.pays; where it was measured)
     hopper: Optional[bool] = None
     # loop variants timed and removed, none faster (docs/benchmarks.md, "Hybrid tree attention"): the
     # next block's q.k before this block's softmax, lazy rescaling, extra rows riding along full
