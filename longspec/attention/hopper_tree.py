@@ -400,7 +400,7 @@ def split_plan(rows: int, heads: int, programs: int, capacity: int, head_dim: in
 
 
 def tree_parts(q, k_cache, v_cache, lengths, tree_mask, o_part, lse_part, n_splits: int, qk_scale: float,
-                 table=None, block_size: int = 0) -> None:
+               table=None, block_size: int = 0) -> None:
     """Writes parts ``0 .. n_splits - 1`` of o_part [B, Hkv, parts, rows, D] / lse_part [B, Hkv,
     parts, rows]: the rows' tree attention, its key blocks split evenly among ``n_splits``
     programs per row tile (:func:`split_plan`): the prefix (keys below ``lengths[b]``) and the

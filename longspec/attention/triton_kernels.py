@@ -190,7 +190,7 @@ def _launch(q, k_cache, v_cache, lengths, limits, mask, config, with_prefix: boo
         if hopper:
             try:
                 hopper_tree.tree_parts(q, k_cache, v_cache, lengths, mask, o_part, lse_part, n_splits,
-                                           LOG2E / math.sqrt(d), table, block_size)
+                                       LOG2E / math.sqrt(d), table, block_size)
             except (triton.CompilationError, TypeError, AttributeError) as err:  # (Gluon's API moved)
                 hopper_tree.give_up(err)
                 return _launch(q, k_cache, v_cache, lengths, limits, mask, c, with_prefix, table, block_size,
